@@ -1,0 +1,34 @@
+"""layerdiff: find where a ported neural network first computes something different.
+
+Importing ``layerdiff`` does not import torch: ``layerdiff.trace`` (and the diff) need only
+h5py and numpy, so a port in another framework or a CI job that compares stored traces can use
+them without torch. The torch-facing names load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from layerdiff.errors import CaptureError, CaseError, LayerdiffError, TraceError
+
+__version__ = "0.1.0"
+
+# name -> module that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "Case": "layerdiff.case",
+    "load_case": "layerdiff.case",
+    "seed_everything": "layerdiff.case",
+    "capture": "layerdiff.capture",
+    "run_case": "layerdiff.capture",
+    "TraceWriter": "layerdiff.trace",
+    "open_trace": "layerdiff.trace",
+}
+
+__all__ = ["LayerdiffError", "CaseError", "TraceError", "CaptureError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'layerdiff' has no attribute {name!r}")

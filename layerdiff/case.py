@@ -1,0 +1,107 @@
+"""The Case: everything needed to run a model reproducibly, and how to load one from a spec."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerdiff.errors import CaseError
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class Case:
+    """A model, its inputs, its loss, and the seed and steps to run it with.
+
+    ``inputs`` is a tuple of positional arguments or a dict of keyword arguments for
+    ``model(...)``. ``loss_fn`` takes the model's output and returns a scalar tensor.
+    ``optimizer`` builds the optimizer from the parameters; it is required when ``steps > 1``.
+    ``clip_grad_norm``, when set, clips the (unscaled) gradients before each optimizer step.
+    """
+
+    model: nn.Module
+    inputs: tuple | dict
+    loss_fn: Callable[[Any], torch.Tensor]
+    seed: int = 0
+    steps: int = 1
+    optimizer: OptimizerFactory | None = None
+    clip_grad_norm: float | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise CaseError(f"case {self.name or '?'}: model must be a torch.nn.Module, "
+                            f"got {type(self.model).__name__}")
+        if not isinstance(self.inputs, (tuple, dict)):
+            raise CaseError(f"case {self.name or '?'}: inputs must be a tuple of positional "
+                            f"arguments or a dict of keyword arguments, got "
+                            f"{type(self.inputs).__name__}")
+
+    def call_model(self) -> Any:
+        """Run the model's forward on the case's inputs."""
+        if isinstance(self.inputs, dict):
+            return self.model(**self.inputs)
+        return self.model(*self.inputs)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch, so that dropout and data draws repeat exactly."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_case(spec: str) -> Case:
+    """Import ``package.module:attr`` and return the Case it names.
+
+    ``attr`` is a Case, or a callable taking no arguments that returns one.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CaseError(f"case spec {spec!r} is not of the form package.module:name; "
+                        "for example reference_models.transformer:reference")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: cases in the working directory import
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise CaseError(f"case spec {spec!r}: module {module_name!r} does not import "
+                        f"({exc}); check the spelling and that it is on PYTHONPATH") from exc
+    except Exception as exc:
+        raise CaseError(f"case spec {spec!r}: importing {module_name!r} raised "
+                        f"{type(exc).__name__}: {exc}") from exc
+    try:
+        target = getattr(module, attr)
+    except AttributeError:
+        names = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise CaseError(f"case spec {spec!r}: module {module_name!r} has no attribute "
+                        f"{attr!r}; it has {', '.join(names[:12]) or 'no public names'}") from None
+    if isinstance(target, Case):
+        case = target
+    elif callable(target):
+        try:
+            case = target()
+        except CaseError:
+            raise
+        except Exception as exc:
+            raise CaseError(f"case spec {spec!r}: calling {attr}() raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(case, Case):
+            raise CaseError(f"case spec {spec!r}: {attr}() returned {type(case).__name__}, "
+                            "not a layerdiff.Case")
+    else:
+        raise CaseError(f"case spec {spec!r}: {attr} is a {type(target).__name__}, "
+                        "not a layerdiff.Case or a function returning one")
+    if not case.name:
+        case.name = spec
+    return case

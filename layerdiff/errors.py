@@ -1,0 +1,24 @@
+"""Errors meant for people: one sentence naming the file, the site, what is wrong and what to do.
+
+The CLI prints ``str(error)`` and exits with ``exit_code``; a traceback only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+
+class LayerdiffError(Exception):
+    """Base for every error a user can cause and fix."""
+
+    exit_code = 2
+
+
+class CaseError(LayerdiffError):
+    """A case spec that does not import, or that does not give a Case."""
+
+
+class TraceError(LayerdiffError):
+    """A trace file that is missing, not a trace, too new, or cut off."""
+
+
+class CaptureError(LayerdiffError):
+    """A capture that could not finish: the model raised, the writer failed, bad options."""
