@@ -19,16 +19,18 @@ _LAZY = {
     "Case": "layerdiff.case",
     "load_case": "layerdiff.case",
     "seed_everything": "layerdiff.case",
-    "capture": "layerdiff.capture",
     "run_case": "layerdiff.capture",
     "TraceWriter": "layerdiff.trace",
     "open_trace": "layerdiff.trace",
 }
 
-__all__ = ["LayerdiffError", "CaseError", "TraceError", "CaptureError", "__version__", *_LAZY]
+__all__ = ["LayerdiffError", "CaseError", "TraceError", "CaptureError", "__version__",
+           "capture", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "capture":
+        return import_module("layerdiff.capture")
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'layerdiff' has no attribute {name!r}")

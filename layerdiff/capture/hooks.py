@@ -1,0 +1,248 @@
+"""Torch hooks that turn every module call into trace records, forward and backward.
+
+How the backward records are taken without perturbing the run:
+- grad_output: a pre-hook on the autograd node that produced each output tensor; it sees the
+  gradient of that exact value, even if a later in-place op rebases the tensor.
+- grad_input: the nodes created during the call (sequence numbers at or above the counter read
+  when the call began) that consume the call's input tensors are found by walking the graph
+  from the outputs; a hook on each of those nodes sees this call's own gradient contribution to
+  the input, not the sum over every consumer. Nothing is inserted into the graph (unlike
+  ``register_full_backward_hook``), so in-place layers work and the order of gradient
+  accumulation is untouched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerdiff.capture.stage import Stager
+from layerdiff.errors import CaptureError
+from layerdiff.trace import schema
+
+
+def _next_sequence_nr() -> int:
+    return torch._C._autograd._get_sequence_nr()
+
+
+@dataclass(slots=True)
+class _OpenCall:
+    site: str
+    module: str
+    call: int
+    type: str
+    parent: str
+    enter_seq: int
+    first_node: int                       # autograd sequence number when the call began
+    # inputs needing grad: (argument path, autograd identity taken before the call ran, so
+    # that an in-place op inside the call does not hide it, and the node to keep it alive)
+    inputs: list[tuple[str, tuple, Any]] = field(default_factory=list)
+
+
+def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(argument path, leaf) pairs of nested tuples, lists and dicts."""
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix or "0", value
+
+
+def _edge_key(node: Any, output_nr: int) -> tuple:
+    """Identity of the value an autograd edge points at."""
+    if type(node).__name__ == "AccumulateGrad":
+        return ("leaf", id(node.variable))
+    return (id(node), output_nr)
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    if tensor.grad_fn is None:
+        return ("leaf", id(tensor))
+    return (id(tensor.grad_fn), tensor.output_nr)
+
+
+def select_modules(model: nn.Module, include: Sequence[str],
+                   exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The (path, module) pairs to record; an include glob that matches nothing is an error."""
+    named = [(path or schema.ROOT_MODULE, module) for path, module in model.named_modules()]
+    for pattern in include:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path, _ in named):
+            sample = ", ".join(path for path, _ in named[:8])
+            raise CaptureError(f"--include {pattern!r} matches no module of "
+                               f"{type(model).__name__}; module paths look like: {sample}")
+    return [(path, module) for path, module in named
+            if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
+            and not any(fnmatch.fnmatchcase(path, p) for p in exclude)]
+
+
+class ModuleRecorder:
+    """Hooks on the selected modules of one model, recording into one Stager."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], stager: Stager, *,
+                 weights: bool = True) -> None:
+        self.modules = modules
+        self.stager = stager
+        self.weights = weights
+        self.step = 0
+        self.open: list[_OpenCall] = []           # calls whose forward has not returned
+        self._calls: Counter[str] = Counter()
+        self._weight_sites: list[tuple[str, nn.Module]] = []
+        self._partial_grads: dict[tuple[str, str], list] = {}  # (site, arg) -> [left, sum]
+        self._handles: list[Any] = []
+
+    # ---- lifecycle ----
+    def attach(self) -> None:
+        for path, module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(
+                partial(self._before, path), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                partial(self._after, path), with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._calls.clear()
+        self._weight_sites.clear()
+        self.open.clear()
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        seq = self.stager.recorder.seq
+        self.stager.tensor(self.step, "forward", schema.LOSS_SITE, "output", "0", loss)
+        self._site_row(schema.LOSS_SITE, "<loss>", 0, "loss", "", seq)
+
+    def after_backward(self) -> None:
+        """Emit grad_input sums still waiting for a contribution, then weight gradients."""
+        for (site, arg), (_, total) in self._partial_grads.items():
+            if total is not None:
+                self.stager.tensor(self.step, "backward", site, "grad_input", arg, total)
+        self._partial_grads.clear()
+        for site, module in reversed(self._weight_sites):
+            for name, param in module.named_parameters(recurse=False):
+                if param.grad is not None:
+                    self.stager.tensor(self.step, "backward", site, "weight_grad", name,
+                                       param.grad)
+
+    # ---- forward hooks ----
+    def _before(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call = self._calls[path]
+        self._calls[path] = call + 1
+        site = schema.site_name(path, call)
+        stager, step = self.stager, self.step
+        opened = _OpenCall(site, path, call, type(module).__name__,
+                           self.open[-1].site if self.open else "", stager.recorder.seq,
+                           _next_sequence_nr())
+        self.open.append(opened)
+        for arg, value in _arguments(args, kwargs):
+            stager.any(step, "forward", site, "input", arg, value)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
+        if self.weights and call == 0:
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, tensor in own:
+                if tensor is not None:
+                    stager.tensor(step, "forward", site, "weight", name, tensor)
+            if own:
+                self._weight_sites.append((site, module))
+
+    def _after(self, path: str, module: nn.Module, args: tuple, kwargs: dict,
+               output: Any) -> None:
+        opened = self.open.pop()
+        stager, step, site = self.stager, self.step, opened.site
+        outputs = list(flatten(output, ""))
+        for arg, value in outputs:
+            stager.any(step, "forward", site, "output", arg, value)
+        self._site_row(site, path, opened.call, opened.type, opened.parent, opened.enter_seq)
+        if torch.is_grad_enabled():
+            grads = [(arg, t) for arg, t in outputs
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            for arg, tensor in grads:
+                tensor.grad_fn.register_prehook(
+                    partial(self._on_grad_output, site, "grad_output", arg, tensor.output_nr))
+            if opened.inputs and grads:
+                self._hook_grad_inputs(opened, grads)
+
+    def _site_row(self, site: str, module: str, call: int, type_name: str, parent: str,
+                  enter_seq: int) -> None:
+        self.stager.recorder.submit_site({
+            "step": self.step, "site": site, "module": module, "call": call, "type": type_name,
+            "parent": parent, "enter_seq": enter_seq, "exit_seq": self.stager.recorder.seq})
+
+    # ---- backward hooks ----
+    def _on_grad_output(self, site: str, role: str, arg: str, output_nr: int,
+                        grad_outputs: tuple) -> None:
+        grad = grad_outputs[output_nr]
+        if grad is not None:
+            self.stager.tensor(self.step, "backward", site, role, arg, grad)
+
+    def _hook_grad_inputs(self, opened: _OpenCall,
+                          outputs: list[tuple[str, torch.Tensor]]) -> None:
+        # An input passed under several argument paths (attn(x, x, x)) is one value with one
+        # gradient: it is recorded under its first path.
+        targets: dict[tuple, str] = {}
+        for arg, key, _ in opened.inputs:
+            targets.setdefault(key, arg)
+        boundary: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
+        seen: set[int] = set()
+        todo = []
+        for _, tensor in outputs:
+            arg = targets.get(_tensor_key(tensor))
+            if arg is not None:  # returned its input unchanged: the gradient passes through
+                tensor.grad_fn.register_prehook(
+                    partial(self._on_grad_output, opened.site, "grad_input", arg,
+                            tensor.output_nr))
+            else:
+                todo.append(tensor.grad_fn)
+        while todo:
+            node = todo.pop()
+            if id(node) in seen or node._sequence_nr() < opened.first_node:
+                continue  # visited, or made before this call began
+            seen.add(id(node))
+            for slot, (child, output_nr) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                arg = targets.get(_edge_key(child, output_nr))
+                if arg is not None:
+                    boundary.setdefault(id(node), (node, []))[1].append((slot, arg))
+                else:
+                    todo.append(child)
+        expected = Counter(arg for _, slots in boundary.values() for _, arg in slots)
+        for arg, count in expected.items():
+            self._partial_grads[(opened.site, arg)] = [count, None]
+        for node, slots in boundary.values():
+            node.register_hook(partial(self._on_grad_input, opened.site, slots))
+
+    def _on_grad_input(self, site: str, slots: list[tuple[int, str]], grad_inputs: tuple,
+                       grad_outputs: tuple) -> None:
+        for slot, arg in slots:
+            entry = self._partial_grads.get((site, arg))
+            if entry is None:
+                continue
+            grad = grad_inputs[slot]
+            entry[0] -= 1
+            if grad is not None:
+                entry[1] = grad if entry[1] is None else entry[1] + grad
+            if entry[0] == 0:
+                del self._partial_grads[(site, arg)]
+                if entry[1] is not None:
+                    self.stager.tensor(self.step, "backward", site, "grad_input", arg, entry[1])
+
+
+def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    for i, value in enumerate(args):
+        yield from flatten(value, str(i))
+    for key, value in kwargs.items():
+        yield from flatten(value, key)

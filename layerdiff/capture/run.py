@@ -1,0 +1,87 @@
+"""Running a case: the training-step loop shared by plain runs and captures."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from layerdiff.case import Case, seed_everything
+from layerdiff.errors import CaptureError
+
+
+class StepObserver(Protocol):
+    """What a capture needs to know about the loop; every method is optional to act on."""
+
+    phase: str
+
+    def begin_step(self, step: int) -> None: ...
+    def record_loss(self, loss: torch.Tensor) -> None: ...
+    def after_backward(self) -> None: ...
+    def end_step(self, step: int) -> None: ...
+
+
+@dataclass
+class RunResult:
+    losses: list[torch.Tensor]
+    output: Any
+
+
+def check_run_options(case: Case, steps: int, loss_scale: float) -> None:
+    if steps < 1:
+        raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case.name}")
+    if steps > 1 and case.optimizer is None:
+        raise CaptureError(f"case {case.name} has no optimizer, so it cannot run {steps} steps; "
+                           "give the Case an optimizer or use --steps 1")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise CaptureError(f"--loss-scale must be a finite positive number (got {loss_scale})")
+
+
+def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
+             observer: StepObserver | None = None) -> RunResult:
+    """Run ``steps`` training steps of ``case`` (its own count by default) from its seed.
+
+    With ``loss_scale`` F the loss is multiplied by F before backward and the gradients are
+    divided by F again before clipping and the optimizer step, so training is unaffected
+    (bit for bit when F is a power of two).
+    """
+    steps = case.steps if steps is None else steps
+    check_run_options(case, steps, loss_scale)
+    seed_everything(case.seed)
+    model = case.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = case.optimizer(params) if case.optimizer else None
+    losses: list[torch.Tensor] = []
+    output = None
+    for step in range(steps):
+        if observer:
+            observer.begin_step(step)
+            observer.phase = "forward"
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        output = case.call_model()
+        loss = case.loss_fn(output)
+        if observer:
+            observer.phase = "loss"
+            observer.record_loss(loss)
+            observer.phase = "backward"
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        if observer:
+            observer.after_backward()
+            observer.phase = "optimizer step"
+        if loss_scale != 1.0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.div_(loss_scale)
+        if case.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, case.clip_grad_norm)
+        if optimizer is not None:
+            optimizer.step()
+        losses.append(loss.detach())
+        if observer:
+            observer.end_step(step)
+    return RunResult(losses, output)

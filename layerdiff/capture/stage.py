@@ -1,0 +1,64 @@
+"""Copy torch tensors into the recorder's staging ring: the only per-tensor work on the hot path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerdiff.trace.recorder import Recorder
+from layerdiff.trace.writer import value_json
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Stager:
+    """Turns tensors and plain values into recorder submissions for one capture."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
+
+    def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
+               tensor: torch.Tensor) -> None:
+        rec = self.recorder
+        tensor = tensor.detach()
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            self.value(step, pass_, site, role, arg,
+                       {"unsupported_tensor": repr(tensor.layout), "shape": list(tensor.shape),
+                        "dtype": dtype_name(tensor.dtype)})
+            return
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        name = dtype_name(tensor.dtype)
+        if nbytes > rec.max_staged:
+            # Larger than half the ring: written synchronously from (a contiguous CPU copy of) it.
+            rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
+                       array=_as_numpy(tensor))
+            return
+        offset = rec.reserve(nbytes)
+        self._ring[offset:offset + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
+        rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+
+    def value(self, step: int, pass_: str, site: str, role: str, arg: str, value: Any) -> None:
+        self.recorder.submit(step, pass_, site, role, arg, "", (), value=value_json(value))
+
+    def any(self, step: int, pass_: str, site: str, role: str, arg: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.tensor(step, pass_, site, role, arg, value)
+        else:
+            self.value(step, pass_, site, role, arg, value)
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    # No copy for a contiguous CPU tensor: Recorder.submit waits until these bytes are written.
+    cpu = tensor.cpu().contiguous()
+    if cpu.dtype == torch.bfloat16:
+        return cpu.view(torch.uint16).numpy()
+    try:
+        return cpu.numpy()
+    except TypeError:  # dtypes numpy lacks (float8 ...): raw bytes
+        return cpu.view(torch.uint8).numpy()

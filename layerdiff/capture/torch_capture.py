@@ -1,0 +1,121 @@
+"""``capture``: run a case with hooks and write its trace."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layerdiff.capture.hooks import ModuleRecorder, select_modules
+from layerdiff.capture.progress import StepProgress
+from layerdiff.capture.run import check_run_options, run_case
+from layerdiff.capture.stage import Stager, dtype_name
+from layerdiff.case import Case
+from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
+from layerdiff.trace.writer import base_meta, check_writable
+
+
+class _Observer:
+    """Connects the step loop to the module hooks, the recorder and the progress display."""
+
+    def __init__(self, hooks: ModuleRecorder, recorder: Recorder, progress: StepProgress) -> None:
+        self.hooks = hooks
+        self.recorder = recorder
+        self.progress = progress
+        self.phase = "setup"
+        self.step = 0
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.hooks.begin_step(step)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        self.hooks.record_loss(loss)
+
+    def after_backward(self) -> None:
+        self.hooks.after_backward()
+
+    def end_step(self, step: int) -> None:
+        self.recorder.flush()  # a crash in a later step keeps this one on disk
+        self.progress.advance(self.recorder.bytes_submitted)
+
+
+def capture(case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
+            exclude: Sequence[str] = (), loss_scale: float = 1.0, steps: int | None = None,
+            summary: bool = False, weights: bool = True,
+            queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False) -> Path:
+    """Run ``case`` with every selected module call recorded into the trace at ``path``.
+
+    Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
+    call, and weight gradients (before the optimizer step). ``include`` / ``exclude`` are globs
+    over module paths (``<root>`` is the model itself). ``loss_scale`` multiplies the loss
+    before backward (recorded gradients are amplified; training is not). ``summary`` keeps
+    statistics only. ``queue_bytes`` caps the memory that staged tensors may take.
+
+    Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
+    the model raises (naming the site) or the file cannot be written; nothing incomplete is
+    ever published under ``path``.
+    """
+    steps = case.steps if steps is None else steps
+    check_run_options(case, steps, loss_scale)
+    check_writable(path)
+    modules = select_modules(case.model, include, exclude)
+    meta = _meta(case, steps, loss_scale, summary, include, exclude)
+    recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes)
+    hooks = ModuleRecorder(modules, Stager(recorder), weights=weights)
+    with StepProgress(steps, enabled=progress, label=f"capture {case.name}") as bar:
+        observer = _Observer(hooks, recorder, bar)
+        hooks.attach()
+        try:
+            run_case(case, steps=steps, loss_scale=loss_scale, observer=observer)
+        except LayerdiffError:
+            _close_incomplete(recorder)
+            raise
+        except Exception as exc:
+            partial = _close_incomplete(recorder)
+            where = (f"inside site {hooks.open[-1].site} ({hooks.open[-1].type})"
+                     if hooks.open and observer.phase == "forward" else "")
+            raise CaptureError(
+                f"case {case.name}: the model raised {type(exc).__name__}: {exc} {where} during "
+                f"the {observer.phase} of step {observer.step}; no trace was published "
+                f"({partial} holds what was recorded up to there)".replace("  ", " ")) from exc
+        except BaseException:  # KeyboardInterrupt: leave the partial file, publish nothing
+            _close_incomplete(recorder)
+            raise
+        finally:
+            hooks.detach()
+    return recorder.close(complete=True)
+
+
+def _close_incomplete(recorder: Recorder) -> Path:
+    try:
+        return recorder.close(complete=False)
+    except CaptureError:
+        return recorder.file.partial
+
+
+def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Sequence[str],
+          exclude: Sequence[str]) -> dict[str, Any]:
+    meta = base_meta("layerdiff.capture (torch)")
+    first = next(case.model.parameters(), None)
+    meta.update({
+        "case": case.name,
+        "seed": case.seed,
+        "steps": steps,
+        "loss_scale": loss_scale,
+        "summary": summary,
+        "include": list(include),
+        "exclude": list(exclude),
+        "device": str(first.device) if first is not None else "cpu",
+        "default_dtype": dtype_name(torch.get_default_dtype()),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    })
+    meta["versions"]["torch"] = torch.__version__
+    return meta

@@ -1,0 +1,7 @@
+"""The trace format: schema, writers and reader. Needs h5py and numpy, never torch."""
+
+from layerdiff.trace.reader import Trace, open_trace
+from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
+from layerdiff.trace.writer import TraceWriter
+
+__all__ = ["Trace", "open_trace", "TraceWriter", "Recorder", "DEFAULT_QUEUE_BYTES"]

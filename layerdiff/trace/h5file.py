@@ -1,0 +1,107 @@
+"""The HDF5 side of writing a trace: a partial file that is published only when complete.
+
+One writer thread owns an instance; nothing here is thread-safe by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from layerdiff.trace import schema
+
+_STRING = h5py.string_dtype("utf-8")
+# Tables are written once per step, so compressing them costs little and keeps summary traces
+# (index only) small enough to commit as CI goldens.
+_CHUNK_ROWS = 1024
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}{schema.PARTIAL_SUFFIX}")
+
+
+class TraceFile:
+    """Creates ``<path>.partial``, appends segments and table rows, renames to ``path`` at close."""
+
+    def __init__(self, path: str | os.PathLike, meta: dict[str, Any], summary: bool) -> None:
+        self.path = Path(path)
+        self.partial = partial_path(path)
+        self.summary = summary
+        self._segments = 0
+        self._h5 = h5py.File(self.partial, "w")
+        attrs = self._h5.attrs
+        attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
+        attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
+        attrs[schema.ATTR_COMPLETE] = False
+        attrs[schema.ATTR_SUMMARY] = summary
+        attrs[schema.ATTR_META] = json.dumps(meta, default=str)
+        self._tables = {
+            schema.INDEX_GROUP: _ColumnTable(self._h5.create_group(schema.INDEX_GROUP),
+                                             schema.INDEX_COLUMNS),
+            schema.SITES_GROUP: _ColumnTable(self._h5.create_group(schema.SITES_GROUP),
+                                             schema.SITES_COLUMNS),
+        }
+        self._tensors = self._h5.create_group(schema.TENSORS_GROUP)
+
+    def write_segment(self, data: np.ndarray) -> int:
+        """Store one contiguous run of packed tensor bytes; returns its segment number."""
+        number = self._segments
+        self._tensors.create_dataset(f"{number:06d}", data=data)
+        self._segments += 1
+        return number
+
+    def append_rows(self, table: str, columns: dict[str, list]) -> None:
+        self._tables[table].append(columns)
+
+    def flush(self) -> None:
+        self._h5.flush()
+
+    def close(self, complete: bool) -> Path:
+        """Close the file; publish it under its final name only when complete."""
+        if complete:
+            self._h5.attrs[schema.ATTR_COMPLETE] = True
+        self._h5.close()
+        if not complete:
+            return self.partial
+        os.replace(self.partial, self.path)
+        return self.path
+
+    def abandon(self) -> None:
+        """Close without marking complete, ignoring errors (the disk may be full)."""
+        try:
+            self._h5.close()
+        except Exception:  # noqa: BLE001 - the original error is what the user needs to see
+            pass
+
+
+class _ColumnTable:
+    """A table stored as one resizable 1-D dataset per column, so pandas reads it directly."""
+
+    def __init__(self, group: h5py.Group, columns: dict[str, Any]) -> None:
+        self.rows = 0
+        self._datasets = {
+            name: group.create_dataset(
+                name, shape=(0,), maxshape=(None,), chunks=(_CHUNK_ROWS,),
+                dtype=_STRING if kind == schema.STR else kind, compression="gzip",
+                compression_opts=4, shuffle=kind != schema.STR)
+            for name, kind in columns.items()
+        }
+
+    def append(self, columns: dict[str, list]) -> None:
+        count = len(next(iter(columns.values())))
+        if not count:
+            return
+        end = self.rows + count
+        for name, dataset in self._datasets.items():
+            dataset.resize((end,))
+            values = columns[name]
+            if dataset.dtype == _STRING:
+                dataset[self.rows:end] = np.array(values, dtype=object)
+            else:
+                dataset[self.rows:end] = np.asarray(values, dtype=dataset.dtype)
+        self.rows = end

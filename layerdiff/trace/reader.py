@@ -1,0 +1,149 @@
+"""Open a trace, refusing files that are missing, foreign, too new or cut off."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from layerdiff.errors import TraceError
+from layerdiff.trace import schema
+from layerdiff.trace.h5file import partial_path
+
+
+class Trace:
+    """A trace opened for reading. Tables are pandas DataFrames read once, on first use."""
+
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False) -> None:
+        self.path = Path(path)
+        self._h5 = _open_h5(self.path)
+        try:
+            self._check(allow_incomplete)
+        except BaseException:
+            self._h5.close()
+            raise
+
+    def _check(self, allow_incomplete: bool) -> None:
+        attrs = self._h5.attrs
+        if attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME:
+            raise TraceError(f"{self.path} is an HDF5 file but not a layerdiff trace (it has no "
+                             f"{schema.ATTR_FORMAT}={schema.FORMAT_NAME!r} attribute); pass a "
+                             "file written by `layerdiff capture` or layerdiff.TraceWriter")
+        self.version = int(attrs.get(schema.ATTR_VERSION, 0))
+        if self.version > schema.FORMAT_VERSION:
+            raise TraceError(f"{self.path} is trace format v{self.version}, newer than the "
+                             f"v{schema.FORMAT_VERSION} this layerdiff reads; upgrade layerdiff")
+        if self.version < 1:
+            raise TraceError(f"{self.path} has an invalid trace format version {self.version}")
+        self.complete = bool(attrs.get(schema.ATTR_COMPLETE, False))
+        if not self.complete and not allow_incomplete:
+            raise TraceError(f"{self.path} is incomplete: the capture that wrote it did not "
+                             "finish (crash, kill, full disk or an error in the model); capture "
+                             "again, or open it with --allow-incomplete to see what it holds")
+        self.summary = bool(attrs.get(schema.ATTR_SUMMARY, False))
+        try:
+            self.meta: dict[str, Any] = json.loads(attrs.get(schema.ATTR_META, "{}"))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{self.path}: the meta attribute is not valid JSON ({exc})") from exc
+        for group in (schema.INDEX_GROUP, schema.SITES_GROUP):
+            if group not in self._h5:
+                raise TraceError(f"{self.path} has no /{group} table: it is damaged or was not "
+                                 "written by a layerdiff trace writer; capture it again")
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.meta.get("loss_scale", 1.0))
+
+    @cached_property
+    def index(self) -> pd.DataFrame:
+        """One row per stored tensor or value, in recording order (see docs/trace-format.md)."""
+        return _read_table(self._h5[schema.INDEX_GROUP], schema.INDEX_COLUMNS, self.path,
+                           "seq")
+
+    @cached_property
+    def sites(self) -> pd.DataFrame:
+        """One row per module call per step, in call order."""
+        return _read_table(self._h5[schema.SITES_GROUP], schema.SITES_COLUMNS, self.path,
+                           "enter_seq")
+
+    def read(self, row: pd.Series | int, *, raw: bool = False) -> np.ndarray:
+        """The tensor of one index row (a row, or its position in ``index``).
+
+        bfloat16 comes back as float32 unless ``raw``, which gives the stored bits.
+        """
+        if not isinstance(row, pd.Series):
+            row = self.index.iloc[row]
+        if row["kind"] != "tensor":
+            raise TraceError(f"{self.path}: {row['site']} {row['role']} {row['arg']} is a "
+                             "value, not a tensor; its value is in the index 'value' column")
+        if row["segment"] < 0:
+            raise TraceError(
+                f"{self.path} stores no data for {row['site']} {row['role']} {row['arg']}"
+                + (": it is a summary trace (statistics only); capture without --summary to "
+                   "keep tensors" if self.summary else ""))
+        name = f"{schema.TENSORS_GROUP}/{int(row['segment']):06d}"
+        start = int(row["offset"])
+        try:
+            data = self._h5[name][start:start + int(row["nbytes"])]
+        except (KeyError, OSError) as exc:
+            raise TraceError(f"{self.path}: tensor data of {row['site']} {row['role']} "
+                             f"{row['arg']} cannot be read ({exc}); the file is damaged") from exc
+        array = data.view(schema.numpy_dtype(row["dtype"])).reshape(schema.parse_shape(row["shape"]))
+        if row["dtype"] == "bfloat16" and not raw:
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array
+
+    def close(self) -> None:
+        self._h5.close()
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_trace(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Trace:
+    """Open a trace for reading; see :class:`Trace`."""
+    return Trace(path, allow_incomplete=allow_incomplete)
+
+
+def _open_h5(path: Path) -> h5py.File:
+    if not path.exists():
+        partial = partial_path(path)
+        if partial.exists():
+            raise TraceError(f"trace {path} was never finished: {partial} is what a capture "
+                             "left when it stopped early; capture again, or open the .partial "
+                             "file with --allow-incomplete to see what it holds")
+        raise TraceError(f"trace {path} does not exist; check the path")
+    if path.is_dir():
+        raise TraceError(f"{path} is a directory, not a trace file")
+    if not h5py.is_hdf5(path):
+        raise TraceError(f"{path} is not an HDF5 file, so not a layerdiff trace")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        if "truncated" in str(exc).lower():
+            raise TraceError(f"{path} is cut off: the file is shorter than its own header says "
+                             "(an interrupted copy or write); capture or copy it again") from exc
+        raise TraceError(f"{path} cannot be opened as HDF5 ({exc})") from exc
+
+
+def _read_table(group: h5py.Group, columns: dict[str, Any], path: Path,
+                order: str) -> pd.DataFrame:
+    data = {}
+    try:
+        for name in columns:
+            dataset = group[name]
+            data[name] = dataset.asstr()[:] if dataset.dtype.kind == "O" else dataset[:]
+    except (KeyError, OSError) as exc:
+        raise TraceError(f"{path}: table /{group.name.strip('/')} cannot be read ({exc}); "
+                         "the file is damaged or cut off; capture it again") from exc
+    frame = pd.DataFrame(data)
+    return frame.sort_values(order, kind="stable", ignore_index=True)

@@ -1,0 +1,113 @@
+"""Trace format v1: the names and types that make the contract (see docs/trace-format.md).
+
+No torch here: a writer in any framework, and a reader in CI, need h5py and numpy alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FORMAT_NAME = "layerdiff-trace"
+FORMAT_VERSION = 1
+
+# Root attributes.
+ATTR_FORMAT = "layerdiff_format"
+ATTR_VERSION = "layerdiff_version"
+ATTR_COMPLETE = "complete"
+ATTR_SUMMARY = "summary"
+ATTR_META = "meta"  # one JSON string: producer, case, versions, options
+
+INDEX_GROUP = "index"
+SITES_GROUP = "sites"
+TENSORS_GROUP = "tensors"
+
+PARTIAL_SUFFIX = ".partial"
+
+ROLES = ("input", "output", "grad_output", "grad_input", "weight", "weight_grad")
+PASSES = ("forward", "backward")
+# The pass each role belongs to.
+ROLE_PASS = {
+    "input": "forward",
+    "output": "forward",
+    "weight": "forward",
+    "grad_output": "backward",
+    "grad_input": "backward",
+    "weight_grad": "backward",
+}
+KINDS = ("tensor", "value")
+
+# Tensors in a segment start at multiples of this many bytes, so any dtype can be viewed in place.
+ALIGN = 64
+
+STR = "str"
+# Index table: one row per stored tensor or non-tensor value, in order of recording.
+INDEX_COLUMNS: dict[str, str | np.dtype] = {
+    "seq": np.dtype(np.int64),       # order of recording (execution order, backward included)
+    "step": np.dtype(np.int32),      # training step, from 0
+    "pass": STR,                     # forward | backward
+    "site": STR,                     # module path + '#' + call number within the step
+    "role": STR,                     # one of ROLES
+    "arg": STR,                      # argument path: '0', '1.0', 'mask', or a parameter name
+    "kind": STR,                     # tensor | value
+    "dtype": STR,                    # torch-style name: float32, bfloat16, int64, bool ...
+    "shape": STR,                    # comma-separated sizes; '' for a 0-d tensor
+    "numel": np.dtype(np.int64),
+    "segment": np.dtype(np.int32),   # tensors/<segment>; -1 when no data is stored
+    "offset": np.dtype(np.int64),    # byte offset inside the segment
+    "nbytes": np.dtype(np.int64),
+    "min": np.dtype(np.float64),
+    "max": np.dtype(np.float64),
+    "mean": np.dtype(np.float64),
+    "std": np.dtype(np.float64),
+    "l2": np.dtype(np.float64),
+    "nan": np.dtype(np.int64),
+    "inf": np.dtype(np.int64),
+    "digest": STR,                   # xxh3-64 hex of the raw C-order bytes; '' if not computed
+    "value": STR,                    # kind == value: JSON of the value (or its repr)
+}
+
+# Sites table: one row per module call per step.
+SITES_COLUMNS: dict[str, str | np.dtype] = {
+    "step": np.dtype(np.int32),
+    "site": STR,
+    "module": STR,                   # module path ('<root>' for the model itself)
+    "call": np.dtype(np.int32),      # call number of this module within the step
+    "type": STR,                     # class name of the module
+    "parent": STR,                   # enclosing site at call time; '' for the outermost
+    "enter_seq": np.dtype(np.int64),  # seq counter when the call began
+    "exit_seq": np.dtype(np.int64),   # seq counter when its forward returned (-1 if it did not)
+}
+
+ROOT_MODULE = "<root>"
+LOSS_SITE = "<loss>#0"
+
+# Names for dtypes numpy lacks: stored as raw bits of the same width.
+RAW_BITS_DTYPES = {"bfloat16": np.dtype(np.uint16)}
+# float8 and other exotic dtypes are stored as raw bytes under their torch name.
+
+
+def site_name(module_path: str, call: int) -> str:
+    return f"{module_path}#{call}"
+
+
+def split_site(site: str) -> tuple[str, int]:
+    module, _, call = site.rpartition("#")
+    return module, int(call)
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    return ",".join(str(int(s)) for s in shape)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",")) if text else ()
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype that holds a stored tensor's bytes (raw bits for bfloat16)."""
+    if name in RAW_BITS_DTYPES:
+        return RAW_BITS_DTYPES[name]
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(np.uint8)
