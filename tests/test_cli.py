@@ -1,0 +1,89 @@
+"""The command line: commands work end to end; bad input is one sentence and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from layerdiff.cli import main
+
+
+@pytest.fixture
+def run(monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parent.parent)
+
+    def invoke(*args):
+        return CliRunner().invoke(main, [str(a) for a in args])
+    return invoke
+
+
+def test_capture_then_show(run, tmp_path):
+    out = tmp_path / "t.h5"
+    result = run("capture", "tests.tiny_cases:tiny", "-o", out, "--steps", "1")
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output
+    shown = run("show", out, "--site", "block.lin1*")
+    assert shown.exit_code == 0
+    lines = shown.output.splitlines()
+    assert any("block.lin1#0" in line and "weight_grad" in line for line in lines)
+    assert not any("heads" in line for line in lines[5:])
+    assert max(len(line) for line in lines[5:]) <= 100
+
+
+def test_show_json_is_machine_readable(run, tmp_path):
+    out = tmp_path / "t.h5"
+    assert run("capture", "tests.tiny_cases:tiny", "-o", out, "--summary").exit_code == 0
+    result = run("show", out, "--json", "--role", "weight_grad")
+    data = json.loads(result.output)
+    assert data["summary"] is True and data["format_version"] == 1
+    assert {r["role"] for r in data["records"]} == {"weight_grad"}
+    assert all(r["segment"] == -1 for r in data["records"])
+
+
+def test_show_by_site_counts_roles(run, tmp_path):
+    out = tmp_path / "t.h5"
+    run("capture", "tests.tiny_cases:tiny", "-o", out)
+    result = run("show", out, "--by-site")
+    row = next(line for line in result.output.splitlines() if line.startswith("block.lin1#0"))
+    assert row.split()[1:8] == ["Linear", "1", "1", "2", "1", "1", "2"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_colon_here", "not of the form package.module:name"),
+    ("tests.no_such_module:tiny", "does not import"),
+    ("tests.tiny_cases:missing", "has no attribute 'missing'"),
+    ("tests.tiny_cases:not_a_case", "not a layerdiff.Case"),
+])
+def test_bad_case_spec(run, tmp_path, spec, message):
+    result = run("capture", spec, "-o", tmp_path / "t.h5")
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_model_error_exits_2_with_the_site(run, tmp_path):
+    result = run("capture", "tests.tiny_cases:exploding", "-o", tmp_path / "t.h5")
+    assert result.exit_code == 2
+    assert "bad#0" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "t.h5").exists()
+
+
+def test_steps_zero_and_empty_include(run, tmp_path):
+    assert run("capture", "tests.tiny_cases:tiny", "-o", tmp_path / "t.h5",
+               "--steps", "0").exit_code == 2
+    result = run("capture", "tests.tiny_cases:tiny", "-o", tmp_path / "t.h5",
+                 "--include", "nothing.*")
+    assert result.exit_code == 2 and "matches no module" in result.output
+
+
+def test_show_refuses_a_broken_trace(run, tmp_path):
+    bogus = tmp_path / "x.h5"
+    bogus.write_text("not hdf5")
+    result = run("show", bogus)
+    assert result.exit_code == 2 and "not an HDF5 file" in result.output
+
+
+def test_debug_shows_the_traceback(run, tmp_path):
+    result = run("--debug", "show", tmp_path / "missing.h5")
+    assert result.exit_code != 0 and result.exception is not None
