@@ -41,7 +41,7 @@ class _Observer:
         self.hooks.after_backward()
 
     def end_step(self, step: int) -> None:
-        self.recorder.flush()  # a crash in a later step keeps this one on disk
+        self.recorder.flush(wait=False)  # a crash in a later step keeps this one on disk
         self.progress.advance(self.recorder.bytes_submitted)
 
 

@@ -64,14 +64,15 @@ class StagingRing:
 
     def try_reserve(self, nbytes: int) -> int | None:
         """Offset of ``nbytes`` of free space, or None when the ring is too full."""
-        size = -(-nbytes // schema.ALIGN) * schema.ALIGN
+        size = max(schema.ALIGN, -(-nbytes // schema.ALIGN) * schema.ALIGN)
         with self._cond:
             if self._used == 0:
                 self._head = 0
-            waste = self.capacity - self._head if self._head + size > self.capacity else 0
+            wraps = self._head + size > self.capacity
+            waste = self.capacity - self._head if wraps else 0  # the unused tail of the ring
             if self._used + waste + size > self.capacity:
                 return None
-            start = 0 if waste else self._head
+            start = 0 if wraps else self._head
             self._head = start + size
             self._used += waste + size
             self._spans.append(waste + size)
@@ -136,10 +137,14 @@ class Recorder:
     def submit_site(self, row: dict[str, Any]) -> None:
         self._queue.put(row)
 
-    def flush(self) -> None:
-        """Write out everything queued so far (end of a step): a crash later keeps it."""
+    def flush(self, wait: bool = True) -> None:
+        """Write out everything queued so far (end of a step): a crash later keeps it.
+
+        With ``wait=False`` the writer does it in the background while the next step runs.
+        """
         self._queue.put(_FLUSH)
-        self._queue.join()
+        if wait:
+            self._queue.join()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
