@@ -21,6 +21,7 @@ class Stager:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the ring seen as each dtype
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
@@ -40,7 +41,12 @@ class Stager:
                        array=_as_numpy(tensor))
             return
         offset = rec.reserve(nbytes)
-        self._ring[offset:offset + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
+        typed = self._typed.get(tensor.dtype)
+        if typed is None:
+            typed = self._typed[tensor.dtype] = self._ring.view(tensor.dtype)
+        # One as_strided call: the hot path pays per Python call, not per byte.
+        typed.as_strided(shape, _contiguous_strides(shape),
+                         offset // tensor.element_size()).copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
 
     def value(self, step: int, pass_: str, site: str, role: str, arg: str, value: Any) -> None:
@@ -62,3 +68,11 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
         return cpu.numpy()
     except TypeError:  # dtypes numpy lacks (float8 ...): raw bytes
         return cpu.view(torch.uint8).numpy()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

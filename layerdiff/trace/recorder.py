@@ -21,12 +21,15 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import TraceFile
-from layerdiff.trace.stats import EMPTY_STATS, compute_stats
+from layerdiff.trace.stats import EMPTY_STATS, Stats, compute_stats
 
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 # A segment is written once this many bytes are pending: big enough that the ~150 us cost of
 # creating a dataset vanishes, small enough to keep the ring turning over.
 SEGMENT_BYTES = 16 * 2**20
+# Records go to the writer threads in batches of this many, or sooner when this many bytes wait.
+BATCH_RECORDS = 256
+BATCH_BYTES = 4 * 2**20
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class StagingRing:
     """Fixed memory handed out first-in first-out; space comes back through ``release``."""
 
     def __init__(self, capacity: int) -> None:
+        capacity -= capacity % schema.ALIGN  # so the ring can be viewed as any dtype
         self.capacity = capacity
         self.buffer = np.empty(capacity, dtype=np.uint8)
         self.buffer.fill(0)  # touch the pages now, not inside the first captured step
@@ -90,7 +94,15 @@ class StagingRing:
 
 
 class Recorder:
-    """Owns the trace file, the ring and the writer thread of one capture."""
+    """Owns the trace file, the ring and the two writer threads of one capture.
+
+    producer --batches--> stats thread --segments--> I/O thread
+    The stats thread computes statistics and digests and groups staged tensors into contiguous
+    runs of the ring; the I/O thread writes those runs and the table rows and frees the ring.
+    numpy and h5py release the GIL in their loops, so the two overlap each other and torch.
+    Records are handed over in batches: one thread wake-up per tensor made the GIL bounce
+    between threads and cost more than the copies.
+    """
 
     def __init__(self, path: str | os.PathLike, meta: dict[str, Any], *, summary: bool = False,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
@@ -103,16 +115,24 @@ class Recorder:
         self.seq = 0
         self.bytes_submitted = 0
         self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="layerdiff-writer", daemon=True)
-        self._thread.start()
+        self._batch: list[Any] = []
+        self._batch_bytes = 0
+        self._batch_limit = min(BATCH_BYTES, queue_bytes // 4)
+        self._stats_queue: queue.Queue = queue.Queue()
+        self._io_queue: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run_stats, name="layerdiff-stats", daemon=True),
+            threading.Thread(target=self._run_io, name="layerdiff-io", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # ---- producer side (the capturing thread) ----
     def reserve(self, nbytes: int) -> int:
         """Offset in ``ring.buffer`` where ``nbytes`` may be written; waits while the ring is full."""
         offset = self.ring.try_reserve(nbytes)
         while offset is None:
-            self._queue.put(_WRITE)  # the writer may be holding a part-filled segment
+            self._send(_WRITE)  # the writer may be holding a part-filled segment
             self.ring.wait(0.05)
             self.raise_if_failed()
             offset = self.ring.try_reserve(nbytes)
@@ -124,27 +144,29 @@ class Recorder:
         """Queue one record: staged bytes (offset), an array to write now, or a value."""
         if self.error is not None:
             self.raise_if_failed()
-        record = _Record(self.seq, step, pass_, site, role, arg, dtype, shape,
-                         offset, nbytes, array, value)
+        self._batch.append(_Record(self.seq, step, pass_, site, role, arg, dtype, shape,
+                                   offset, nbytes, array, value))
         self.seq += 1
         self.bytes_submitted += nbytes
-        self._queue.put(record)
+        self._batch_bytes += nbytes
         if array is not None:
             # The array may be the caller's live memory: wait until it is on disk.
-            self._queue.join()
-            self.raise_if_failed()
+            self._send()
+            self._join()
+        elif len(self._batch) >= BATCH_RECORDS or self._batch_bytes >= self._batch_limit:
+            self._send()
 
     def submit_site(self, row: dict[str, Any]) -> None:
-        self._queue.put(row)
+        self._batch.append(row)
 
     def flush(self, wait: bool = True) -> None:
         """Write out everything queued so far (end of a step): a crash later keeps it.
 
         With ``wait=False`` the writer does it in the background while the next step runs.
         """
-        self._queue.put(_FLUSH)
+        self._send(_FLUSH)
         if wait:
-            self._queue.join()
+            self._join()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -157,8 +179,9 @@ class Recorder:
 
     def close(self, complete: bool) -> Path:
         """Stop the writer and publish the file if ``complete``; returns the path written."""
-        self._queue.put(_STOP)
-        self._thread.join()
+        self._send(_STOP)
+        for thread in self._threads:
+            thread.join()
         if self.error is not None:
             self.file.abandon()
             self.raise_if_failed()
@@ -167,90 +190,156 @@ class Recorder:
             return self.file.partial
         return self.file.close(complete=True)
 
-    # ---- writer thread ----
-    def _run(self) -> None:
-        writer = _SegmentWriter(self)
+    def _send(self, marker: object | None = None) -> None:
+        if marker is not None:
+            self._batch.append(marker)
+        if self._batch:
+            self._stats_queue.put(self._batch)
+            self._batch = []
+            self._batch_bytes = 0
+
+    def _join(self) -> None:
+        self._stats_queue.join()  # the stats thread passes everything on before it is done
+        self._io_queue.join()
+        self.raise_if_failed()
+
+    # ---- stats thread ----
+    def _run_stats(self) -> None:
+        stage = _StatsStage(self)
         while True:
-            item = self._queue.get()
+            batch = self._stats_queue.get()
             try:
-                if self.error is None:
-                    if item is _FLUSH or item is _STOP:
-                        writer.flush()
-                    elif item is _WRITE:
-                        writer.write_pending()
-                    elif isinstance(item, dict):
-                        writer.add_site(item)
-                    else:
-                        writer.add(item)
-                        if writer.should_write():
-                            writer.write_pending()
-                elif isinstance(item, _Record) and item.offset >= 0:
-                    self.ring.release(1)  # after a failure: drain so producers never block
+                for item in batch:
+                    if self.error is None:
+                        stage.take(item)
+                    elif isinstance(item, _Record) and item.offset >= 0:
+                        self.ring.release(1)  # after a failure: drain so producers never block
+                    elif item is _STOP:
+                        self._io_queue.put([_STOP])
             except BaseException as exc:  # noqa: BLE001 - reported to the producer
                 self.error = exc
-                writer.drop_pending()
+                stage.drop_pending()
+                if _has_stop(batch):
+                    self._io_queue.put([_STOP])
             finally:
-                self._queue.task_done()
-            if item is _STOP:
+                stage.send()
+                self._stats_queue.task_done()
+            if _has_stop(batch):
+                return
+
+    # ---- I/O thread ----
+    def _run_io(self) -> None:
+        stage = _IOStage(self)
+        while True:
+            batch = self._io_queue.get()
+            try:
+                for item in batch:
+                    if self.error is None:
+                        stage.take(item)
+                    elif isinstance(item, _Segment):
+                        self.ring.release(len(item.records))
+            except BaseException as exc:  # noqa: BLE001 - reported to the producer
+                self.error = exc
+            finally:
+                self._io_queue.task_done()
+            if _has_stop(batch):
                 return
 
 
-class _SegmentWriter:
-    """Writer-thread state: records whose bytes are staged but not yet written."""
+@dataclass(slots=True)
+class _Segment:
+    """Staged records with their statistics, to be written as one contiguous run of the ring."""
+
+    start: int
+    end: int
+    records: list[tuple[_Record, Stats]]
+
+
+class _StatsStage:
+    """Stats-thread state: statistics for each tensor, grouping staged ones into segments."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.ring = recorder.ring
-        self.file = recorder.file
-        self.pending: list[tuple[_Record, Any]] = []  # staged records with their stats
+        self.summary = recorder.summary
+        self.pending: list[tuple[_Record, Stats]] = []
         self.pending_bytes = 0
         self.segment_bytes = min(SEGMENT_BYTES, recorder.ring.capacity // 4)
-        self.rows = {name: [] for name in schema.INDEX_COLUMNS}
-        self.sites = {name: [] for name in schema.SITES_COLUMNS}
+        self.out: list[Any] = []
 
-    def add(self, record: _Record) -> None:
+    def take(self, item: Any) -> None:
+        if not isinstance(item, _Record):  # site rows and markers keep their place in line
+            if item is _FLUSH or item is _STOP or item is _WRITE:
+                self.close_segment()
+            self.out.append(item)
+            return
+        record = item
         if record.value or (record.offset < 0 and record.array is None):
-            self._row(record, -1, 0, EMPTY_STATS, kind="value" if record.value else "tensor")
-            return
-        if record.array is not None:  # oversized: its own segment, written now
-            self.write_pending()
-            flat = record.array.reshape(-1)
-            stats = compute_stats(flat, record.dtype)
-            segment = -1 if self.file.summary else self.file.write_segment(flat.view(np.uint8))
-            self._row(record, segment, 0, stats)
-            return
-        if self.pending and record.offset < self.pending[-1][0].offset:
-            self.write_pending()  # the ring wrapped: a segment must be one contiguous run
-        raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
-        stats = compute_stats(_typed(raw, record), record.dtype)
-        if self.file.summary:
-            self._row(record, -1, 0, stats)
-            self.ring.release(1)
-            return
-        self.pending.append((record, stats))
-        self.pending_bytes += record.nbytes
+            self.out.append((record, EMPTY_STATS))
+        elif record.array is not None:  # oversized: written from the caller's array
+            self.close_segment()
+            self.out.append((record, compute_stats(record.array.reshape(-1), record.dtype)))
+        else:
+            if self.pending and record.offset < self.pending[-1][0].offset:
+                self.close_segment()  # the ring wrapped: a segment is one contiguous run
+            raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
+            stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)
+            if self.summary:
+                self.out.append((record, stats))
+                self.ring.release(1)
+                return
+            self.pending.append((record, stats))
+            self.pending_bytes += record.nbytes
+            if self.pending_bytes >= self.segment_bytes:
+                self.close_segment()
 
-    def should_write(self) -> bool:
-        return self.pending_bytes >= self.segment_bytes
+    def close_segment(self) -> None:
+        if self.pending:
+            last = self.pending[-1][0]
+            self.out.append(_Segment(self.pending[0][0].offset, last.offset + last.nbytes,
+                                     self.pending))
+            self.pending = []
+            self.pending_bytes = 0
 
-    def write_pending(self) -> None:
-        if not self.pending:
-            return
-        start = self.pending[0][0].offset
-        last = self.pending[-1][0]
-        segment = self.file.write_segment(self.ring.buffer[start:last.offset + last.nbytes])
-        for record, stats in self.pending:
-            self._row(record, segment, record.offset - start, stats)
-        self.ring.release(len(self.pending))
-        self.pending.clear()
-        self.pending_bytes = 0
+    def send(self) -> None:
+        if self.out:
+            self.recorder._io_queue.put(self.out)
+            self.out = []
 
     def drop_pending(self) -> None:
         self.ring.release(len(self.pending))
-        self.pending.clear()
+        self.pending = []
+
+
+class _IOStage:
+    """I/O-thread state: the file and the table rows not yet appended to it."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.ring = recorder.ring
+        self.file = recorder.file
+        self.rows: dict[str, list] = {name: [] for name in schema.INDEX_COLUMNS}
+        self.sites: dict[str, list] = {name: [] for name in schema.SITES_COLUMNS}
+
+    def take(self, item: Any) -> None:
+        if isinstance(item, _Segment):
+            segment = self.file.write_segment(self.ring.buffer[item.start:item.end])
+            for record, stats in item.records:
+                self._row(record, segment, record.offset - item.start, stats)
+            self.ring.release(len(item.records))
+        elif isinstance(item, tuple):
+            record, stats = item
+            if record.array is not None and not self.file.summary:
+                segment = self.file.write_segment(record.array.reshape(-1).view(np.uint8))
+                self._row(record, segment, 0, stats)
+            else:
+                self._row(record, -1, 0, stats, "value" if record.value else "tensor")
+        elif isinstance(item, dict):
+            for name, values in self.sites.items():
+                values.append(item[name])
+        elif item is _FLUSH or item is _STOP:
+            self.flush()
 
     def flush(self) -> None:
-        self.write_pending()
         if self.rows["seq"]:
             # Values are rowed at once, tensors when their segment is written: restore the
             # recording order, so that file order is seq order for readers without layerdiff.
@@ -263,11 +352,8 @@ class _SegmentWriter:
             self.sites = {name: [] for name in schema.SITES_COLUMNS}
         self.file.flush()
 
-    def add_site(self, row: dict[str, Any]) -> None:
-        for name, values in self.sites.items():
-            values.append(row[name])
-
-    def _row(self, record: _Record, segment: int, offset: int, stats, kind: str = "tensor") -> None:
+    def _row(self, record: _Record, segment: int, offset: int, stats: Stats,
+             kind: str = "tensor") -> None:
         numel = int(np.prod(record.shape)) if kind == "tensor" else 0
         values = (record.seq, record.step, record.pass_, record.site, record.role, record.arg,
                   kind, record.dtype, schema.format_shape(record.shape), numel, segment, offset,
@@ -276,5 +362,5 @@ class _SegmentWriter:
             column.append(value)
 
 
-def _typed(raw: np.ndarray, record: _Record) -> np.ndarray:
-    return raw.view(schema.numpy_dtype(record.dtype))
+def _has_stop(batch: list) -> bool:
+    return any(item is _STOP for item in batch)

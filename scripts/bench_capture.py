@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Capture overhead, side by side in one run: bare step vs summary and full capture.
+
+For each case: the bare training step (median over repeats, interleaved with the captures so
+machine drift hits all alike), capture with --summary and with tensors as ratios to it, bytes
+recorded per step, and peak memory over the bare run (each mode in its own process). Then the
+writer's rate against numpy.tofile of the same bytes to the same disk.
+
+    python scripts/bench_capture.py                    # the bundled cases
+    python scripts/bench_capture.py --steps 3 --repeats 5 --cases reference_models.mlp:reference
+    python scripts/bench_capture.py --peers            # torchlens / msprobe too, if installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_CASES = [
+    "reference_models.mlp:reference",
+    "reference_models.transformer:reference",
+    "reference_models.transformer:reference_large",
+    "reference_models.bench:deep_narrow",
+]
+
+
+def time_bare(spec: str, steps: int) -> float:
+    from layerdiff import load_case, run_case
+    case = load_case(spec)
+    start = time.perf_counter()
+    run_case(case, steps=steps)
+    return time.perf_counter() - start
+
+
+def time_capture(spec: str, steps: int, summary: bool, directory: Path) -> tuple[float, int]:
+    from layerdiff import load_case
+    from layerdiff.capture.torch_capture import PreparedCapture
+    case = load_case(spec)
+    path = directory / ("summary.h5" if summary else "full.h5")
+    prepared = PreparedCapture(case, path, steps=steps, summary=summary)
+    start = time.perf_counter()
+    prepared.run()  # all steps, the writer drained, the file published
+    elapsed = time.perf_counter() - start
+    recorded = prepared.recorder.bytes_submitted
+    path.unlink()
+    return elapsed, recorded
+
+
+def child_peak_rss(spec: str, mode: str, steps: int, directory: Path) -> float:
+    """Peak RSS (MiB) of a fresh process running one mode."""
+    code = (
+        "import resource, sys; sys.path.insert(0, %r);"
+        "from scripts.bench_capture import time_bare, time_capture; from pathlib import Path;"
+        "mode=%r; spec=%r; steps=%d; d=Path(%r);"
+        "time_bare(spec, steps) if mode == 'bare' else time_capture(spec, steps, mode == 'summary', d);"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    ) % (str(Path(__file__).resolve().parent.parent), mode, spec, steps, str(directory))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def writer_rate(total_bytes: int, tensor_bytes: int, directory: Path) -> tuple[float, float]:
+    """GB/s of the trace writer and of numpy.tofile, for the same bytes to the same disk."""
+    from layerdiff.trace import TraceWriter
+    count = max(1, total_bytes // tensor_bytes)
+    block = np.random.default_rng(0).standard_normal(tensor_bytes // 4).astype(np.float32)
+    raw_path, trace_path = directory / "raw.bin", directory / "rate.h5"
+    start = time.perf_counter()
+    with open(raw_path, "wb") as handle:
+        for _ in range(count):
+            block.tofile(handle)
+    raw = count * block.nbytes / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    with TraceWriter(trace_path) as writer:
+        for i in range(count):
+            writer.record(f"layer{i}#0", "output", block)
+    ours = count * block.nbytes / (time.perf_counter() - start) / 1e9
+    raw_path.unlink()
+    trace_path.unlink()
+    return ours, raw
+
+
+def peers(spec: str, steps: int, directory: Path) -> dict[str, float]:
+    """Seconds for `steps` steps under torchlens / msprobe, where they are installed."""
+    from layerdiff import load_case
+    result: dict[str, float] = {}
+    try:
+        import torchlens
+        case = load_case(spec)
+        start = time.perf_counter()
+        for _ in range(steps):
+            log = torchlens.log_forward_pass(case.model, list(case.inputs), layers_to_save="all")
+            del log
+        result["torchlens (fwd only)"] = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001 - a peer that is missing or fails is reported
+        result["torchlens (fwd only)"] = float("nan")
+        print(f"  torchlens skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    parser.add_argument("--peers", action="store_true", help="also time torchlens / msprobe")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON too")
+    args = parser.parse_args()
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=args.dir))
+    rows = []
+    try:
+        for spec in args.cases:
+            time_bare(spec, 1)  # warm-up: allocator, first-call overheads
+            time_capture(spec, 1, True, directory)
+            bare, summ, full = [], [], []
+            recorded = 0
+            for _ in range(args.repeats):
+                bare.append(time_bare(spec, args.steps))
+                summ.append(time_capture(spec, args.steps, True, directory)[0])
+                seconds, recorded = time_capture(spec, args.steps, False, directory)
+                full.append(seconds)
+            b, s, f = (statistics.median(x) for x in (bare, summ, full))
+            row = {"case": spec, "bare_ms": 1000 * b / args.steps, "summary_x": s / b,
+                   "full_x": f / b, "mib_per_step": recorded / args.steps / 2**20,
+                   "capture_gbs": recorded / f / 1e9}
+            if not args.no_memory:
+                base = child_peak_rss(spec, "bare", args.steps, directory)
+                row["extra_rss_summary_mib"] = child_peak_rss(spec, "summary", args.steps,
+                                                              directory) - base
+                row["extra_rss_full_mib"] = child_peak_rss(spec, "full", args.steps,
+                                                           directory) - base
+            if args.peers:
+                for name, seconds in peers(spec, args.steps, directory).items():
+                    row[name + "_x"] = seconds / b
+            rows.append(row)
+            print(_format_row(row), flush=True)
+        rates = []
+        for total, size in ((512 * 2**20, 64 * 2**10), (512 * 2**20, 4 * 2**20)):
+            ours, raw = writer_rate(total, size, directory)
+            rates.append({"tensor_kib": size // 1024, "count": total // size,
+                          "writer_gbs": ours, "tofile_gbs": raw, "ratio": ours / raw})
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    print()
+    print("| case | bare step ms | summary x | full x | MiB/step | capture GB/s | +RSS summary MiB | +RSS full MiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['case']} | {r['bare_ms']:.1f} | {r['summary_x']:.2f} | {r['full_x']:.2f} | "
+              f"{r['mib_per_step']:.1f} | {r['capture_gbs']:.2f} | "
+              f"{r.get('extra_rss_summary_mib', float('nan')):.0f} | "
+              f"{r.get('extra_rss_full_mib', float('nan')):.0f} |")
+    print()
+    print("| writer test | tensors | trace writer GB/s | numpy.tofile GB/s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rates:
+        print(f"| {r['tensor_kib']} KiB tensors | {r['count']} | {r['writer_gbs']:.2f} | "
+              f"{r['tofile_gbs']:.2f} | {r['ratio']:.2f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"capture": rows, "writer": rates}, indent=1))
+
+
+def _format_row(row: dict) -> str:
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in row.items())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    main()
