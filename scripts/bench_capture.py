@@ -94,22 +94,68 @@ def writer_rate(total_bytes: int, tensor_bytes: int, directory: Path) -> tuple[f
     return ours, raw
 
 
-def peers(spec: str, steps: int, directory: Path) -> dict[str, float]:
-    """Seconds for `steps` steps under torchlens / msprobe, where they are installed."""
-    from layerdiff import load_case
-    result: dict[str, float] = {}
-    try:
+def peer_ratios(spec: str, steps: int, repeats: int, directory: Path) -> dict[str, float]:
+    """Peers' time as a ratio to the bare step, each measured in its own process.
+
+    TorchLens wraps torch functions for good on first use and msprobe's debugger is one per
+    process, so each peer gets a fresh process that times the bare step first, then the peer.
+    """
+    ratios = {}
+    for peer in ("torchlens", "msprobe-statistics", "msprobe-tensor"):
+        code = ("import sys; sys.path.insert(0, %r); from scripts.bench_capture import _peer_child;"
+                "_peer_child(%r, %r, %d, %d, %r)") % (
+            str(Path(__file__).resolve().parent.parent), peer, spec, steps, repeats,
+            str(directory))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        try:
+            ratios[peer] = float(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            ratios[peer] = float("nan")
+            print(f"  {peer} did not run on {spec}: {out.stderr.strip().splitlines()[-1:]}",
+                  file=sys.stderr)
+    return ratios
+
+
+def _peer_child(peer: str, spec: str, steps: int, repeats: int, directory: str) -> None:
+    from layerdiff import load_case, run_case
+    case = load_case(spec)
+    bare = min(_timed(lambda: run_case(case, steps=steps)) for _ in range(repeats))
+    args = list(case.inputs) if isinstance(case.inputs, tuple) else []
+    kwargs = case.inputs if isinstance(case.inputs, dict) else {}
+    if peer == "torchlens":
         import torchlens
-        case = load_case(spec)
-        start = time.perf_counter()
-        for _ in range(steps):
-            log = torchlens.log_forward_pass(case.model, list(case.inputs), layers_to_save="all")
-            del log
-        result["torchlens (fwd only)"] = time.perf_counter() - start
-    except Exception as exc:  # noqa: BLE001 - a peer that is missing or fails is reported
-        result["torchlens (fwd only)"] = float("nan")
-        print(f"  torchlens skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return result
+
+        def one_run() -> None:
+            for _ in range(steps):  # forward activations only, kept in RAM, as TorchLens does
+                torchlens.trace(case.model, input_args=args, input_kwargs=kwargs)
+    else:
+        from msprobe.pytorch import PrecisionDebugger
+        config = Path(directory) / f"{peer}.json"
+        config.write_text(json.dumps({
+            "task": peer.split("-")[1], "dump_path": str(Path(directory) / peer), "rank": [],
+            "step": [], "level": "L0"}))
+        debugger = PrecisionDebugger(config_path=str(config))
+
+        def one_run() -> None:
+            # module-level forward and backward dumps, one debugger step per training step
+            optimizer = case.optimizer(case.model.parameters()) if case.optimizer else None
+            for _ in range(steps):
+                debugger.start(model=case.model)
+                loss = case.loss_fn(case.call_model())
+                loss.backward()
+                if optimizer:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                debugger.stop()
+                debugger.step()
+    peer_time = min(_timed(one_run) for _ in range(repeats))
+    print(peer_time / bare)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -147,8 +193,7 @@ def main() -> None:
                 row["extra_rss_full_mib"] = child_peak_rss(spec, "full", args.steps,
                                                            directory) - base
             if args.peers:
-                for name, seconds in peers(spec, args.steps, directory).items():
-                    row[name + "_x"] = seconds / b
+                row.update(peer_ratios(spec, args.steps, args.repeats, directory))
             rows.append(row)
             print(_format_row(row), flush=True)
         rates = []
@@ -173,6 +218,15 @@ def main() -> None:
     for r in rates:
         print(f"| {r['tensor_kib']} KiB tensors | {r['count']} | {r['writer_gbs']:.2f} | "
               f"{r['tofile_gbs']:.2f} | {r['ratio']:.2f} |")
+    if args.peers:
+        print()
+        print("| case | layerdiff summary x | layerdiff full x | torchlens x (fwd only, RAM) | "
+              "msprobe L0 statistics x | msprobe L0 tensor x |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['case']} | {r['summary_x']:.2f} | {r['full_x']:.2f} | "
+                  f"{r['torchlens']:.2f} | {r['msprobe-statistics']:.2f} | "
+                  f"{r['msprobe-tensor']:.2f} |")
     if args.json:
         args.json.write_text(json.dumps({"capture": rows, "writer": rates}, indent=1))
 

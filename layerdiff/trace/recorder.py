@@ -266,6 +266,7 @@ class _StatsStage:
         self.pending_bytes = 0
         self.segment_bytes = min(SEGMENT_BYTES, recorder.ring.capacity // 4)
         self.out: list[Any] = []
+        self.to_release = 0
 
     def take(self, item: Any) -> None:
         if not isinstance(item, _Record):  # site rows and markers keep their place in line
@@ -286,7 +287,7 @@ class _StatsStage:
             stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)
             if self.summary:
                 self.out.append((record, stats))
-                self.ring.release(1)
+                self.to_release += 1  # freed once per batch: each release wakes the producer
                 return
             self.pending.append((record, stats))
             self.pending_bytes += record.nbytes
@@ -302,13 +303,17 @@ class _StatsStage:
             self.pending_bytes = 0
 
     def send(self) -> None:
+        if self.to_release:
+            self.ring.release(self.to_release)
+            self.to_release = 0
         if self.out:
             self.recorder._io_queue.put(self.out)
             self.out = []
 
     def drop_pending(self) -> None:
-        self.ring.release(len(self.pending))
+        self.ring.release(len(self.pending) + self.to_release)
         self.pending = []
+        self.to_release = 0
 
 
 class _IOStage:
