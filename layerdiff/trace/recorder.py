@@ -9,6 +9,7 @@ The ring's size is the memory cap: when it is full, producers wait (bounded memo
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import threading
@@ -21,7 +22,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import TraceFile
-from layerdiff.trace.stats import EMPTY_STATS, Stats, compute_stats
+from layerdiff.trace.stats import EMPTY_STATS, Stats, batch_stats, compute_stats
 
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 # A segment is written once this many bytes are pending: big enough that the ~150 us cost of
@@ -209,6 +210,8 @@ class Recorder:
         while True:
             batch = self._stats_queue.get()
             try:
+                if self.error is None:
+                    stage.precompute(batch)
                 for item in batch:
                     if self.error is None:
                         stage.take(item)
@@ -267,6 +270,24 @@ class _StatsStage:
         self.segment_bytes = min(SEGMENT_BYTES, recorder.ring.capacity // 4)
         self.out: list[Any] = []
         self.to_release = 0
+        self.ready: dict[int, Stats] = {}  # seq -> statistics computed for a whole batch
+
+    def precompute(self, batch: list[Any]) -> None:
+        """Statistics of the batch's small staged tensors, a few numpy calls for all of them."""
+        staged = [r for r in batch if isinstance(r, _Record) and r.offset >= 0 and r.nbytes]
+        # one increasing run of the ring at a time (it may wrap inside a batch)
+        runs, run = [], []
+        for record in staged:
+            if run and record.offset < run[-1].offset:
+                runs.append(run)
+                run = []
+            run.append(record)
+        runs.append(run)
+        for run in runs:
+            spans = [(r.offset, r.nbytes, r.dtype) for r in run]
+            for record, stats in zip(run, batch_stats(self.ring.buffer, spans)):
+                if stats is not None:
+                    self.ready[record.seq] = stats
 
     def take(self, item: Any) -> None:
         if not isinstance(item, _Record):  # site rows and markers keep their place in line
@@ -283,8 +304,10 @@ class _StatsStage:
         else:
             if self.pending and record.offset < self.pending[-1][0].offset:
                 self.close_segment()  # the ring wrapped: a segment is one contiguous run
-            raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
-            stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)
+            stats = self.ready.pop(record.seq, None)
+            if stats is None:
+                raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
+                stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)
             if self.summary:
                 self.out.append((record, stats))
                 self.to_release += 1  # freed once per batch: each release wakes the producer
@@ -322,7 +345,7 @@ class _IOStage:
     def __init__(self, recorder: Recorder) -> None:
         self.ring = recorder.ring
         self.file = recorder.file
-        self.rows: dict[str, list] = {name: [] for name in schema.INDEX_COLUMNS}
+        self.rows: list[tuple] = []  # index rows as tuples; turned into columns at flush
         self.sites: dict[str, list] = {name: [] for name in schema.SITES_COLUMNS}
 
     def take(self, item: Any) -> None:
@@ -345,13 +368,13 @@ class _IOStage:
             self.flush()
 
     def flush(self) -> None:
-        if self.rows["seq"]:
+        if self.rows:
             # Values are rowed at once, tensors when their segment is written: restore the
             # recording order, so that file order is seq order for readers without layerdiff.
-            order = np.argsort(self.rows["seq"], kind="stable")
-            self.rows = {k: [v[i] for i in order] for k, v in self.rows.items()}
-            self.file.append_rows(schema.INDEX_GROUP, self.rows)
-            self.rows = {name: [] for name in schema.INDEX_COLUMNS}
+            self.rows.sort(key=lambda row: row[0])
+            columns = dict(zip(schema.INDEX_COLUMNS, map(list, zip(*self.rows)), strict=True))
+            self.file.append_rows(schema.INDEX_GROUP, columns)
+            self.rows = []
         if self.sites["site"]:
             self.file.append_rows(schema.SITES_GROUP, self.sites)
             self.sites = {name: [] for name in schema.SITES_COLUMNS}
@@ -359,12 +382,10 @@ class _IOStage:
 
     def _row(self, record: _Record, segment: int, offset: int, stats: Stats,
              kind: str = "tensor") -> None:
-        numel = int(np.prod(record.shape)) if kind == "tensor" else 0
-        values = (record.seq, record.step, record.pass_, record.site, record.role, record.arg,
-                  kind, record.dtype, schema.format_shape(record.shape), numel, segment, offset,
-                  record.nbytes, *stats, record.value)
-        for column, value in zip(self.rows.values(), values, strict=True):
-            column.append(value)
+        numel = math.prod(record.shape) if kind == "tensor" else 0
+        self.rows.append((record.seq, record.step, record.pass_, record.site, record.role,
+                          record.arg, kind, record.dtype, schema.format_shape(record.shape),
+                          numel, segment, offset, record.nbytes, *stats, record.value))
 
 
 def _has_stop(batch: list) -> bool:
