@@ -110,10 +110,10 @@ def batch_stats(buffer: np.ndarray, spans: list[tuple[int, int, str]]) -> list[S
             maxs = np.maximum.reduceat(values, starts)[0::2]
             sums = np.add.reduceat(values, starts, dtype=np.float64)[0::2]
             squares = np.add.reduceat(np.square(values, dtype=np.float64), starts)[0::2]
+            means = sums / counts
+            stds = np.sqrt(np.maximum(squares / counts - means * means, 0.0))
+            norms = np.sqrt(squares)
         finite = np.isfinite(mins) & np.isfinite(maxs)
-        means = sums / counts
-        stds = np.sqrt(np.maximum(squares / counts - means * means, 0.0))
-        norms = np.sqrt(squares)
         for j, i in enumerate(chosen):
             if finite[j]:
                 offset, nbytes, _ = spans[i]
