@@ -150,13 +150,13 @@ class ModuleRecorder:
             stager.any(step, "forward", site, "input", arg, value)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
-        if self.weights and call == 0:
-            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            for name, tensor in own:
-                if tensor is not None:
-                    stager.tensor(step, "forward", site, "weight", name, tensor)
-            if own:
-                self._weight_sites.append((site, module))
+        if self.weights and call == 0 and (module._parameters or module._buffers):
+            # the module's own tensors (recurse=False), read from its dicts: this runs per call
+            for tensors in (module._parameters, module._buffers):
+                for name, tensor in tensors.items():
+                    if tensor is not None:
+                        stager.tensor(step, "forward", site, "weight", name, tensor)
+            self._weight_sites.append((site, module))
 
     def _after(self, path: str, module: nn.Module, args: tuple, kwargs: dict,
                output: Any) -> None:

@@ -21,7 +21,9 @@ class Stager:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
-        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the ring seen as each dtype
+        # Per-dtype and per-shape facts, computed once: the hot path pays per Python call.
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int]] = {}
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
@@ -32,21 +34,23 @@ class Stager:
                        {"unsupported_tensor": repr(tensor.layout), "shape": list(tensor.shape),
                         "dtype": dtype_name(tensor.dtype)})
             return
+        typed = self._typed.get(tensor.dtype)
+        if typed is None:  # the ring seen as this dtype, the dtype's name, its item size
+            typed = self._typed[tensor.dtype] = (self._ring.view(tensor.dtype),
+                                                 dtype_name(tensor.dtype), tensor.element_size())
+        ring, name, itemsize = typed
         shape = tuple(tensor.shape)
-        nbytes = tensor.numel() * tensor.element_size()
-        name = dtype_name(tensor.dtype)
+        nbytes = tensor.numel() * itemsize
         if nbytes > rec.max_staged:
             # Larger than half the ring: written synchronously from (a contiguous CPU copy of) it.
             rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
                        array=_as_numpy(tensor))
             return
         offset = rec.reserve(nbytes)
-        typed = self._typed.get(tensor.dtype)
-        if typed is None:
-            typed = self._typed[tensor.dtype] = self._ring.view(tensor.dtype)
-        # One as_strided call: the hot path pays per Python call, not per byte.
-        typed.as_strided(shape, _contiguous_strides(shape),
-                         offset // tensor.element_size()).copy_(tensor)
+        strides = self._strides.get(shape)
+        if strides is None:
+            strides = self._strides[shape] = _contiguous_strides(shape)
+        ring.as_strided(shape, strides, offset // itemsize).copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
 
     def value(self, step: int, pass_: str, site: str, role: str, arg: str, value: Any) -> None:
