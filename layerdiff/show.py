@@ -90,9 +90,9 @@ def format_records(records: pd.DataFrame, width: int = WIDTH) -> str:
 
 
 def format_sites(summary: pd.DataFrame, width: int = WIDTH) -> str:
-    columns = [("site", 0, "l"), ("type", 18, "l"), ("input", 5, "r"), ("output", 6, "r"),
-               ("weight", 6, "r"), ("grad_output", 8, "r"), ("grad_input", 8, "r"),
-               ("weight_grad", 8, "r"), ("bytes", 9, "r")]
+    columns = [("site", 0, "l"), ("type", 14, "l"), ("input", 3, "r"), ("output", 3, "r"),
+               ("weight", 6, "r"), ("grad_output", 8, "r"), ("grad_input", 7, "r"),
+               ("weight_grad", 6, "r"), ("bytes", 8, "r")]
     titles = {"site": "site", "type": "type", "input": "in", "output": "out", "weight": "weight",
               "grad_output": "grad_out", "grad_input": "grad_in", "weight_grad": "w_grad",
               "bytes": "KiB"}

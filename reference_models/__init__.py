@@ -1,0 +1,1 @@
+"""Bundled cases: small real models with fixed-seed weights and generated data."""
