@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -62,11 +61,12 @@ def time_capture(spec: str, steps: int, summary: bool, directory: Path) -> tuple
 def child_peak_rss(spec: str, mode: str, steps: int, directory: Path) -> float:
     """Peak RSS (MiB) of a fresh process running one mode."""
     code = (
-        "import resource, sys; sys.path.insert(0, %r);"
+        "import sys; sys.path.insert(0, %r);"
         "from scripts.bench_capture import time_bare, time_capture; from pathlib import Path;"
         "mode=%r; spec=%r; steps=%d; d=Path(%r);"
         "time_bare(spec, steps) if mode == 'bare' else time_capture(spec, steps, mode == 'summary', d);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        # VmHWM, not ru_maxrss: ru_maxrss survives exec and reports the forking parent's peak
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
     ) % (str(Path(__file__).resolve().parent.parent), mode, spec, steps, str(directory))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

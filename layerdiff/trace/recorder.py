@@ -60,8 +60,9 @@ class StagingRing:
     def __init__(self, capacity: int) -> None:
         capacity -= capacity % schema.ALIGN  # so the ring can be viewed as any dtype
         self.capacity = capacity
+        # Not pre-touched: pages are committed as the ring first fills, so a small model's
+        # capture does not hold the whole cap in memory.
         self.buffer = np.empty(capacity, dtype=np.uint8)
-        self.buffer.fill(0)  # touch the pages now, not inside the first captured step
         self._head = 0
         self._used = 0
         self._spans: collections.deque[int] = collections.deque()
