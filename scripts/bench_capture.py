@@ -14,6 +14,7 @@ writer's rate against numpy.tofile of the same bytes to the same disk.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -36,9 +37,17 @@ DEFAULT_CASES = [
 ]
 
 
+def _quiet_gc() -> None:
+    """Collect now and freeze what exists: a full collection over torch's ~300k objects takes
+    ~90 ms here and otherwise lands at random inside one timed run or another."""
+    gc.collect()
+    gc.freeze()
+
+
 def time_bare(spec: str, steps: int) -> float:
     from layerdiff import load_case, run_case
     case = load_case(spec)
+    _quiet_gc()
     start = time.perf_counter()
     run_case(case, steps=steps)
     return time.perf_counter() - start
@@ -50,6 +59,7 @@ def time_capture(spec: str, steps: int, summary: bool, directory: Path) -> tuple
     case = load_case(spec)
     path = directory / ("summary.h5" if summary else "full.h5")
     prepared = PreparedCapture(case, path, steps=steps, summary=summary)
+    _quiet_gc()
     start = time.perf_counter()
     prepared.run()  # all steps, the writer drained, the file published
     elapsed = time.perf_counter() - start
