@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # name -> module that defines it, imported on first access (PEP 562).
 _LAZY = {
     "Case": "layerdiff.case",
+    "ExternalCase": "layerdiff.case",
     "load_case": "layerdiff.case",
     "seed_everything": "layerdiff.case",
     "run_case": "layerdiff.capture",

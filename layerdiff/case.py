@@ -54,6 +54,21 @@ class Case:
         return self.model(*self.inputs)
 
 
+@dataclass
+class ExternalCase:
+    """A port that is not a torch module (numpy, JAX, a C++ binding): it records itself.
+
+    ``run(writer, steps=..., loss_scale=...)`` runs the port's training steps on the case's
+    inputs and records each site into ``writer`` (a :class:`layerdiff.TraceWriter`), calling
+    ``writer.step()`` between steps and multiplying its loss gradient by ``loss_scale``.
+    """
+
+    run: Callable[..., None]
+    seed: int = 0
+    steps: int = 1
+    name: str = ""
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch, so that dropout and data draws repeat exactly."""
     random.seed(seed)
@@ -61,7 +76,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_case(spec: str) -> Case:
+def load_case(spec: str) -> Case | ExternalCase:
     """Import ``package.module:attr`` and return the Case it names.
 
     ``attr`` is a Case, or a callable taking no arguments that returns one.
@@ -86,7 +101,7 @@ def load_case(spec: str) -> Case:
         names = sorted(n for n in vars(module) if not n.startswith("_"))
         raise CaseError(f"case spec {spec!r}: module {module_name!r} has no attribute "
                         f"{attr!r}; it has {', '.join(names[:12]) or 'no public names'}") from None
-    if isinstance(target, Case):
+    if isinstance(target, (Case, ExternalCase)):
         case = target
     elif callable(target):
         try:
@@ -96,7 +111,7 @@ def load_case(spec: str) -> Case:
         except Exception as exc:
             raise CaseError(f"case spec {spec!r}: calling {attr}() raised "
                             f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(case, Case):
+        if not isinstance(case, (Case, ExternalCase)):
             raise CaseError(f"case spec {spec!r}: {attr}() returned {type(case).__name__}, "
                             "not a layerdiff.Case")
     else:

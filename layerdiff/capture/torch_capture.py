@@ -14,10 +14,10 @@ from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.progress import StepProgress
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
-from layerdiff.case import Case
+from layerdiff.case import Case, ExternalCase, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
-from layerdiff.trace.writer import base_meta, check_writable
+from layerdiff.trace.writer import TraceWriter, base_meta, check_writable
 
 
 class _Observer:
@@ -41,11 +41,11 @@ class _Observer:
         self.hooks.after_backward()
 
     def end_step(self, step: int) -> None:
-        self.recorder.flush(wait=False)  # a crash in a later step keeps this one on disk
+        self.recorder.checkpoint()  # a crash in a later step keeps this one on disk
         self.progress.advance(self.recorder.bytes_submitted)
 
 
-def capture(case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
+def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequence[str] = (),
             exclude: Sequence[str] = (), loss_scale: float = 1.0, steps: int | None = None,
             summary: bool = False, weights: bool = True,
             queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False) -> Path:
@@ -61,6 +61,10 @@ def capture(case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
     ever published under ``path``.
     """
+    if isinstance(case, ExternalCase):
+        return _capture_external(case, path, include=include, exclude=exclude,
+                                 loss_scale=loss_scale, steps=steps, summary=summary,
+                                 queue_bytes=queue_bytes)
     prepared = PreparedCapture(case, path, include=include, exclude=exclude,
                                loss_scale=loss_scale, steps=steps, summary=summary,
                                weights=weights, queue_bytes=queue_bytes)
@@ -112,6 +116,36 @@ class PreparedCapture:
             finally:
                 hooks.detach()
         return recorder.close(complete=True)
+
+
+def _capture_external(case: ExternalCase, path: str | os.PathLike, *, include: Sequence[str],
+                      exclude: Sequence[str], loss_scale: float, steps: int | None,
+                      summary: bool, queue_bytes: int) -> Path:
+    """A port that records itself: give it a TraceWriter and let it run."""
+    steps = case.steps if steps is None else steps
+    if include or exclude:
+        raise CaptureError(f"case {case.name} records itself, so --include and --exclude do "
+                           "not apply to it; narrow the sites when comparing instead")
+    if steps < 1:
+        raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case.name}")
+    meta = {"case": case.name, "seed": case.seed, "steps": steps, "loss_scale": loss_scale,
+            "summary": summary}
+    seed_everything(case.seed)
+    writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
+                         producer=f"layerdiff.ExternalCase ({case.name})")
+    try:
+        case.run(writer, steps=steps, loss_scale=loss_scale)
+    except LayerdiffError:
+        writer.close(complete=False)
+        raise
+    except Exception as exc:
+        writer.close(complete=False)
+        raise CaptureError(f"case {case.name}: the port raised {type(exc).__name__}: {exc} "
+                           f"at step {writer.current_step}; no trace was published") from exc
+    except BaseException:
+        writer.close(complete=False)
+        raise
+    return writer.close()
 
 
 def _close_incomplete(recorder: Recorder) -> Path:

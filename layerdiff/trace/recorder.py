@@ -13,6 +13,7 @@ import math
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ SEGMENT_BYTES = 16 * 2**20
 # Records go to the writer threads in batches of this many, or sooner when this many bytes wait.
 BATCH_RECORDS = 256
 BATCH_BYTES = 4 * 2**20
+CHECKPOINT_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class _Record:
 
 
 _FLUSH = object()  # write pending bytes and table rows, then flush the file
+_CHECKPOINT = object()  # the same, unless the tables were flushed less than a second ago
 _WRITE = object()  # write pending bytes: a producer waits for ring space
 _STOP = object()
 
@@ -161,14 +164,18 @@ class Recorder:
     def submit_site(self, row: dict[str, Any]) -> None:
         self._batch.append(row)
 
-    def flush(self, wait: bool = True) -> None:
-        """Write out everything queued so far (end of a step): a crash later keeps it.
-
-        With ``wait=False`` the writer does it in the background while the next step runs.
-        """
+    def flush(self) -> None:
+        """Write out everything queued so far and wait until it is in the file."""
         self._send(_FLUSH)
-        if wait:
-            self._join()
+        self._join()
+
+    def checkpoint(self) -> None:
+        """End of a step: make what was recorded survive a crash, at most once a second.
+
+        Appending to the tables costs ~5 ms whatever their size, which would dominate the
+        capture of a small model if paid every step.
+        """
+        self._send(_CHECKPOINT)
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -292,7 +299,7 @@ class _StatsStage:
 
     def take(self, item: Any) -> None:
         if not isinstance(item, _Record):  # site rows and markers keep their place in line
-            if item is _FLUSH or item is _STOP or item is _WRITE:
+            if item is _FLUSH or item is _STOP or item is _WRITE or item is _CHECKPOINT:
                 self.close_segment()
             self.out.append(item)
             return
@@ -348,6 +355,7 @@ class _IOStage:
         self.file = recorder.file
         self.rows: list[tuple] = []  # index rows as tuples; turned into columns at flush
         self.sites: dict[str, list] = {name: [] for name in schema.SITES_COLUMNS}
+        self.flushed_at = time.monotonic()
 
     def take(self, item: Any) -> None:
         if isinstance(item, _Segment):
@@ -367,6 +375,8 @@ class _IOStage:
                 values.append(item[name])
         elif item is _FLUSH or item is _STOP:
             self.flush()
+        elif item is _CHECKPOINT and time.monotonic() - self.flushed_at >= CHECKPOINT_SECONDS:
+            self.flush()
 
     def flush(self) -> None:
         if self.rows:
@@ -380,6 +390,7 @@ class _IOStage:
             self.file.append_rows(schema.SITES_GROUP, self.sites)
             self.sites = {name: [] for name in schema.SITES_COLUMNS}
         self.file.flush()
+        self.flushed_at = time.monotonic()
 
     def _row(self, record: _Record, segment: int, offset: int, stats: Stats,
              kind: str = "tensor") -> None:

@@ -74,7 +74,7 @@ class TraceWriter:
 
     def step(self, step: int | None = None) -> None:
         """Begin a training step (the next one by default): call numbers restart."""
-        self._recorder.flush()
+        self._recorder.checkpoint()
         self.current_step = self.current_step + 1 if step is None else step
         self._calls.clear()
 
