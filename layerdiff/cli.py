@@ -99,6 +99,27 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
             click.echo(show.format_records(records))
 
 
+@main.command("cases")
+@click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
+def cases_command(as_json: bool) -> None:
+    """List the bundled cases: references, their ports, and ports with planted bugs."""
+    from reference_models.catalog import CATALOG
+
+    if as_json:
+        click.echo(json.dumps([info.as_json() for info in CATALOG], indent=1))
+        return
+    for kind in ("reference", "port", "bug"):
+        entries = [info for info in CATALOG if info.kind == kind]
+        if not entries:
+            continue
+        click.echo(f"{kind}s:")
+        for info in entries:
+            click.echo(f"  {info.spec}")
+            where = f" [{info.pass_} at {info.site}]" if info.site else ""
+            against = f" (against {info.reference})" if info.reference else ""
+            click.echo(f"      {info.description}{where}{against}")
+
+
 @main.command("demo")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False), default="layerdiff-demo",
               show_default=True, help="Where to write the demo's traces.")
