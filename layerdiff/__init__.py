@@ -25,8 +25,11 @@ _LAZY = {
     "open_trace": "layerdiff.trace",
 }
 
-__all__ = ["LayerdiffError", "CaseError", "TraceError", "CaptureError", "__version__",
-           "capture", *_LAZY]
+__all__ = [
+    "CaptureError", "Case", "CaseError", "ExternalCase", "LayerdiffError", "TraceError",
+    "TraceWriter", "__version__", "capture", "load_case", "open_trace", "run_case",
+    "seed_everything",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,4 +19,5 @@ def deep_narrow(depth: int = 120, width: int = 64, batch: int = 16) -> Case:
     x = torch.randn(batch, width)
     y = torch.randint(0, 10, (batch,))
     return Case(model=model, inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, y),
-                optimizer=lambda p: torch.optim.SGD(p, lr=0.01), name="reference_models.bench:deep_narrow")
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                name="reference_models.bench:deep_narrow")

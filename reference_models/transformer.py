@@ -80,7 +80,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                 mask: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._split(self.w_q(query)), self._split(self.w_k(key)), self._split(self.w_v(value))
+        q = self._split(self.w_q(query))
+        k = self._split(self.w_k(key))
+        v = self._split(self.w_v(value))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
         scores = scores.masked_fill(mask == 0, -1e9)  # mask: (batch, 1 | tgt, src), 1 = attend
         attention = self.dropout(scores.softmax(dim=-1))
@@ -229,6 +231,6 @@ def reference_steps() -> Case:
 
 
 def reference_large() -> Case:
-    """The benchmark size of PERF-NOTES.md: d_model 256, 8 heads, 4+4 layers, batch 8, length 128."""
+    """Benchmark size: d_model 256, 8 heads, 4+4 layers, batch 8, length 128."""
     cfg = Config(d_model=256, heads=8, d_ff=1024, layers=4, src_len=128, tgt_len=128)
     return build(cfg, name="reference_models.transformer:reference_large")

@@ -69,18 +69,21 @@ def time_capture(spec: str, steps: int, summary: bool, directory: Path) -> tuple
 
 
 def child_peak_rss(spec: str, mode: str, steps: int, directory: Path) -> float:
-    """Peak RSS (MiB) of a fresh process running one mode."""
-    code = (
-        "import sys; sys.path.insert(0, %r);"
-        "from scripts.bench_capture import time_bare, time_capture; from pathlib import Path;"
-        "mode=%r; spec=%r; steps=%d; d=Path(%r);"
-        "time_bare(spec, steps) if mode == 'bare' else time_capture(spec, steps, mode == 'summary', d);"
-        # VmHWM, not ru_maxrss: ru_maxrss survives exec and reports the forking parent's peak
-        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
-    ) % (str(Path(__file__).resolve().parent.parent), mode, spec, steps, str(directory))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
+    """Peak RSS (MiB) of a fresh process running one mode (bare, summary or full)."""
+    out = subprocess.run([sys.executable, __file__, "--child", "rss", mode, spec, str(steps),
+                          str(directory)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(mode: str, spec: str, steps: int, directory: Path) -> None:
+    if mode == "bare":
+        time_bare(spec, steps)
+    else:
+        time_capture(spec, steps, mode == "summary", directory)
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec and reports the forking parent's peak
+    with open("/proc/self/status") as status:
+        peak_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+    print(peak_kib / 1024)
 
 
 def writer_rate(total_bytes: int, tensor_bytes: int, directory: Path) -> tuple[float, float]:
@@ -112,11 +115,9 @@ def peer_ratios(spec: str, steps: int, repeats: int, directory: Path) -> dict[st
     """
     ratios = {}
     for peer in ("torchlens", "msprobe-statistics", "msprobe-tensor"):
-        code = ("import sys; sys.path.insert(0, %r); from scripts.bench_capture import _peer_child;"
-                "_peer_child(%r, %r, %d, %d, %r)") % (
-            str(Path(__file__).resolve().parent.parent), peer, spec, steps, repeats,
-            str(directory))
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--child", "peer", peer, spec,
+                              str(steps), str(repeats), str(directory)],
+                             capture_output=True, text=True, check=False)
         try:
             ratios[peer] = float(out.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
@@ -215,7 +216,8 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
     print()
-    print("| case | bare step ms | summary x | full x | MiB/step | capture GB/s | +RSS summary MiB | +RSS full MiB |")
+    print("| case | bare step ms | summary x | full x | MiB/step | capture GB/s "
+          "| +RSS summary MiB | +RSS full MiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['case']} | {r['bare_ms']:.1f} | {r['summary_x']:.2f} | {r['full_x']:.2f} | "
@@ -248,4 +250,11 @@ def _format_row(row: dict) -> str:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":  # one measurement in a fresh process
+        what, rest = sys.argv[2], sys.argv[3:]
+        if what == "rss":
+            _rss_child(rest[0], rest[1], int(rest[2]), Path(rest[3]))
+        else:
+            _peer_child(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4])
+    else:
+        main()

@@ -34,7 +34,8 @@ def test_capture_changes_no_number(tmp_path):
     capture(captured, tmp_path / "t.h5")
     again = run_case(tiny_cases.tiny_steps())
     assert [float(x) for x in result.losses] == [float(x) for x in again.losses]
-    for (name, a), b in zip(plain.model.named_parameters(), captured.model.parameters()):
+    pairs = zip(plain.model.named_parameters(), captured.model.parameters(), strict=True)
+    for (name, a), b in pairs:
         assert torch.equal(a, b), name
         assert torch.equal(a.grad, b.grad), name
     with open_trace(tmp_path / "t.h5") as trace:
@@ -110,11 +111,10 @@ def test_gradients_match_autograd(trace_path):
         np.testing.assert_allclose(_tensor(trace, "norm#0", "grad_output"), expected.numpy(),
                                    rtol=1e-6, atol=1e-9)
         # weight gradients are the parameters' .grad after backward
-        for site, module in (("heads.a#0", fresh.model.heads.a), ("embed#0", fresh.model.embed)):
-            for name, param in module.named_parameters():
-                assert torch.equal(torch.from_numpy(_tensor(trace, site, "weight_grad", name)),
-                                   case.model.get_submodule(site.split("#")[0])
-                                   .get_parameter(name).grad)
+        for module in ("heads.a", "embed"):
+            for name, param in case.model.get_submodule(module).named_parameters():
+                recorded = _tensor(trace, f"{module}#0", "weight_grad", name)
+                assert torch.equal(torch.from_numpy(recorded), param.grad)
 
 
 def test_loss_scale_amplifies_recorded_gradients_only(tmp_path):
@@ -125,7 +125,7 @@ def test_loss_scale_amplifies_recorded_gradients_only(tmp_path):
     capture(scaled, tmp_path / "s.h5", loss_scale=scale)
     reference = tiny_cases.tiny_steps()
     capture(reference, tmp_path / "r.h5")
-    for a, b in zip(plain.model.parameters(), scaled.model.parameters()):
+    for a, b in zip(plain.model.parameters(), scaled.model.parameters(), strict=True):
         assert torch.equal(a, b), "a power-of-two loss scale must leave training bit-identical"
     with open_trace(tmp_path / "s.h5") as s, open_trace(tmp_path / "r.h5") as r:
         assert s.loss_scale == scale and r.loss_scale == 1.0
@@ -142,7 +142,7 @@ def test_non_power_of_two_loss_scale_keeps_training_within_rounding(tmp_path):
     run_case(plain)
     scaled = tiny_cases.tiny_steps()
     capture(scaled, tmp_path / "s.h5", loss_scale=1e6)
-    for a, b in zip(plain.model.parameters(), scaled.model.parameters()):
+    for a, b in zip(plain.model.parameters(), scaled.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 

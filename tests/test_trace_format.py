@@ -139,7 +139,7 @@ def test_newer_format_version_is_refused(trace_path):
     _write_small(trace_path)
     with h5py.File(trace_path, "a") as f:
         f.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION + 1
-    with pytest.raises(TraceError, match="newer than the v1"):
+    with pytest.raises(TraceError, match=r"newer than the v1"):
         open_trace(trace_path)
 
 
@@ -147,9 +147,8 @@ def test_cut_off_file_is_refused(trace_path):
     _write_small(trace_path)
     data = trace_path.read_bytes()
     trace_path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(TraceError, match="cut off|damaged"):
-        with open_trace(trace_path) as trace:
-            trace.index  # noqa: B018 - reading is what must fail
+    with pytest.raises(TraceError, match=r"cut off|damaged"), open_trace(trace_path) as trace:
+        trace.index  # noqa: B018 - reading is what must fail
 
 
 def test_unfinished_capture_is_refused_unless_asked(trace_path):
@@ -168,8 +167,7 @@ def test_unfinished_capture_is_refused_unless_asked(trace_path):
 
 
 def test_exception_inside_writer_block_publishes_nothing(trace_path):
-    with pytest.raises(RuntimeError):
-        with TraceWriter(trace_path) as w:
-            w.record("a#0", "output", np.ones(3))
-            raise RuntimeError("port crashed")
+    with pytest.raises(RuntimeError), TraceWriter(trace_path) as w:
+        w.record("a#0", "output", np.ones(3))
+        raise RuntimeError("port crashed")
     assert not trace_path.exists()

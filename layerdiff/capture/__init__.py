@@ -10,7 +10,7 @@ import types
 from layerdiff.capture.run import RunResult, run_case
 from layerdiff.capture.torch_capture import capture
 
-__all__ = ["capture", "run_case", "RunResult"]
+__all__ = ["RunResult", "capture", "run_case"]
 
 
 class _CallableModule(types.ModuleType):

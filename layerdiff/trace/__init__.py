@@ -4,4 +4,4 @@ from layerdiff.trace.reader import Trace, open_trace
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
 from layerdiff.trace.writer import TraceWriter
 
-__all__ = ["Trace", "open_trace", "TraceWriter", "Recorder", "DEFAULT_QUEUE_BYTES"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "Recorder", "Trace", "TraceWriter", "open_trace"]

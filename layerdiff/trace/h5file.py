@@ -5,6 +5,7 @@ One writer thread owns an instance; nothing here is thread-safe by itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -73,10 +74,8 @@ class TraceFile:
 
     def abandon(self) -> None:
         """Close without marking complete, ignoring errors (the disk may be full)."""
-        try:
+        with contextlib.suppress(Exception):  # the original error is what the user needs
             self._h5.close()
-        except Exception:  # noqa: BLE001 - the original error is what the user needs to see
-            pass
 
 
 class _ColumnTable:

@@ -94,7 +94,8 @@ class Trace:
         except (KeyError, OSError) as exc:
             raise TraceError(f"{self.path}: tensor data of {row['site']} {row['role']} "
                              f"{row['arg']} cannot be read ({exc}); the file is damaged") from exc
-        array = data.view(schema.numpy_dtype(row["dtype"])).reshape(schema.parse_shape(row["shape"]))
+        array = data.view(schema.numpy_dtype(row["dtype"]))
+        array = array.reshape(schema.parse_shape(row["shape"]))
         if row["dtype"] == "bfloat16" and not raw:
             return (array.astype(np.uint32) << 16).view(np.float32)
         return array

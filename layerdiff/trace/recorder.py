@@ -134,7 +134,7 @@ class Recorder:
 
     # ---- producer side (the capturing thread) ----
     def reserve(self, nbytes: int) -> int:
-        """Offset in ``ring.buffer`` where ``nbytes`` may be written; waits while the ring is full."""
+        """Offset in ``ring.buffer`` for ``nbytes``; waits while the ring is full."""
         offset = self.ring.try_reserve(nbytes)
         while offset is None:
             self._send(_WRITE)  # the writer may be holding a part-filled segment
@@ -227,7 +227,7 @@ class Recorder:
                         self.ring.release(1)  # after a failure: drain so producers never block
                     elif item is _STOP:
                         self._io_queue.put([_STOP])
-            except BaseException as exc:  # noqa: BLE001 - reported to the producer
+            except BaseException as exc:
                 self.error = exc
                 stage.drop_pending()
                 if _has_stop(batch):
@@ -249,7 +249,7 @@ class Recorder:
                         stage.take(item)
                     elif isinstance(item, _Segment):
                         self.ring.release(len(item.records))
-            except BaseException as exc:  # noqa: BLE001 - reported to the producer
+            except BaseException as exc:
                 self.error = exc
             finally:
                 self._io_queue.task_done()
@@ -293,7 +293,7 @@ class _StatsStage:
         runs.append(run)
         for run in runs:
             spans = [(r.offset, r.nbytes, r.dtype) for r in run]
-            for record, stats in zip(run, batch_stats(self.ring.buffer, spans)):
+            for record, stats in zip(run, batch_stats(self.ring.buffer, spans), strict=True):
                 if stats is not None:
                     self.ready[record.seq] = stats
 
@@ -373,9 +373,9 @@ class _IOStage:
         elif isinstance(item, dict):
             for name, values in self.sites.items():
                 values.append(item[name])
-        elif item is _FLUSH or item is _STOP:
-            self.flush()
-        elif item is _CHECKPOINT and time.monotonic() - self.flushed_at >= CHECKPOINT_SECONDS:
+        elif item is _FLUSH or item is _STOP or (
+                item is _CHECKPOINT
+                and time.monotonic() - self.flushed_at >= CHECKPOINT_SECONDS):
             self.flush()
 
     def flush(self) -> None:
@@ -383,7 +383,8 @@ class _IOStage:
             # Values are rowed at once, tensors when their segment is written: restore the
             # recording order, so that file order is seq order for readers without layerdiff.
             self.rows.sort(key=lambda row: row[0])
-            columns = dict(zip(schema.INDEX_COLUMNS, map(list, zip(*self.rows)), strict=True))
+            columns = dict(zip(schema.INDEX_COLUMNS, map(list, zip(*self.rows, strict=True)),
+                               strict=True))
             self.file.append_rows(schema.INDEX_GROUP, columns)
             self.rows = []
         if self.sites["site"]:

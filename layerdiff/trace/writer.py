@@ -113,7 +113,7 @@ class TraceWriter:
                                f"{', '.join(schema.ROLES)}")
         pass_ = pass_ or schema.ROLE_PASS[role]
         rec = self._recorder
-        if isinstance(value, np.ndarray) or np.isscalar(value) and isinstance(value, np.generic):
+        if isinstance(value, np.ndarray) or (np.isscalar(value) and isinstance(value, np.generic)):
             array = np.ascontiguousarray(value)
             nbytes = array.nbytes
             dtype = array.dtype.name
