@@ -250,3 +250,25 @@ def test_writer_failing_mid_run_publishes_nothing(trace_path, monkeypatch):
     with pytest.raises(CaptureError, match="No space left on device"):
         capture(tiny_cases.tiny_steps(), trace_path)
     assert not trace_path.exists()
+
+
+def test_a_port_that_records_itself(trace_path):
+    capture(tiny_cases.numpy_port(), trace_path, loss_scale=4.0)
+    with open_trace(trace_path) as trace:
+        assert trace.loss_scale == 4.0 and trace.meta["steps"] == 2
+        assert sorted(trace.index["step"].unique()) == [0, 1]
+        assert set(trace.index["role"]) == {"input", "weight", "output", "grad_output",
+                                            "weight_grad"}
+        grad = _tensor(trace, "lin#0", "grad_output", step=1)
+        np.testing.assert_allclose(grad, np.full((4, 2), 0.5, np.float32))
+
+
+def test_a_self_recording_port_that_raises_publishes_nothing(trace_path):
+    with pytest.raises(CaptureError, match="overflow in lin"):
+        capture(tiny_cases.failing_numpy_port(), trace_path)
+    assert not trace_path.exists()
+
+
+def test_include_does_not_apply_to_a_self_recording_port(trace_path):
+    with pytest.raises(CaptureError, match="records itself"):
+        capture(tiny_cases.numpy_port(), trace_path, include=["lin"])

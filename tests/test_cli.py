@@ -87,3 +87,24 @@ def test_show_refuses_a_broken_trace(run, tmp_path):
 def test_debug_shows_the_traceback(run, tmp_path):
     result = run("--debug", "show", tmp_path / "missing.h5")
     assert result.exit_code != 0 and result.exception is not None
+
+
+def test_cases_lists_every_bundled_case_as_json(run):
+    result = run("cases", "--json")
+    assert result.exit_code == 0
+    cases = json.loads(result.output)
+    keys = {"spec", "model", "kind", "reference", "mapping", "site", "pass", "description"}
+    assert cases and all(set(c) == keys for c in cases)
+    assert "reference_models.transformer:reference" in {c["spec"] for c in cases}
+    for case in cases:
+        if case["kind"] == "bug":
+            assert case["site"] and case["pass"] in ("forward", "backward") and case["reference"]
+
+
+def test_demo_captures_the_transformer(run, tmp_path):
+    result = run("demo", "-o", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "reference.h5").exists()
+    assert "decoder.layers.1.cross_attn.w_q#0" in result.output
+    table = [line for line in result.output.splitlines() if str(tmp_path) not in line]
+    assert max(len(line) for line in table) <= 100

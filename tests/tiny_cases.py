@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from layerdiff import Case, seed_everything
+from layerdiff import Case, ExternalCase, seed_everything
 
 
 class Block(nn.Module):
@@ -110,3 +110,35 @@ def big_tensor() -> Case:
 
 
 not_a_case = 42
+
+
+def numpy_port() -> ExternalCase:
+    """A port that is not torch: two numpy 'layers' that record themselves."""
+    import numpy as np
+
+    def run(writer, steps: int, loss_scale: float) -> None:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((4, 3)).astype(np.float32)
+        w = rng.standard_normal((3, 2)).astype(np.float32)
+        for step in range(steps):
+            if step:
+                writer.step()
+            with writer.site("lin", "Linear") as site:
+                writer.record(site, "input", x)
+                writer.record(site, "weight", w, arg="weight")
+                y = x @ w
+                writer.record(site, "output", y)
+            dy = np.full_like(y, loss_scale / y.size)
+            writer.record(site, "grad_output", dy)
+            writer.record(site, "weight_grad", x.T @ dy, arg="weight")
+
+    return ExternalCase(run=run, seed=0, steps=2, name="tests.tiny_cases:numpy_port")
+
+
+def failing_numpy_port() -> ExternalCase:
+    def run(writer, steps: int, loss_scale: float) -> None:
+        with writer.site("lin") as site:
+            writer.record(site, "input", __import__("numpy").ones(3))
+            raise FloatingPointError("overflow in lin")
+
+    return ExternalCase(run=run, name="tests.tiny_cases:failing_numpy_port")
