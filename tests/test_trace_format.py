@@ -50,6 +50,17 @@ def test_roundtrip_keeps_values_order_and_sites(trace_path):
         assert trace.meta["case"] == "small"
 
 
+def test_zero_dimensional_arrays_keep_their_shape(trace_path):
+    """A loss recorded from numpy is 0-d, as torch capture records it: the shapes must agree."""
+    with TraceWriter(trace_path) as w, w.site("<loss>", "loss") as loss:
+        w.record(loss, "output", np.asarray(np.float32(0.25)))
+        w.record(loss, "output", np.float64(2.0), arg="1")
+    with open_trace(trace_path) as trace:
+        assert list(trace.index["shape"]) == ["", ""]
+        assert trace.read(0).shape == () and float(trace.read(0)) == 0.25
+        assert trace.read(1).shape == () and float(trace.read(1)) == 2.0
+
+
 def test_statistics_count_nan_and_inf(trace_path):
     _write_small(trace_path)
     with open_trace(trace_path) as trace:

@@ -114,7 +114,7 @@ class TraceWriter:
         pass_ = pass_ or schema.ROLE_PASS[role]
         rec = self._recorder
         if isinstance(value, np.ndarray) or (np.isscalar(value) and isinstance(value, np.generic)):
-            array = np.ascontiguousarray(value)
+            array = np.asarray(value, order="C")  # ascontiguousarray would make 0-d 1-d
             nbytes = array.nbytes
             dtype = array.dtype.name
             if nbytes > rec.max_staged:
