@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -114,10 +115,11 @@ def cases_command(as_json: bool) -> None:
             continue
         click.echo(f"{kind}s:")
         for info in entries:
-            click.echo(f"  {info.spec}")
-            where = f" [{info.pass_} at {info.site}]" if info.site else ""
+            where = f"  [{info.pass_} at {info.site}]" if info.site else ""
+            click.echo(f"  {info.spec}{where}")
             against = f" (against {info.reference})" if info.reference else ""
-            click.echo(f"      {info.description}{where}{against}")
+            click.echo(textwrap.fill(info.description + against, width=100,
+                                     initial_indent=" " * 6, subsequent_indent=" " * 6))
 
 
 @main.command("demo")

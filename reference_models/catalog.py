@@ -27,12 +27,58 @@ def _ref(model: str, description: str) -> CaseInfo:
     return CaseInfo(f"reference_models.{model}:reference", model, "reference", description)
 
 
+def _port(module: str, name: str, model: str, description: str) -> CaseInfo:
+    return CaseInfo(f"reference_models.{module}:{name}", model, "port", description,
+                    reference=f"reference_models.{model}:reference")
+
+
+def _bug(module: str, name: str, model: str, site: str, pass_: str,
+         description: str) -> CaseInfo:
+    return CaseInfo(f"reference_models.{module}:{name}", model, "bug", description,
+                    reference=f"reference_models.{model}:reference", site=site, pass_=pass_)
+
+
 CATALOG: list[CaseInfo] = [
     _ref("mlp", "MLP classifier: Linear, in-place ReLU, dropout, GELU; cross-entropy"),
+    _ref("cnn", "residual CNN: convolutions, batch norm (training mode), max pooling, a "
+                "residual block, global average pooling; cross-entropy"),
     _ref("transformer", "encoder-decoder translation transformer (Attention Is All You Need "
                         "style), 2+2 layers, d_model 64; NLL loss"),
+    _ref("convlstm", "ConvLSTM next-frame predictor over 6 frames; MSE loss, 3 SGD steps with "
+                     "gradient clipping"),
     CaseInfo("reference_models.transformer:reference_large", "transformer", "reference",
              "the transformer at benchmark size: d_model 256, 4+4 layers, length 128"),
     CaseInfo("reference_models.bench:deep_narrow", "bench", "reference",
              "120 Linear+ReLU blocks on small activations: ~1,450 tensors a step"),
+
+    _port("mlp_port", "port", "mlp", "explicit matrix products, clamp ReLU, erf GELU; same names"),
+    _port("cnn_port", "port", "cnn", "hand-written batch norm, mean pooling, a custom autograd "
+                                     "ReLU in the residual block; same names"),
+    _port("transformer_port", "port", "transformer",
+          "independent implementation: fused QKV, scaled_dot_product_attention, other module "
+          "names and structure (weights mapped by transformer_port.from_reference)"),
+    _port("transformer_port", "port_manual", "transformer",
+          "the transformer port with its attention kernel written out by hand"),
+    _port("convlstm_numpy", "port", "convlstm",
+          "pure numpy, forward and backward by hand; records itself with TraceWriter"),
+
+    _bug("mlp_port", "bug_weight_not_transposed", "mlp", "fc2#0", "forward",
+         "a square Linear weight used without its transpose (x @ W instead of x @ W.T)"),
+    _bug("cnn_port", "bug_relu_backward_batch", "cnn", "block.act#0", "backward",
+         "custom autograd ReLU whose backward applies the first batch element's mask to "
+         "all: gradients wrong only for batch elements after the first"),
+    _bug("transformer_port", "bug_softmax_axis", "transformer", "enc.0.self_attn#0", "forward",
+         "attention softmax over the query axis instead of the key axis"),
+    _bug("transformer_port", "bug_head_split_reshape", "transformer", "enc.0.self_attn#0",
+         "forward", "heads split with reshape instead of permute: mixes batch elements"),
+    _bug("transformer_port", "bug_missing_scale", "transformer", "enc.0.self_attn#0", "forward",
+         "attention scores not scaled by 1/sqrt(d_k)"),
+    _bug("transformer_port", "bug_layernorm_eps", "transformer", "enc.0.ln1#0", "forward",
+         "layer norms with epsilon 1e-3 (Keras's default) instead of 1e-5: out of tolerance. "
+         "Flax's 1e-6 stays inside float32 tolerance and is not a bug here"),
+    _bug("transformer_port", "bug_inverted_mask", "transformer", "enc.0.self_attn#0", "forward",
+         "attention mask inverted: attends to padding and future tokens only"),
+    _bug("convlstm_numpy", "bug_accumulator_not_zeroed", "convlstm", "cell.conv#4", "backward",
+         "numpy col2im accumulator reused without zeroing (np.empty semantics): wrong from "
+         "the second frame of the backward on"),
 ]
