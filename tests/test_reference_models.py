@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from layerdiff import capture, open_trace, run_case
-from reference_models import mlp, transformer
+from reference_models import cnn, convlstm, mlp, transformer
 
-CASES = [mlp.reference, transformer.reference]
+CASES = [mlp.reference, cnn.reference, transformer.reference, convlstm.reference]
 
 
 @pytest.mark.parametrize("factory", CASES)
 def test_a_case_is_the_same_every_time(factory):
     a, b = factory(), factory()
-    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values(),
+                            strict=True):
         assert torch.equal(p, q), name
-    for x, y in zip(a.inputs, b.inputs):
+    for x, y in zip(a.inputs, b.inputs, strict=True):
         assert torch.equal(x, y)
     assert torch.equal(run_case(a).losses[0], run_case(b).losses[0])
 
@@ -29,11 +30,13 @@ def test_every_parameter_gets_a_finite_gradient(factory):
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
 
 
-def test_transformer_learns():
-    case = transformer.reference()
-    case.steps = 30
+@pytest.mark.parametrize(("factory", "steps", "ratio"), [
+    (transformer.reference, 30, 0.8), (cnn.reference, 30, 0.1), (convlstm.reference, 40, 0.3)])
+def test_reference_learns(factory, steps, ratio):
+    case = factory()
+    case.steps = steps
     losses = run_case(case).losses
-    assert float(losses[-1]) < 0.8 * float(losses[0])
+    assert float(losses[-1]) < ratio * float(losses[0])
 
 
 def test_decoder_cannot_see_future_target_tokens():
