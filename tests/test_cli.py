@@ -101,6 +101,15 @@ def test_cases_lists_every_bundled_case_as_json(run):
             assert case["site"] and case["pass"] in ("forward", "backward") and case["reference"]
 
 
+def test_cases_text_names_each_bug_site_and_fits_100_columns(run):
+    result = run("cases")
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "  reference_models.cnn_port:bug_relu_backward_batch  [backward at block.act#0]" in lines
+    assert {"references:", "ports:", "bugs:"} <= set(lines)
+
+
 def test_demo_captures_the_transformer(run, tmp_path):
     result = run("demo", "-o", tmp_path)
     assert result.exit_code == 0, result.output
