@@ -10,7 +10,15 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from layerdiff.errors import CaptureError, CaseError, LayerdiffError, TraceError
+from layerdiff.errors import (
+    CaptureError,
+    CaseError,
+    DiffError,
+    LayerdiffError,
+    MappingError,
+    ToleranceError,
+    TraceError,
+)
 
 __version__ = "0.1.0"
 
@@ -22,13 +30,17 @@ _LAZY = {
     "seed_everything": "layerdiff.case",
     "run_case": "layerdiff.capture",
     "TraceWriter": "layerdiff.trace",
+    "diff": "layerdiff.compare",
+    "Diff": "layerdiff.compare",
+    "Mapping": "layerdiff.compare",
+    "Tolerances": "layerdiff.compare",
     "open_trace": "layerdiff.trace",
 }
 
 __all__ = [
-    "CaptureError", "Case", "CaseError", "ExternalCase", "LayerdiffError", "TraceError",
-    "TraceWriter", "__version__", "capture", "load_case", "open_trace", "run_case",
-    "seed_everything",
+    "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase", "LayerdiffError",
+    "Mapping", "MappingError", "ToleranceError", "Tolerances", "TraceError", "TraceWriter",
+    "__version__", "capture", "diff", "load_case", "open_trace", "run_case", "seed_everything",
 ]
 
 

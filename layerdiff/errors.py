@@ -22,3 +22,15 @@ class TraceError(LayerdiffError):
 
 class CaptureError(LayerdiffError):
     """A capture that could not finish: the model raised, the writer failed, bad options."""
+
+
+class MappingError(LayerdiffError):
+    """A mapping file that does not parse or does not validate (names its line)."""
+
+
+class ToleranceError(LayerdiffError):
+    """A tolerance file that does not parse or does not validate (names its line)."""
+
+
+class DiffError(LayerdiffError):
+    """Two traces that cannot be compared: nothing in common, or no data where data is needed."""

@@ -57,6 +57,11 @@ class Trace:
                                  "written by a layerdiff trace writer; capture it again")
 
     @property
+    def h5(self) -> h5py.File:
+        """The open HDF5 file, for readers that stream tensor data (the diff)."""
+        return self._h5
+
+    @property
     def loss_scale(self) -> float:
         return float(self.meta.get("loss_scale", 1.0))
 

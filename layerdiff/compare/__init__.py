@@ -1,0 +1,13 @@
+"""Comparing two traces: metrics, tolerances, site matching, the streaming diff and origins.
+
+Needs numpy, pandas and h5py only, never torch: a CI job that compares stored traces, or a
+port in another framework, can use it without torch installed.
+"""
+
+from layerdiff.compare.engine import diff, read_pair, save_rows_csv
+from layerdiff.compare.mapping import Mapping
+from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.tolerances import Tolerance, Tolerances
+
+__all__ = ["Diff", "Mapping", "Origin", "Tolerance", "Tolerances", "diff", "read_pair",
+           "save_rows_csv"]

@@ -1,0 +1,261 @@
+"""``diff``: compare a port's trace with the reference's, record by record, and find origins.
+
+Reads both indexes, pairs sites and records, then streams tensor data pair by pair (records
+whose digests agree are not read at all) and computes one row of metrics per pair. Memory stays
+at the tables plus a few MiB of chunk buffers, whatever the traces' size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.compare import result as R
+from layerdiff.compare.mapping import Mapping
+from layerdiff.compare.matching import match_sites
+from layerdiff.compare.metrics import PairMetrics
+from layerdiff.compare.origins import find_origins
+from layerdiff.compare.reading import TensorRef, stream_pairs
+from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
+from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
+from layerdiff.errors import DiffError
+from layerdiff.trace import Trace, open_trace, schema
+
+GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
+STAT_COLUMNS = ("min", "max", "mean", "std", "l2")
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, *,
+         mapping: str | os.PathLike | Mapping | None = None,
+         tolerances: str | os.PathLike | Tolerances | None = None,
+         progress: Progress | None = None) -> R.Diff:
+    """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
+
+    ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
+    overrides the per-dtype defaults (a file or :class:`Tolerances`). Raises
+    :class:`DiffError` when the traces have nothing in common.
+    """
+    mapping = mapping if isinstance(mapping, Mapping) else (
+        Mapping.load(mapping) if mapping is not None else Mapping())
+    tolerances = tolerances if isinstance(tolerances, Tolerances) else (
+        Tolerances.load(tolerances) if tolerances is not None else Tolerances())
+    ref_trace = reference if isinstance(reference, Trace) else open_trace(reference)
+    try:
+        port_trace = port if isinstance(port, Trace) else open_trace(port)
+        try:
+            return _diff(ref_trace, port_trace, mapping, tolerances, progress)
+        finally:
+            if not isinstance(port, Trace):
+                port_trace.close()
+    finally:
+        if not isinstance(reference, Trace):
+            ref_trace.close()
+
+
+def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
+          progress: Progress | None) -> R.Diff:
+    ref_index, port_index = ref.index, port.index
+    sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
+    records = pair_records(ref_index, port_index, sites, mapping)
+    if not records.pairs:
+        raise DiffError(f"{ref.path} and {port.path} have nothing in common: no site of one "
+                        "pairs with a site of the other (first reference sites: "
+                        f"{', '.join(ref.sites['site'][:3])}; first port sites: "
+                        f"{', '.join(port.sites['site'][:3])}); pass --map with a mapping file")
+    grad_factor = ref.loss_scale / port.loss_scale
+    comparer = _Comparer(ref, port, tolerances, grad_factor)
+    rows = comparer.run(records.pairs, progress)
+    unmatched = pd.DataFrame(
+        [(side, None, site, "", "", why) for side, site, why in sites.unmatched]
+        + list(records.unmatched), columns=R.UNMATCHED_COLUMNS)
+    origins, first_step = find_origins(rows, ref.sites)
+    meta = {
+        "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
+        "mapping": str(mapping.path) if mapping.path else None,
+        "tolerances": tolerances.as_json(),
+        "sites": {"reference": int(ref.sites["site"].nunique()),
+                  "port": int(port.sites["site"].nunique()),
+                  "paired": len(sites.pairs)},
+        "summary": ref.summary or port.summary,
+    }
+    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+
+
+class _Comparer:
+    """Turns record pairs into rows: digests first, data only where they differ."""
+
+    def __init__(self, ref: Trace, port: Trace, tolerances: Tolerances,
+                 grad_factor: float) -> None:
+        self.ref, self.port = ref, port
+        self.tolerances = tolerances
+        self.grad_factor = grad_factor
+
+    def run(self, pairs: list[RecordPair], progress: Progress | None) -> pd.DataFrame:
+        ref_index, port_index = self.ref.index, self.port.index
+        rows: list[dict[str, Any]] = []
+        streamed: list[tuple[int, TensorRef, TensorRef, PairMetrics, tuple[int, ...]]] = []
+        for pair in pairs:
+            r, p = ref_index.iloc[pair.ref], port_index.iloc[pair.port]
+            row = self._base_row(pair, r, p)
+            rows.append(row)
+            if row["verdict"]:
+                continue  # decided from the index alone
+            shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
+            tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
+            metrics = _new_metrics(tolerance, r, p, shape, row["role"])
+            streamed.append((len(rows) - 1, self._tensor(r, pair.ref_slice, False),
+                             self._tensor(p, pair.port_slice, pair.transpose_port), metrics,
+                             shape))
+        self._stream(rows, streamed, progress)
+        frame = pd.DataFrame(rows, columns=R.ROW_COLUMNS)
+        return frame.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+
+    def _base_row(self, pair: RecordPair, r: pd.Series, p: pd.Series) -> dict[str, Any]:
+        ref_shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
+        port_shape = sliced_shape(schema.parse_shape(p["shape"]), pair.port_slice,
+                                  pair.transpose_port)
+        dtype = looser_dtype(r["dtype"], p["dtype"]) if r["kind"] == "tensor" else ""
+        tolerance = self.tolerances.lookup(r["site"], r["role"], r["arg"], dtype)
+        row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
+        row.update({
+            "step": int(r["step"]), "pass": r["pass"], "seq": int(r["seq"]),
+            "site": r["site"], "role": r["role"], "arg": r["arg"],
+            "port_site": p["site"], "port_arg": p["arg"], "match": pair.match,
+            "confidence": pair.confidence,
+            "shape": schema.format_shape(ref_shape), "port_shape": schema.format_shape(port_shape),
+            "dtype": r["dtype"], "port_dtype": p["dtype"], "numel": int(np.prod(ref_shape)),
+            "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
+            "verdict": "", "note": "", "status": "", "cause": "",
+        })
+        notes = []
+        if r["kind"] != "tensor" or p["kind"] != "tensor":
+            same = r["kind"] == p["kind"] and r["value"] == p["value"]
+            row.update(verdict=R.IDENTICAL if same else R.OUT, ratio=0.0 if same else np.inf,
+                       note="" if same else f"values differ: reference {r['value'] or 'tensor'}"
+                       f", port {p['value'] or 'tensor'}")
+            return row
+        if ref_shape != port_shape:
+            row.update(verdict=R.SHAPE_MISMATCH, ratio=np.inf,
+                       note=f"shapes differ: reference ({r['shape']}), port ({p['shape']})")
+            return row
+        if r["dtype"] != p["dtype"]:
+            notes.append(f"dtypes differ ({r['dtype']} vs {p['dtype']}): compared in float64 "
+                         f"at {dtype}'s tolerance")
+        if r["role"] in GRAD_ROLES and self.grad_factor != 1.0:
+            notes.append(f"port gradients multiplied by {self.grad_factor:g} to the "
+                         f"reference's loss scale {self.ref.loss_scale:g}")
+        row["note"] = "; ".join(notes)
+        plain = pair.ref_slice is None and pair.port_slice is None and not pair.transpose_port
+        unscaled = r["role"] not in GRAD_ROLES or self.grad_factor == 1.0
+        if (plain and unscaled and r["digest"] and r["digest"] == p["digest"]
+                and r["dtype"] == p["dtype"]):
+            row.update(_identical_metrics(r), verdict=R.IDENTICAL)
+        elif r["segment"] < 0 or p["segment"] < 0:
+            self._compare_statistics(row, r, p, plain)
+        return row
+
+    def _compare_statistics(self, row: dict[str, Any], r: pd.Series, p: pd.Series,
+                            plain: bool) -> None:
+        """A summary trace on either side: judge by the statistics in the index."""
+        if not plain:
+            row.update(verdict=R.WITHIN, ratio=np.nan, note="summary trace: a sliced or "
+                       "transposed parameter cannot be judged from statistics; not compared")
+            return
+        factor = self.grad_factor if r["role"] in GRAD_ROLES else 1.0
+        ref_stats = np.array([r[c] for c in STAT_COLUMNS], dtype=np.float64)
+        port_stats = np.array([p[c] for c in STAT_COLUMNS], dtype=np.float64) * factor
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gaps = np.abs(port_stats - ref_stats)
+            ratios = gaps / (row["atol"] + row["rtol"] * np.abs(ref_stats))
+        ratios[gaps == 0] = 0.0
+        non_finite = int(p["nan"]) > int(r["nan"]) or int(p["inf"]) > int(r["inf"])
+        row.update(max_abs=float(np.nanmax(gaps)) if gaps.size else 0.0,
+                   ratio=np.inf if non_finite else float(np.nanmax(ratios, initial=0.0)),
+                   ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=int(p["nan"]),
+                   port_inf=int(p["inf"]),
+                   note="; ".join(filter(None, [row["note"], "statistics only (summary trace): "
+                                                "min, max, mean, std and l2 compared"])))
+        row["verdict"] = _verdict(row)
+
+    def _tensor(self, row: pd.Series, part, transpose: bool) -> TensorRef:
+        return TensorRef(int(row["segment"]), int(row["offset"]), int(row["nbytes"]),
+                         row["dtype"], schema.parse_shape(row["shape"]), part, transpose)
+
+    def _stream(self, rows: list[dict[str, Any]], streamed: list, progress: Progress | None
+                ) -> None:
+        if not streamed:
+            return
+        total = sum(ref.byte_range()[1] if ref.streamable else ref.nbytes
+                    for _, ref, _, _, _ in streamed)
+        done = 0
+        tensor_pairs = [(ref, port) for _, ref, port, _, _ in streamed]
+        paths = (str(self.ref.path), str(self.port.path))
+        for chunk in stream_pairs(self.ref.h5, self.port.h5, tensor_pairs, paths):
+            position, _, _, metrics, shape = streamed[chunk.pair]
+            port_values = chunk.port
+            if rows[position]["role"] in GRAD_ROLES and self.grad_factor != 1.0:
+                port_values = port_values.astype(np.float64) * self.grad_factor
+            metrics.update(chunk.ref, port_values, chunk.start)
+            done += chunk.ref.nbytes
+            if chunk.last:
+                row = rows[position]
+                row.update(metrics.result(shape))
+                row["verdict"] = _verdict(row)
+            if progress is not None:
+                progress(min(done, total), total)
+
+
+def _new_metrics(tolerance: Tolerance, r: pd.Series, p: pd.Series, shape: tuple[int, ...],
+                 role: str) -> PairMetrics:
+    numel = int(np.prod(shape))
+    batch = shape[0] if len(shape) >= 2 and role not in ("weight", "weight_grad") else 0
+    same_float = r["dtype"] == p["dtype"] and schema.numpy_dtype(r["dtype"]).kind == "f"
+    ulp_scale = (2.0**16 if r["dtype"] == "bfloat16" else 1.0) if same_float else None
+    return PairMetrics(tolerance.rtol, tolerance.atol, numel, batch, ulp_scale)
+
+
+def _identical_metrics(r: pd.Series) -> dict[str, Any]:
+    return {"max_abs": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "rms": 0.0, "cosine": 1.0,
+            "max_ulp": 0.0, "frac_out": 0.0, "worst_index": "", "ratio": 0.0,
+            "ref_nan": int(r["nan"]), "ref_inf": int(r["inf"]), "port_nan": int(r["nan"]),
+            "port_inf": int(r["inf"])}
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if row["ratio"] is not None and row["ratio"] <= 1.0:
+        return R.WITHIN
+    if row["ref_nan"] and not row["port_nan"] and not row["port_inf"]:
+        return R.REF_NAN
+    return R.OUT
+
+
+def read_pair(diff_result: R.Diff, row: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """The reference and port tensors of one row (whole, in memory), for plots and drill-down."""
+    with open_trace(diff_result.reference) as ref, open_trace(diff_result.port) as port:
+        return _read_one(ref, row["step"], row["site"], row["role"], row["arg"]), _read_one(
+            port, row["step"], row["port_site"], row["role"], row["port_arg"])
+
+
+def _read_one(trace: Trace, step: int, site: str, role: str, arg: str) -> np.ndarray:
+    index = trace.index
+    hit = index[(index["step"] == step) & (index["site"] == site) & (index["role"] == role)
+                & (index["arg"] == arg)]
+    if hit.empty:
+        raise DiffError(f"{trace.path} has no {role} {arg} at {site} in step {step}")
+    return trace.read(hit.iloc[0])
+
+
+def save_rows_csv(diff_result: R.Diff, path: str | os.PathLike) -> Path:
+    """The rows as CSV (per-batch errors as a JSON list in their column)."""
+    frame = diff_result.rows.copy()
+    frame["batch_ratio"] = [json.dumps(None if v is None else [float(x) for x in v])
+                            for v in frame["batch_ratio"]]
+    frame.to_csv(path, index=False)
+    return Path(path)

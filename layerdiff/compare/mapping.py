@@ -1,0 +1,256 @@
+"""Mapping files: how a port's site and parameter names correspond to the reference's.
+
+One mapping serves the diff (pairing sites) and ``capture --weights-from`` (loading weights).
+A TOML file (YAML with the same keys works too)::
+
+    version = 1
+
+    # Module renames, tried in order. Globs: '*' matches any run of characters and what it
+    # matched fills the port side's '*' in order. Call numbers carry over (#0 -> #0).
+    [[site]]
+    reference = "encoder.layers.*.norm1"
+    port = "enc.*.ln1"
+
+    [[site]]                      # or a regular expression, with \\1 .. in the port name
+    reference_regex = '^decoder\\.layers\\.(\\d+)$'
+    port = 'dec.\\1'
+    args = { "1" = "2" }          # reference argument -> port argument, where they differ
+
+    [[pair]]                      # one reference site with one port site (module#call)
+    reference = "tgt_pos#0"
+    port = "pos#1"
+
+    [[unmatched]]                 # sites with no partner, and why: kept out of the fallback
+    reference = "encoder.layers.*.self_attn.w_*"
+    why = "the port fuses q, k, v and o into its attention module"
+
+    [[param]]                     # port parameters made from reference parameters
+    port = "enc.*.self_attn.in_proj_weight"
+    reference = ["encoder.layers.*.self_attn.w_q.weight", "encoder.layers.*.self_attn.w_k.weight",
+                 "encoder.layers.*.self_attn.w_v.weight"]
+    transform = "concat"          # copy (default) | transpose | concat | split
+    axis = 0
+
+For ``split`` the port side is a list and the reference one tensor. Parameters that no
+``[[param]]`` names follow their module: ``M.weight`` pairs with ``M'.weight`` when modules
+``M`` and ``M'`` are paired.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerdiff.compare.config_file import ConfigFile
+from layerdiff.errors import MappingError
+
+TRANSFORMS = ("copy", "transpose", "concat", "split")
+
+
+class Pattern:
+    """A glob (``*`` captures) or a regular expression, matched against a whole name."""
+
+    def __init__(self, text: str, *, regex: bool = False) -> None:
+        self.text = text
+        self.regex = regex
+        source = text if regex else "".join(
+            "(.*)" if part == "*" else re.escape(part) for part in re.split(r"(\*)", text))
+        self._compiled = re.compile(source if regex else f"^{source}$")
+
+    def match(self, name: str) -> tuple[str, ...] | None:
+        found = self._compiled.fullmatch(name) if not self.regex else self._compiled.search(name)
+        return None if found is None else found.groups()
+
+    def fill(self, template: str, groups: tuple[str, ...]) -> str:
+        """The template with this pattern's captures put in (``*`` in order, or ``\\1``)."""
+        if self.regex:
+            return re.sub(r"\\(\d+)", lambda m: groups[int(m.group(1)) - 1], template)
+        parts = template.split("*")
+        if len(parts) - 1 != len(groups):
+            raise ValueError(f"'{template}' has {len(parts) - 1} '*' for {len(groups)} captures")
+        return "".join(p + g for p, g in zip(parts, [*groups, ""], strict=True))
+
+
+@dataclass
+class SiteRule:
+    reference: Pattern
+    port: str
+    args: dict[str, str]
+    line: int | None
+
+
+@dataclass
+class ParamRule:
+    port: list[Pattern]
+    reference: list[str]
+    transform: str
+    axis: int
+    line: int | None
+
+
+@dataclass
+class ParamSource:
+    """Where one port parameter comes from: reference names and how to combine them."""
+
+    reference: list[str]
+    transform: str = "copy"
+    axis: int = 0
+    part: int = 0     # split: which part of the reference tensor
+    parts: int = 1    # split: into how many
+
+
+@dataclass
+class Mapping:
+    path: Path | None = None
+    site_rules: list[SiteRule] = field(default_factory=list)
+    pairs: dict[str, str] = field(default_factory=dict)           # reference site -> port site
+    unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
+    unmatched_port: list[tuple[str, str]] = field(default_factory=list)
+    param_rules: list[ParamRule] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Mapping:
+        return _load(ConfigFile.load(path, MappingError))
+
+    @property
+    def name(self) -> str:
+        return str(self.path) if self.path else "no mapping"
+
+    # ---- sites
+    def rename(self, ref_module: str) -> tuple[str, dict[str, str], str] | None:
+        """The port module a rule gives for a reference module, the rule's argument map and
+        a label saying which rule."""
+        for number, rule in enumerate(self.site_rules, start=1):
+            groups = rule.reference.match(ref_module)
+            if groups is not None:
+                label = f"{self.path.name if self.path else 'mapping'} site rule {number}"
+                return rule.reference.fill(rule.port, groups), rule.args, label
+        return None
+
+    def why_unmatched(self, side: str, site: str) -> str | None:
+        """The file's reason when it declares ``site`` (module#call) to have no partner."""
+        module = site.rpartition("#")[0] or site
+        entries = self.unmatched_reference if side == "reference" else self.unmatched_port
+        for glob, why in entries:
+            if fnmatch.fnmatchcase(site, glob) or fnmatch.fnmatchcase(module, glob):
+                return why
+        return None
+
+    # ---- parameters
+    def param_source(self, port_param: str,
+                     module_partner: dict[str, str]) -> ParamSource | None:
+        """Where ``port_param`` comes from: a [[param]] rule, else its module's partner
+        (``module_partner``: port module -> reference module), else None."""
+        for rule in self.param_rules:
+            for part, pattern in enumerate(rule.port):
+                groups = pattern.match(port_param)
+                if groups is None:
+                    continue
+                try:
+                    names = [pattern.fill(t, groups) for t in rule.reference]
+                except ValueError as exc:
+                    raise MappingError(f"{self.name} line {rule.line}: {exc}") from None
+                return ParamSource(names, rule.transform, rule.axis, part, len(rule.port))
+        module, _, leaf = port_param.rpartition(".")
+        if module in module_partner:
+            ref_module = module_partner[module]
+            return ParamSource([f"{ref_module}.{leaf}" if ref_module else leaf])
+        return None
+
+
+def _load(config: ConfigFile) -> Mapping:
+    config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param"},
+                      "the top level")
+    version = config.data.get("version", 1)
+    if version != 1:
+        config.fail(f"mapping version {version!r} is not supported (this layerdiff reads 1)")
+    mapping = Mapping(path=config.path)
+    for number, (entry, line) in enumerate(config.tables("site"), start=1):
+        where = f"site rule {number}"
+        config.check_keys(entry, {"reference", "reference_regex", "port", "args"}, where, line)
+        if ("reference" in entry) == ("reference_regex" in entry):
+            config.fail(f"{where} needs exactly one of 'reference' or 'reference_regex'", line)
+        port = _string(config, entry, "port", where, line)
+        if "reference_regex" in entry:
+            text = _string(config, entry, "reference_regex", where, line)
+            try:
+                pattern = Pattern(text, regex=True)
+            except re.error as exc:
+                config.fail(f"{where}: reference_regex {text!r} is not a valid regular "
+                            f"expression ({exc})", line)
+        else:
+            pattern = Pattern(_string(config, entry, "reference", where, line))
+            stars, holes = pattern.text.count("*"), port.count("*")
+            if holes and holes != stars:
+                config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
+                            f"'{pattern.text}' has {stars}", line)
+        args = entry.get("args", {})
+        if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
+            config.fail(f"{where}: args must be a table of reference argument = port argument "
+                        "strings, e.g. args = { \"1\" = \"2\" }", line)
+        mapping.site_rules.append(SiteRule(pattern, port, dict(args), line))
+    for number, (entry, line) in enumerate(config.tables("pair"), start=1):
+        where = f"pair {number}"
+        config.check_keys(entry, {"reference", "port"}, where, line)
+        ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
+        for name in (ref, port):
+            if not re.fullmatch(r".+#\d+", name):
+                config.fail(f"{where}: '{name}' is not a site; write module#call, e.g. "
+                            "'decoder.pos#1'", line)
+        mapping.pairs[ref] = port
+    for number, (entry, line) in enumerate(config.tables("unmatched"), start=1):
+        where = f"unmatched entry {number}"
+        config.check_keys(entry, {"reference", "port", "why"}, where, line)
+        if ("reference" in entry) == ("port" in entry):
+            config.fail(f"{where} needs exactly one of 'reference' or 'port'", line)
+        why = entry.get("why", "declared without partner in the mapping")
+        side = "reference" if "reference" in entry else "port"
+        target = mapping.unmatched_reference if side == "reference" else mapping.unmatched_port
+        target.append((_string(config, entry, side, where, line), str(why)))
+    for number, (entry, line) in enumerate(config.tables("param"), start=1):
+        mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
+    return mapping
+
+
+def _param_rule(config: ConfigFile, entry: dict, where: str, line: int | None) -> ParamRule:
+    config.check_keys(entry, {"port", "reference", "transform", "axis"}, where, line)
+    transform = entry.get("transform", "copy")
+    if transform not in TRANSFORMS:
+        config.fail(f"{where}: transform '{transform}' is not one of {', '.join(TRANSFORMS)}",
+                    line)
+    ports, refs = _names(config, entry, "port", where, line), _names(config, entry, "reference",
+                                                                      where, line)
+    many = {"concat": "reference", "split": "port"}.get(transform)
+    for side, names in (("port", ports), ("reference", refs)):
+        if side == many and len(names) < 2:
+            config.fail(f"{where}: '{transform}' needs a list of two or more {side} names", line)
+        if side != many and len(names) != 1:
+            config.fail(f"{where}: '{transform}' takes one {side} name, got {len(names)}", line)
+    axis = entry.get("axis", 0)
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        config.fail(f"{where}: axis must be an integer, got {axis!r}", line)
+    patterns = [Pattern(name) for name in ports]
+    for pattern in patterns:
+        for template in refs:
+            if template.count("*") not in (0, pattern.text.count("*")):
+                config.fail(f"{where}: reference '{template}' has {template.count('*')} '*' "
+                            f"but port '{pattern.text}' has {pattern.text.count('*')}", line)
+    return ParamRule(patterns, refs, transform, axis, line)
+
+
+def _string(config: ConfigFile, entry: dict, key: str, where: str, line: int | None) -> str:
+    value = entry.get(key)
+    if not isinstance(value, str) or not value:
+        config.fail(f"{where} needs '{key}' as a non-empty string", line)
+    return value
+
+
+def _names(config: ConfigFile, entry: dict, key: str, where: str,
+           line: int | None) -> list[str]:
+    value = entry.get(key)
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        config.fail(f"{where} needs '{key}' as a name or a list of names", line)
+    return names

@@ -1,0 +1,160 @@
+"""Pairing a port's sites with the reference's: declared, exact, mapped, then structural.
+
+Order of trust, per reference site:
+1. the mapping file's ``[[unmatched]]`` declarations and explicit ``[[pair]]`` entries;
+2. the same name in the port;
+3. the mapping's ``[[site]]`` rename rules;
+4. a structural fallback for what is left on both sides: the two lists of sites, in execution
+   order, aligned on their output shapes (difflib's longest matching blocks); confidence is
+   higher where input shapes and module types agree too.
+What stays unpaired is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from layerdiff.compare.mapping import Mapping
+from layerdiff.trace import schema
+
+
+@dataclass(frozen=True)
+class SitePair:
+    reference: str
+    port: str
+    match: str            # exact | pair | mapped | structural
+    confidence: float
+    args: dict[str, str] = field(default_factory=dict, hash=False)  # reference arg -> port arg
+    label: str = ""       # which rule, for explanations
+
+
+@dataclass
+class SiteMatching:
+    pairs: list[SitePair]
+    unmatched: list[tuple[str, str, str]]   # (side, site, reason)
+    module_partner: dict[str, str]          # port module -> reference module
+
+    def by_reference(self) -> dict[str, SitePair]:
+        return {pair.reference: pair for pair in self.pairs}
+
+
+def _site_list(sites: pd.DataFrame) -> pd.DataFrame:
+    """One row per site name (first step it appears in), in execution order."""
+    ordered = sites.sort_values(["step", "enter_seq"], kind="stable")
+    return ordered.drop_duplicates("site").reset_index(drop=True)
+
+
+def _signatures(index: pd.DataFrame, sites: list[str]) -> dict[str, tuple[str, str]]:
+    """site -> (output shapes, input shapes) of its first step, as text."""
+    first_step = index[index["step"] == index["step"].min()]
+    wanted = first_step[first_step["site"].isin(sites) & first_step["role"].isin(
+        ["input", "output"])]
+    result: dict[str, tuple[str, str]] = {}
+    for site, rows in wanted.groupby("site", sort=False):
+        out = ";".join(rows.loc[rows["role"] == "output", "shape"])
+        inp = ";".join(rows.loc[rows["role"] == "input", "shape"])
+        result[site] = (out, inp)
+    return result
+
+
+def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd.DataFrame,
+                port_index: pd.DataFrame, mapping: Mapping) -> SiteMatching:
+    refs, ports = _site_list(ref_sites), _site_list(port_sites)
+    port_names = set(ports["site"])
+    claimed: set[str] = set()
+    pairs: list[SitePair] = []
+    unmatched: list[tuple[str, str, str]] = []
+    leftover_refs: list[str] = []
+
+    for ref_site, module, call in zip(refs["site"], refs["module"], refs["call"], strict=True):
+        why = mapping.why_unmatched("reference", ref_site)
+        if why is not None:
+            unmatched.append(("reference", ref_site, why))
+            continue
+        pair = _named_partner(ref_site, module, int(call), mapping, port_names, claimed)
+        if isinstance(pair, SitePair):
+            pairs.append(pair)
+            claimed.add(pair.port)
+        elif pair:  # a rule named a port site that is not there
+            unmatched.append(("reference", ref_site, pair))
+        else:
+            leftover_refs.append(ref_site)
+
+    leftover_ports = []
+    for port_site in ports["site"]:
+        if port_site in claimed:
+            continue
+        why = mapping.why_unmatched("port", port_site)
+        if why is not None:
+            unmatched.append(("port", port_site, why))
+        else:
+            leftover_ports.append(port_site)
+
+    structural = _align(leftover_refs, leftover_ports, refs, ports, ref_index, port_index)
+    pairs += structural
+    found_ref = {p.reference for p in structural}
+    found_port = {p.port for p in structural}
+    unmatched += [("reference", s, "no port site of that name, no mapping rule for it, and no "
+                   "leftover port site with the same output shapes at that point")
+                  for s in leftover_refs if s not in found_ref]
+    unmatched += [("port", s, "no reference site of that name or mapped to it")
+                  for s in leftover_ports if s not in found_port]
+
+    order = {site: i for i, site in enumerate(refs["site"])}
+    pairs.sort(key=lambda p: order[p.reference])
+    partner: dict[str, str] = {}
+    for pair in pairs:
+        partner.setdefault(schema.split_site(pair.port)[0], schema.split_site(pair.reference)[0])
+    return SiteMatching(pairs, unmatched, partner)
+
+
+def _named_partner(ref_site: str, module: str, call: int, mapping: Mapping,
+                   port_names: set[str], claimed: set[str]) -> SitePair | str | None:
+    """A pair by explicit entry, exact name or rename rule; a reason string when a rule
+    points at a missing port site; None when nothing names a partner."""
+    if ref_site in mapping.pairs:
+        port_site = mapping.pairs[ref_site]
+        if port_site not in port_names:
+            return (f"the mapping pairs it with port site {port_site}, which the port trace "
+                    "does not have")
+        return SitePair(ref_site, port_site, "pair", 1.0, label=f"{mapping.name} [[pair]]")
+    if ref_site in port_names and ref_site not in claimed:
+        return SitePair(ref_site, ref_site, "exact", 1.0)
+    renamed = mapping.rename(module)
+    if renamed is not None:
+        port_module, args, label = renamed
+        port_site = schema.site_name(port_module, call)
+        if port_site in port_names and port_site not in claimed:
+            return SitePair(ref_site, port_site, "mapped", 1.0, args, label)
+        return f"{label} maps it to {port_site}, which the port trace does not have"
+    return None
+
+
+def _align(ref_left: list[str], port_left: list[str], refs: pd.DataFrame, ports: pd.DataFrame,
+           ref_index: pd.DataFrame, port_index: pd.DataFrame) -> list[SitePair]:
+    if not ref_left or not port_left:
+        return []
+    ref_sig = _signatures(ref_index, ref_left)
+    port_sig = _signatures(port_index, port_left)
+    ref_types = dict(zip(refs["site"], refs["type"], strict=True))
+    port_types = dict(zip(ports["site"], ports["type"], strict=True))
+    a = [ref_sig.get(s, ("", ""))[0] for s in ref_left]
+    b = [port_sig.get(s, ("", ""))[0] for s in port_left]
+    matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    pairs = []
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            ref_site, port_site = ref_left[block.a + k], port_left[block.b + k]
+            if not a[block.a + k]:
+                continue  # no outputs recorded: nothing to align on
+            confidence = 0.5
+            if ref_sig.get(ref_site, ("", ""))[1] == port_sig.get(port_site, ("", ""))[1]:
+                confidence += 0.25
+            if ref_types.get(ref_site) == port_types.get(port_site):
+                confidence += 0.25
+            pairs.append(SitePair(ref_site, port_site, "structural", confidence,
+                                  label="aligned by execution order and output shapes"))
+    return pairs

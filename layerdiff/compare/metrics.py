@@ -1,0 +1,150 @@
+"""Error metrics of one tensor pair, accumulated chunk by chunk (pure numpy).
+
+A tensor of any size is compared in chunks of its flat C-order elements, so memory does not
+grow with the tensor. The verdict's measure is ``ratio``: the largest
+``|port - ref| / (atol + rtol * |ref|)`` over the elements, so ``ratio <= 1`` is exactly
+``torch.testing.assert_close``'s test. NaN where both sides have NaN, and infinities of the
+same sign on both sides, count as equal; a non-finite value on one side only is out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Signed integer views for ULP distance, by float width.
+_ULP_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def ordered_bits(values: np.ndarray) -> np.ndarray:
+    """Floats as integers whose order and differences count representable values (ULPs)."""
+    ints = values.view(_ULP_INT[values.dtype.itemsize]).astype(np.int64)
+    sign_min = np.int64(-(1 << (8 * values.dtype.itemsize - 1)))
+    return np.where(ints < 0, sign_min - ints, ints)
+
+
+@dataclass
+class PairMetrics:
+    """Metrics of one (reference, port) tensor pair, fed chunk by chunk with :meth:`update`.
+
+    ``batch`` is the size of the batch axis (axis 0) when per-batch-element errors are wanted,
+    else 0. ``ulp_scale`` divides float32 ULPs for tensors stored narrower (bfloat16: 2**16);
+    ``None`` when ULPs do not apply (integers, mixed dtypes).
+    """
+
+    rtol: float
+    atol: float
+    numel: int
+    batch: int = 0
+    ulp_scale: float | None = 1.0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    sum_abs: float = 0.0
+    sum_sq: float = 0.0
+    dot: float = 0.0
+    ref_sq: float = 0.0
+    port_sq: float = 0.0
+    max_ulp: float = 0.0
+    out: int = 0
+    ratio: float = 0.0
+    worst: int = -1
+    ref_nan: int = 0
+    ref_inf: int = 0
+    port_nan: int = 0
+    port_inf: int = 0
+    batch_ratio: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.batch:
+            self.batch_ratio = np.zeros(self.batch)
+
+    def update(self, ref: np.ndarray, port: np.ndarray, start: int) -> None:
+        """Add flat elements ``start .. start + len(ref)`` of both tensors."""
+        if ref.size == 0:
+            return
+        a = ref.astype(np.float64, copy=False)
+        b = port.astype(np.float64, copy=False)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(a - b)
+        finite = np.isfinite(diff)
+        all_finite = bool(finite.all())
+        if not all_finite:
+            self._count_non_finite(a, b)
+            same = (a == b) | (np.isnan(a) & np.isnan(b))
+            diff = np.where(finite, diff, np.where(same, 0.0, np.inf))
+        magnitude = np.abs(a)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = diff / (self.atol + self.rtol * magnitude)
+            ratio[diff == 0] = 0.0
+            rel = diff / np.maximum(magnitude, self.atol or np.finfo(np.float64).tiny)
+        worst = int(np.argmax(ratio))
+        if ratio[worst] > self.ratio or self.worst < 0:
+            self.ratio, self.worst = float(ratio[worst]), start + worst
+        self.out += int(np.count_nonzero(ratio > 1.0))
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.max_rel = max(self.max_rel, float(np.nanmax(rel)))
+        self.sum_abs += float(diff.sum())
+        self.sum_sq += float(np.dot(diff, diff)) if all_finite else float(np.sum(diff * diff))
+        if all_finite:
+            self.dot += float(np.dot(a, b))
+            self.ref_sq += float(np.dot(a, a))
+            self.port_sq += float(np.dot(b, b))
+        else:
+            keep = np.isfinite(a) & np.isfinite(b)
+            self.dot += float(np.dot(a[keep], b[keep]))
+            self.ref_sq += float(np.dot(a[keep], a[keep]))
+            self.port_sq += float(np.dot(b[keep], b[keep]))
+        if self.ulp_scale is not None and ref.dtype.kind == "f" and ref.dtype == port.dtype:
+            ulp = np.abs(ordered_bits(ref) - ordered_bits(port))
+            if not all_finite:
+                ulp = np.where(finite, ulp, 0)
+            self.max_ulp = max(self.max_ulp, float(ulp.max()) / self.ulp_scale)
+        if self.batch_ratio is not None:
+            self._update_batches(ratio, start)
+
+    def _count_non_finite(self, a: np.ndarray, b: np.ndarray) -> None:
+        self.ref_nan += int(np.count_nonzero(np.isnan(a)))
+        self.ref_inf += int(np.count_nonzero(np.isinf(a)))
+        self.port_nan += int(np.count_nonzero(np.isnan(b)))
+        self.port_inf += int(np.count_nonzero(np.isinf(b)))
+
+    def _update_batches(self, ratio: np.ndarray, start: int) -> None:
+        per_element = self.numel // self.batch
+        first = start // per_element
+        last = (start + ratio.size - 1) // per_element
+        edges = np.arange(first + 1, last + 1) * per_element - start
+        maxima = np.maximum.reduceat(ratio, np.concatenate([[0], edges]))
+        current = self.batch_ratio[first:last + 1]
+        np.maximum(current, maxima, out=current)
+
+    def result(self, shape: tuple[int, ...]) -> dict[str, Any]:
+        """The row's metric columns."""
+        count = max(self.numel, 1)
+        norms = np.sqrt(self.ref_sq * self.port_sq)
+        cosine = self.dot / norms if norms > 0 else (1.0 if self.ref_sq == self.port_sq else 0.0)
+        return {
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "mean_abs": self.sum_abs / count,
+            "rms": float(np.sqrt(self.sum_sq / count)),
+            "cosine": float(cosine),
+            "max_ulp": self.max_ulp if self.ulp_scale is not None else np.nan,
+            "frac_out": self.out / count,
+            "worst_index": _index_text(self.worst, shape),
+            "ratio": self.ratio,
+            "ref_nan": self.ref_nan,
+            "ref_inf": self.ref_inf,
+            "port_nan": self.port_nan,
+            "port_inf": self.port_inf,
+            "batch_ratio": self.batch_ratio,
+        }
+
+
+def _index_text(flat: int, shape: tuple[int, ...]) -> str:
+    if flat < 0:
+        return ""
+    if not shape:
+        return "()"
+    return ",".join(str(int(i)) for i in np.unravel_index(flat, shape))

@@ -1,0 +1,245 @@
+"""Origins: the sites whose own error is out of tolerance while what came into them was within.
+
+Within the first step that has anything out of tolerance (later steps inherit its divergence
+through the weights):
+- weights: a weight out of tolerance is an origin of its own (at step 0 the port was not
+  loaded with the reference's weights; later, the optimizer step or clipping differs);
+- forward, in execution order: the output is out while every input and weight is within,
+  or the output holds NaN/Inf where the reference is finite while the inputs do not;
+- backward, in backward execution order: ``grad_input`` or ``weight_grad`` is out while every
+  ``grad_output`` is within and the site's forward was within (otherwise the backward error is
+  the forward's, propagated). A ``weight_grad`` sums every call of its module, so it counts only
+  when all calls received a gradient within tolerance;
+- nesting: of a container and sites inside it that all qualify, the innermost are the origins
+  and the containers are marked as holding them; a container that qualifies with no qualifying
+  site inside has the fault in its own code between its children.
+Every other failing row is marked as propagated from the nearest origin before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.compare import result as R
+from layerdiff.trace import schema
+
+METRIC_KEYS = ("ratio", "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
+               "frac_out", "worst_index", "rtol", "atol", "tol_source", "note")
+
+
+@dataclass
+class _Site:
+    """What one site's rows say, in one step."""
+
+    name: str
+    port_name: str
+    order: int                       # forward order: seq of its first row
+    backward_order: int = 1 << 62    # seq of its first backward row
+    bad: dict[str, list[int]] = field(default_factory=dict)   # role -> failing row positions
+    new_non_finite: dict[str, bool] = field(default_factory=dict)  # role -> port NaN/Inf extra
+
+    def is_bad(self, *roles: str) -> bool:
+        return any(self.bad.get(role) for role in roles)
+
+
+def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame) -> tuple[list[R.Origin],
+                                                                       int | None]:
+    """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``."""
+    failing = ~rows["verdict"].isin(R.PASSING)
+    if not failing.any():
+        return [], None
+    step = int(rows.loc[failing, "step"].min())
+    in_step = rows.index[rows["step"] == step]
+    sites = _collect(rows, in_step)
+    parents = _parents(ref_sites, step)
+    _root_output_feeds_loss(sites)
+
+    weight_origins = [s for s in sites.values() if s.is_bad("weight")]
+    forward = [s for s in sites.values() if _forward_candidate(s)]
+    backward = [s for s in sites.values() if _backward_candidate(s, sites)]
+    origins: list[R.Origin] = []
+    for site in sorted(weight_origins, key=lambda s: s.order):
+        origins.append(_origin(rows, site, step, "weight", _weight_reason(step)))
+    for group, role_order, reason in ((forward, ("output",), _forward_reason),
+                                      (backward, ("grad_input", "weight_grad"),
+                                       _backward_reason)):
+        innermost, holders = _innermost(group, parents)
+        key = (lambda s: s.order) if role_order == ("output",) else (
+            lambda s: s.backward_order)
+        for site in sorted(innermost, key=key):
+            role = next(r for r in role_order if site.is_bad(r))
+            origin = _origin(rows, site, step, role, reason(site, parents, sites))
+            origin.holders = sorted(holders.get(site.name, []))
+            origins.append(origin)
+    _mark(rows, origins, sites, step, failing)
+    return origins, step
+
+
+def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
+    sites: dict[str, _Site] = {}
+    frame = rows.loc[positions]
+    for pos, site, port_site, role, seq, verdict, ref_bad, port_bad in zip(
+            frame.index, frame["site"], frame["port_site"], frame["role"], frame["seq"],
+            frame["verdict"], frame["ref_nan"].fillna(0) + frame["ref_inf"].fillna(0),
+            frame["port_nan"].fillna(0) + frame["port_inf"].fillna(0), strict=True):
+        entry = sites.get(site)
+        if entry is None:
+            entry = sites[site] = _Site(site, port_site, int(seq))
+        if role in ("grad_output", "grad_input"):
+            entry.backward_order = min(entry.backward_order, int(seq))
+        if verdict not in R.PASSING:
+            entry.bad.setdefault(role, []).append(pos)
+        if port_bad > ref_bad:
+            entry.new_non_finite[role] = True
+    return sites
+
+
+def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:
+    in_step = ref_sites[ref_sites["step"] == step]
+    return dict(zip(in_step["site"], in_step["parent"], strict=True))
+
+
+def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
+    """The loss records no inputs: what goes into it is the model's output."""
+    loss, root = sites.get(schema.LOSS_SITE), sites.get(f"{schema.ROOT_MODULE}#0")
+    if loss is not None and root is not None:
+        if root.is_bad("output"):
+            loss.bad.setdefault("input", []).extend(root.bad["output"])
+        if root.new_non_finite.get("output"):
+            loss.new_non_finite["input"] = True
+
+
+def _forward_candidate(site: _Site) -> bool:
+    if site.is_bad("weight"):
+        return False
+    if site.is_bad("output") and not site.is_bad("input"):
+        return True
+    return bool(site.new_non_finite.get("output") and not site.new_non_finite.get("input"))
+
+
+def _backward_candidate(site: _Site, sites: dict[str, _Site]) -> bool:
+    if site.is_bad("grad_output", "input", "output", "weight"):
+        return False
+    if site.is_bad("grad_input"):
+        return True
+    if not site.is_bad("weight_grad"):
+        return False
+    module = schema.split_site(site.name)[0]
+    return not any(other.is_bad("grad_output") for name, other in sites.items()
+                   if schema.split_site(name)[0] == module)
+
+
+def _ancestors(name: str, parents: dict[str, str]) -> list[str]:
+    chain, seen = [], set()
+    while (name := parents.get(name, "")) and name not in seen:
+        seen.add(name)
+        chain.append(name)
+    return chain
+
+
+def _innermost(group: list[_Site], parents: dict[str, str]
+               ) -> tuple[list[_Site], dict[str, list[str]]]:
+    """The candidates with no candidate inside them, and for each the containers around it."""
+    names = {s.name for s in group}
+    holders_of: dict[str, list[str]] = {}
+    holding: set[str] = set()
+    for site in group:
+        around = [a for a in _ancestors(site.name, parents) if a in names]
+        holders_of[site.name] = around
+        holding.update(around)
+    inner = [s for s in group if s.name not in holding]
+    return inner, {s.name: holders_of[s.name] for s in inner}
+
+
+def _has_children(name: str, parents: dict[str, str]) -> bool:
+    return any(parent == name for parent in parents.values())
+
+
+def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
+    if not site.is_bad("output"):
+        return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
+    text = "its output is out of tolerance while all its inputs and weights are within"
+    if _has_children(site.name, parents):
+        text += ("; no site inside it is out on its own, so the fault is in its own code "
+                 "between its children")
+    return text
+
+
+def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
+    role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
+    text = (f"its {role} is out of tolerance while the gradient arriving at its outputs and "
+            "its forward are within")
+    if _has_children(site.name, parents):
+        text += ("; no site inside it is out on its own, so the fault is in its own backward "
+                 "code between its children")
+    return text
+
+
+def _weight_reason(step: int) -> str:
+    if step == 0:
+        return ("its weights differ before anything ran: the port was not given the "
+                "reference's weights (capture it with --weights-from and the mapping)")
+    return (f"its weights differ at the start of step {step} while every earlier step was "
+            "within tolerance: the optimizer step, gradient clipping or unscaling differs")
+
+
+def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) -> R.Origin:
+    positions = site.bad[role]
+    worst = max(positions, key=lambda p: _ratio(rows.at[p, "ratio"]))
+    row = rows.loc[worst]
+    metrics = {key: _plain(row[key]) for key in METRIC_KEYS}
+    batch = row["batch_ratio"]
+    metrics["batch_ratio"] = None if batch is None else [float(x) for x in batch]
+    return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, str(row["arg"]),
+                    reason, metrics)
+
+
+def _ratio(value) -> float:
+    value = float(value) if value is not None else 0.0
+    return np.inf if np.isnan(value) else value
+
+
+def _plain(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value
+
+
+def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], step: int,
+          failing: pd.Series) -> None:
+    """Status and cause of every failing row."""
+    origin_rows: dict[int, R.Origin] = {}
+    for origin in origins:
+        for pos in sites[origin.site].bad.get(origin.role, []):
+            origin_rows[pos] = origin
+        for holder in origin.holders:
+            for positions in sites[holder].bad.values():
+                for pos in positions:
+                    rows.at[pos, "status"] = R.HOLDS_ORIGIN
+                    rows.at[pos, "cause"] = origin.site
+    first = origins[0] if origins else None
+    forward = [o for o in origins if o.pass_ == "forward"]
+    ordered = sorted(origins, key=lambda o: _first_seq(rows, sites, o))
+    for pos in rows.index[failing]:
+        if pos in origin_rows:
+            rows.at[pos, "status"] = R.ORIGIN
+            rows.at[pos, "cause"] = origin_rows[pos].site
+            continue
+        if rows.at[pos, "status"]:
+            continue
+        rows.at[pos, "status"] = R.PROPAGATED
+        if rows.at[pos, "step"] != step:
+            rows.at[pos, "cause"] = f"step {step}" + (f" ({first.site})" if first else "")
+            continue
+        seq = rows.at[pos, "seq"]
+        before = [o for o in ordered if _first_seq(rows, sites, o) <= seq
+                  and (o.pass_ == rows.at[pos, "pass"] or o.pass_ == "forward")]
+        cause = before[-1] if before else (forward[0] if forward else first)
+        rows.at[pos, "cause"] = cause.site if cause else ""
+
+
+def _first_seq(rows: pd.DataFrame, sites: dict[str, _Site], origin: R.Origin) -> int:
+    return int(min(rows.at[p, "seq"] for p in sites[origin.site].bad[origin.role]))

@@ -1,0 +1,200 @@
+"""Streaming tensor pairs out of two traces, chunk by chunk, with reads ahead on a thread.
+
+A prefetch thread reads both sides of each pair into a small pool of reused ~1 MiB buffers
+while the caller computes metrics on the previous chunks (h5py and numpy both release the GIL),
+so memory is bounded by the pool whatever the traces' size (PERF-NOTES: 1 MiB ``read_direct``
+blocks, a reader thread ahead of the compute). Small tensors packed next to each other are
+served from one window read instead of one h5py call each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from layerdiff.compare.records import Slice
+from layerdiff.errors import TraceError
+from layerdiff.trace import schema
+
+CHUNK_BYTES = 1 << 20
+WINDOW_BYTES = 4 << 20
+POOL = 6  # chunk buffer pairs in flight
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one side's tensor lies, and what to do to it before comparing."""
+
+    segment: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    part: Slice | None = None
+    transpose: bool = False
+
+    @property
+    def streamable(self) -> bool:
+        """Readable as flat chunks: no transpose, and any slice along axis 0."""
+        return not self.transpose and (self.part is None or self.part.axis in (0, -len(
+            self.shape)))
+
+    def byte_range(self) -> tuple[int, int]:
+        """(offset, nbytes) of the elements compared, for a streamable tensor."""
+        if self.part is None:
+            return self.offset, self.nbytes
+        row = self.nbytes // max(self.shape[0], 1)
+        return self.offset + self.part.start * row, (self.part.stop - self.part.start) * row
+
+
+@dataclass
+class Chunk:
+    pair: int          # the caller's index of the pair
+    start: int         # first flat element in this chunk
+    ref: np.ndarray    # decoded values (bfloat16 widened to float32), flat
+    port: np.ndarray
+    last: bool
+
+
+class _RangeReader:
+    """Byte ranges of one trace's segments; small ranges through a window read ahead."""
+
+    def __init__(self, h5: h5py.File, path: str) -> None:
+        self.h5, self.path = h5, path
+        self._datasets: dict[int, h5py.Dataset] = {}
+        self._window = np.empty(WINDOW_BYTES, np.uint8)
+        self._window_at = (-1, 0, 0)  # segment, start, length
+
+    def _dataset(self, segment: int) -> h5py.Dataset:
+        if segment not in self._datasets:
+            try:
+                self._datasets[segment] = self.h5[f"{schema.TENSORS_GROUP}/{segment:06d}"]
+            except KeyError:
+                raise TraceError(f"{self.path}: tensor segment {segment} is missing; the file "
+                                 "is damaged, capture it again") from None
+        return self._datasets[segment]
+
+    def read(self, segment: int, offset: int, nbytes: int, out: np.ndarray) -> None:
+        """Fill ``out[:nbytes]`` with bytes ``offset .. offset + nbytes`` of the segment."""
+        dataset = self._dataset(segment)
+        if nbytes > WINDOW_BYTES // 4:
+            dataset.read_direct(out, np.s_[offset:offset + nbytes], np.s_[0:nbytes])
+            return
+        seg, start, length = self._window_at
+        if seg != segment or offset < start or offset + nbytes > start + length:
+            length = min(WINDOW_BYTES, dataset.shape[0] - offset)
+            dataset.read_direct(self._window, np.s_[offset:offset + length], np.s_[0:length])
+            seg, start = segment, offset
+            self._window_at = (segment, offset, length)
+        out[:nbytes] = self._window[offset - start:offset - start + nbytes]
+
+
+def decode(raw: np.ndarray, dtype: str, count: int) -> np.ndarray:
+    """``count`` stored elements as numbers (bfloat16's bits widened to float32)."""
+    values = raw[:count * schema.numpy_dtype(dtype).itemsize].view(schema.numpy_dtype(dtype))
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values
+
+
+def stream_pairs(ref_h5: h5py.File, port_h5: h5py.File, pairs: list[tuple[TensorRef, TensorRef]],
+                 paths: tuple[str, str]) -> Iterator[Chunk]:
+    """Chunks of every pair in order; each chunk's arrays are valid until the next one."""
+    free: queue.Queue = queue.Queue()
+    for _ in range(POOL):
+        free.put((np.empty(CHUNK_BYTES, np.uint8), np.empty(CHUNK_BYTES, np.uint8)))
+    ready: queue.Queue = queue.Queue(maxsize=POOL)
+    stop = threading.Event()
+    readers = (_RangeReader(ref_h5, paths[0]), _RangeReader(port_h5, paths[1]))
+
+    def produce() -> None:
+        try:
+            for number, (ref, port) in enumerate(pairs):
+                if stop.is_set():
+                    return
+                if ref.streamable and port.streamable:
+                    _produce_streamed(number, ref, port, readers, free, ready, stop)
+                else:
+                    _produce_whole(number, ref, port, readers, ready)
+        except BaseException as exc:  # surfaced in the caller's thread
+            ready.put(exc)
+            return
+        ready.put(None)
+
+    thread = threading.Thread(target=produce, name="layerdiff-prefetch", daemon=True)
+    thread.start()
+    pending = None
+    try:
+        while True:
+            item = ready.get()
+            if pending is not None:
+                free.put(pending)
+                pending = None
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            chunk, buffers = item
+            pending = buffers
+            yield chunk
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock the producer so it can see the stop
+            with contextlib.suppress(queue.Empty):
+                ready.get_nowait()
+            free.put((np.empty(0, np.uint8), np.empty(0, np.uint8)))
+            thread.join(timeout=0.05)
+
+
+def _produce_streamed(number: int, ref: TensorRef, port: TensorRef, readers, free: queue.Queue,
+                      ready: queue.Queue, stop: threading.Event) -> None:
+    ref_offset, ref_bytes = ref.byte_range()
+    port_offset, _ = port.byte_range()
+    ref_size = schema.numpy_dtype(ref.dtype).itemsize
+    port_size = schema.numpy_dtype(port.dtype).itemsize
+    total = ref_bytes // ref_size
+    step = max(1, CHUNK_BYTES // max(ref_size, port_size))
+    start = 0
+    while True:
+        count = min(step, total - start)
+        buffers = free.get()
+        if stop.is_set():
+            return
+        ref_buf, port_buf = buffers
+        readers[0].read(ref.segment, ref_offset + start * ref_size, count * ref_size, ref_buf)
+        readers[1].read(port.segment, port_offset + start * port_size, count * port_size,
+                        port_buf)
+        chunk = Chunk(number, start, decode(ref_buf, ref.dtype, count),
+                      decode(port_buf, port.dtype, count), start + count >= total)
+        ready.put((chunk, buffers))
+        start += count
+        if start >= total:
+            return
+
+
+def _produce_whole(number: int, ref: TensorRef, port: TensorRef, readers,
+                   ready: queue.Queue) -> None:
+    """Tensors that need a transpose or a slice across rows: read whole, in fresh memory."""
+    ref_values = _whole(ref, readers[0]).reshape(-1)
+    port_values = _whole(port, readers[1]).reshape(-1)
+    ready.put((Chunk(number, 0, ref_values, port_values, True), None))
+
+
+def _whole(tensor: TensorRef, reader: _RangeReader) -> np.ndarray:
+    raw = np.empty(tensor.nbytes, np.uint8)
+    reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
+    count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
+    values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
+    if tensor.part is not None:
+        index = [slice(None)] * values.ndim
+        index[tensor.part.axis] = slice(tensor.part.start, tensor.part.stop)
+        values = values[tuple(index)]
+    if tensor.transpose:
+        values = values.T
+    return np.ascontiguousarray(values)

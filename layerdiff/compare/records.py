@@ -1,0 +1,167 @@
+"""Pairing index rows: for each reference record, the port record (or slice of one) it is
+compared with. Activations and gradients follow the site pairs and their argument maps;
+weights and weight gradients follow the parameter mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from layerdiff.compare.mapping import Mapping
+from layerdiff.compare.matching import SiteMatching
+from layerdiff.errors import MappingError
+from layerdiff.trace import schema
+
+PARAM_ROLES = ("weight", "weight_grad")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Part of a tensor along one axis: rows ``start:stop`` of ``axis``."""
+
+    axis: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class RecordPair:
+    ref: int                    # position in the reference index
+    port: int                   # position in the port index
+    match: str
+    confidence: float
+    ref_slice: Slice | None = None
+    port_slice: Slice | None = None
+    transpose_port: bool = False
+
+
+@dataclass
+class RecordPairing:
+    pairs: list[RecordPair]
+    unmatched: list[tuple[str, int, str, str, str, str]]  # side, step, site, role, arg, reason
+
+
+def param_name(site: str, arg: str) -> str:
+    """Full parameter name of a weight record: module path + '.' + argument."""
+    module = schema.split_site(site)[0]
+    return arg if module == schema.ROOT_MODULE else f"{module}.{arg}"
+
+
+def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
+                 mapping: Mapping) -> RecordPairing:
+    pairs: list[RecordPair] = []
+    unmatched: list[tuple[str, int, str, str, str, str]] = []
+    by_ref = sites.by_reference()
+    port_keys = {key: pos for pos, key in enumerate(zip(
+        port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
+        strict=True))}
+    used_port: set[int] = set()
+
+    ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
+                   ref_index["role"], ref_index["arg"], strict=True)
+    for pos, step, site, role, arg in ref_rows:
+        if role in PARAM_ROLES:
+            continue
+        pair = by_ref.get(site)
+        if pair is None:
+            continue  # the site itself is reported unmatched
+        port_arg = pair.args.get(arg, arg) if role in ("input", "grad_input") else arg
+        port_pos = port_keys.get((step, pair.port, role, port_arg))
+        if port_pos is None:
+            unmatched.append(("reference", int(step), site, role, arg,
+                              f"the port recorded no {role} '{port_arg}' at {pair.port}"))
+            continue
+        used_port.add(port_pos)
+        pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
+
+    param_pairs, param_unmatched, param_used = _pair_params(ref_index, port_index, sites,
+                                                            mapping)
+    pairs += param_pairs
+    unmatched += param_unmatched
+    used_port |= param_used
+    matched_port_sites = {p.port for p in sites.pairs}
+    for pos, (step, site, role, arg) in enumerate(zip(
+            port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
+            strict=True)):
+        if pos not in used_port and site in matched_port_sites:
+            unmatched.append(("port", int(step), site, role, arg,
+                              "no reference record pairs with it"))
+    pairs.sort(key=lambda p: p.ref)
+    return RecordPairing(pairs, unmatched)
+
+
+def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
+                 mapping: Mapping):
+    """Weight and weight-gradient records, paired through the parameter mapping."""
+    ref_params = ref_index[ref_index["role"].isin(PARAM_ROLES)]
+    ref_by_name = {(step, role, param_name(site, arg)): pos for pos, step, role, site, arg in zip(
+        ref_params.index, ref_params["step"], ref_params["role"], ref_params["site"],
+        ref_params["arg"], strict=True)}
+    pairs: list[RecordPair] = []
+    unmatched: list[tuple[str, int, str, str, str, str]] = []
+    used_port: set[int] = set()
+    used_ref: set[int] = set()
+    port_params = port_index[port_index["role"].isin(PARAM_ROLES)]
+    for port_pos, step, role, site, arg, shape in zip(
+            port_params.index, port_params["step"], port_params["role"], port_params["site"],
+            port_params["arg"], port_params["shape"], strict=True):
+        name = param_name(site, arg)
+        source = mapping.param_source(name, sites.module_partner)
+        if source is None:
+            source_names = [name]  # same name in the reference, if it has one
+            transform, axis, part = "copy", 0, 0
+        else:
+            source_names = source.reference
+            transform, axis, part = source.transform, source.axis, source.part
+        positions = [ref_by_name.get((step, role, n)) for n in source_names]
+        if any(p is None for p in positions):
+            missing = [n for n, p in zip(source_names, positions, strict=True) if p is None]
+            unmatched.append(("port", int(step), site, role, arg,
+                              f"parameter {name} comes from reference {', '.join(missing)}, "
+                              "which the reference trace does not record"))
+            continue
+        match = "exact" if source is None or source_names == [name] else "mapped"
+        used_port.add(int(port_pos))
+        if transform == "concat":
+            start = 0
+            for ref_pos in positions:
+                rows = _rows(ref_index.at[ref_pos, "shape"], axis, mapping)
+                pairs.append(RecordPair(ref_pos, int(port_pos), match, 1.0,
+                                        port_slice=Slice(axis, start, start + rows)))
+                start += rows
+                used_ref.add(ref_pos)
+        elif transform == "split":
+            rows = _rows(shape, axis, mapping)
+            pairs.append(RecordPair(positions[0], int(port_pos), match, 1.0,
+                                    ref_slice=Slice(axis, part * rows, (part + 1) * rows)))
+            used_ref.add(positions[0])
+        else:
+            pairs.append(RecordPair(positions[0], int(port_pos), match, 1.0,
+                                    transpose_port=transform == "transpose"))
+            used_ref.add(positions[0])
+    for pos in ref_params.index:
+        if pos not in used_ref:
+            row = ref_index.loc[pos]
+            if row["site"] in sites.by_reference():
+                unmatched.append(("reference", int(row["step"]), row["site"], row["role"],
+                                  row["arg"], "no port parameter is mapped from it"))
+    return pairs, unmatched, used_port
+
+
+def _rows(shape_text: str, axis: int, mapping: Mapping) -> int:
+    shape = schema.parse_shape(shape_text)
+    if not shape or not -len(shape) <= axis < len(shape):
+        raise MappingError(f"{mapping.name}: a parameter of shape ({shape_text}) has no axis "
+                           f"{axis} to concatenate or split along; fix the rule's axis")
+    return shape[axis]
+
+
+def sliced_shape(shape: tuple[int, ...], part: Slice | None, transpose: bool) -> tuple[int, ...]:
+    """The shape a record has after its slice or transpose."""
+    if part is not None:
+        shape = list(shape)
+        shape[part.axis] = part.stop - part.start
+        shape = tuple(shape)
+    return tuple(reversed(shape)) if transpose else tuple(shape)
+

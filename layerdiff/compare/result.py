@@ -1,0 +1,136 @@
+"""What a diff returns: the row table, the origins, what has no partner. Plain data, no torch.
+
+A :class:`Diff` is true when the port is within tolerance everywhere (``if diff: ...``), in
+the manner of Polygraphy's comparator results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+# Row verdicts. "identical" and "within" pass; the rest fail, but for "ref-nan", which is
+# reported and does not fail the port (the reference itself is not finite there).
+IDENTICAL = "identical"
+WITHIN = "within"
+OUT = "out"
+SHAPE_MISMATCH = "shape-mismatch"
+REF_NAN = "ref-nan"
+PASSING = frozenset({IDENTICAL, WITHIN, REF_NAN})
+
+# Row status, filled by origin finding.
+ORIGIN = "origin"
+HOLDS_ORIGIN = "holds-origin"      # a container around an origin
+PROPAGATED = "propagated"          # out of tolerance because of an earlier origin (see `cause`)
+
+# Columns of Diff.rows, in order. One row per compared (step, site, role, tensor).
+ROW_COLUMNS = [
+    "step", "pass", "seq", "site", "role", "arg",      # the reference's names
+    "port_site", "port_arg", "match", "confidence",     # how the port's record was paired
+    "shape", "port_shape", "dtype", "port_dtype", "numel",
+    "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
+    "frac_out", "worst_index", "ratio",                 # ratio: max |d| / (atol + rtol|ref|)
+    "ref_nan", "ref_inf", "port_nan", "port_inf",
+    "rtol", "atol", "tol_source",
+    "verdict", "note", "batch_ratio",                   # batch_ratio: per batch element, or None
+    "status", "cause",
+]
+
+UNMATCHED_COLUMNS = ["side", "step", "site", "role", "arg", "reason"]
+
+
+@dataclass
+class Origin:
+    """A site whose own error is over tolerance while what came into it was within."""
+
+    step: int
+    pass_: str                  # forward | backward
+    site: str                   # reference's name
+    port_site: str
+    role: str                   # the role that is out: output, grad_input, weight_grad, weight
+    arg: str
+    reason: str                 # one sentence: why this is an origin
+    metrics: dict[str, Any] = field(default_factory=dict)   # the row's metrics and tolerance
+    holders: list[str] = field(default_factory=list)        # containers around it that qualify
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pass"] = data.pop("pass_")
+        return data
+
+    def describe(self) -> str:
+        where = self.site if self.port_site in ("", self.site) else (
+            f"{self.site} (port {self.port_site})")
+        ratio = self.metrics.get("ratio")
+        size = f", {ratio:.3g}x its tolerance" if ratio is not None and np.isfinite(ratio) else ""
+        return f"{where}, {self.pass_} {self.role} {self.arg}, step {self.step}{size}"
+
+
+@dataclass
+class Diff:
+    """The comparison of a port's trace with its reference's."""
+
+    reference: Path
+    port: Path
+    rows: pd.DataFrame
+    origins: list[Origin]
+    unmatched: pd.DataFrame
+    first_failing_step: int | None
+    meta: dict[str, Any] = field(default_factory=dict)  # loss scales, steps, mapping, options
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows.empty or self.rows["verdict"].isin(PASSING).all())
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    @property
+    def origin(self) -> Origin | None:
+        """The first origin: earliest step, forward before backward, in execution order."""
+        return self.origins[0] if self.origins else None
+
+    def failing(self) -> pd.DataFrame:
+        """Rows out of tolerance, in order."""
+        return self.rows[~self.rows["verdict"].isin(PASSING)]
+
+    def as_json(self) -> dict[str, Any]:
+        """Everything, as plain JSON types: the JSON report."""
+        return {
+            "verdict": self.verdict,
+            "reference": str(self.reference),
+            "port": str(self.port),
+            "first_failing_step": self.first_failing_step,
+            "origin": self.origin.as_json() if self.origin else None,
+            "origins": [origin.as_json() for origin in self.origins],
+            "unmatched": _records(self.unmatched),
+            "rows": _records(self.rows),
+            "meta": self.meta,
+        }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return value if np.isfinite(value) else None if np.isnan(value) else (
+            "inf" if value > 0 else "-inf")
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{key: _plain(value) for key, value in row.items()}
+            for row in frame.to_dict(orient="records")]

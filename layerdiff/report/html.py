@@ -1,0 +1,672 @@
+"""A diff as one self-contained HTML page: verdict, error plots, the origin's tensors, tables.
+
+Everything is inline (CSS, and plots as base64 PNG data URIs drawn with matplotlib's Agg
+renderer through ``Figure`` objects, never pyplot's global state), so the page can be mailed,
+attached to a CI run or opened offline. All text from traces and diffs is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib import transforms
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator, NullFormatter
+
+from layerdiff.compare.result import (
+    HOLDS_ORIGIN,
+    IDENTICAL,
+    ORIGIN,
+    PROPAGATED,
+    REF_NAN,
+    WITHIN,
+    Diff,
+    Origin,
+)
+from layerdiff.errors import LayerdiffError
+from layerdiff.trace import open_trace
+from layerdiff.trace.reader import Trace
+
+MAX_TABLE_ROWS = 200
+MAX_HEATMAP_COLUMNS = 256
+MAX_HEATMAP_ROWS = 256
+MAX_HIST_VALUES = 4_000_000      # histograms of bigger tensors use an evenly strided sample
+LABEL_TICKS_UP_TO = 30           # name each point on the x axis when a panel has this few
+DPI = 110
+
+# One colour per kind of point, shared by the plot legend and the table rows.
+COLOURS = {
+    ORIGIN: "#d62728",
+    HOLDS_ORIGIN: "#9467bd",
+    PROPAGATED: "#ff7f0e",
+    "out": "#8c564b",            # out of tolerance but not attributed to an origin
+    REF_NAN: "#17becf",
+    WITHIN: "#2ca02c",
+    IDENTICAL: "#9a9a9a",
+}
+LABELS = {
+    ORIGIN: "origin",
+    HOLDS_ORIGIN: "holds an origin",
+    PROPAGATED: "propagated",
+    "out": "out (no origin found)",
+    REF_NAN: "reference not finite",
+    WITHIN: "within tolerance",
+    IDENTICAL: "identical",
+}
+
+# Columns of names that may be long: these wrap, so a table fits the page's width.
+NAME_COLUMNS = frozenset({"site", "port_site", "cause", "reason", "note"})
+
+FAILING_COLUMNS = ["site", "pass", "role", "arg", "step", "ratio", "max_abs", "max_rel",
+                   "cosine", "verdict", "status", "cause"]
+
+CSS = """
+:root { --fail: #c62828; --pass: #2e7d32; --ink: #1f2328; --muted: #59636e;
+        --line: #d8dee4; --soft: #f6f8fa; }
+* { box-sizing: border-box; }
+body { margin: 0; background: #fff; color: var(--ink);
+       font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+             sans-serif; }
+main { max-width: 1100px; margin: 0 auto; padding: 24px 20px 48px; }
+h1 { font-size: 20px; margin: 0 0 4px; font-weight: 600; }
+h2 { font-size: 18px; margin: 36px 0 8px; padding-bottom: 4px; border-bottom: 1px solid
+     var(--line); font-weight: 600; }
+h3 { font-size: 15px; margin: 20px 0 6px; font-weight: 600; }
+code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+              font-size: 13px; }
+.banner { display: flex; align-items: center; gap: 20px; padding: 16px 20px;
+          border-radius: 8px; color: #fff; }
+.banner.fail { background: var(--fail); }
+.banner.pass { background: var(--pass); }
+.verdict { font-size: 40px; font-weight: 800; letter-spacing: 2px; line-height: 1; }
+.banner p { margin: 0; font-size: 16px; }
+.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px;
+         margin: 16px 0 0; }
+.facts dt { color: var(--muted); }
+.facts dd { margin: 0; overflow-wrap: anywhere; }
+.counts { display: flex; flex-wrap: wrap; gap: 12px; margin-top: 16px; }
+.count { border: 1px solid var(--line); border-radius: 6px; padding: 6px 14px;
+         background: var(--soft); }
+.count b { display: block; font-size: 20px; }
+.count span { color: var(--muted); font-size: 13px; }
+.count.bad b { color: var(--fail); }
+figure { margin: 8px 0 0; }
+figure img { display: block; max-width: 100%; height: auto; }
+figcaption, .note { color: var(--muted); font-size: 13px; }
+.note { margin: 6px 0; }
+table { border-collapse: collapse; width: 100%; font-size: 13px; margin-top: 6px; }
+th, td { text-align: left; padding: 4px 7px; border-bottom: 1px solid var(--line);
+         vertical-align: top; white-space: nowrap; }
+td.name { white-space: normal; overflow-wrap: break-word; }
+th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.table-wrap { overflow-x: auto; }
+tr.origin td:first-child { border-left: 4px solid #d62728; }
+tr.propagated td:first-child { border-left: 4px solid #ff7f0e; }
+tr.holds-origin td:first-child { border-left: 4px solid #9467bd; }
+ol.origins li { margin-bottom: 6px; }
+details { margin-top: 8px; }
+pre { background: var(--soft); padding: 10px; border-radius: 6px; overflow-x: auto;
+      font-size: 12px; }
+"""
+
+
+def write_html(diff: Diff, path: str | os.PathLike[str]) -> Path:
+    """Write ``diff`` as one self-contained HTML file at ``path``; returns the path."""
+    target = Path(path)
+    target.write_text(render_html(diff), encoding="utf-8")
+    return target
+
+
+def render_html(diff: Diff) -> str:
+    """The report page as a string (for notebooks, or to embed elsewhere)."""
+    sections = [
+        _header(diff),
+        _error_section(diff),
+        _origin_section(diff),
+        _failing_section(diff),
+        _origins_section(diff),
+        _unmatched_section(diff),
+        _meta_section(diff),
+    ]
+    title = f"layerdiff {diff.verdict.upper()}: {Path(diff.port).name}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
+            + "\n".join(s for s in sections if s) + "\n</main></body></html>\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Header
+
+
+def _header(diff: Diff) -> str:
+    verdict = diff.verdict
+    origin = diff.origin
+    if origin is not None:
+        summary = f"First origin: {origin.describe()}."
+    elif verdict == "fail":
+        summary = "Rows are out of tolerance, but no origin was found."
+    else:
+        summary = "Every compared tensor is within tolerance."
+    first = diff.first_failing_step
+    facts = [
+        ("reference", f"<code>{escape(str(diff.reference))}</code>"),
+        ("port", f"<code>{escape(str(diff.port))}</code>"),
+        ("first failing step", escape(str(first)) if first is not None else "none"),
+    ]
+    n_failing = len(diff.failing())
+    counts = [
+        (len(diff.rows), "rows compared", False),
+        (n_failing, "rows out of tolerance", n_failing > 0),
+        (len(diff.origins), "origins", len(diff.origins) > 0),
+        (len(diff.unmatched), "unmatched records", len(diff.unmatched) > 0),
+    ]
+    return (
+        "<header>"
+        f"<div class=\"banner {verdict}\"><span class=\"verdict\">{verdict.upper()}</span>"
+        f"<p>{escape(summary)}</p></div>"
+        "<dl class=\"facts\">"
+        + "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in facts)
+        + "</dl><div class=\"counts\">"
+        + "".join(f"<div class=\"count{' bad' if bad else ''}\"><b>{n:,}</b>"
+                  f"<span>{escape(label)}</span></div>" for n, label, bad in counts)
+        + "</div></header>")
+
+
+# ---------------------------------------------------------------------------------------------
+# Error per site, in execution order
+
+
+def _plot_step(diff: Diff) -> int | None:
+    """The step worth plotting: the first failing one, else step 0 (or the first present)."""
+    if diff.rows.empty:
+        return None
+    steps = set(diff.rows["step"].tolist())
+    for step in (diff.first_failing_step, 0):
+        if step is not None and step in steps:
+            return int(step)
+    return int(min(steps))
+
+
+def _error_section(diff: Diff) -> str:
+    step = _plot_step(diff)
+    head = "<h2>Error per site, in execution order</h2>"
+    if step is None:
+        return head + "<p class=\"note\">No rows were compared.</p>"
+    rows = diff.rows[diff.rows["step"] == step]
+    panels = [(name, rows[rows["pass"] == name].sort_values("seq", kind="stable"))
+              for name in ("forward", "backward")]
+    panels = [(name, frame) for name, frame in panels if not frame.empty]
+    png = _png(_error_figure(panels, step))
+    caption = (f"Step {step}. y: the largest error over its tolerance, "
+               "max |port − ref| / (atol + rtol·|ref|), on a log scale; the dashed line is the "
+               "tolerance (ratio 1). ▼ on the bottom edge: identical (ratio 0); ▲ on the top "
+               "edge: not finite or shapes differ. The backward panel is in backward execution "
+               "order.")
+    return head + _figure(png, f"error over tolerance per site, step {step}", caption)
+
+
+def _error_figure(panels: Sequence[tuple[str, pd.DataFrame]], step: int) -> Figure:
+    ratios = np.concatenate([frame["ratio"].to_numpy(dtype=float) for _, frame in panels])
+    low, high = _ratio_limits(ratios)
+    fig = Figure(figsize=(10, 0.6 + 3.3 * len(panels)), dpi=DPI, layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (name, frame) in zip(axes, panels, strict=True):
+        _error_panel(ax, frame, name, step, low, high)
+    handles, labels = _legend_entries(axes)
+    if handles:
+        fig.legend(handles, labels, loc="outside upper center", ncols=min(len(labels), 7),
+                   frameon=False, fontsize=9)
+    return fig
+
+
+def _ratio_limits(ratios: np.ndarray) -> tuple[float, float]:
+    """Log-axis limits that hold every finite positive ratio and the tolerance line."""
+    positive = ratios[np.isfinite(ratios) & (ratios > 0)]
+    low = min(positive.min(), 1e-2) if positive.size else 1e-3
+    high = max(positive.max(), 10.0) if positive.size else 10.0
+    # Whole decades, one spare below and above for the clipped markers.
+    return 10.0 ** (math.floor(math.log10(low)) - 1), 10.0 ** (math.ceil(math.log10(high)) + 1)
+
+
+def _category(verdict: str, status: str) -> str:
+    if status in (ORIGIN, HOLDS_ORIGIN, PROPAGATED):
+        return status
+    if verdict in (IDENTICAL, WITHIN, REF_NAN):
+        return verdict
+    return "out"
+
+
+def _error_panel(ax: Any, frame: pd.DataFrame, name: str, step: int, low: float,
+                 high: float) -> None:
+    x = np.arange(len(frame))
+    ratio = frame["ratio"].to_numpy(dtype=float)
+    # Zero cannot sit on a log axis and inf/NaN have no height: pin them to the edges.
+    floor, ceiling = low * 1.6, high / 1.6
+    y = np.where(np.isfinite(ratio), np.clip(ratio, floor, ceiling), ceiling)
+    y = np.where(ratio == 0, floor, y)
+    ax.plot(x, y, color="#c8ccd0", linewidth=0.8, zorder=1)
+    cats = [_category(v, s) for v, s in zip(frame["verdict"], _text_column(frame, "status"),
+                                            strict=True)]
+    for cat in COLOURS:
+        sel = np.array([c == cat for c in cats], dtype=bool)
+        for mask, marker in ((sel & (ratio == 0), "v"), (sel & ~np.isfinite(ratio), "^"),
+                             (sel & np.isfinite(ratio) & (ratio != 0), "o")):
+            if mask.any():
+                size = 60 if cat == ORIGIN else 22
+                ax.scatter(x[mask], y[mask], s=size, marker=marker, color=COLOURS[cat],
+                           label=LABELS[cat], zorder=3 if cat == ORIGIN else 2,
+                           edgecolors="white", linewidths=0.4)
+    ax.axhline(1.0, color="#444", linestyle="--", linewidth=1, zorder=0)
+    ax.text(1.0, 1.0, " tolerance", transform=ax.get_yaxis_transform(), va="bottom",
+            ha="right", fontsize=8, color="#444")
+    _annotate_origins(ax, frame, x, y, cats)
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    ax.set_xlim(-0.5, max(len(frame) - 0.5, 0.5))
+    ax.set_ylabel("error / tolerance")
+    ax.set_title(f"{name} pass, step {step} ({len(frame)} rows)", loc="left", fontsize=10)
+    ax.grid(axis="y", which="major", color="#eceff1", linewidth=0.8)
+    ax.spines[["top", "right"]].set_visible(False)
+    _x_ticks(ax, frame, name)
+
+
+def _annotate_origins(ax: Any, frame: pd.DataFrame, x: np.ndarray, y: np.ndarray,
+                      cats: list[str]) -> None:
+    """Name the origins on the plot: the points a reader must find. Labels stack down from
+    the top of the panel, so two origins side by side do not cover each other."""
+    picks = [i for i, c in enumerate(cats) if c == ORIGIN][:5]
+    sites = frame["site"].tolist()
+    roles = frame["role"].tolist()
+    right_half = len(frame) / 2
+    # x from the point's column, nudged sideways so the label never hides its own point;
+    # y from the top of the panel.
+    column = transforms.blended_transform_factory(ax.transData, ax.transAxes)
+    for n, i in enumerate(picks):
+        right = x[i] > right_half
+        place = transforms.offset_copy(column, fig=ax.figure, x=-12 if right else 12,
+                                       units="points")
+        ax.annotate(f"{sites[i]} {roles[i]}", xy=(x[i], y[i]), xytext=(x[i], 0.97 - 0.11 * n),
+                    textcoords=place, ha="right" if right else "left", va="top", fontsize=9,
+                    fontweight="bold" if n == 0 else "normal", color=COLOURS[ORIGIN],
+                    arrowprops={"arrowstyle": "-", "color": COLOURS[ORIGIN], "lw": 0.8,
+                                "shrinkA": 0, "shrinkB": 4},
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
+                          "alpha": 0.75}, zorder=4)
+
+
+def _x_ticks(ax: Any, frame: pd.DataFrame, name: str) -> None:
+    if 0 < len(frame) <= LABEL_TICKS_UP_TO:
+        labels = [f"{s} {r}" if a in ("", "0") else f"{s} {r} {a}"
+                  for s, r, a in zip(frame["site"], frame["role"], frame["arg"], strict=True)]
+        ax.set_xticks(np.arange(len(frame)), labels, rotation=35, ha="right", fontsize=7,
+                      rotation_mode="anchor")
+    else:
+        ax.set_xlabel(f"row in {name} execution order")
+
+
+def _legend_entries(axes: Iterable[Any]) -> tuple[list[Any], list[str]]:
+    """One round marker per category present, in the order of COLOURS (the panels may show a
+    category only as an edge marker, which would make a misleading legend symbol)."""
+    present = set()
+    for ax in axes:
+        present.update(ax.get_legend_handles_labels()[1])
+    order = [c for c in COLOURS if LABELS[c] in present]
+    handles = [Line2D([], [], linestyle="", marker="o", markersize=8 if c == ORIGIN else 5,
+                      color=COLOURS[c]) for c in order]
+    return handles, [LABELS[c] for c in order]
+
+
+# ---------------------------------------------------------------------------------------------
+# The first origin's tensors
+
+
+def _origin_section(diff: Diff) -> str:
+    origin = diff.origin
+    if origin is None:
+        return ""
+    what = f"{origin.site}, {origin.pass_} {origin.role}" + (
+        f" (arg {origin.arg})" if origin.arg not in ("", "0") else "")
+    head = f"<h2 id=\"origin\">The origin's tensors: {escape(what)}</h2>"
+    row = _origin_row(diff, origin)
+    try:
+        ref, port = _origin_tensors(diff, origin, row)
+    except (LayerdiffError, OSError, ValueError) as exc:
+        # The page is still worth having without the pictures; say why they are missing.
+        return head + f"<p class=\"note\">No tensor plots: {escape(str(exc))}</p>"
+    rtol, atol = _tolerance(row, origin)
+    source = row.get("tol_source", "") if row is not None else ""
+    tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if _present(source) else "")
+    parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
+    if ref.shape == port.shape:
+        parts.append(_heatmap_html(ref, port, rtol, atol))
+    else:
+        parts.append(f"<p class=\"note\">No element-wise map: the reference's shape "
+                     f"{escape(str(ref.shape))} differs from the port's "
+                     f"{escape(str(port.shape))}.</p>")
+    parts.append(_histograms_html(ref, port))
+    return "\n".join(parts)
+
+
+def _origin_row(diff: Diff, origin: Origin) -> pd.Series | None:
+    """The origin's row of the diff table: it holds the port's arg name and the tolerance."""
+    rows = diff.rows
+    if rows.empty:
+        return None
+    hit = rows[(rows["step"] == origin.step) & (rows["pass"] == origin.pass_)
+               & (rows["site"] == origin.site) & (rows["role"] == origin.role)
+               & (rows["arg"] == origin.arg)]
+    return None if hit.empty else hit.iloc[0]
+
+
+def _tolerance(row: pd.Series | None, origin: Origin) -> tuple[float, float]:
+    source: Any = row if row is not None else origin.metrics
+    rtol, atol = source.get("rtol"), source.get("atol")
+    rtol = float(rtol) if _present(rtol) else 0.0
+    atol = float(atol) if _present(atol) else 0.0
+    return rtol, atol
+
+
+def _origin_tensors(diff: Diff, origin: Origin,
+                    row: pd.Series | None) -> tuple[np.ndarray, np.ndarray]:
+    port_site = origin.port_site or origin.site
+    port_arg = row["port_arg"] if row is not None and _present(row["port_arg"]) else origin.arg
+    with open_trace(diff.reference) as ref_trace, open_trace(diff.port) as port_trace:
+        for trace in (ref_trace, port_trace):
+            if trace.summary:
+                raise ValueError(f"{trace.path} is a summary trace (statistics only, no tensor "
+                                 "data); capture without --summary to see which elements differ")
+        ref = _read_tensor(ref_trace, origin.step, origin.pass_, origin.site, origin.role,
+                           origin.arg)
+        port = _read_tensor(port_trace, origin.step, origin.pass_, port_site, origin.role,
+                            port_arg)
+    return ref, port
+
+
+def _read_tensor(trace: Trace, step: int, pass_: str, site: str, role: str,
+                 arg: str) -> np.ndarray:
+    index = trace.index
+    hit = index[(index["step"] == step) & (index["pass"] == pass_) & (index["site"] == site)
+                & (index["role"] == role) & (index["arg"] == arg) & (index["kind"] == "tensor")]
+    if hit.empty:
+        raise ValueError(f"{trace.path} has no tensor for {site} {role} {arg} at step {step}")
+    if int(hit.iloc[0]["segment"]) < 0:
+        raise ValueError(f"{trace.path} stores no data for {site} {role} {arg}")
+    return np.asarray(trace.read(hit.iloc[0]), dtype=np.float64)
+
+
+def _error_map(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """|port − ref| / (atol + rtol·|ref|) per element: 0 where equal (NaN with NaN, inf with
+    the same inf), inf where only one side is finite or the tolerance is zero."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        diff = np.abs(port - ref)
+        ratio = diff / (atol + rtol * np.abs(ref))
+    same = (ref == port) | (np.isnan(ref) & np.isnan(port))
+    ratio = np.where(same, 0.0, ratio)
+    return np.where(np.isnan(ratio), np.inf, ratio)
+
+
+def _batch_matrix(values: np.ndarray) -> np.ndarray:
+    """Rows are batch elements (axis 0); a tensor with fewer than two axes is one row."""
+    if values.ndim < 2:
+        return values.reshape(1, -1)
+    return values.reshape(values.shape[0], -1)
+
+
+def _max_pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
+    """Max-pool ``axis`` down to at most ``limit`` entries: a single bad element stays visible."""
+    n = matrix.shape[axis]
+    if n <= limit:
+        return matrix, 1
+    factor = math.ceil(n / limit)
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (0, factor * math.ceil(n / factor) - n)
+    padded = np.pad(matrix, pad, constant_values=0.0)
+    if axis == 1:
+        return padded.reshape(padded.shape[0], -1, factor).max(axis=2), factor
+    return padded.reshape(-1, factor, padded.shape[1]).max(axis=1), factor
+
+
+def _heatmap_html(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -> str:
+    errors = _batch_matrix(_error_map(ref, port, rtol, atol))
+    batch, width = errors.shape
+    per_row = errors.max(axis=1) if errors.size else np.zeros(batch)
+    pooled, col_factor = _max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
+    pooled, row_factor = _max_pool(pooled, 0, MAX_HEATMAP_ROWS)
+    per_row_pooled, _ = _max_pool(per_row[:, None], 0, MAX_HEATMAP_ROWS)
+    png = _png(_heatmap(pooled, per_row_pooled[:, 0], row_factor))
+    bad = int(np.count_nonzero(per_row > 1))
+    notes = [f"Tensor shape {tuple(ref.shape)}: {batch} batch element(s) × {width} value(s) "
+             f"each; {bad} of {batch} batch element(s) have an element out of tolerance."]
+    if col_factor > 1 or row_factor > 1:
+        notes.append(f"Each cell is the maximum over {row_factor} × {col_factor} elements, so "
+                     "a single bad element stays visible.")
+    notes.append("Red is over tolerance, blue within, white exactly at it; the bars on the "
+                 "right are each batch element's worst ratio.")
+    return ("<h3>Error per batch element</h3>"
+            + _figure(png, "per-batch-element error heatmap", " ".join(notes),
+                      element_id="heatmap"))
+
+
+def _heatmap(pooled: np.ndarray, per_row: np.ndarray, row_factor: int) -> Figure:
+    batch = pooled.shape[0]
+    height = min(max(2.2, 0.28 * batch + 1.2), 6.5)
+    fig = Figure(figsize=(10, height), dpi=DPI, layout="constrained")
+    grid = fig.add_gridspec(1, 2, width_ratios=[6, 1])
+    ax = fig.add_subplot(grid[0, 0])
+    side = fig.add_subplot(grid[0, 1], sharey=ax)
+    logs, norm = _log_ratio(pooled)
+    image = ax.imshow(logs, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm)
+    ax.set_ylabel("batch element" if row_factor == 1 else f"batch element (÷{row_factor})")
+    ax.set_xlabel("element within the batch element (flattened, max-pooled)")
+    if batch <= 32:
+        ax.set_yticks(np.arange(batch))
+    bar = fig.colorbar(image, ax=side, location="right", shrink=0.95, pad=0.02)
+    bar.set_label("log10(error / tolerance)", fontsize=9)
+    _per_row_bars(side, per_row)
+    return fig
+
+
+def _log_ratio(ratio: np.ndarray) -> tuple[np.ndarray, TwoSlopeNorm]:
+    """log10 of the ratio, clipped, with a colour scale whose centre is the tolerance."""
+    finite = ratio[np.isfinite(ratio) & (ratio > 0)]
+    top = max(1.0, float(np.log10(finite.max())) if finite.size else 1.0)
+    bottom = min(-3.0, float(np.log10(finite.min())) if finite.size else -3.0)
+    bottom = max(bottom, -8.0)  # below 1e-8 of the tolerance is rounding noise: all one colour
+    with np.errstate(divide="ignore"):
+        logs = np.log10(ratio)
+    logs = np.clip(np.where(np.isposinf(logs), top, logs), bottom, top)
+    return logs, TwoSlopeNorm(vmin=bottom, vcenter=0.0, vmax=top)
+
+
+def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
+    """Beside the map: each batch element's worst ratio, to read the count of bad ones."""
+    rows = np.arange(len(per_row))
+    finite = per_row[np.isfinite(per_row) & (per_row > 0)]
+    # Bars grow from a floor below the smallest ratio; 0 sits on the floor, inf at the top.
+    floor = min(1e-3, float(finite.min()) / 10) if finite.size else 1e-3
+    top = max(10.0, float(finite.max()) * 10) if finite.size else 10.0
+    shown = np.clip(np.where(np.isfinite(per_row), per_row, top), floor, top)
+    colours = [COLOURS[ORIGIN] if v > 1 else COLOURS[WITHIN] for v in per_row]
+    ax.set_xscale("log")
+    ax.barh(rows, shown - floor, left=floor, color=colours, height=0.7)
+    ax.set_xlim(floor, top)
+    ax.axvline(1.0, color="#444", linestyle="--", linewidth=1)
+    ax.set_xlabel("worst ratio", fontsize=9)
+    ax.tick_params(axis="y", labelleft=False)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def _histograms_html(ref: np.ndarray, port: np.ndarray) -> str:
+    png = _png(_histograms(ref, port))
+    caption = ("Finite values only. The difference histogram has a log count axis: a few "
+               "large differences among many zeros stay visible.")
+    return ("<h3>Values and differences</h3>"
+            + _figure(png, "histograms of reference values, port values and differences",
+                      caption))
+
+
+def _histograms(ref: np.ndarray, port: np.ndarray) -> Figure:
+    fig = Figure(figsize=(10, 2.8), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, 3)
+    panels: list[tuple[str, np.ndarray | None, str, bool]] = [
+        ("reference values", ref, "#1f77b4", False),
+        ("port values", port, "#ff7f0e", False),
+        ("difference (port − reference)",
+         port - ref if ref.shape == port.shape else None, "#d62728", True),
+    ]
+    for ax, (title, values, colour, log) in zip(axes, panels, strict=True):
+        _histogram(ax, title, values, colour, log)
+    return fig
+
+
+def _histogram(ax: Any, title: str, values: np.ndarray | None, colour: str, log: bool) -> None:
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.tick_params(labelsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(5))  # differences carry long tick labels
+    if values is None:
+        ax.text(0.5, 0.5, "shapes differ", ha="center", va="center", transform=ax.transAxes)
+        return
+    flat = values.reshape(-1)
+    if flat.size > MAX_HIST_VALUES:
+        flat = flat[:: math.ceil(flat.size / MAX_HIST_VALUES)]
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = flat[np.isfinite(flat)]
+    if finite.size == 0:
+        ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
+        return
+    ax.hist(finite, bins=60, color=colour, alpha=0.85, log=log)
+    if log:
+        ax.yaxis.set_minor_formatter(NullFormatter())  # "2×10¹" minor labels are noise
+    hidden = flat.size - finite.size
+    if hidden:
+        ax.text(0.98, 0.95, f"{hidden:,} not finite", ha="right", va="top", fontsize=8,
+                transform=ax.transAxes, color="#59636e")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _failing_section(diff: Diff) -> str:
+    failing = diff.failing()
+    head = "<h2>Rows out of tolerance</h2>"
+    if failing.empty:
+        return head + "<p class=\"note\">None.</p>"
+    return head + _table(failing, FAILING_COLUMNS, row_class="status")
+
+
+def _origins_section(diff: Diff) -> str:
+    head = "<h2>Origins</h2>"
+    if not diff.origins:
+        return head + "<p class=\"note\">None.</p>"
+    items = []
+    for origin in diff.origins:
+        holders = (f"<br><span class=\"note\">inside: {escape(', '.join(origin.holders))}"
+                   "</span>" if origin.holders else "")
+        items.append(f"<li><b>{escape(origin.describe())}</b><br>{escape(origin.reason)}"
+                     f"{holders}</li>")
+    return head + "<ol class=\"origins\">" + "".join(items) + "</ol>"
+
+
+def _unmatched_section(diff: Diff) -> str:
+    head = "<h2>Records without a partner</h2>"
+    if diff.unmatched.empty:
+        return head + "<p class=\"note\">None: every record found its partner.</p>"
+    return head + _table(diff.unmatched, list(diff.unmatched.columns))
+
+
+def _meta_section(diff: Diff) -> str:
+    if not diff.meta:
+        return ""
+    text = json.dumps(diff.meta, indent=2, sort_keys=True, default=str)
+    return ("<details><summary>Options and provenance</summary>"
+            f"<pre>{escape(text)}</pre></details>")
+
+
+def _table(frame: pd.DataFrame, columns: Sequence[str], row_class: str | None = None) -> str:
+    """An HTML table of at most MAX_TABLE_ROWS rows, with a note of how many were left out."""
+    columns = [c for c in columns if c in frame.columns]
+    shown = frame.head(MAX_TABLE_ROWS)
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = []
+    for record in shown.to_dict(orient="records"):
+        css = record.get(row_class) if row_class else None
+        attr = f" class=\"{escape(str(css))}\"" if _present(css) and css else ""
+        cells = "".join(_cell(record.get(c), c in NAME_COLUMNS) for c in columns)
+        body.append(f"<tr{attr}>{cells}</tr>")
+    more = len(frame) - len(shown)
+    note = (f"<p class=\"note\">{more:,} more row(s) not shown; the JSON or CSV report has "
+            "them all.</p>" if more > 0 else "")
+    return (f"<div class=\"table-wrap\"><table><thead><tr>{head}</tr></thead><tbody>"
+            + "".join(body) + "</tbody></table></div>" + note)
+
+
+def _cell(value: Any, name: bool = False) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return f"<td>{escape(str(bool(value)))}</td>"
+    if isinstance(value, (int, np.integer)):
+        return f"<td class=\"num\">{int(value)}</td>"
+    if isinstance(value, (float, np.floating)):
+        return f"<td class=\"num\">{escape(_number(float(value)))}</td>"
+    text = escape(str(value)) if _present(value) else ""
+    if name:
+        # Module paths may break after a dot, never inside a word: the table fits the page.
+        return f"<td class=\"name\">{text.replace('.', '.<wbr>')}</td>"
+    return f"<td>{text}</td>"
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return ""
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.4g}"
+
+
+def _present(value: Any) -> bool:
+    """False for None, NaN and the empty string: cells pandas leaves blank."""
+    if value is None:
+        return False
+    if isinstance(value, str):
+        return value != ""
+    if isinstance(value, (float, np.floating)):
+        return not math.isnan(value)
+    return True
+
+
+def _text_column(frame: pd.DataFrame, column: str) -> list[str]:
+    return [str(v) if _present(v) else "" for v in frame[column]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+
+
+def _png(fig: Figure) -> str:
+    """The figure as base64 PNG. Figure.savefig renders with Agg; no pyplot, no display."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, facecolor="white")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _figure(png: str, alt: str, caption: str, element_id: str | None = None) -> str:
+    """An inline PNG with its caption; ``caption`` is plain text and is escaped here."""
+    ident = f" id=\"{escape(element_id)}\"" if element_id else ""
+    return (f"<figure{ident}><img src=\"data:image/png;base64,{png}\" alt=\"{escape(alt)}\">"
+            f"<figcaption>{escape(caption)}</figcaption></figure>")
