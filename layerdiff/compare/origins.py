@@ -9,7 +9,8 @@ through the weights):
 - backward, in backward execution order: ``grad_input`` or ``weight_grad`` is out while every
   ``grad_output`` is within and the site's forward was within (otherwise the backward error is
   the forward's, propagated). A ``weight_grad`` sums every call of its module, so it counts only
-  when all calls received a gradient within tolerance;
+  when all calls received a gradient within tolerance; and a site that ran before a forward
+  origin gets its gradient through that origin's backward, so it is not a backward origin;
 - nesting: of a container and sites inside it that all qualify, the innermost are the origins
   and the containers are marked as holding them; a container that qualifies with no qualifying
   site inside has the fault in its own code between its children.
@@ -59,7 +60,11 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame) -> tuple[list[R.Or
 
     weight_origins = [s for s in sites.values() if s.is_bad("weight")]
     forward = [s for s in sites.values() if _forward_candidate(s)]
-    backward = [s for s in sites.values() if _backward_candidate(s, sites)]
+    # The gradient reaching a site that ran before a forward origin has passed through that
+    # origin's backward: small errors there, summed into a weight gradient, are its doing.
+    last_forward = max((s.order for s in forward), default=-1)
+    backward = [s for s in sites.values()
+                if _backward_candidate(s, sites) and s.order > last_forward]
     origins: list[R.Origin] = []
     for site in sorted(weight_origins, key=lambda s: s.order):
         origins.append(_origin(rows, site, step, "weight", _weight_reason(step)))
@@ -79,15 +84,24 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame) -> tuple[list[R.Or
 
 
 def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
-    sites: dict[str, _Site] = {}
+    """Rows grouped by the port site they compare with, named by its reference partner.
+
+    Grouping by the port's site puts a parameter compared through a mapping (the reference's
+    ``w_q.weight`` with a slice of the port's fused ``in_proj_weight``) with the site that
+    uses it in the port."""
     frame = rows.loc[positions]
+    params = frame["role"].isin(["weight", "weight_grad"])
+    partner = dict(zip(frame.loc[~params, "port_site"], frame.loc[~params, "site"],
+                       strict=True))
+    sites: dict[str, _Site] = {}
     for pos, site, port_site, role, seq, verdict, ref_bad, port_bad in zip(
             frame.index, frame["site"], frame["port_site"], frame["role"], frame["seq"],
             frame["verdict"], frame["ref_nan"].fillna(0) + frame["ref_inf"].fillna(0),
             frame["port_nan"].fillna(0) + frame["port_inf"].fillna(0), strict=True):
-        entry = sites.get(site)
+        name = partner.get(port_site, site)
+        entry = sites.get(name)
         if entry is None:
-            entry = sites[site] = _Site(site, port_site, int(seq))
+            entry = sites[name] = _Site(name, port_site, int(seq))
         if role in ("grad_output", "grad_input"):
             entry.backward_order = min(entry.backward_order, int(seq))
         if verdict not in R.PASSING:
@@ -154,15 +168,16 @@ def _innermost(group: list[_Site], parents: dict[str, str]
     return inner, {s.name: holders_of[s.name] for s in inner}
 
 
-def _has_children(name: str, parents: dict[str, str]) -> bool:
-    return any(parent == name for parent in parents.values())
+def _has_children(name: str, parents: dict[str, str], sites: dict[str, _Site]) -> bool:
+    """Whether any compared site runs inside this one."""
+    return any(parent == name for child, parent in parents.items() if child in sites)
 
 
 def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
     if not site.is_bad("output"):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
     text = "its output is out of tolerance while all its inputs and weights are within"
-    if _has_children(site.name, parents):
+    if _has_children(site.name, parents, sites):
         text += ("; no site inside it is out on its own, so the fault is in its own code "
                  "between its children")
     return text
@@ -172,7 +187,7 @@ def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Sit
     role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
     text = (f"its {role} is out of tolerance while the gradient arriving at its outputs and "
             "its forward are within")
-    if _has_children(site.name, parents):
+    if _has_children(site.name, parents, sites):
         text += ("; no site inside it is out on its own, so the fault is in its own backward "
                  "code between its children")
     return text
