@@ -34,13 +34,15 @@ _LAZY = {
     "Diff": "layerdiff.compare",
     "Mapping": "layerdiff.compare",
     "Tolerances": "layerdiff.compare",
+    "load_weights": "layerdiff.weights",
     "open_trace": "layerdiff.trace",
 }
 
 __all__ = [
     "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase", "LayerdiffError",
     "Mapping", "MappingError", "ToleranceError", "Tolerances", "TraceError", "TraceWriter",
-    "__version__", "capture", "diff", "load_case", "open_trace", "run_case", "seed_everything",
+    "__version__", "capture", "diff", "load_case", "load_weights", "open_trace", "run_case",
+    "seed_everything",
 ]
 
 

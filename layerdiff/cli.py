@@ -13,7 +13,7 @@ import click
 
 from layerdiff.errors import LayerdiffError
 
-DEFAULT_DEMO_CASE = "reference_models.transformer:reference"
+DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
 
 
 class _Group(click.Group):
@@ -54,14 +54,23 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--no-weights", is_flag=True, help="Do not record weights and weight gradients.")
 @click.option("--queue-mib", type=int, default=256, show_default=True,
               help="Memory cap for tensors waiting to be written.")
+@click.option("--weights-from", type=click.Path(dir_okay=False), metavar="TRACE",
+              help="Load the model's weights from this reference trace first.")
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file for --weights-from when names differ.")
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
-                    summary: bool, no_weights: bool, queue_mib: int) -> None:
+                    summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
+                    mapping: str | None) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT."""
     from layerdiff.capture import capture
     from layerdiff.case import load_case
 
     case = load_case(case_spec)
+    if mapping and not weights_from:
+        raise click.UsageError("--map is used with --weights-from when capturing")
+    if weights_from:
+        _load_reference_weights(case, weights_from, mapping)
     start = time.perf_counter()
     path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
                    steps=steps, summary=summary, weights=not no_weights,
@@ -100,6 +109,55 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
             click.echo(show.format_records(records))
 
 
+@main.command("diff")
+@click.argument("reference", type=click.Path(dir_okay=False))
+@click.argument("port", type=click.Path(dir_okay=False))
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file (TOML or YAML) for names that differ.")
+@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Tolerance overrides (TOML or YAML) by site, role and dtype globs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Write the JSON report ('-' for stdout).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write every compared row as CSV.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write a self-contained HTML report with plots.")
+@click.option("-v", "--verbose", is_flag=True, help="Every row, and what has no partner.")
+def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
+                 json_path: str | None, csv_path: str | None, html_path: str | None,
+                 verbose: bool) -> None:
+    """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
+    from layerdiff.compare import diff
+    from layerdiff.report.progress import ByteProgress
+    from layerdiff.report.terminal import format_diff
+
+    with ByteProgress("diff") as bar:
+        result = diff(reference, port, mapping=mapping, tolerances=tolerances,
+                      progress=bar.update)
+    _write_reports(result, json_path, csv_path, html_path)
+    if json_path != "-":
+        click.echo(format_diff(result, verbose=verbose))
+    sys.exit(0 if result.passed else 1)
+
+
+def _write_reports(result, json_path: str | None, csv_path: str | None,
+                   html_path: str | None) -> None:
+    from layerdiff.compare import save_rows_csv
+
+    if json_path:
+        text = json.dumps(result.as_json(), indent=1)
+        if json_path == "-":
+            click.echo(text)
+        else:
+            Path(json_path).write_text(text + "\n", encoding="utf-8")
+    if csv_path:
+        save_rows_csv(result, csv_path)
+    if html_path:
+        from layerdiff.report.html import write_html
+
+        write_html(result, html_path)
+
+
 @main.command("cases")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:
@@ -124,28 +182,56 @@ def cases_command(as_json: bool) -> None:
 
 @main.command("demo")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False), default="layerdiff-demo",
-              show_default=True, help="Where to write the demo's traces.")
-@click.option("--case", "case_spec", default=DEFAULT_DEMO_CASE, show_default=True,
-              help="The reference case to capture.")
-def demo_command(output_dir: str, case_spec: str) -> None:
-    """Capture the bundled transformer reference and show what was recorded."""
-    from layerdiff import show
+              show_default=True, help="Where to write the traces and the report.")
+@click.option("--port", "port_spec", default=DEFAULT_DEMO_PORT, show_default=True,
+              help="The bundled port to check against its reference (see layerdiff cases).")
+def demo_command(output_dir: str, port_spec: str) -> None:
+    """Capture the bundled transformer and a port with a planted bug, diff them, report."""
     from layerdiff.capture import capture
     from layerdiff.case import load_case
-    from layerdiff.trace import open_trace
+    from layerdiff.compare import diff
+    from layerdiff.errors import CaseError
+    from layerdiff.report.html import write_html
+    from layerdiff.report.terminal import format_diff
+    from layerdiff.weights import load_weights
+    from reference_models.catalog import find
 
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    case = load_case(case_spec)
+    info = find(port_spec)
+    if info is None or info.reference is None:
+        raise CaseError(f"{port_spec} is not a bundled port; `layerdiff cases` lists them")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    path = capture(case, Path(output_dir) / "reference.h5", progress=True)
-    elapsed = time.perf_counter() - start
-    with open_trace(path) as trace:
-        click.echo("\n".join(show.header_lines(trace)))
-        click.echo()
-        click.echo(show.format_sites(show.site_summary(trace)))
+    reference = capture(load_case(info.reference), out / "reference.h5", progress=True)
+    click.echo(f"reference {info.reference}\n          -> {reference}")
+    port_case = load_case(port_spec)
+    load_weights(port_case.model, reference, info.mapping_path)
+    port = capture(port_case, out / "port.h5", progress=True)
+    click.echo(f"port      {port_spec}, with the reference's weights\n          -> {port}")
+    if info.site:
+        click.echo(textwrap.fill(f"planted   {info.description}; in the {info.pass_} of "
+                                 f"{info.site}", 100, subsequent_indent=" " * 10))
+    result = diff(reference, port, mapping=info.mapping_path)
+    report = write_html(result, out / "report.html")
     click.echo()
-    _print_capture_result(path, elapsed)
-    click.echo(f"next: layerdiff show {path} --site 'decoder.layers.0*'")
+    click.echo(format_diff(result))
+    click.echo()
+    click.echo(f"report    {report} (open it in a browser)")
+    click.echo(f"took      {time.perf_counter() - start:.1f} s in all")
+    mapping = f" \\\n    --map {info.mapping_path}" if info.mapping_path else ""
+    click.echo(f"next: layerdiff diff {reference} {port}{mapping} --verbose")
+
+
+def _load_reference_weights(case, trace: str, mapping: str | None) -> None:
+    from layerdiff.case import ExternalCase
+    from layerdiff.errors import CaptureError
+    from layerdiff.weights import load_weights
+
+    if isinstance(case, ExternalCase):
+        raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
+                           "weights; load them from the reference in the port's own code")
+    report = load_weights(case.model, trace, mapping)
+    click.echo(f"weights from {trace}: {report.summary()}")
 
 
 def _print_capture_result(path: Path, seconds: float) -> None:

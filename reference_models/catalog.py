@@ -4,6 +4,9 @@ where it lives. Scripts drive every bundled case from the JSON form of this list
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -13,13 +16,18 @@ class CaseInfo:
     kind: str                      # reference | port | bug
     description: str
     reference: str | None = None   # for a port or a bug: the case it should match
-    mapping: str | None = None     # the mapping file it needs, once mapping files exist
+    mapping: str | None = None     # the mapping file it needs (beside this file), if any
     site: str | None = None        # for a bug: the site (in the port's names) where it lives
     pass_: str | None = None       # for a bug: forward | backward
+
+    @property
+    def mapping_path(self) -> Path | None:
+        return HERE / self.mapping if self.mapping else None
 
     def as_json(self) -> dict:
         data = asdict(self)
         data["pass"] = data.pop("pass_")
+        data["mapping"] = str(self.mapping_path) if self.mapping else None
         return data
 
 
@@ -27,15 +35,26 @@ def _ref(model: str, description: str) -> CaseInfo:
     return CaseInfo(f"reference_models.{model}:reference", model, "reference", description)
 
 
+def _mapping(module: str) -> str | None:
+    name = f"{module}.map.toml"
+    return name if (HERE / name).exists() else None
+
+
 def _port(module: str, name: str, model: str, description: str) -> CaseInfo:
     return CaseInfo(f"reference_models.{module}:{name}", model, "port", description,
-                    reference=f"reference_models.{model}:reference")
+                    reference=f"reference_models.{model}:reference", mapping=_mapping(module))
 
 
 def _bug(module: str, name: str, model: str, site: str, pass_: str,
          description: str) -> CaseInfo:
     return CaseInfo(f"reference_models.{module}:{name}", model, "bug", description,
-                    reference=f"reference_models.{model}:reference", site=site, pass_=pass_)
+                    reference=f"reference_models.{model}:reference", mapping=_mapping(module),
+                    site=site, pass_=pass_)
+
+
+def find(spec: str) -> CaseInfo | None:
+    """The catalog entry of a bundled case spec."""
+    return next((info for info in CATALOG if info.spec == spec), None)
 
 
 CATALOG: list[CaseInfo] = [
@@ -56,7 +75,7 @@ CATALOG: list[CaseInfo] = [
                                      "ReLU in the residual block; same names"),
     _port("transformer_port", "port", "transformer",
           "independent implementation: fused QKV, scaled_dot_product_attention, other module "
-          "names and structure (weights mapped by transformer_port.from_reference)"),
+          "names and structure (names mapped by transformer_port.map.toml)"),
     _port("transformer_port", "port_manual", "transformer",
           "the transformer port with its attention kernel written out by hand"),
     _port("convlstm_numpy", "port", "convlstm",

@@ -110,10 +110,13 @@ def test_cases_text_names_each_bug_site_and_fits_100_columns(run):
     assert {"references:", "ports:", "bugs:"} <= set(lines)
 
 
-def test_demo_captures_the_transformer(run, tmp_path):
+def test_demo_finds_the_planted_bug_and_writes_the_report(run, tmp_path):
     result = run("demo", "-o", tmp_path)
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "reference.h5").exists()
-    assert "decoder.layers.1.cross_attn.w_q#0" in result.output
+    for name in ("reference.h5", "port.h5", "report.html"):
+        assert (tmp_path / name).exists(), name
+    verdict = next(line for line in result.output.splitlines() if line.startswith("FAIL"))
+    assert "encoder.layers.0.self_attn#0, forward output" in verdict
+    assert "in the port: enc.0.self_attn#0" in result.output
     table = [line for line in result.output.splitlines() if str(tmp_path) not in line]
     assert max(len(line) for line in table) <= 100

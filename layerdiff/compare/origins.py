@@ -209,7 +209,7 @@ def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) 
     batch = row["batch_ratio"]
     metrics["batch_ratio"] = None if batch is None else [float(x) for x in batch]
     return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, str(row["arg"]),
-                    reason, metrics)
+                    str(row["port_arg"]), reason, metrics)
 
 
 def _ratio(value) -> float:

@@ -53,6 +53,7 @@ class Origin:
     port_site: str
     role: str                   # the role that is out: output, grad_input, weight_grad, weight
     arg: str
+    port_arg: str
     reason: str                 # one sentence: why this is an origin
     metrics: dict[str, Any] = field(default_factory=dict)   # the row's metrics and tolerance
     holders: list[str] = field(default_factory=list)        # containers around it that qualify
@@ -62,12 +63,15 @@ class Origin:
         data["pass"] = data.pop("pass_")
         return data
 
-    def describe(self) -> str:
-        where = self.site if self.port_site in ("", self.site) else (
+    def describe(self, *, port_name: bool = True) -> str:
+        """'decoder.norm1#0 (port dec.ln1#0), forward output, step 0: 77x tolerance'."""
+        where = self.site if not port_name or self.port_site in ("", self.site) else (
             f"{self.site} (port {self.port_site})")
         ratio = self.metrics.get("ratio")
-        size = f", {ratio:.3g}x its tolerance" if ratio is not None and np.isfinite(ratio) else ""
-        return f"{where}, {self.pass_} {self.role} {self.arg}, step {self.step}{size}"
+        size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
+                and np.isfinite(ratio) else ": not finite" if ratio is not None else "")
+        arg = "" if self.arg == "0" else f" '{self.arg}'"
+        return f"{where}, {self.pass_} {self.role}{arg}, step {self.step}{size}"
 
 
 @dataclass

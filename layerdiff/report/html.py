@@ -23,7 +23,7 @@ from matplotlib import transforms
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
 from layerdiff.compare.result import (
     HOLDS_ORIGIN,
@@ -66,8 +66,10 @@ LABELS = {
     IDENTICAL: "identical",
 }
 
-# Columns of names that may be long: these wrap, so a table fits the page's width.
-NAME_COLUMNS = frozenset({"site", "port_site", "cause", "reason", "note"})
+# Columns that may be long wrap, so a table fits the page's width: module paths after a dot,
+# sentences at spaces.
+NAME_COLUMNS = frozenset({"site", "port_site", "cause"})
+TEXT_COLUMNS = frozenset({"reason", "note"})
 
 FAILING_COLUMNS = ["site", "pass", "role", "arg", "step", "ratio", "max_abs", "max_rel",
                    "cosine", "verdict", "status", "cause"]
@@ -80,12 +82,10 @@ body { margin: 0; background: #fff; color: var(--ink);
        font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
              sans-serif; }
 main { max-width: 1100px; margin: 0 auto; padding: 24px 20px 48px; }
-h1 { font-size: 20px; margin: 0 0 4px; font-weight: 600; }
 h2 { font-size: 18px; margin: 36px 0 8px; padding-bottom: 4px; border-bottom: 1px solid
      var(--line); font-weight: 600; }
 h3 { font-size: 15px; margin: 20px 0 6px; font-weight: 600; }
-code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
-              font-size: 13px; }
+code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 13px; }
 .banner { display: flex; align-items: center; gap: 20px; padding: 16px 20px;
           border-radius: 8px; color: #fff; }
 .banner.fail { background: var(--fail); }
@@ -107,12 +107,12 @@ figure img { display: block; max-width: 100%; height: auto; }
 figcaption, .note { color: var(--muted); font-size: 13px; }
 .note { margin: 6px 0; }
 table { border-collapse: collapse; width: 100%; font-size: 13px; margin-top: 6px; }
-th, td { text-align: left; padding: 4px 7px; border-bottom: 1px solid var(--line);
+th, td { text-align: left; padding: 4px 6px; border-bottom: 1px solid var(--line);
          vertical-align: top; white-space: nowrap; }
-td.name { white-space: normal; overflow-wrap: break-word; }
+td.name, td.text { white-space: normal; overflow-wrap: break-word; min-width: 14ch; }
 th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.table-wrap { overflow-x: auto; }
+.table-wrap { overflow: auto; max-height: 640px; border-bottom: 1px solid var(--line); }
 tr.origin td:first-child { border-left: 4px solid #d62728; }
 tr.propagated td:first-child { border-left: 4px solid #ff7f0e; }
 tr.holds-origin td:first-child { border-left: 4px solid #9467bd; }
@@ -210,6 +210,8 @@ def _error_section(diff: Diff) -> str:
     panels = [(name, rows[rows["pass"] == name].sort_values("seq", kind="stable"))
               for name in ("forward", "backward")]
     panels = [(name, frame) for name, frame in panels if not frame.empty]
+    if not panels:
+        return head + f"<p class=\"note\">Step {step} has no forward or backward rows.</p>"
     png = _png(_error_figure(panels, step))
     caption = (f"Step {step}. y: the largest error over its tolerance, "
                "max |port − ref| / (atol + rtol·|ref|), on a log scale; the dashed line is the "
@@ -351,6 +353,8 @@ def _origin_section(diff: Diff) -> str:
     source = row.get("tol_source", "") if row is not None else ""
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if _present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
+    if ref.size == 0 or port.size == 0:
+        return "\n".join([*parts, "<p class=\"note\">The tensor is empty: nothing to draw.</p>"])
     if ref.shape == port.shape:
         parts.append(_heatmap_html(ref, port, rtol, atol))
     else:
@@ -474,8 +478,11 @@ def _heatmap(pooled: np.ndarray, per_row: np.ndarray, row_factor: int) -> Figure
     ax.set_xlabel("element within the batch element (flattened, max-pooled)")
     if batch <= 32:
         ax.set_yticks(np.arange(batch))
-    bar = fig.colorbar(image, ax=side, location="right", shrink=0.95, pad=0.02)
-    bar.set_label("log10(error / tolerance)", fontsize=9)
+    bar = fig.colorbar(image, ax=side, location="right", shrink=0.95, pad=0.02,
+                       ticks=_decade_ticks(norm.vmin, norm.vmax))
+    bar.ax.set_yticklabels([f"$10^{{{k}}}$" for k in _decade_ticks(norm.vmin, norm.vmax)],
+                           fontsize=8)
+    bar.set_label("error / tolerance", fontsize=9)
     _per_row_bars(side, per_row)
     return fig
 
@@ -492,6 +499,13 @@ def _log_ratio(ratio: np.ndarray) -> tuple[np.ndarray, TwoSlopeNorm]:
     return logs, TwoSlopeNorm(vmin=bottom, vcenter=0.0, vmax=top)
 
 
+def _decade_ticks(bottom: float, top: float) -> list[int]:
+    """A few whole decades for the colour bar: its ends, the middle of the cool half, and 0
+    (the tolerance). The two halves have different scales, so every decade would crowd."""
+    low, high = math.ceil(bottom), math.floor(top)
+    return sorted({low, round(low / 2), 0, high} - ({0} if low == 0 == high else set()))
+
+
 def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
     """Beside the map: each batch element's worst ratio, to read the count of bad ones."""
     rows = np.arange(len(per_row))
@@ -505,6 +519,7 @@ def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
     ax.barh(rows, shown - floor, left=floor, color=colours, height=0.7)
     ax.set_xlim(floor, top)
     ax.axvline(1.0, color="#444", linestyle="--", linewidth=1)
+    ax.xaxis.set_major_locator(LogLocator(numticks=3))
     ax.set_xlabel("worst ratio", fontsize=9)
     ax.tick_params(axis="y", labelleft=False)
     ax.tick_params(axis="x", labelsize=8)
@@ -513,8 +528,8 @@ def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
 
 def _histograms_html(ref: np.ndarray, port: np.ndarray) -> str:
     png = _png(_histograms(ref, port))
-    caption = ("Finite values only. The difference histogram has a log count axis: a few "
-               "large differences among many zeros stay visible.")
+    caption = ("Finite values only. Counts are on a log axis, so tails and a few large "
+               "differences among many small ones stay visible.")
     return ("<h3>Values and differences</h3>"
             + _figure(png, "histograms of reference values, port values and differences",
                       caption))
@@ -523,22 +538,24 @@ def _histograms_html(ref: np.ndarray, port: np.ndarray) -> str:
 def _histograms(ref: np.ndarray, port: np.ndarray) -> Figure:
     fig = Figure(figsize=(10, 2.8), dpi=DPI, layout="constrained")
     axes = fig.subplots(1, 3)
-    panels: list[tuple[str, np.ndarray | None, str, bool]] = [
-        ("reference values", ref, "#1f77b4", False),
-        ("port values", port, "#ff7f0e", False),
-        ("difference (port − reference)",
-         port - ref if ref.shape == port.shape else None, "#d62728", True),
+    panels: list[tuple[str, np.ndarray | None, str]] = [
+        ("reference values", ref, "#1f77b4"),
+        ("port values", port, "#ff7f0e"),
+        ("difference (port − reference)", port - ref if ref.shape == port.shape else None,
+         "#d62728"),
     ]
-    for ax, (title, values, colour, log) in zip(axes, panels, strict=True):
-        _histogram(ax, title, values, colour, log)
+    for ax, (title, values, colour) in zip(axes, panels, strict=True):
+        _histogram(ax, title, values, colour)
     return fig
 
 
-def _histogram(ax: Any, title: str, values: np.ndarray | None, colour: str, log: bool) -> None:
+def _histogram(ax: Any, title: str, values: np.ndarray | None, colour: str) -> None:
     ax.set_title(title, fontsize=10, loc="left")
     ax.spines[["top", "right"]].set_visible(False)
     ax.tick_params(labelsize=8)
-    ax.xaxis.set_major_locator(MaxNLocator(5))  # differences carry long tick labels
+    # Gradients and differences are tiny: a shared 1e-4 offset keeps the tick labels short.
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 4), useMathText=True)
     if values is None:
         ax.text(0.5, 0.5, "shapes differ", ha="center", va="center", transform=ax.transAxes)
         return
@@ -550,9 +567,8 @@ def _histogram(ax: Any, title: str, values: np.ndarray | None, colour: str, log:
     if finite.size == 0:
         ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
         return
-    ax.hist(finite, bins=60, color=colour, alpha=0.85, log=log)
-    if log:
-        ax.yaxis.set_minor_formatter(NullFormatter())  # "2×10¹" minor labels are noise
+    ax.hist(finite, bins=60, color=colour, alpha=0.85, log=True)
+    ax.yaxis.set_minor_formatter(NullFormatter())  # "2×10¹" minor labels are noise
     hidden = flat.size - finite.size
     if hidden:
         ax.text(0.98, 0.95, f"{hidden:,} not finite", ha="right", va="top", fontsize=8,
@@ -607,8 +623,8 @@ def _table(frame: pd.DataFrame, columns: Sequence[str], row_class: str | None = 
     body = []
     for record in shown.to_dict(orient="records"):
         css = record.get(row_class) if row_class else None
-        attr = f" class=\"{escape(str(css))}\"" if _present(css) and css else ""
-        cells = "".join(_cell(record.get(c), c in NAME_COLUMNS) for c in columns)
+        attr = f" class=\"{escape(str(css))}\"" if _present(css) else ""
+        cells = "".join(_cell(record.get(c), c) for c in columns)
         body.append(f"<tr{attr}>{cells}</tr>")
     more = len(frame) - len(shown)
     note = (f"<p class=\"note\">{more:,} more row(s) not shown; the JSON or CSV report has "
@@ -617,7 +633,7 @@ def _table(frame: pd.DataFrame, columns: Sequence[str], row_class: str | None = 
             + "".join(body) + "</tbody></table></div>" + note)
 
 
-def _cell(value: Any, name: bool = False) -> str:
+def _cell(value: Any, column: str) -> str:
     if isinstance(value, (bool, np.bool_)):
         return f"<td>{escape(str(bool(value)))}</td>"
     if isinstance(value, (int, np.integer)):
@@ -625,9 +641,10 @@ def _cell(value: Any, name: bool = False) -> str:
     if isinstance(value, (float, np.floating)):
         return f"<td class=\"num\">{escape(_number(float(value)))}</td>"
     text = escape(str(value)) if _present(value) else ""
-    if name:
-        # Module paths may break after a dot, never inside a word: the table fits the page.
+    if column in NAME_COLUMNS:
         return f"<td class=\"name\">{text.replace('.', '.<wbr>')}</td>"
+    if column in TEXT_COLUMNS:
+        return f"<td class=\"text\">{text}</td>"
     return f"<td>{text}</td>"
 
 

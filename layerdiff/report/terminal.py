@@ -1,0 +1,170 @@
+"""The diff for a terminal: verdict and origin first, then the failing sites, in 100 columns."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pandas as pd
+
+from layerdiff.compare.result import Diff, Origin
+
+WIDTH = 100
+MAX_SITES = 40
+
+# (column, width, align); width 0 takes what the others leave.
+COLUMNS = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l"),
+           ("arg", 6, "l"), ("ratio", 9, "r"), ("max_abs", 9, "r"), ("cosine", 9, "r"),
+           ("status", 10, "l")]
+
+
+def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str:
+    """The whole terminal report."""
+    lines = [verdict_line(diff, width)]
+    if diff.origin is not None:
+        lines += _origin_details(diff.origin, width)
+    lines.append("")
+    lines += _summary(diff, width)
+    if verbose:
+        lines += ["", "every compared record:", format_rows(diff.rows, width)]
+        if not diff.unmatched.empty:
+            lines += ["", "without partner:", _format_unmatched(diff.unmatched, width)]
+    elif not diff.passed:
+        failing = failing_sites(diff.rows)
+        shown = failing.head(MAX_SITES)
+        step = diff.first_failing_step
+        lines += ["", f"out of tolerance (first failing step {step}), in execution order; "
+                      "ratio = error / tolerance:", format_rows(shown, width)]
+        if len(failing) > len(shown):
+            lines.append(f"... {len(failing) - len(shown)} more (--verbose, or --json FILE, "
+                         "for every row)")
+    return "\n".join(lines)
+
+
+def verdict_line(diff: Diff, width: int = WIDTH) -> str:
+    """One line: PASS, or FAIL with the first origin."""
+    if diff.passed:
+        worst = diff.rows["ratio"].max() if not diff.rows.empty else 0.0
+        return _clip(f"PASS  {len(diff.rows):,} records within tolerance (largest error "
+                     f"{_number(worst)} of its tolerance)", width)
+    if diff.origin is None:
+        return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
+                     "found (every failing site's inputs were already out)", width)
+    return f"FAIL  origin: {diff.origin.describe(port_name=False)}"
+
+
+def _origin_details(origin: Origin, width: int) -> list[str]:
+    m = origin.metrics
+    in_port = [] if origin.port_site in ("", origin.site) else [
+        f"in the port: {origin.port_site}" + (
+            "" if origin.port_arg == origin.arg else f", argument '{origin.port_arg}'")]
+    lines = [*in_port, origin.reason,
+             f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
+             f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
+             f"{_number(m.get('frac_out', 0) * 100)}% of elements out"]
+    batch = m.get("batch_ratio")
+    if batch:
+        out = [i for i, r in enumerate(batch) if r is not None and r > 1]
+        inside = len(batch) - len(out)
+        lines.append(f"batch elements out of tolerance: {_ranges(out) or 'none'} "
+                     f"({inside} of {len(batch)} within)")
+    if origin.holders:
+        lines.append(f"inside {', '.join(origin.holders)}")
+    if m.get("note"):
+        lines.append(f"note: {m['note']}")
+    return [wrapped for line in lines for wrapped in textwrap.wrap(
+        line, width, initial_indent=" " * 6, subsequent_indent=" " * 8)]
+
+
+def _summary(diff: Diff, width: int) -> list[str]:
+    rows, meta = diff.rows, diff.meta
+    sites = rows[~rows["role"].isin(["weight", "weight_grad"])].drop_duplicates("site")
+    matches = sites["match"].value_counts().to_dict()
+    how = ", ".join(f"{n} {kind}" for kind, n in matches.items())
+    lines = [f"reference {diff.reference}", f"port      {diff.port}",
+             f"compared  {len(rows):,} records at {len(sites)} site pairs ({how})",
+             f"unpaired  {len(diff.unmatched):,} sites or records"
+             + ("" if diff.unmatched.empty else " (--verbose lists them, with why)")]
+    if meta.get("mapping"):
+        lines.append(f"mapping   {meta['mapping']}")
+    scales = meta.get("loss_scale", {})
+    if scales and scales.get("reference") != scales.get("port"):
+        lines.append(f"loss scale reference {scales['reference']:g}, port {scales['port']:g}: "
+                     "port gradients rescaled to the reference's")
+    if meta.get("summary"):
+        lines.append("summary trace: statistics compared, not tensors")
+    if len(diff.origins) > 1:
+        lines.append(f"origins   {len(diff.origins)}:")
+        lines += [_clip(f"  {i}. {o.describe(port_name=False)}", width)
+                  for i, o in enumerate(diff.origins, start=1)]
+    return lines
+
+
+def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:
+    """The worst failing row of each (step, pass, site, role), in execution order."""
+    failing = rows[rows["status"] != ""]
+    if failing.empty:
+        return failing
+    worst = failing.assign(_r=failing["ratio"].fillna(math.inf)).sort_values(
+        "_r", ascending=False, kind="stable")
+    keep = worst.drop_duplicates(["step", "pass", "site", "role"]).drop(columns="_r")
+    return keep.sort_values(["step", "seq"], kind="stable")
+
+
+def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
+    fixed = sum(w for _, w, _ in COLUMNS) + len(COLUMNS) - 1
+    widths = [(c, w or max(16, width - fixed), a) for c, w, a in COLUMNS]
+    out = [_row(widths, {c: c for c, _, _ in COLUMNS})]
+    for row in rows.rename(columns={"pass": "pass_"}).itertuples(index=False):
+        status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated"}.get(
+            row.status, row.verdict)
+        out.append(_row(widths, {
+            "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
+            "site": row.site, "role": row.role, "arg": row.arg,
+            "ratio": _number(row.ratio), "max_abs": _number(row.max_abs),
+            "cosine": _number(row.cosine, digits=7), "status": status}))
+    return "\n".join(out)
+
+
+def _format_unmatched(unmatched: pd.DataFrame, width: int) -> str:
+    lines = []
+    for row in unmatched.itertuples(index=False):
+        what = row.site if not row.role else f"{row.site} {row.role} {row.arg}"
+        lines.append(_clip(f"  {row.side:<9} {what}: {row.reason}", width))
+    return "\n".join(lines)
+
+
+def _row(columns: list[tuple[str, int, str]], values: dict[str, str]) -> str:
+    cells = []
+    for name, width, align in columns:
+        text = _clip(str(values.get(name, "")), width)
+        cells.append(text.rjust(width) if align == "r" else text.ljust(width))
+    return " ".join(cells).rstrip()
+
+
+def _clip(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    keep = width - 1
+    return text[: keep // 2] + "…" + text[len(text) - (keep - keep // 2):]
+
+
+def _number(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    value = float(value)
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.{digits}g}"
+
+
+def _ranges(indices: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    parts, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            parts.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ", ".join(parts)

@@ -1,0 +1,183 @@
+"""The HTML report: one self-contained file, escaped text, and a page a real browser draws.
+
+The diffs here are built by hand from two tiny traces, so these tests do not depend on the
+diff engine: a chain of three sites, batch 4, whose port's middle site is wrong only for batch
+elements 1..3.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from layerdiff.compare.result import ROW_COLUMNS, UNMATCHED_COLUMNS, Diff, Origin
+from layerdiff.report.html import write_html
+from layerdiff.trace import TraceWriter
+
+SITES = ["enc.lin1", "enc.act", "enc.lin2"]
+BATCH, WIDTH = 4, 8
+RTOL, ATOL = 1.3e-6, 1e-5
+
+
+def _tensors(port: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    w1 = rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)
+    w2 = rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)
+    h = x @ w1
+    a = np.tanh(h)
+    if port:
+        a[1:] += 0.05   # the planted bug: every batch element after the first is off
+    y = a @ w2
+    return {"x": x, "enc.lin1": h, "enc.act": a, "enc.lin2": y}
+
+
+def _write_trace(path: Path, port: bool, summary: bool = False) -> Path:
+    tensors = _tensors(port)
+    with TraceWriter(path, summary=summary) as w:
+        previous = "x"
+        sites = []
+        for module in SITES:
+            with w.site(module, "Layer") as site:
+                w.record(site, "input", tensors[previous])
+                w.record(site, "output", tensors[module])
+            sites.append(site)
+            previous = module
+        for site in reversed(sites):
+            w.record(site, "grad_input", np.ones((BATCH, WIDTH), np.float32))
+    return path
+
+
+def _row(seq: int, site: str, role: str, *, ratio: float = 0.0, verdict: str = "identical",
+         status: str = "", cause: str = "", batch_ratio=None) -> dict:
+    passes = {"output": "forward", "grad_input": "backward"}
+    row = {
+        "step": 0, "pass": passes[role], "seq": seq, "site": site, "role": role, "arg": "0",
+        "port_site": site, "port_arg": "0", "match": "name", "confidence": 1.0,
+        "shape": f"{BATCH},{WIDTH}", "port_shape": f"{BATCH},{WIDTH}", "dtype": "float32",
+        "port_dtype": "float32", "numel": BATCH * WIDTH,
+        "max_abs": ratio * ATOL, "max_rel": ratio * RTOL, "mean_abs": ratio * ATOL / 2,
+        "rms": ratio * ATOL / 2, "cosine": 1.0 if ratio < 1 else 0.999, "max_ulp": int(ratio),
+        "frac_out": 0.75 if ratio > 1 else 0.0, "worst_index": "1,0", "ratio": ratio,
+        "ref_nan": 0, "ref_inf": 0, "port_nan": 0, "port_inf": 0,
+        "rtol": RTOL, "atol": ATOL, "tol_source": "float32 default",
+        "verdict": verdict, "note": "", "batch_ratio": batch_ratio,
+        "status": status, "cause": cause,
+    }
+    assert list(row) == ROW_COLUMNS
+    return row
+
+
+def _failing_diff(tmp_path: Path, summary: bool = False) -> Diff:
+    ref = _write_trace(tmp_path / "ref.h5", port=False, summary=summary)
+    port = _write_trace(tmp_path / "port.h5", port=True, summary=summary)
+    act = "enc.act#0"
+    rows = pd.DataFrame([
+        _row(1, "enc.lin1#0", "output"),
+        _row(3, act, "output", ratio=50.0, verdict="out", status="origin",
+             batch_ratio=np.array([0.0, 50.0, 48.0, 45.0])),
+        _row(5, "enc.lin2#0", "output", ratio=30.0, verdict="out", status="propagated",
+             cause=f"{act} output"),
+        _row(6, "enc.lin2#0", "grad_input", ratio=0.2, verdict="within"),
+        _row(7, act, "grad_input", ratio=0.3, verdict="within"),
+        _row(8, "enc.lin1#0", "grad_input"),
+    ], columns=ROW_COLUMNS)
+    origin = Origin(step=0, pass_="forward", site=act, port_site=act, role="output", arg="0",
+                    port_arg="0",
+                    reason="its output is 50x its tolerance while its input is identical",
+                    metrics={"ratio": 50.0, "rtol": RTOL, "atol": ATOL})
+    unmatched = pd.DataFrame([{"side": "port", "step": 0, "site": "enc.extra#0",
+                               "role": "output", "arg": "0",
+                               "reason": "no reference site: <enc.extra> & friends"}],
+                             columns=UNMATCHED_COLUMNS)
+    return Diff(reference=ref, port=port, rows=rows, origins=[origin], unmatched=unmatched,
+                first_failing_step=0, meta={"steps": 1})
+
+
+def _passing_diff(tmp_path: Path) -> Diff:
+    ref = _write_trace(tmp_path / "ref.h5", port=False)
+    rows = pd.DataFrame([_row(1, "enc.lin1#0", "output"),
+                         _row(3, "enc.act#0", "output", ratio=0.5, verdict="within")],
+                        columns=ROW_COLUMNS)
+    return Diff(reference=ref, port=ref, rows=rows, origins=[],
+                unmatched=pd.DataFrame(columns=UNMATCHED_COLUMNS), first_failing_step=None)
+
+
+def test_failing_report_is_self_contained_and_names_the_origin(tmp_path):
+    out = write_html(_failing_diff(tmp_path), tmp_path / "report.html")
+    page = out.read_text(encoding="utf-8")
+    # Nothing is fetched from the network: no external src or href at all.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    # Error plot, heatmap and histograms, all inline.
+    assert page.count('<img src="data:image/png;base64,') >= 3
+    assert 'id="heatmap"' in page
+    assert "FAIL" in page and "enc.act#0" in page
+    assert "3 of 4 batch element(s)" in page   # elements 1..3, not 0
+    # Text from the traces is escaped, never markup.
+    assert "&lt;enc.extra&gt; &amp; friends" in page
+    assert "<enc.extra>" not in page
+
+
+def test_passing_report_has_no_heatmap(tmp_path):
+    page = write_html(_passing_diff(tmp_path), tmp_path / "report.html").read_text()
+    assert "PASS" in page and "FAIL" not in page
+    assert 'id="heatmap"' not in page
+    assert page.count("data:image/png;base64,") == 1   # the error plot alone
+
+
+def test_summary_traces_skip_tensor_plots_and_say_so(tmp_path):
+    page = write_html(_failing_diff(tmp_path, summary=True), tmp_path / "r.html").read_text()
+    assert 'id="heatmap"' not in page
+    assert "summary trace" in page
+    assert page.count("data:image/png;base64,") == 1
+
+
+def test_missing_trace_still_gives_a_page(tmp_path):
+    diff = _failing_diff(tmp_path)
+    diff.port.unlink()
+    page = write_html(diff, tmp_path / "report.html").read_text()
+    assert "FAIL" in page and "No tensor plots" in page and "does not exist" in page
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_a_real_browser_draws_the_page(tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed: .ci/run installs it with apt-get; install it "
+                    "with `apt-get install chromium` to run this test")
+    report = write_html(_failing_diff(tmp_path), tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start. The other flags
+    # keep a headless run from reaching for the network or a GPU, or from filling a container's
+    # small /dev/shm.
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+               "--no-first-run", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--disable-dev-shm-usage",
+               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+               "--window-size=1200,1600", report.resolve().as_uri()]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert shot.exists(), (f"chromium wrote no screenshot (exit {result.returncode}, "
+                           f"{time.monotonic() - started:.1f} s):\n{result.stderr[-2000:]}")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from matplotlib.image import imread
+    pixels = imread(shot)[..., :3]          # floats in [0, 1]; drop alpha
+    assert pixels.shape[:2] == (1600, 1200)
+    not_white = (pixels < 0.95).any(axis=2).mean()
+    assert not_white > 0.01, f"the page looks blank: {not_white:.2%} of pixels are not white"
+    red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    reddish = ((red > 0.6) & (green < 0.35) & (blue < 0.35)).mean()
+    assert reddish > 0.005, f"no red FAIL banner: {reddish:.3%} of pixels are reddish"
+    colours = len(np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0))
+    assert colours > 50, f"only {colours} distinct colours: the plots did not render"
