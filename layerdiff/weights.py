@@ -72,7 +72,7 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     with torch.no_grad():
         for name, value in values.items():
             target = targets[name]
-            target.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(target.dtype))
+            target.copy_(torch.from_numpy(np.array(value, order="C")).to(target.dtype))
     used = {ref for refs in report.loaded.values() for ref in refs}
     report.unused = sorted(set(reference) - used)
     return report

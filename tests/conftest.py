@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from click.testing import CliRunner
+
+from layerdiff.cli import main
 
 # Tests are small: one thread keeps them fast and their timing steady on 2 cores.
 torch.set_num_threads(1)
@@ -10,3 +15,13 @@ torch.set_num_threads(1)
 @pytest.fixture
 def trace_path(tmp_path):
     return tmp_path / "trace.h5"
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """Invoke the command line in-process, from the repository root; returns click's Result."""
+    monkeypatch.chdir(Path(__file__).parent.parent)
+
+    def invoke(*args):
+        return CliRunner().invoke(main, [str(a) for a in args])
+    return invoke

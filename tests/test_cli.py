@@ -5,18 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
-
-from layerdiff.cli import main
-
-
-@pytest.fixture
-def run(monkeypatch):
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).parent.parent)
-
-    def invoke(*args):
-        return CliRunner().invoke(main, [str(a) for a in args])
-    return invoke
 
 
 def test_capture_then_show(run, tmp_path):

@@ -123,6 +123,12 @@ class _Comparer:
                                   pair.transpose_port)
         dtype = looser_dtype(r["dtype"], p["dtype"]) if r["kind"] == "tensor" else ""
         tolerance = self.tolerances.lookup(r["site"], r["role"], r["arg"], dtype)
+        scale = self.ref.loss_scale
+        if r["role"] in GRAD_ROLES and scale != 1.0:
+            # Tolerances are for the loss as it is; gradients here are amplified by the loss
+            # scale, and so is their rounding error: atol follows, rtol needs nothing.
+            tolerance = Tolerance(tolerance.rtol, tolerance.atol * scale,
+                                  f"{tolerance.source}; atol x loss scale {scale:g}")
         row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
         row.update({
             "step": int(r["step"]), "pass": r["pass"], "seq": int(r["seq"]),

@@ -174,7 +174,7 @@ def _has_children(name: str, parents: dict[str, str], sites: dict[str, _Site]) -
 
 
 def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
-    if not site.is_bad("output"):
+    if site.new_non_finite.get("output"):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
     text = "its output is out of tolerance while all its inputs and weights are within"
     if _has_children(site.name, parents, sites):
