@@ -16,10 +16,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Stager:
-    """Turns tensors and plain values into recorder submissions for one capture."""
+    """Turns tensors and plain values into recorder submissions for one capture.
 
-    def __init__(self, recorder: Recorder) -> None:
+    A tensor on a GPU is copied into the ring by the copy engine, queued on the current stream
+    (so it sees the values as they are at this point of the stream, in-place ops after it
+    notwithstanding) without waiting: the ring is pinned so the copy can run asynchronously, and
+    the writer threads wait on a CUDA event before they read those bytes. ``async_device``
+    False makes those copies synchronous, as a CPU tensor's are.
+    """
+
+    def __init__(self, recorder: Recorder, *, async_device: bool = True) -> None:
         self.recorder = recorder
+        self.async_device = async_device
+        self._fenced = False   # the recorder has its fence (set at the first GPU tensor)
+        self._pinned = False
         self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
         # Per-dtype and per-shape facts, computed once: the hot path pays per Python call.
         self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int]] = {}
@@ -50,8 +60,35 @@ class Stager:
         strides = self._strides.get(shape)
         if strides is None:
             strides = self._strides[shape] = _contiguous_strides(shape)
-        ring.as_strided(shape, strides, offset // itemsize).copy_(tensor)
+        target = ring.as_strided(shape, strides, offset // itemsize)
+        if tensor.is_cuda and self.async_device:
+            if not self._fenced:
+                self._pin(tensor.device)
+            target.copy_(tensor, non_blocking=True)
+            rec.copies_in_flight = True
+        else:
+            target.copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+
+    def _pin(self, device: torch.device) -> None:
+        """Page-lock the ring (for asynchronous copies) and give the recorder its fence."""
+        buffer = self.recorder.ring.buffer
+        status = torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, buffer.nbytes, 0)
+        self._pinned = int(status) == 0  # unpinned, the copies still run, synchronously
+        self._fenced = True
+
+        def fence():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            return event.synchronize
+
+        self.recorder.fence = fence
+
+    def release(self) -> None:
+        """Unpin the ring (after the recorder has closed)."""
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.recorder.ring.buffer.ctypes.data)
+            self._pinned = False
 
     def value(self, step: int, pass_: str, site: str, role: str, arg: str, value: Any) -> None:
         self.recorder.submit(step, pass_, site, role, arg, "", (), value=value_json(value))

@@ -80,7 +80,7 @@ class PreparedCapture:
     def __init__(self, case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
                  exclude: Sequence[str] = (), loss_scale: float = 1.0,
                  steps: int | None = None, summary: bool = False, weights: bool = True,
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
@@ -89,10 +89,17 @@ class PreparedCapture:
         modules = select_modules(case.model, include, exclude)
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
         self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes)
-        self.hooks = ModuleRecorder(modules, Stager(self.recorder), weights=weights)
+        self.stager = Stager(self.recorder, async_device=async_device)
+        self.hooks = ModuleRecorder(modules, self.stager, weights=weights)
 
     def run(self, progress: bool = False) -> Path:
         """Run the steps with the hooks attached, then publish the trace."""
+        try:
+            return self._run(progress)
+        finally:
+            self.stager.release()
+
+    def _run(self, progress: bool) -> Path:
         case, recorder, hooks = self.case, self.recorder, self.hooks
         with StepProgress(self.steps, enabled=progress, label=f"capture {case.name}") as bar:
             observer = _Observer(hooks, recorder, bar)

@@ -51,7 +51,7 @@ class ConfigFile:
         entries = self.data.get(key, [])
         if not isinstance(entries, list):
             self.fail(f"'{key}' must be a list of tables ([[{key}]] in TOML)",
-                      self._line_of_key(key))
+                      self.line_of(key))
         lines = self._entry_lines(key)
         result = []
         for i, entry in enumerate(entries):
@@ -69,9 +69,10 @@ class ConfigFile:
                 hint = f"; did you mean '{close[0]}'?" if close else (
                     f"; known keys: {', '.join(sorted(allowed))}")
                 self.fail(f"unknown key '{key}' in {where}{hint}",
-                          line if line else self._line_of_key(key))
+                          line if line else self.line_of(key))
 
-    def _line_of_key(self, key: str) -> int | None:
+    def line_of(self, key: str) -> int | None:
+        """The first line that sets ``key`` (or opens a table of that name), if any."""
         pattern = re.compile(rf"^\s*\[*\s*{re.escape(key)}\s*[\]=:]")
         for number, text in enumerate(self.text.splitlines(), start=1):
             if pattern.match(text):

@@ -11,7 +11,7 @@ A TOML file (YAML with the same keys works too)::
     reference = "encoder.layers.*.norm1"
     port = "enc.*.ln1"
 
-    [[site]]                      # or a regular expression, with \\1 .. in the port name
+    [[site]]                      # or a regular expression (whole names), \\1 .. on the port side
     reference_regex = '^decoder\\.layers\\.(\\d+)$'
     port = 'dec.\\1'
     args = { "1" = "2" }          # reference argument -> port argument, where they differ
@@ -57,16 +57,23 @@ class Pattern:
         self.regex = regex
         source = text if regex else "".join(
             "(.*)" if part == "*" else re.escape(part) for part in re.split(r"(\*)", text))
-        self._compiled = re.compile(source if regex else f"^{source}$")
+        self._compiled = re.compile(source)
+
+    @property
+    def groups(self) -> int:
+        return self._compiled.groups
 
     def match(self, name: str) -> tuple[str, ...] | None:
-        found = self._compiled.fullmatch(name) if not self.regex else self._compiled.search(name)
+        found = self._compiled.fullmatch(name)
         return None if found is None else found.groups()
 
     def fill(self, template: str, groups: tuple[str, ...]) -> str:
-        """The template with this pattern's captures put in (``*`` in order, or ``\\1``)."""
+        """The template with this pattern's captures put in (``*`` in order, or ``\\1``); a
+        template without any names one fixed thing."""
         if self.regex:
             return re.sub(r"\\(\d+)", lambda m: groups[int(m.group(1)) - 1], template)
+        if "*" not in template:
+            return template
         parts = template.split("*")
         if len(parts) - 1 != len(groups):
             raise ValueError(f"'{template}' has {len(parts) - 1} '*' for {len(groups)} captures")
@@ -165,7 +172,8 @@ def _load(config: ConfigFile) -> Mapping:
                       "the top level")
     version = config.data.get("version", 1)
     if version != 1:
-        config.fail(f"mapping version {version!r} is not supported (this layerdiff reads 1)")
+        config.fail(f"mapping version {version!r} is not supported (this layerdiff reads 1)",
+                    config.line_of("version"))
     mapping = Mapping(path=config.path)
     for number, (entry, line) in enumerate(config.tables("site"), start=1):
         where = f"site rule {number}"
@@ -180,6 +188,10 @@ def _load(config: ConfigFile) -> Mapping:
             except re.error as exc:
                 config.fail(f"{where}: reference_regex {text!r} is not a valid regular "
                             f"expression ({exc})", line)
+            wanted = max((int(n) for n in re.findall(r"\\(\d+)", port)), default=0)
+            if wanted > pattern.groups:
+                config.fail(f"{where}: port '{port}' uses \\{wanted} but reference_regex has "
+                            f"{pattern.groups} group(s)", line)
         else:
             pattern = Pattern(_string(config, entry, "reference", where, line))
             stars, holes = pattern.text.count("*"), port.count("*")
@@ -187,10 +199,12 @@ def _load(config: ConfigFile) -> Mapping:
                 config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
                             f"'{pattern.text}' has {stars}", line)
         args = entry.get("args", {})
-        if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
+        if not isinstance(args, dict) or not all(isinstance(v, (str, int)) for v in args.values()):
             config.fail(f"{where}: args must be a table of reference argument = port argument "
                         "strings, e.g. args = { \"1\" = \"2\" }", line)
-        mapping.site_rules.append(SiteRule(pattern, port, dict(args), line))
+        # YAML reads unquoted argument numbers as integers; arguments are names (strings)
+        args = {str(key): str(value) for key, value in args.items()}
+        mapping.site_rules.append(SiteRule(pattern, port, args, line))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):
         where = f"pair {number}"
         config.check_keys(entry, {"reference", "port"}, where, line)

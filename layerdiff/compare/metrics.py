@@ -79,6 +79,9 @@ class PairMetrics:
             ratio = diff / (self.atol + self.rtol * magnitude)
             ratio[diff == 0] = 0.0
             rel = diff / np.maximum(magnitude, self.atol or np.finfo(np.float64).tiny)
+        if not all_finite:  # a non-finite reference makes the tolerance inf: inf/inf is NaN
+            ratio[np.isinf(diff)] = np.inf
+            rel[np.isinf(diff)] = np.inf
         worst = int(np.argmax(ratio))
         if ratio[worst] > self.ratio or self.worst < 0:
             self.ratio, self.worst = float(ratio[worst]), start + worst

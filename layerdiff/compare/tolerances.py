@@ -90,6 +90,10 @@ class Tolerances:
     def load(cls, path: str | Path) -> Tolerances:
         config = ConfigFile.load(path, ToleranceError)
         config.check_keys(config.data, {"version", "rule"}, "the top level")
+        version = config.data.get("version", 1)
+        if version != 1:
+            config.fail(f"tolerance file version {version!r} is not supported (this layerdiff "
+                        "reads 1)", config.line_of("version"))
         rules = []
         for number, (rule, line) in enumerate(config.tables("rule"), start=1):
             where = f"rule {number} (line {line})"
@@ -100,6 +104,8 @@ class Tolerances:
             values = {}
             for key in ("rtol", "atol"):
                 value = rule.get(key)
+                if config.path.suffix.lower() in (".yaml", ".yml"):
+                    value = _yaml_number(value)
                 if value is not None and not (isinstance(value, (int, float))
                                               and not isinstance(value, bool) and value >= 0):
                     config.fail(f"{where}: {key} must be a number >= 0, got {value!r}", line)
@@ -126,3 +132,13 @@ class Tolerances:
 
     def as_json(self) -> dict[str, Any]:
         return {"file": str(self.path) if self.path else None, "defaults": DEFAULTS}
+
+
+def _yaml_number(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads '1e-3' as a string; take it as the number it plainly is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,13 @@ class _Record:
     nbytes: int = 0
     array: np.ndarray | None = None  # data not in the ring (oversized tensors)
     value: str = ""             # kind == value
+
+
+@dataclass(slots=True)
+class _Fence:
+    """Waits until the device copies into the ring queued before it have landed."""
+
+    wait: Callable[[], None]
 
 
 _FLUSH = object()  # write pending bytes and table rows, then flush the file
@@ -119,6 +127,10 @@ class Recorder:
         self.max_staged = queue_bytes // 2
         self.seq = 0
         self.bytes_submitted = 0
+        # Set by a producer that copies into the ring asynchronously (a GPU's copy engine):
+        # ``fence()`` marks the copies queued so far and returns a function that waits for them.
+        self.fence: Callable[[], Callable[[], None]] | None = None
+        self.copies_in_flight = False
         self.error: BaseException | None = None
         self._batch: list[Any] = []
         self._batch_bytes = 0
@@ -202,6 +214,9 @@ class Recorder:
     def _send(self, marker: object | None = None) -> None:
         if marker is not None:
             self._batch.append(marker)
+        if self.copies_in_flight and self.fence is not None and self._batch:
+            self._batch.insert(0, _Fence(self.fence()))
+            self.copies_in_flight = False
         if self._batch:
             self._stats_queue.put(self._batch)
             self._batch = []
@@ -218,6 +233,8 @@ class Recorder:
         while True:
             batch = self._stats_queue.get()
             try:
+                if batch and isinstance(batch[0], _Fence):
+                    batch.pop(0).wait()  # its bytes are not in the ring until then
                 if self.error is None:
                     stage.precompute(batch)
                 for item in batch:
