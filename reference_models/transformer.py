@@ -165,8 +165,8 @@ class Generator(nn.Module):
         return F.log_softmax(self.proj(x), dim=-1)
 
 
-def causal_mask(length: int) -> torch.Tensor:
-    return torch.tril(torch.ones(length, length, dtype=torch.bool))
+def causal_mask(length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
 
 
 class Transformer(nn.Module):
@@ -185,7 +185,7 @@ class Transformer(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         src_mask = (src != PAD).unsqueeze(1)                              # (batch, 1, src)
-        tgt_mask = (tgt != PAD).unsqueeze(1) & causal_mask(tgt.size(1))   # (batch, tgt, tgt)
+        tgt_mask = (tgt != PAD).unsqueeze(1) & causal_mask(tgt.size(1), tgt.device)  # (b, tgt, tgt)
         memory = self.encoder(self.src_pos(self.src_embed(src)), src_mask.unsqueeze(1))
         out = self.decoder(self.tgt_pos(self.tgt_embed(tgt)), memory, src_mask.unsqueeze(1),
                            tgt_mask.unsqueeze(1))
@@ -213,8 +213,8 @@ def build(cfg: Config, *, steps: int = 1, name: str) -> Case:
     src, tgt_in, tgt_out = make_batch(cfg)
 
     def loss_fn(log_probs: torch.Tensor) -> torch.Tensor:
-        return F.nll_loss(log_probs.reshape(-1, cfg.vocab), tgt_out.reshape(-1),
-                          ignore_index=PAD)
+        return F.nll_loss(log_probs.reshape(-1, cfg.vocab),
+                          tgt_out.reshape(-1).to(log_probs.device), ignore_index=PAD)
 
     return Case(model=model, inputs=(src, tgt_in), loss_fn=loss_fn, seed=SEED, steps=steps,
                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), name=name)

@@ -163,7 +163,7 @@ class TransformerPort(nn.Module):
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         # masks as (batch, 1, 1 | tgt, src) booleans, True = attend, like the reference's
         src_mask = (src != PAD)[:, None, None, :]
-        tgt_mask = (tgt != PAD)[:, None, None, :] & causal_mask(tgt.size(1))
+        tgt_mask = (tgt != PAD)[:, None, None, :] & causal_mask(tgt.size(1), tgt.device)
         x = self.pos(self.embed_src(src) * self.scale)
         for block in self.enc:
             x = block(x, src_mask)
