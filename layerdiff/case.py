@@ -61,12 +61,17 @@ class ExternalCase:
     ``run(writer, steps=..., loss_scale=...)`` runs the port's training steps on the case's
     inputs and records each site into ``writer`` (a :class:`layerdiff.TraceWriter`), calling
     ``writer.step()`` between steps and multiplying its loss gradient by ``loss_scale``.
+
+    ``layers``, optional, maps module paths to per-site callables (``forward`` and
+    ``backward``, see :mod:`layerdiff.replay.numpy_replay`), so that replay can run the port's
+    layers one by one on the reference's inputs.
     """
 
     run: Callable[..., None]
     seed: int = 0
     steps: int = 1
     name: str = ""
+    layers: dict[str, Any] | None = None
 
 
 def seed_everything(seed: int) -> None:

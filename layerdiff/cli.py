@@ -158,6 +158,39 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
         write_html(result, html_path)
 
 
+@main.command("replay")
+@click.argument("reference", type=click.Path(dir_okay=False))
+@click.argument("port_spec", metavar="PORT_CASE")
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file for names that differ.")
+@click.option("--site", "sites", multiple=True, metavar="GLOB",
+              help="Replay only these reference sites or modules (repeatable).")
+@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Tolerance overrides (TOML or YAML).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Write the JSON report ('-' for stdout).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write a self-contained HTML report.")
+@click.option("-v", "--verbose", is_flag=True, help="Every site, not only the notable ones.")
+def replay_command(reference: str, port_spec: str, mapping: str | None, sites: tuple[str, ...],
+                   tolerances: str | None, json_path: str | None, html_path: str | None,
+                   verbose: bool) -> None:
+    """Run each layer of PORT_CASE on REFERENCE's recorded inputs: its own error, alone.
+
+    Exit 0 when no layer has a local error, 1 when one does, 2 for bad input.
+    """
+    from layerdiff.case import load_case
+    from layerdiff.replay import replay
+    from layerdiff.report.terminal import format_replay
+
+    result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
+                    tolerances=tolerances)
+    _write_reports(result, json_path, None, html_path)
+    if json_path != "-":
+        click.echo(format_replay(result, verbose=verbose))
+    sys.exit(0 if result.passed else 1)
+
+
 @main.command("cases")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:

@@ -19,6 +19,8 @@ class CaseInfo:
     mapping: str | None = None     # the mapping file it needs (beside this file), if any
     site: str | None = None        # for a bug: the site (in the port's names) where it lives
     pass_: str | None = None       # for a bug: forward | backward
+    # for a bug: the port sites whose code holds it (a glob), where replay finds local error
+    runs_in: str | None = None
 
     @property
     def mapping_path(self) -> Path | None:
@@ -27,6 +29,7 @@ class CaseInfo:
     def as_json(self) -> dict:
         data = asdict(self)
         data["pass"] = data.pop("pass_")
+        del data["runs_in"]
         data["mapping"] = str(self.mapping_path) if self.mapping else None
         return data
 
@@ -45,11 +48,11 @@ def _port(module: str, name: str, model: str, description: str) -> CaseInfo:
                     reference=f"reference_models.{model}:reference", mapping=_mapping(module))
 
 
-def _bug(module: str, name: str, model: str, site: str, pass_: str,
-         description: str) -> CaseInfo:
+def _bug(module: str, name: str, model: str, site: str, pass_: str, description: str,
+         runs_in: str | None = None) -> CaseInfo:
     return CaseInfo(f"reference_models.{module}:{name}", model, "bug", description,
                     reference=f"reference_models.{model}:reference", mapping=_mapping(module),
-                    site=site, pass_=pass_)
+                    site=site, pass_=pass_, runs_in=runs_in or site)
 
 
 def find(spec: str) -> CaseInfo | None:
@@ -87,17 +90,18 @@ CATALOG: list[CaseInfo] = [
          "custom autograd ReLU whose backward applies the first batch element's mask to "
          "all: gradients wrong only for batch elements after the first"),
     _bug("transformer_port", "bug_softmax_axis", "transformer", "enc.0.self_attn#0", "forward",
-         "attention softmax over the query axis instead of the key axis"),
+         "attention softmax over the query axis instead of the key axis", "*_attn#0"),
     _bug("transformer_port", "bug_head_split_reshape", "transformer", "enc.0.self_attn#0",
-         "forward", "heads split with reshape instead of permute: mixes batch elements"),
+         "forward", "heads split with reshape instead of permute: mixes batch elements",
+         "*_attn#0"),
     _bug("transformer_port", "bug_missing_scale", "transformer", "enc.0.self_attn#0", "forward",
-         "attention scores not scaled by 1/sqrt(d_k)"),
+         "attention scores not scaled by 1/sqrt(d_k)", "*_attn#0"),
     _bug("transformer_port", "bug_layernorm_eps", "transformer", "enc.0.ln1#0", "forward",
          "layer norms with epsilon 1e-3 (Keras's default) instead of 1e-5: out of tolerance. "
-         "Flax's 1e-6 stays inside float32 tolerance and is not a bug here"),
+         "Flax's 1e-6 stays inside float32 tolerance and is not a bug here", "*.ln*#0"),
     _bug("transformer_port", "bug_inverted_mask", "transformer", "enc.0.self_attn#0", "forward",
-         "attention mask inverted: attends to padding and future tokens only"),
+         "attention mask inverted: attends to padding and future tokens only", "*_attn#0"),
     _bug("convlstm_numpy", "bug_accumulator_not_zeroed", "convlstm", "cell.conv#4", "backward",
          "numpy col2im accumulator reused without zeroing (np.empty semantics): wrong from "
-         "the second frame of the backward on"),
+         "the second frame of the backward on", "cell.conv#*"),
 ]

@@ -275,6 +275,84 @@ def train(model: NumpyConvLSTM, frames: np.ndarray, targets: np.ndarray, *, step
     return losses
 
 
+class _ConvLayer:
+    """``cell.conv`` for replay: the gate convolution and its backward (col2im included)."""
+
+    type_name = "Conv2d"
+
+    def __init__(self, model: NumpyConvLSTM) -> None:
+        self.model = model
+
+    def forward(self, inputs: dict, weights: dict) -> tuple[dict, Any]:
+        z, weight = inputs["0"].astype(self.model.dtype), weights["weight"]
+        cols = im2col(z, weight.shape[-1])
+        return {"0": self.model._conv(cols, weight, weights["bias"], *z.shape[2:])}, (
+            cols, weight)
+
+    def backward(self, context: Any, grads: dict) -> tuple[dict, dict]:
+        cols, weight = context
+        d_z, d_w, d_b = self.model._conv_backward(grads["0"], cols, weight, need_input=True)
+        return {"0": d_z}, {"weight": d_w, "bias": d_b}
+
+
+class _HeadLayer:
+    """``head`` for replay: the 1x1 read-out convolution."""
+
+    type_name = "Conv2d"
+
+    def forward(self, inputs: dict, weights: dict) -> tuple[dict, Any]:
+        h, weight = inputs["0"], weights["weight"]
+        batch, hidden, height, width = h.shape
+        flat = h.reshape(batch, hidden, -1)
+        out = weight.reshape(weight.shape[0], -1) @ flat + weights["bias"][:, None]
+        return {"0": out.reshape(batch, -1, height, width)}, (flat, weight, h.shape)
+
+    def backward(self, context: Any, grads: dict) -> tuple[dict, dict]:
+        flat, weight, shape = context
+        d_out = grads["0"].reshape(shape[0], weight.shape[0], -1)
+        d_h = (weight.reshape(weight.shape[0], -1).T @ d_out).reshape(shape)
+        d_w = np.tensordot(d_out, flat, axes=([0, 2], [0, 2])).reshape(weight.shape)
+        return {"0": d_h}, {"weight": d_w, "bias": d_out.sum(axis=(0, 2))}
+
+
+class _CellLayer:
+    """``cell`` for replay: one time step of the cell, its convolution inside (the port's own
+    weights: the cell module has none of its own)."""
+
+    type_name = "ConvLSTMCell"
+
+    def __init__(self, model: NumpyConvLSTM) -> None:
+        self.model = model
+
+    def forward(self, inputs: dict, weights: dict) -> tuple[dict, Any]:
+        p = self.model.params
+        x, h, c = inputs["0"], inputs["1"], inputs["2"]
+        cols = im2col(np.concatenate([x, h], axis=1), p["cell.conv.weight"].shape[-1])
+        pre = self.model._conv(cols, p["cell.conv.weight"], p["cell.conv.bias"], *x.shape[2:])
+        i, f, g, o = np.split(pre, 4, axis=1)
+        gates = (sigmoid(i), sigmoid(f), sigmoid(o), np.tanh(g))
+        c_new = gates[1] * c + gates[0] * gates[3]
+        tanh_c = np.tanh(c_new)
+        return {"0": gates[2] * tanh_c, "1": c_new}, (cols, c, gates, tanh_c, x.shape[1])
+
+    def backward(self, context: Any, grads: dict) -> tuple[dict, dict]:
+        cols, c_prev, (s_i, s_f, s_o, tanh_g), tanh_c, channels = context
+        d_h = grads.get("0", np.zeros_like(tanh_c))
+        d_c = grads.get("1", d_h * s_o * (1 - tanh_c**2))  # the recorded total, when given
+        d_pre = np.concatenate([d_c * tanh_g * s_i * (1 - s_i),
+                                d_c * c_prev * s_f * (1 - s_f),
+                                d_c * s_i * (1 - tanh_g**2),
+                                d_h * tanh_c * s_o * (1 - s_o)], axis=1)
+        d_z, _, _ = self.model._conv_backward(d_pre, cols, self.model.params["cell.conv.weight"],
+                                              need_input=True)
+        return {"1": np.ascontiguousarray(d_z[:, channels:]), "2": d_c * s_f}, {}
+
+
+def layers(model: NumpyConvLSTM) -> dict[str, Any]:
+    """The port's layers one by one, for ``layerdiff replay``: module path -> callables."""
+    return {"cell": _CellLayer(model), "cell.conv": _ConvLayer(model), "head": _HeadLayer()}
+
+
 def _external(model_class: type[NumpyConvLSTM], name: str) -> ExternalCase:
     from reference_models import convlstm  # torch, only to take the reference's weights and data
 
@@ -288,7 +366,8 @@ def _external(model_class: type[NumpyConvLSTM], name: str) -> ExternalCase:
               clip=cfg.clip, lr=cfg.lr, writer=writer)
 
     return ExternalCase(run=run, seed=convlstm.SEED, steps=cfg.steps,
-                        name=f"reference_models.convlstm_numpy:{name}")
+                        name=f"reference_models.convlstm_numpy:{name}",
+                        layers=layers(model_class(params)))
 
 
 def port() -> ExternalCase:

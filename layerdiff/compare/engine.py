@@ -35,12 +35,13 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, *,
          mapping: str | os.PathLike | Mapping | None = None,
          tolerances: str | os.PathLike | Tolerances | None = None,
-         progress: Progress | None = None) -> R.Diff:
+         progress: Progress | None = None, independent: bool = False) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
-    overrides the per-dtype defaults (a file or :class:`Tolerances`). Raises
-    :class:`DiffError` when the traces have nothing in common.
+    overrides the per-dtype defaults (a file or :class:`Tolerances`). ``independent`` says
+    that every site of ``port`` ran on the reference's own inputs (a replay), so each site is
+    judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
     """
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
@@ -50,7 +51,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     try:
         port_trace = port if isinstance(port, Trace) else open_trace(port)
         try:
-            return _diff(ref_trace, port_trace, mapping, tolerances, progress)
+            return _diff(ref_trace, port_trace, mapping, tolerances, progress, independent)
         finally:
             if not isinstance(port, Trace):
                 port_trace.close()
@@ -60,7 +61,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
 
 
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
-          progress: Progress | None) -> R.Diff:
+          progress: Progress | None, independent: bool) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping)
@@ -75,7 +76,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why) for side, site, why in sites.unmatched]
         + list(records.unmatched), columns=R.UNMATCHED_COLUMNS)
-    origins, first_step = find_origins(rows, ref.sites)
+    origins, first_step = find_origins(rows, ref.sites, independent=independent)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": str(mapping.path) if mapping.path else None,

@@ -158,3 +158,22 @@ def _align(ref_left: list[str], port_left: list[str], refs: pd.DataFrame, ports:
             pairs.append(SitePair(ref_site, port_site, "structural", confidence,
                                   label="aligned by execution order and output shapes"))
     return pairs
+
+
+def port_site_for(ref_site: str, mapping: Mapping,
+                  port_modules: set[str]) -> tuple[str, dict[str, str]] | None:
+    """The port site a reference site corresponds to, from names alone (no port trace): by
+    explicit pair, same module name, or rename rule; with the argument map. None when the
+    mapping declares it without partner or nothing names one."""
+    if mapping.why_unmatched("reference", ref_site) is not None:
+        return None
+    if ref_site in mapping.pairs:
+        port_site = mapping.pairs[ref_site]
+        return (port_site, {}) if schema.split_site(port_site)[0] in port_modules else None
+    module, call = schema.split_site(ref_site)
+    if module in port_modules:
+        return schema.site_name(module, call), {}
+    renamed = mapping.rename(module)
+    if renamed is not None and renamed[0] in port_modules:
+        return schema.site_name(renamed[0], call), renamed[1]
+    return None

@@ -46,9 +46,12 @@ class _Site:
         return any(self.bad.get(role) for role in roles)
 
 
-def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame) -> tuple[list[R.Origin],
-                                                                       int | None]:
-    """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``."""
+def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False
+                 ) -> tuple[list[R.Origin], int | None]:
+    """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
+
+    ``independent``: every site ran on the reference's own inputs and gradients (a replay), so
+    no site's backward inherits another's error and every qualifying site is an origin."""
     failing = ~rows["verdict"].isin(R.PASSING)
     if not failing.any():
         return [], None
@@ -62,9 +65,9 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame) -> tuple[list[R.Or
     forward = [s for s in sites.values() if _forward_candidate(s)]
     # The gradient reaching a site that ran before a forward origin has passed through that
     # origin's backward: small errors there, summed into a weight gradient, are its doing.
-    last_forward = max((s.order for s in forward), default=-1)
+    last_forward = -1 if independent else max((s.order for s in forward), default=-1)
     backward = [s for s in sites.values()
-                if _backward_candidate(s, sites) and s.order > last_forward]
+                if _backward_candidate(s, sites, independent) and s.order > last_forward]
     origins: list[R.Origin] = []
     for site in sorted(weight_origins, key=lambda s: s.order):
         origins.append(_origin(rows, site, step, "weight", _weight_reason(step)))
@@ -134,13 +137,15 @@ def _forward_candidate(site: _Site) -> bool:
     return bool(site.new_non_finite.get("output") and not site.new_non_finite.get("input"))
 
 
-def _backward_candidate(site: _Site, sites: dict[str, _Site]) -> bool:
+def _backward_candidate(site: _Site, sites: dict[str, _Site], independent: bool) -> bool:
     if site.is_bad("grad_output", "input", "output", "weight"):
         return False
     if site.is_bad("grad_input"):
         return True
     if not site.is_bad("weight_grad"):
         return False
+    if independent:
+        return True
     module = schema.split_site(site.name)[0]
     return not any(other.is_bad("grad_output") for name, other in sites.items()
                    if schema.split_site(name)[0] == module)

@@ -168,3 +168,46 @@ def _ranges(indices: list[int]) -> str:
             parts.append(str(start) if start == value else f"{start}-{value}")
             start = None
     return ", ".join(parts)
+
+
+REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propagated", 10, "r"),
+                  ("amplif.", 8, "r"), ("verdict", 12, "l")]
+
+
+def format_replay(result: Diff, *, verbose: bool = False, width: int = WIDTH) -> str:
+    """A replay: its verdict, then local beside propagated error per site and pass."""
+    from layerdiff.replay.replay import local_table
+
+    table = local_table(result)
+    local = table[table["verdict"] == "LOCAL ERROR"]
+    if result.passed:
+        head = ("PASS  no layer has a local error: each is within tolerance on the reference's "
+                "inputs")
+    else:
+        sites = ", ".join(dict.fromkeys(f"{r.port_site} ({r['pass']})" for _, r in
+                                        local.iterrows()))
+        head = f"FAIL  local error in {len(local)} site(s): {sites}"
+    lines = textwrap.wrap(head, width, subsequent_indent=" " * 6)
+    if result.origin is not None:
+        lines += _origin_details(result.origin, width)
+    info = result.meta.get("replay", {})
+    lines += ["", f"replayed {info.get('replayed', 0)} sites of {result.reference}"]
+    for label, entries in (("failed", info.get("failed", [])),
+                           ("skipped", info.get("skipped", []))):
+        for site, why in entries[: None if verbose else 5]:
+            lines.append(_clip(f"  {label} {site}: {why}", width))
+        if not verbose and len(entries) > 5:
+            lines.append(f"  ... {len(entries) - 5} more {label} (--verbose)")
+    shown = table if verbose else table[table["verdict"] != "within"]
+    if not shown.empty:
+        lines += ["", "local = error on the reference's own inputs; propagated = error in the "
+                      "port's own run (x tolerance)"]
+        fixed = sum(w for _, w, _ in REPLAY_COLUMNS) + len(REPLAY_COLUMNS) - 1
+        widths = [(c, w or max(16, width - fixed), a) for c, w, a in REPLAY_COLUMNS]
+        lines.append(_row(widths, {c: c for c, _, _ in REPLAY_COLUMNS}))
+        for _, row in shown.head(None if verbose else MAX_SITES).iterrows():
+            lines.append(_row(widths, {
+                "pass": "fwd" if row["pass"] == "forward" else "bwd", "site": row["port_site"],
+                "local": _number(row["local"]), "propagated": _number(row["propagated"]),
+                "amplif.": _number(row["amplification"]), "verdict": row["verdict"]}))
+    return "\n".join(lines)

@@ -78,10 +78,12 @@ class TraceWriter:
         self.current_step = self.current_step + 1 if step is None else step
         self._calls.clear()
 
-    def enter(self, module: str, type_name: str = "") -> str:
-        """Open a call of ``module``; returns its site name ``module#call``."""
-        call = self._calls[module]
-        self._calls[module] += 1
+    def enter(self, module: str, type_name: str = "", *, call: int | None = None) -> str:
+        """Open a call of ``module``; returns its site name ``module#call``. The call number
+        counts the module's calls in this step unless ``call`` gives it."""
+        if call is None:
+            call = self._calls[module]
+        self._calls[module] = call + 1
         site = schema.site_name(module, call)
         self._stack.append((site, module, call, type_name, self._recorder.seq))
         return site

@@ -1,0 +1,60 @@
+"""A recorded call's arguments, back from the index rows: the inverse of capture's flattening.
+
+Capture stores ``layer(x, (h, c), mask=m)`` as arguments ``0``, ``1.0``, ``1.1`` and ``mask``;
+replay needs the call again. Numeric path parts rebuild tuples, other parts dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from layerdiff.errors import DiffError
+
+
+class _Leaf:
+    """A recorded value in the tree of paths (a dict value must not read as nesting)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def rebuild_call(values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+    """``[(argument path, value)]`` -> ``(args, kwargs)`` for calling the layer."""
+    root: dict[str, Any] = {}
+    for path, value in values:
+        parts = path.split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _Leaf(value)
+    positional = sorted((k for k in root if k.isdigit()), key=int)
+    if positional != [str(i) for i in range(len(positional))]:
+        raise DiffError(f"recorded positional arguments {positional} have gaps; the call "
+                        "cannot be rebuilt")
+    args = tuple(_freeze(root[k]) for k in positional)
+    kwargs = {k: _freeze(v) for k, v in root.items() if not k.isdigit()}
+    return args, kwargs
+
+
+def _freeze(node: Any) -> Any:
+    if isinstance(node, _Leaf):
+        return node.value
+    if node and all(k.isdigit() for k in node):
+        return tuple(_freeze(node[str(i)]) for i in range(len(node)))
+    return {k: _freeze(v) for k, v in node.items()}
+
+
+def plain_value(text: str, where: str) -> Any:
+    """A recorded non-tensor argument, or an error when capture could only keep its repr."""
+    value = json.loads(text) if text else None
+    if isinstance(value, dict) and set(value) == {"repr", "type"}:
+        raise DiffError(f"{where} was recorded as {value['type']} {value['repr']}, which is not "
+                        "plain data: the call cannot be rebuilt for replay")
+    return value
+
+
+def map_argument(path: str, args: dict[str, str]) -> str:
+    """A reference argument path under the port's names (the top-level part is mapped)."""
+    head, dot, rest = path.partition(".")
+    return args.get(path, args.get(head, head) + dot + rest)
