@@ -191,6 +191,97 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
     sys.exit(0 if result.passed else 1)
 
 
+def _case_factory(spec: str):
+    """A function building the case afresh: swap and bisect train, so every run needs one."""
+    from layerdiff.case import load_case
+
+    load_case(spec)  # fail now, with the case's own message, if it does not load
+    return lambda: load_case(spec)
+
+
+@main.command("swap")
+@click.argument("reference_spec", metavar="REF_CASE")
+@click.argument("port_spec", metavar="PORT_CASE")
+@click.option("--site", "sites", multiple=True, required=True, metavar="NAME",
+              help="A layer to swap, by module or site name in either model (repeatable).")
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file for names that differ.")
+@click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
+@click.option("--into", type=click.Choice(["reference", "port"]), default="reference",
+              show_default=True, help="Port layers into the reference, or reference layers "
+              "into the port (to confirm a fix).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Write the result as JSON ('-' for stdout).")
+def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
+                 mapping: str | None, steps: int | None, into: str,
+                 json_path: str | None) -> None:
+    """Run REF_CASE with PORT_CASE's layers at --site in place; compare with the reference.
+
+    Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not.
+    """
+    from layerdiff.replay import swap
+    from layerdiff.report.terminal import format_swap
+
+    result = swap(_case_factory(reference_spec), _case_factory(port_spec), sites,
+                  mapping=mapping, steps=steps, into=into)
+    if json_path:
+        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+    if json_path != "-":
+        click.echo(format_swap(result))
+    sys.exit(1 if result.breaks else 0)
+
+
+@main.command("bisect")
+@click.argument("reference_spec", metavar="REF_CASE")
+@click.argument("port_spec", metavar="PORT_CASE")
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file for names that differ.")
+@click.option("--granularity", type=click.Choice(["leaves", "all"]), default="leaves",
+              show_default=True, help="Search the port's leaf layers, or every paired layer.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Write culprits and probes as JSON ('-' for stdout).")
+def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
+                   json_path: str | None) -> None:
+    """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
+
+    Exit 1 when culprits are found, 0 when swapping every layer keeps the reference within
+    tolerance (nothing to find), 2 for bad input.
+    """
+    from layerdiff.replay import Swapper, bisect
+
+    quiet = json_path == "-"
+    swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping)
+
+    def show(number: int, probe) -> None:
+        if not quiet:
+            mark = "breaks" if probe.breaks else "within"
+            names = ", ".join(probe.swapped)
+            line = f"probe {number:>3}  {mark:<6}  {names}"
+            click.echo(line if len(line) <= 100 else line[:96] + " ...")
+
+    result = bisect(swapper, granularity=granularity, on_probe=show)
+    if json_path:
+        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+    if not quiet:
+        click.echo()
+        if not result.reproduced:
+            click.echo(f"nothing to find: with all {len(result.candidates)} port layers swapped "
+                       "in, the reference stays within tolerance")
+        else:
+            names = ", ".join(port for _, port in result.culprits)
+            click.echo(textwrap.fill(f"culprits: {names} ({len(result.probes)} probes over "
+                                     f"{len(result.candidates)} layers)", 100,
+                                     subsequent_indent="  "))
+    sys.exit(1 if result.culprits else 0)
+
+
+def _echo_or_write(text: str, path: str) -> None:
+    if path == "-":
+        click.echo(text)
+    else:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+
+
 @main.command("cases")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:

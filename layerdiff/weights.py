@@ -41,10 +41,22 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     Raises :class:`MappingError` naming both sides when a shape does not fit, and listing the
     port tensors that nothing in the reference provides.
     """
+    path = Path(trace_path)
+    return load_weights_from(model, _reference_weights(path), mapping, source=str(path))
+
+
+def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    """A live model's parameters and buffers as numpy, by name (a reference without a trace)."""
+    return {name: _to_numpy(tensor) for name, tensor in model.state_dict().items()}
+
+
+def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
+                      mapping: str | os.PathLike | Mapping | None = None, *,
+                      source: str = "the reference") -> WeightsReport:
+    """Set ``model``'s parameters and buffers from ``reference`` (name -> array) through
+    ``mapping``; see :func:`load_weights`."""
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
-    path = Path(trace_path)
-    reference = _reference_weights(path)
     partner = _module_partners(model, reference, mapping)
     report = WeightsReport()
     missing: list[str] = []
@@ -52,21 +64,21 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     targets.update(model.named_buffers())
     values: dict[str, np.ndarray] = {}
     for name, tensor in targets.items():
-        source = mapping.param_source(name, partner) or ParamSource([name])
-        if not all(ref in reference for ref in source.reference):
+        found = mapping.param_source(name, partner) or ParamSource([name])
+        if not all(ref in reference for ref in found.reference):
             missing.append(name)
             continue
-        value = _combine(source, reference)
+        value = _combine(found, reference)
         if tuple(value.shape) != tuple(tensor.shape):
             raise MappingError(
-                f"weights from {path}: port {name} has shape {tuple(tensor.shape)} but "
-                f"reference {' + '.join(source.reference)} gives {tuple(value.shape)} "
-                f"({source.transform}); fix the [[param]] rule in {mapping.name}")
+                f"weights from {source}: port {name} has shape {tuple(tensor.shape)} but "
+                f"reference {' + '.join(found.reference)} gives {tuple(value.shape)} "
+                f"({found.transform}); fix the [[param]] rule in {mapping.name}")
         values[name] = value
-        report.loaded[name] = source.reference
+        report.loaded[name] = found.reference
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
-        raise MappingError(f"weights from {path}: nothing in the reference gives port "
+        raise MappingError(f"weights from {source}: nothing in the reference gives port "
                            f"{shown} ({len(missing)} tensors); add [[site]] or [[param]] rules "
                            f"to {mapping.name if mapping.path else 'a mapping file (--map)'}")
     with torch.no_grad():
@@ -76,6 +88,11 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     used = {ref for refs in report.loaded.values() for ref in refs}
     report.unused = sorted(set(reference) - used)
     return report
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _reference_weights(path: Path) -> dict[str, np.ndarray]:

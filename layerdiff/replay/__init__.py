@@ -2,6 +2,8 @@
 reference), bisect (the smallest set of port layers that breaks it) and an interactive session.
 """
 
+from layerdiff.replay.bisect import BisectResult, bisect
 from layerdiff.replay.replay import local_table, replay
+from layerdiff.replay.swap import Swapper, SwapResult, swap
 
-__all__ = ["local_table", "replay"]
+__all__ = ["BisectResult", "SwapResult", "Swapper", "bisect", "local_table", "replay", "swap"]

@@ -211,3 +211,24 @@ def format_replay(result: Diff, *, verbose: bool = False, width: int = WIDTH) ->
                 "local": _number(row["local"]), "propagated": _number(row["propagated"]),
                 "amplif.": _number(row["amplification"]), "verdict": row["verdict"]}))
     return "\n".join(lines)
+
+
+def format_swap(result, width: int = WIDTH) -> str:
+    """A swap: verdict, losses per step, and the worst of what was compared."""
+    verdict = "BREAKS" if result.breaks else "WITHIN"
+    lines = textwrap.wrap(f"{verdict}  {result.describe()}", width, subsequent_indent=" " * 8)
+    for ref, port in result.swapped:
+        lines.append(_clip(f"  swapped: reference {ref} <- port {port}", width))
+    lines.append("")
+    lines.append("step  reference loss   swapped loss")
+    for step, (a, b) in enumerate(result.losses):
+        lines.append(f"{step:>4}  {a:>14.7g}  {b:>13.7g}")
+    worst = sorted(result.rows, key=lambda r: -(r["ratio"] if r["ratio"] == r["ratio"]
+                                                 else math.inf))[:8]
+    if worst:
+        lines += ["", "largest differences (x tolerance; weights after the steps are reported, "
+                      "not judged):"]
+        for row in worst:
+            note = "" if row["judged"] else " (reported)"
+            lines.append(_clip(f"  {_number(row['ratio']):>9}  {row['what']}{note}", width))
+    return "\n".join(lines)
