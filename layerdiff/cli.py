@@ -312,7 +312,7 @@ def cases_command(as_json: bool) -> None:
 def demo_command(output_dir: str, port_spec: str) -> None:
     """Capture the bundled transformer and a port with a planted bug, diff them, report."""
     from layerdiff.capture import capture
-    from layerdiff.case import load_case
+    from layerdiff.case import ExternalCase, load_case
     from layerdiff.compare import diff
     from layerdiff.errors import CaseError
     from layerdiff.report.html import write_html
@@ -329,7 +329,8 @@ def demo_command(output_dir: str, port_spec: str) -> None:
     reference = capture(load_case(info.reference), out / "reference.h5", progress=True)
     click.echo(f"reference {info.reference}\n          -> {reference}")
     port_case = load_case(port_spec)
-    load_weights(port_case.model, reference, info.mapping_path)
+    if not isinstance(port_case, ExternalCase):  # a port that records itself has its own
+        load_weights(port_case.model, reference, info.mapping_path)
     port = capture(port_case, out / "port.h5", progress=True)
     click.echo(f"port      {port_spec}, with the reference's weights\n          -> {port}")
     if info.site:

@@ -60,8 +60,9 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
     partner = _module_partners(model, reference, mapping)
     report = WeightsReport()
     missing: list[str] = []
+    persistent = set(model.state_dict())  # buffers registered persistent=False are the port's
     targets = dict(model.named_parameters())
-    targets.update(model.named_buffers())
+    targets.update((n, b) for n, b in model.named_buffers() if n in persistent)
     values: dict[str, np.ndarray] = {}
     for name, tensor in targets.items():
         found = mapping.param_source(name, partner) or ParamSource([name])

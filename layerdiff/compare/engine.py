@@ -28,7 +28,7 @@ from layerdiff.errors import DiffError
 from layerdiff.trace import Trace, open_trace, schema
 
 GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
-STAT_COLUMNS = ("min", "max", "mean", "std", "l2")
+STAT_COLUMNS = ("min", "max", "mean", "std")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
@@ -111,6 +111,8 @@ class _Comparer:
             shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
             tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
             metrics = _new_metrics(tolerance, r, p, shape, row["role"])
+            if row["role"] in GRAD_ROLES and self.grad_factor != 1.0:
+                metrics.ulp_scale = None  # rescaled values: ULPs of neither side
             streamed.append((len(rows) - 1, self._tensor(r, pair.ref_slice, False),
                              self._tensor(p, pair.port_slice, pair.transpose_port), metrics,
                              shape))
@@ -176,8 +178,7 @@ class _Comparer:
                        "transposed parameter cannot be judged from statistics; not compared")
             return
         factor = self.grad_factor if r["role"] in GRAD_ROLES else 1.0
-        ref_stats = np.array([r[c] for c in STAT_COLUMNS], dtype=np.float64)
-        port_stats = np.array([p[c] for c in STAT_COLUMNS], dtype=np.float64) * factor
+        ref_stats, port_stats = _statistics(r), _statistics(p) * factor
         with np.errstate(invalid="ignore", divide="ignore"):
             gaps = np.abs(port_stats - ref_stats)
             ratios = gaps / (row["atol"] + row["rtol"] * np.abs(ref_stats))
@@ -188,7 +189,7 @@ class _Comparer:
                    ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=int(p["nan"]),
                    port_inf=int(p["inf"]),
                    note="; ".join(filter(None, [row["note"], "statistics only (summary trace): "
-                                                "min, max, mean, std and l2 compared"])))
+                                                "min, max, mean, std and rms compared"])))
         row["verdict"] = _verdict(row)
 
     def _tensor(self, row: pd.Series, part, transpose: bool) -> TensorRef:
@@ -228,6 +229,13 @@ def _new_metrics(tolerance: Tolerance, r: pd.Series, p: pd.Series, shape: tuple[
     return PairMetrics(tolerance.rtol, tolerance.atol, numel, batch, ulp_scale)
 
 
+def _statistics(row: pd.Series) -> np.ndarray:
+    """min, max, mean, std and rms: per-element quantities, so the per-element tolerance
+    applies to them (an L2 norm's error grows with the square root of the size)."""
+    rms = float(row["l2"]) / np.sqrt(max(int(row["numel"]), 1))
+    return np.array([*(float(row[c]) for c in STAT_COLUMNS), rms], dtype=np.float64)
+
+
 def _identical_metrics(r: pd.Series) -> dict[str, Any]:
     return {"max_abs": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "rms": 0.0, "cosine": 1.0,
             "max_ulp": 0.0, "frac_out": 0.0, "worst_index": "", "ratio": 0.0,
@@ -238,7 +246,9 @@ def _identical_metrics(r: pd.Series) -> dict[str, Any]:
 def _verdict(row: dict[str, Any]) -> str:
     if row["ratio"] is not None and row["ratio"] <= 1.0:
         return R.WITHIN
-    if row["ref_nan"] and not row["port_nan"] and not row["port_inf"]:
+    # NaN in the reference is not the port's fault, but only where the rest is within
+    if (row["ref_nan"] and not row["port_nan"] and not row["port_inf"]
+            and row.get("finite_ratio", np.inf) <= 1.0):
         return R.REF_NAN
     return R.OUT
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from layerdiff.compare.mapping import Mapping
+from layerdiff.errors import MappingError
 from layerdiff.trace import schema
 
 
@@ -65,6 +66,14 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
     refs, ports = _site_list(ref_sites), _site_list(port_sites)
     port_names = set(ports["site"])
     claimed: set[str] = set()
+    paired_targets: dict[str, str] = {}
+    for ref_site, port_site in mapping.pairs.items():  # explicit pairs first: they are claims
+        if port_site in paired_targets:
+            raise MappingError(f"{mapping.name}: [[pair]] entries give port site {port_site} "
+                               f"to both {paired_targets[port_site]} and {ref_site}; one port "
+                               "site pairs with one reference site")
+        paired_targets[port_site] = ref_site
+    claimed |= set(paired_targets) & port_names
     pairs: list[SitePair] = []
     unmatched: list[tuple[str, str, str]] = []
     leftover_refs: list[str] = []
@@ -74,7 +83,9 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
         if why is not None:
             unmatched.append(("reference", ref_site, why))
             continue
-        pair = _named_partner(ref_site, module, int(call), mapping, port_names, claimed)
+        pair = _named_partner(ref_site, module, int(call), mapping, port_names,
+                              claimed - ({mapping.pairs[ref_site]} if ref_site in mapping.pairs
+                                         else set()))
         if isinstance(pair, SitePair):
             pairs.append(pair)
             claimed.add(pair.port)
@@ -129,6 +140,8 @@ def _named_partner(ref_site: str, module: str, call: int, mapping: Mapping,
         port_site = schema.site_name(port_module, call)
         if port_site in port_names and port_site not in claimed:
             return SitePair(ref_site, port_site, "mapped", 1.0, args, label)
+        if port_site in claimed:
+            return f"{label} maps it to {port_site}, which pairs with another reference site"
         return f"{label} maps it to {port_site}, which the port trace does not have"
     return None
 

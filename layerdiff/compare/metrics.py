@@ -49,6 +49,7 @@ class PairMetrics:
     max_ulp: float = 0.0
     out: int = 0
     ratio: float = 0.0
+    finite_ratio: float = 0.0    # the ratio over the elements where the reference is finite
     worst: int = -1
     ref_nan: int = 0
     ref_inf: int = 0
@@ -64,8 +65,9 @@ class PairMetrics:
         """Add flat elements ``start .. start + len(ref)`` of both tensors."""
         if ref.size == 0:
             return
-        a = ref.astype(np.float64, copy=False)
-        b = port.astype(np.float64, copy=False)
+        wide = np.complex128 if np.iscomplexobj(ref) or np.iscomplexobj(port) else np.float64
+        a = ref.astype(wide, copy=False)
+        b = port.astype(wide, copy=False)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.abs(a - b)
         finite = np.isfinite(diff)
@@ -82,6 +84,11 @@ class PairMetrics:
         if not all_finite:  # a non-finite reference makes the tolerance inf: inf/inf is NaN
             ratio[np.isinf(diff)] = np.inf
             rel[np.isinf(diff)] = np.inf
+            finite_ref = np.isfinite(a)
+            if finite_ref.any():
+                self.finite_ratio = max(self.finite_ratio, float(ratio[finite_ref].max()))
+        else:
+            self.finite_ratio = max(self.finite_ratio, float(ratio.max()))
         worst = int(np.argmax(ratio))
         if ratio[worst] > self.ratio or self.worst < 0:
             self.ratio, self.worst = float(ratio[worst]), start + worst
@@ -90,15 +97,12 @@ class PairMetrics:
         self.max_rel = max(self.max_rel, float(np.nanmax(rel)))
         self.sum_abs += float(diff.sum())
         self.sum_sq += float(np.dot(diff, diff)) if all_finite else float(np.sum(diff * diff))
-        if all_finite:
-            self.dot += float(np.dot(a, b))
-            self.ref_sq += float(np.dot(a, a))
-            self.port_sq += float(np.dot(b, b))
-        else:
+        if not all_finite:
             keep = np.isfinite(a) & np.isfinite(b)
-            self.dot += float(np.dot(a[keep], b[keep]))
-            self.ref_sq += float(np.dot(a[keep], a[keep]))
-            self.port_sq += float(np.dot(b[keep], b[keep]))
+            a, b = a[keep], b[keep]
+        self.dot += float(np.vdot(a, b).real)
+        self.ref_sq += float(np.vdot(a, a).real)
+        self.port_sq += float(np.vdot(b, b).real)
         if self.ulp_scale is not None and ref.dtype.kind == "f" and ref.dtype == port.dtype:
             ulp = np.abs(ordered_bits(ref) - ordered_bits(port))
             if not all_finite:
@@ -137,6 +141,7 @@ class PairMetrics:
             "frac_out": self.out / count,
             "worst_index": _index_text(self.worst, shape),
             "ratio": self.ratio,
+            "finite_ratio": self.finite_ratio,
             "ref_nan": self.ref_nan,
             "ref_inf": self.ref_inf,
             "port_nan": self.port_nan,

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare import result as R
+from layerdiff.compare.records import param_name
 from layerdiff.trace import schema
 
 METRIC_KEYS = ("ratio", "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
@@ -69,12 +70,21 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     backward = [s for s in sites.values()
                 if _backward_candidate(s, sites, independent) and s.order > last_forward]
     origins: list[R.Origin] = []
+    # A site with wrong weights is an origin of its own; for nesting it qualifies like a
+    # forward candidate, so the containers around it hold it rather than become origins.
+    _, weight_holders = _innermost(weight_origins + forward, parents)
     for site in sorted(weight_origins, key=lambda s: s.order):
-        origins.append(_origin(rows, site, step, "weight", _weight_reason(step)))
+        origin = _origin(rows, site, step, "weight", _weight_reason(step))
+        origin.holders = sorted(weight_holders.get(site.name, []))
+        origins.append(origin)
     for group, role_order, reason in ((forward, ("output",), _forward_reason),
                                       (backward, ("grad_input", "weight_grad"),
                                        _backward_reason)):
-        innermost, holders = _innermost(group, parents)
+        if group is forward:
+            innermost, holders = _innermost(weight_origins + forward, parents)
+            innermost = [s for s in innermost if s in forward]
+        else:
+            innermost, holders = _innermost(group, parents)
         key = (lambda s: s.order) if role_order == ("output",) else (
             lambda s: s.backward_order)
         for site in sorted(innermost, key=key):
@@ -122,6 +132,13 @@ def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:
 def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
     """The loss records no inputs: what goes into it is the model's output."""
     loss, root = sites.get(schema.LOSS_SITE), sites.get(f"{schema.ROOT_MODULE}#0")
+    if loss is not None and root is None:
+        # the model's output was not captured (--include): blame nothing on the loss unless
+        # every other forward record was within
+        earlier = [p for s in sites.values() if s is not loss
+                   for role in ("input", "output", "weight") for p in s.bad.get(role, [])]
+        if earlier:
+            loss.bad.setdefault("input", []).extend(earlier)
     if loss is not None and root is not None:
         if root.is_bad("output"):
             loss.bad.setdefault("input", []).extend(root.bad["output"])
@@ -213,7 +230,10 @@ def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) 
     metrics = {key: _plain(row[key]) for key in METRIC_KEYS}
     batch = row["batch_ratio"]
     metrics["batch_ratio"] = None if batch is None else [float(x) for x in batch]
-    return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, str(row["arg"]),
+    arg = str(row["arg"])
+    if role in ("weight", "weight_grad") and row["site"] != site.name:
+        arg = param_name(row["site"], arg)  # compared through the mapping: name the tensor
+    return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, arg,
                     str(row["port_arg"]), reason, metrics)
 
 
@@ -242,6 +262,8 @@ def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], 
                     rows.at[pos, "cause"] = origin.site
     first = origins[0] if origins else None
     forward = [o for o in origins if o.pass_ == "forward"]
+    order_of = {pos: site.backward_order for site in sites.values()
+                for pos in site.bad.get("weight_grad", [])}
     ordered = sorted(origins, key=lambda o: _first_seq(rows, sites, o))
     for pos in rows.index[failing]:
         if pos in origin_rows:
@@ -255,6 +277,8 @@ def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], 
             rows.at[pos, "cause"] = f"step {step}" + (f" ({first.site})" if first else "")
             continue
         seq = rows.at[pos, "seq"]
+        if rows.at[pos, "role"] == "weight_grad":  # recorded after the whole backward
+            seq = order_of.get(pos, seq)
         before = [o for o in ordered if _first_seq(rows, sites, o) <= seq
                   and (o.pass_ == rows.at[pos, "pass"] or o.pass_ == "forward")]
         cause = before[-1] if before else (forward[0] if forward else first)

@@ -83,6 +83,10 @@ class _RangeReader:
     def read(self, segment: int, offset: int, nbytes: int, out: np.ndarray) -> None:
         """Fill ``out[:nbytes]`` with bytes ``offset .. offset + nbytes`` of the segment."""
         dataset = self._dataset(segment)
+        if offset + nbytes > dataset.shape[0]:
+            raise TraceError(f"{self.path}: tensor segment {segment} holds {dataset.shape[0]} "
+                             f"bytes but the index puts a tensor at {offset}..{offset + nbytes};"
+                             " the file is damaged, capture it again")
         if nbytes > WINDOW_BYTES // 4:
             dataset.read_direct(out, np.s_[offset:offset + nbytes], np.s_[0:nbytes])
             return
@@ -180,10 +184,15 @@ def _produce_streamed(number: int, ref: TensorRef, port: TensorRef, readers, fre
 
 def _produce_whole(number: int, ref: TensorRef, port: TensorRef, readers,
                    ready: queue.Queue) -> None:
-    """Tensors that need a transpose or a slice across rows: read whole, in fresh memory."""
+    """Tensors that need a transpose or a slice across rows: read whole, in fresh memory (the
+    one case where memory grows with a tensor: a transposed weight), compared in chunks."""
     ref_values = _whole(ref, readers[0]).reshape(-1)
     port_values = _whole(port, readers[1]).reshape(-1)
-    ready.put((Chunk(number, 0, ref_values, port_values, True), None))
+    step = max(1, CHUNK_BYTES // max(ref_values.itemsize, port_values.itemsize))
+    for start in range(0, max(ref_values.size, 1), step):  # bounded metric temporaries
+        stop = start + step
+        ready.put((Chunk(number, start, ref_values[start:stop], port_values[start:stop],
+                         stop >= ref_values.size), None))
 
 
 def _whole(tensor: TensorRef, reader: _RangeReader) -> np.ndarray:

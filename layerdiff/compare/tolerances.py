@@ -74,7 +74,9 @@ class _Rule:
     label: str  # "tolerances.toml rule 2 (line 7)" and the rule's why
 
     def matches(self, site: str, role: str, arg: str, dtype: str) -> bool:
-        return (fnmatch.fnmatchcase(site, self.site) and fnmatch.fnmatchcase(role, self.role)
+        module = site.rpartition("#")[0] or site  # a glob may name the module or the site
+        return ((fnmatch.fnmatchcase(site, self.site) or fnmatch.fnmatchcase(module, self.site))
+                and fnmatch.fnmatchcase(role, self.role)
                 and fnmatch.fnmatchcase(arg, self.arg)
                 and (self.dtype == "*" or self.dtype == dtype))
 
