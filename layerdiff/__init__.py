@@ -35,14 +35,18 @@ _LAZY = {
     "Mapping": "layerdiff.compare",
     "Tolerances": "layerdiff.compare",
     "load_weights": "layerdiff.weights",
+    "replay": "layerdiff.replay",
+    "swap": "layerdiff.replay",
+    "bisect": "layerdiff.replay",
+    "Session": "layerdiff.replay",
     "open_trace": "layerdiff.trace",
 }
 
 __all__ = [
     "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase", "LayerdiffError",
-    "Mapping", "MappingError", "ToleranceError", "Tolerances", "TraceError", "TraceWriter",
-    "__version__", "capture", "diff", "load_case", "load_weights", "open_trace", "run_case",
-    "seed_everything",
+    "Mapping", "MappingError", "Session", "ToleranceError", "Tolerances", "TraceError",
+    "TraceWriter", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",
+    "open_trace", "replay", "run_case", "seed_everything", "swap",
 ]
 
 

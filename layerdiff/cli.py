@@ -282,6 +282,19 @@ def _echo_or_write(text: str, path: str) -> None:
         Path(path).write_text(text + "\n", encoding="utf-8")
 
 
+@main.command("session")
+@click.argument("reference_spec", metavar="REF_CASE")
+@click.argument("port_spec", metavar="PORT_CASE")
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file for names that differ.")
+def session_command(reference_spec: str, port_spec: str, mapping: str | None) -> None:
+    """An interactive shell: swap port layers into REF_CASE, run, diff, replay, bisect."""
+    from layerdiff.replay.session import Session, interact
+
+    _case_factory(reference_spec), _case_factory(port_spec)  # both load, or a clear error now
+    interact(Session(reference_spec, port_spec, mapping), echo=click.echo)
+
+
 @main.command("cases")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:

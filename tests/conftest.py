@@ -22,6 +22,6 @@ def run(monkeypatch):
     """Invoke the command line in-process, from the repository root; returns click's Result."""
     monkeypatch.chdir(Path(__file__).parent.parent)
 
-    def invoke(*args):
-        return CliRunner().invoke(main, [str(a) for a in args])
+    def invoke(*args, input=None):
+        return CliRunner().invoke(main, [str(a) for a in args], input=input)
     return invoke

@@ -122,7 +122,7 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
             "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
             "site": row.site, "role": row.role, "arg": row.arg,
             "ratio": _number(row.ratio), "max_abs": _number(row.max_abs),
-            "cosine": _number(row.cosine, digits=7), "status": status}))
+            "cosine": _number(row.cosine, digits=6), "status": status}))
     return "\n".join(out)
 
 

@@ -1,0 +1,237 @@
+"""An interactive session: swap port layers in and out of the reference, run, diff, replay
+and bisect, from a shell with history and tab completion of layer names, or from a notebook
+through :class:`Session`.
+
+    layerdiff session reference_models.mlp:reference reference_models.mlp_port:port
+    layerdiff> swap fc2
+    layerdiff> run
+"""
+
+from __future__ import annotations
+
+import cmd
+import fnmatch
+import os
+import shlex
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from layerdiff.case import load_case
+from layerdiff.compare import diff as diff_traces
+from layerdiff.compare.result import Diff
+from layerdiff.errors import DiffError, LayerdiffError
+from layerdiff.replay.bisect import BisectResult, bisect
+from layerdiff.replay.replay import replay
+from layerdiff.replay.swap import Swapper, SwapResult
+
+HISTORY = Path(os.environ.get("LAYERDIFF_HISTORY", Path.home() / ".layerdiff_history"))
+
+
+class Session:
+    """A reference, a port and the set of port layers currently swapped into the reference."""
+
+    def __init__(self, reference: str, port: str, mapping: str | os.PathLike | None = None
+                 ) -> None:
+        self.reference_spec, self.port_spec = reference, port
+        self.mapping = mapping
+        self.swapper = Swapper(lambda: load_case(reference), lambda: load_case(port), mapping)
+        self.swapped: list[str] = []        # reference module names
+        self.last_diff: Diff | None = None
+        self._directory = tempfile.TemporaryDirectory(prefix="layerdiff-session-")
+        self._reference_trace: Path | None = None
+
+    def sites(self, pattern: str = "*") -> list[tuple[str, str]]:
+        """(reference module, port module) pairs, in execution order, matching ``pattern`` on
+        either name."""
+        order = [m for m in self.swapper.execution_order() if m in self.swapper.pairs]
+        pairs = [(m, self.swapper.pairs[m][0]) for m in order]
+        return [(r, p) for r, p in pairs
+                if fnmatch.fnmatchcase(r, pattern) or fnmatch.fnmatchcase(p, pattern)]
+
+    def swap(self, *names: str) -> list[str]:
+        for name in names:
+            module = self.swapper.resolve(name)
+            if module not in self.swapped:
+                self.swapped.append(module)
+        return self.swapped
+
+    def unswap(self, *names: str) -> list[str]:
+        """Put the reference's own layers back (all of them without names)."""
+        if not names:
+            self.swapped.clear()
+        for name in names:
+            module = self.swapper.resolve(name)
+            if module not in self.swapped:
+                raise DiffError(f"{name} is not swapped in; swapped: "
+                                f"{', '.join(self.swapped) or 'nothing'}")
+            self.swapped.remove(module)
+        return self.swapped
+
+    def run(self, steps: int | None = None) -> SwapResult:
+        """The reference with the swapped layers, against the pure reference."""
+        return self.swapper.run(self.swapped, steps=steps)
+
+    def reference_trace(self) -> Path:
+        if self._reference_trace is None:
+            from layerdiff.capture import capture
+
+            self._reference_trace = capture(load_case(self.reference_spec),
+                                            Path(self._directory.name) / "reference.h5")
+        return self._reference_trace
+
+    def diff(self) -> Diff:
+        """The whole port (with the reference's weights) against the reference."""
+        from layerdiff.capture import capture
+        from layerdiff.case import ExternalCase
+        from layerdiff.weights import load_weights
+
+        port = load_case(self.port_spec)
+        if not isinstance(port, ExternalCase):
+            load_weights(port.model, self.reference_trace(), self.mapping)
+        path = capture(port, Path(self._directory.name) / "port.h5")
+        self.last_diff = diff_traces(self.reference_trace(), path, mapping=self.mapping)
+        return self.last_diff
+
+    def replay(self, *sites: str) -> Diff:
+        return replay(self.reference_trace(), load_case(self.port_spec), mapping=self.mapping,
+                      sites=sites)
+
+    def bisect(self, on_probe: Callable | None = None) -> BisectResult:
+        return bisect(self.swapper, on_probe=on_probe)
+
+    def show(self, name: str) -> Any:
+        """The last diff's rows of one layer (runs the diff first if there is none)."""
+        result = self.last_diff or self.diff()
+        module = self.swapper.resolve(name)
+        rows = result.rows[result.rows["site"].str.rpartition("#")[0] == module]
+        if rows.empty:
+            raise DiffError(f"the diff compared no record of {name}")
+        return rows
+
+    def close(self) -> None:
+        self._directory.cleanup()
+
+
+class SessionShell(cmd.Cmd):
+    """The shell around a Session; every error is printed and the session goes on."""
+
+    intro = ("layerdiff session: swap port layers into the reference and see what breaks.\n"
+             "Type help for the commands, Tab completes layer names.")
+    prompt = "layerdiff> "
+
+    def __init__(self, session: Session, echo: Callable[[str], None] = print) -> None:
+        super().__init__()
+        self.session, self.echo = session, echo
+
+    # ---- commands
+    def do_sites(self, arg: str) -> None:
+        """sites [GLOB]: the layers both models have (reference <- port), * marks swapped."""
+        for ref, port in self.session.sites(arg.strip() or "*"):
+            mark = "*" if ref in self.session.swapped else " "
+            self.echo(f" {mark} {ref}" + ("" if port == ref else f" <- {port}"))
+
+    def do_swap(self, arg: str) -> None:
+        """swap NAME [NAME ...]: put the port's layers in place of the reference's."""
+        self._need(arg, "swap NAME")
+        self.echo("swapped: " + ", ".join(self.session.swap(*shlex.split(arg))))
+
+    def do_unswap(self, arg: str) -> None:
+        """unswap [NAME ...]: put the reference's own layers back (all without names)."""
+        swapped = self.session.unswap(*shlex.split(arg))
+        self.echo("swapped: " + (", ".join(swapped) or "nothing"))
+
+    def do_run(self, arg: str) -> None:
+        """run [STEPS]: run the reference with the swapped layers against the pure reference."""
+        from layerdiff.report.terminal import format_swap
+
+        self.echo(format_swap(self.session.run(int(arg) if arg.strip() else None)))
+
+    def do_diff(self, arg: str) -> None:
+        """diff: capture the whole port and diff it against the reference."""
+        from layerdiff.report.terminal import format_diff
+
+        self.echo(format_diff(self.session.diff()))
+
+    def do_show(self, arg: str) -> None:
+        """show NAME: the last diff's metrics for one layer."""
+        from layerdiff.report.terminal import format_rows
+
+        self._need(arg, "show NAME")
+        self.echo(format_rows(self.session.show(arg.strip())))
+
+    def do_replay(self, arg: str) -> None:
+        """replay [GLOB ...]: run port layers on the reference's recorded inputs."""
+        from layerdiff.report.terminal import format_replay
+
+        self.echo(format_replay(self.session.replay(*shlex.split(arg))))
+
+    def do_bisect(self, arg: str) -> None:
+        """bisect: find the smallest set of port layers that breaks the reference."""
+        result = self.session.bisect(lambda n, p: self.echo(
+            f"probe {n:>3}  {'breaks' if p.breaks else 'within':<6}  {', '.join(p.swapped)}"))
+        names = ", ".join(port for _, port in result.culprits)
+        self.echo(f"culprits: {names}" if result.reproduced else "nothing to find")
+
+    def do_quit(self, arg: str) -> bool:
+        """quit: leave the session."""
+        return True
+
+    do_exit = do_quit
+
+    def do_EOF(self, arg: str) -> bool:
+        """Ctrl-D: leave the session."""
+        self.echo("")
+        return True
+
+    # ---- completion and errors
+    def completenames_for_layers(self, text: str) -> list[str]:
+        names = {n for pair in self.session.sites() for n in pair}
+        return sorted(n for n in names if n.startswith(text))
+
+    def complete_swap(self, text, line, begidx, endidx):
+        return self.completenames_for_layers(text)
+
+    complete_unswap = complete_show = complete_replay = complete_sites = complete_swap
+
+    def onecmd(self, line: str) -> bool:
+        try:
+            return super().onecmd(line)
+        except LayerdiffError as exc:
+            self.echo(f"error: {exc}")
+        except Exception as exc:  # a port layer that raises: named, and the session goes on
+            self.echo(f"error: {type(exc).__name__}: {exc}")
+        return False
+
+    def default(self, line: str) -> None:
+        self.echo(f"unknown command {line.split()[0]!r}; type help for the commands")
+
+    def emptyline(self) -> None:
+        pass
+
+    def _need(self, arg: str, usage: str) -> None:
+        if not arg.strip():
+            raise DiffError(f"usage: {usage}")
+
+
+def interact(session: Session, echo: Callable[[str], None] = print) -> None:
+    """Run the shell, with readline history when on a terminal."""
+    shell = SessionShell(session, echo)
+    history = _load_history()
+    try:
+        shell.cmdloop()
+    finally:
+        if history is not None:
+            history.write_history_file(str(HISTORY))
+        session.close()
+
+
+def _load_history():
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - no readline on this platform
+        return None
+    if HISTORY.exists():
+        readline.read_history_file(str(HISTORY))
+    return readline
