@@ -295,6 +295,76 @@ def session_command(reference_spec: str, port_spec: str, mapping: str | None) ->
     interact(Session(reference_spec, port_spec, mapping), echo=click.echo)
 
 
+@main.command("golden")
+@click.argument("case_spec", metavar="CASE")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The golden trace to write.")
+@click.option("--summary", is_flag=True,
+              help="Statistics and digests only: small enough to commit.")
+@click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
+@click.option("--loss-scale", type=float, default=1.0, show_default=True,
+              help="Multiply the loss before backward (recorded; checks use the same).")
+@click.option("--calibrate", "runs", type=int, default=None, metavar="K",
+              help="Also run the case K times and once in float64, and write the measured "
+                   "noise floor times --margin as a tolerance file beside the golden.")
+@click.option("--margin", type=float, default=10.0, show_default=True,
+              help="Calibrated tolerance = margin x the noise seen at each site.")
+def golden_command(case_spec: str, output: str, summary: bool, steps: int | None,
+                   loss_scale: float, runs: int | None, margin: float) -> None:
+    """Record the golden trace of CASE, to check against later with `layerdiff check`."""
+    from layerdiff.ci import calibrate, golden
+
+    start = time.perf_counter()
+    path = golden(case_spec, output, summary=summary, steps=steps, loss_scale=loss_scale)
+    _print_capture_result(path, time.perf_counter() - start)
+    if runs is not None:
+        tolerances = path.with_suffix(".tolerances.toml")
+        result = calibrate(case_spec, tolerances, runs=runs, margin=margin)
+        click.echo(f"calibrated over {runs} runs and float64: wrote {tolerances}"
+                   + (f" (float64 run failed: {result.float64})" if result.float64 else ""))
+        if result.nondeterministic:
+            click.echo(f"not deterministic from run to run: {len(result.nondeterministic)} "
+                       f"sites; nondeterminism enters at {result.first_nondeterministic}")
+        else:
+            click.echo("deterministic: every run recorded the same bits")
+        click.echo(f"check with: layerdiff check {case_spec} {path} --tolerances {tolerances}")
+
+
+@main.command("check")
+@click.argument("case_spec", metavar="CASE")
+@click.argument("golden_path", metavar="GOLDEN", type=click.Path(dir_okay=False))
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file, when CASE's names differ from the golden's.")
+@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Tolerance overrides (e.g. from golden --calibrate).")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write JUnit XML: one test case per site.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              metavar="FILE", help="Write the diff as JSON ('-' for stdout).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the HTML report.")
+def check_command(case_spec: str, golden_path: str, mapping: str | None,
+                  tolerances: str | None, junit_path: str | None, json_path: str | None,
+                  html_path: str | None) -> None:
+    """Capture CASE and diff it against GOLDEN: identical, drift within tolerance, or fail.
+
+    Exit 0 identical or within tolerance, 1 out of tolerance, 2 bad input.
+    """
+    from layerdiff.ci import check, write_junit
+    from layerdiff.report.terminal import format_diff
+
+    result = check(case_spec, golden_path, mapping=mapping, tolerances=tolerances)
+    if junit_path:
+        write_junit(result.diff, junit_path, suite=f"layerdiff check {case_spec}")
+    _write_reports(result.diff, json_path, None, html_path)
+    if json_path != "-":
+        click.echo(result.line())
+        if not result.passed:
+            click.echo()
+            click.echo(format_diff(result.diff))
+    sys.exit(0 if result.passed else 1)
+
+
 @main.command("cases")
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:

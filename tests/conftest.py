@@ -8,6 +8,8 @@ from click.testing import CliRunner
 
 from layerdiff.cli import main
 
+pytest_plugins = ["pytester"]
+
 # Tests are small: one thread keeps them fast and their timing steady on 2 cores.
 torch.set_num_threads(1)
 

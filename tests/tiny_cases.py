@@ -142,3 +142,24 @@ def failing_numpy_port() -> ExternalCase:
             raise FloatingPointError("overflow in lin")
 
     return ExternalCase(run=run, name="tests.tiny_cases:failing_numpy_port")
+
+
+class _Jitter(nn.Module):
+    """Adds noise from the operating system's entropy: a different result every run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        noise = np.random.default_rng().standard_normal(x.shape).astype(np.float32)
+        return x + 1e-3 * torch.from_numpy(noise)
+
+
+def nondeterministic() -> Case:
+    """A deterministic layer, then one that is not: nondeterminism enters at 'jitter'."""
+    seed_everything(0)
+    model = nn.Sequential()
+    model.add_module("lin", nn.Linear(4, 4))
+    model.add_module("jitter", _Jitter())
+    model.add_module("head", nn.Linear(4, 2))
+    return Case(model=model, inputs=(torch.randn(3, 4),), loss_fn=lambda o: o.pow(2).mean(),
+                name="tests.tiny_cases:nondeterministic")

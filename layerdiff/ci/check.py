@@ -1,0 +1,130 @@
+"""Golden traces and checks against them: numerical parity as one CI step.
+
+``golden`` records a trace of a case; ``check`` captures the case again the same way (steps,
+loss scale, summary or full) and diffs it against the golden, with three outcomes:
+
+- ``identical``: every record bit for bit (digests agree);
+- ``drift``: something changed, within tolerance (how much, and where the most);
+- ``fail``: out of tolerance, with the origin.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from layerdiff.compare import diff
+from layerdiff.compare.result import IDENTICAL, Diff
+from layerdiff.errors import DiffError, TraceError
+from layerdiff.trace import open_trace, schema
+
+IDENTICAL_OUTCOME, DRIFT, FAIL = "identical", "drift", "fail"
+
+CaseLike = Any  # a spec 'package.module:name', a Case, or a function returning one
+
+
+@dataclass
+class CheckResult:
+    outcome: str               # identical | drift | fail
+    diff: Diff
+    golden: Path
+    case: str
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome != FAIL
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def line(self) -> str:
+        """The one-line verdict."""
+        rows = self.diff.rows
+        if self.outcome == IDENTICAL_OUTCOME:
+            return f"IDENTICAL  {self.case}: all {len(rows):,} records bit for bit as in " \
+                   f"{self.golden.name}"
+        if self.outcome == DRIFT:
+            changed = rows[rows["verdict"] != IDENTICAL]
+            worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
+            return (f"DRIFT  {self.case}: {len(changed):,} of {len(rows):,} records changed, "
+                    f"within tolerance; the most at {worst['site']} {worst['role']} "
+                    f"({worst['ratio']:.3g}x tolerance)")
+        origin = self.diff.origin
+        where = origin.describe(port_name=False) if origin else "no origin found"
+        return f"FAIL  {self.case}: out of tolerance; origin {where}"
+
+
+def _load(case: CaseLike):
+    from layerdiff.case import load_case
+
+    if isinstance(case, str):
+        return load_case(case)
+    return case() if callable(case) else case
+
+
+def golden(case: CaseLike, path: str | os.PathLike, *, summary: bool = False,
+           steps: int | None = None, loss_scale: float = 1.0) -> Path:
+    """Record the golden trace of ``case`` at ``path`` (summary: statistics only, small)."""
+    from layerdiff.capture import capture
+
+    return capture(_load(case), path, summary=summary, steps=steps, loss_scale=loss_scale)
+
+
+def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None,
+          tolerances: Any = None, directory: str | os.PathLike | None = None) -> CheckResult:
+    """Capture ``case`` as its golden was captured and diff the two.
+
+    Refuses, with a sentence saying what to do, a golden of an older format version or of
+    another case.
+    """
+    from layerdiff.capture import capture
+
+    golden_path = Path(golden_path)
+    loaded = _load(case)
+    settings = _golden_settings(golden_path, loaded.name)
+    with tempfile.TemporaryDirectory(prefix="layerdiff-check-", dir=directory) as tmp:
+        fresh = capture(loaded, Path(tmp) / "check.h5", **settings)
+        result = diff(golden_path, fresh, mapping=mapping, tolerances=tolerances)
+    if not result.passed:
+        outcome = FAIL
+    elif (result.rows["verdict"] == IDENTICAL).all():
+        outcome = IDENTICAL_OUTCOME
+    else:
+        outcome = DRIFT
+    return CheckResult(outcome, result, golden_path, loaded.name)
+
+
+def _golden_settings(path: Path, case_name: str) -> dict[str, Any]:
+    with open_trace(path) as trace:
+        if trace.version < schema.FORMAT_VERSION:
+            raise TraceError(f"golden {path} is trace format v{trace.version}, older than the "
+                             f"v{schema.FORMAT_VERSION} this layerdiff writes; record it again "
+                             "with `layerdiff golden` (or pytest --layerdiff-update-golden)")
+        recorded = trace.meta.get("case", "")
+        if recorded and recorded != case_name:
+            raise DiffError(f"golden {path} was recorded from case {recorded}, not {case_name}; "
+                            "pass the golden of this case, or record one with "
+                            f"`layerdiff golden {case_name} -o GOLDEN.h5`")
+        return {"summary": trace.summary, "steps": int(trace.meta.get("steps", 1)),
+                "loss_scale": float(trace.meta.get("loss_scale", 1.0))}
+
+
+def update_or_check(case: CaseLike, golden_path: str | os.PathLike, *, update: bool,
+                    summary: bool = False, on_update: Callable[[Path], None] | None = None,
+                    **options: Any) -> CheckResult | None:
+    """The pytest plugin's step: rewrite the golden when asked, otherwise check against it."""
+    golden_path = Path(golden_path)
+    if update:
+        golden_path.parent.mkdir(parents=True, exist_ok=True)
+        golden(case, golden_path, summary=summary)
+        if on_update:
+            on_update(golden_path)
+        return None
+    if not golden_path.exists():
+        raise DiffError(f"golden {golden_path} does not exist; record it with "
+                        "pytest --layerdiff-update-golden (or `layerdiff golden`)")
+    return check(case, golden_path, **options)
