@@ -133,7 +133,7 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
 
     with ByteProgress("diff") as bar:
         result = diff(reference, port, mapping=mapping, tolerances=tolerances,
-                      progress=bar.update)
+                      progress=bar.progress)
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
         click.echo(format_diff(result, verbose=verbose))
