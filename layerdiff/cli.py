@@ -29,7 +29,7 @@ class _Group(click.Group):
             ctx.exit(exc.exit_code)
 
 
-@click.group(cls=_Group, context_settings={"max_content_width": 100})
+@click.group(cls=_Group, context_settings={"max_content_width": 100, "terminal_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.version_option(package_name="layerdiff")
 @click.pass_context
