@@ -304,7 +304,7 @@ def session_command(reference_spec: str, port_spec: str, mapping: str | None) ->
 @click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
 @click.option("--loss-scale", type=float, default=1.0, show_default=True,
               help="Multiply the loss before backward (recorded; checks use the same).")
-@click.option("--calibrate", "runs", type=int, default=None, metavar="K",
+@click.option("--calibrate", "runs", type=click.IntRange(min=2), default=None, metavar="K",
               help="Also run the case K times and once in float64, and write the measured "
                    "noise floor times --margin as a tolerance file beside the golden.")
 @click.option("--margin", type=float, default=10.0, show_default=True,
@@ -319,7 +319,8 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
     _print_capture_result(path, time.perf_counter() - start)
     if runs is not None:
         tolerances = path.with_suffix(".tolerances.toml")
-        result = calibrate(case_spec, tolerances, runs=runs, margin=margin)
+        result = calibrate(case_spec, tolerances, runs=runs, margin=margin, steps=steps,
+                           loss_scale=loss_scale)
         click.echo(f"calibrated over {runs} runs and float64: wrote {tolerances}"
                    + (f" (float64 run failed: {result.float64})" if result.float64 else ""))
         if result.nondeterministic:

@@ -36,7 +36,11 @@ def layerdiff_check(request: pytest.FixtureRequest):
         try:
             result = update_or_check(case, golden, update=update, summary=summary, **options)
         except LayerdiffError as exc:
-            pytest.fail(str(exc), pytrace=False)
+            refusal = str(exc)
+        else:
+            refusal = ""
+        if refusal:
+            pytest.fail(refusal, pytrace=False)
         if result is not None and not result.passed:
             pytest.fail(result.line() + "\n" + (result.diff.origin.reason
                                                 if result.diff.origin else ""), pytrace=False)

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 import h5py
 import pytest
+import torch
 
 from layerdiff import DiffError, TraceError
 from layerdiff.ci import calibrate, check, golden, write_junit
@@ -113,3 +114,16 @@ def test_cli_golden_and_check(run, tmp_path):
     assert (tmp_path / "j.xml").exists()
     other = run("check", "reference_models.mlp:reference", out)
     assert other.exit_code == 2 and "was recorded from case" in other.output
+
+
+def test_a_changed_structure_fails_even_when_the_numbers_agree(mlp_golden):
+    """act2 wrapped in a Sequential: same numbers, one more site: not 'identical'."""
+
+    def wrapped():
+        case = mlp_port.port()
+        case.model.act2 = torch.nn.Sequential(case.model.act2)
+        return dataclasses.replace(case, name=PORT)
+
+    result = check(wrapped, mlp_golden)
+    assert result.outcome == "fail"
+    assert "new in this run: act2.0#0" in result.line()

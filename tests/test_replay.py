@@ -132,3 +132,12 @@ def test_cli_replay_exit_codes(run, reference_traces, tmp_path):
 
 
 
+
+
+def test_weight_gradients_are_compared_only_when_every_call_was_replayed(reference_traces):
+    ref = reference_traces("reference_models.convlstm:reference")
+    result = replay(ref, load_case("reference_models.convlstm:reference"),
+                    sites=["cell.conv#2"], propagated=False)
+    assert result.passed
+    assert "weight_grad" not in set(result.rows["role"])
+    assert any("1 of 6 calls replayed" in why for _, why in result.meta["replay"]["skipped"])

@@ -117,3 +117,24 @@ def test_cli_swap_and_bisect(run, tmp_path):
     assert clean.exit_code == 0 and "nothing to find" in clean.output
     bad = run("swap", "reference_models.mlp:reference", "no.such:case", "--site", "fc2")
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_the_reference_attention_goes_into_the_port_with_its_arguments_repeated():
+    """attn(x, mask=m) in the port calls the reference's attn(x, x, x, mask=m)."""
+    info = find("reference_models.transformer_port:port")
+    result = swap(_factory(info.reference), _factory(info.spec),
+                  ["decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
+                   "decoder.layers.1"], mapping=info.mapping_path, into="port")
+    assert not result.breaks, result.describe()
+    assert "in the port" in result.describe()
+
+
+def test_cases_given_as_objects_are_copied_for_every_run():
+    result = swap(mlp.reference(), mlp_port.port(), ["fc2"])
+    assert not result.breaks and result.ratio < 0.1
+
+
+def test_a_numpy_layer_is_refused_where_its_module_has_parameters_inside():
+    with pytest.raises(DiffError, match="parameters inside its children"):
+        swap(_factory("reference_models.convlstm:reference"),
+             _factory("reference_models.convlstm_numpy:port"), ["cell"])

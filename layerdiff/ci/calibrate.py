@@ -36,13 +36,21 @@ class Calibration:
 
 
 def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
-              margin: float = 10.0) -> Calibration:
-    """Run ``case_spec`` ``runs`` times and once in float64; write the tolerance file."""
-    from layerdiff.capture import capture
+              margin: float = 10.0, steps: int | None = None,
+              loss_scale: float = 1.0) -> Calibration:
+    """Run ``case_spec`` ``runs`` times and once in float64 (with the golden's ``steps`` and
+    ``loss_scale``); write the tolerance file."""
+    from layerdiff.capture import capture as capture_trace
     from layerdiff.case import load_case
+    from layerdiff.errors import CaptureError
 
     if runs < 2:
-        raise ValueError("calibration needs at least 2 runs to see run-to-run noise")
+        raise CaptureError(f"--calibrate needs at least 2 runs to see run-to-run noise "
+                           f"(got {runs})")
+
+    def capture(case, path):
+        return capture_trace(case, path, steps=steps, loss_scale=loss_scale)
+
     result = Calibration(runs, margin)
     frames = []
     with tempfile.TemporaryDirectory(prefix="layerdiff-calibrate-") as tmp:

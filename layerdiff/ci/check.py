@@ -54,6 +54,8 @@ class CheckResult:
                     f"within tolerance; the most at {worst['site']} {worst['role']} "
                     f"({worst['ratio']:.3g}x tolerance)")
         origin = self.diff.origin
+        if origin is None and self.diff.meta.get("structure"):
+            return f"FAIL  {self.case}: {self.diff.meta['structure']}"
         where = origin.describe(port_name=False) if origin else "no origin found"
         return f"FAIL  {self.case}: out of tolerance; origin {where}"
 
@@ -89,13 +91,33 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
     with tempfile.TemporaryDirectory(prefix="layerdiff-check-", dir=directory) as tmp:
         fresh = capture(loaded, Path(tmp) / "check.h5", **settings)
         result = diff(golden_path, fresh, mapping=mapping, tolerances=tolerances)
-    if not result.passed:
+    structural = _structural_changes(result)
+    if structural:
+        result.meta["structure"] = structural
+    if not result.passed or structural:
         outcome = FAIL
     elif (result.rows["verdict"] == IDENTICAL).all():
         outcome = IDENTICAL_OUTCOME
     else:
         outcome = DRIFT
     return CheckResult(outcome, result, golden_path, loaded.name)
+
+
+def _structural_changes(result: Diff) -> str:
+    """What the golden recorded and this run did not, or the reverse: a changed model."""
+    unmatched = result.unmatched
+    if unmatched.empty:
+        return ""
+    parts = []
+    for side, label in (("reference", "missing from this run"), ("port", "new in this run")):
+        names = list(dict.fromkeys(
+            unmatched.loc[unmatched["side"] == side, "site"] + unmatched.loc[
+                unmatched["side"] == side, "role"].map(lambda r: f" {r}" if r else "")))
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4
+                                           else "")
+            parts.append(f"{label}: {shown}")
+    return "the recorded structure changed (" + "; ".join(parts) + ")"
 
 
 def _golden_settings(path: Path, case_name: str) -> dict[str, Any]:
@@ -120,6 +142,9 @@ def update_or_check(case: CaseLike, golden_path: str | os.PathLike, *, update: b
     golden_path = Path(golden_path)
     if update:
         golden_path.parent.mkdir(parents=True, exist_ok=True)
+        if golden_path.exists():  # keep what the committed golden was: summary or full
+            with open_trace(golden_path, allow_incomplete=True) as existing:
+                summary = summary or existing.summary
         golden(case, golden_path, summary=summary)
         if on_update:
             on_update(golden_path)

@@ -44,6 +44,14 @@ def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdif
         failure.text = "\n".join(
             f"step {r['step']} {r['pass']} {r['role']} {r['arg']}: ratio {r['ratio']:.3g}, "
             f"max_abs {r['max_abs']:.3g} ({r['tol_source']})" for _, r in bad.iterrows())
+    missing = result.unmatched[result.unmatched["side"] == "reference"]
+    for site in dict.fromkeys(missing["site"]):
+        case = ET.SubElement(test_suite, "testcase", classname=suite, name=site)
+        reasons = missing.loc[missing["site"] == site, "reason"]
+        ET.SubElement(case, "failure", message=f"not recorded by the port: {reasons.iloc[0]}",
+                      type="missing")
+    test_suite.set("tests", str(len(test_suite.findall("testcase"))))
+    test_suite.set("failures", str(len(test_suite.findall("testcase/failure"))))
     tree = ET.ElementTree(root)
     ET.indent(tree)
     tree.write(path, encoding="utf-8", xml_declaration=True)

@@ -79,12 +79,24 @@ def bisect(swapper: Swapper, *, granularity: str = "leaves",
     if not breaks(candidates):
         result.reproduced = False
         return result
-    found = search(candidates, [])
-    while True:
-        rest = [m for m in candidates if m not in found]
+    def innermost(found: list[str]) -> list[str]:
+        """A container culprit whose own children break the reference gives way to them."""
+        result = []
+        for culprit in found:
+            inside = [m for m in candidates if m.startswith(culprit + ".")]
+            result += innermost(search(inside, [])) if inside and breaks(inside) else [culprit]
+        return result
+
+    found = innermost(search(candidates, []))
+    while True:  # the rest: neither a culprit nor inside or around one (the same bug)
+        rest = [m for m in candidates if not any(_related(m, f) for f in found)]
         if not rest or not breaks(rest):
             break
-        found += search(rest, [])
+        found += innermost(search(rest, []))
     order = {m: i for i, m in enumerate(candidates)}
     result.culprits = [(m, swapper.pairs[m][0]) for m in sorted(found, key=order.__getitem__)]
     return result
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")

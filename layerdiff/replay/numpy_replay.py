@@ -73,7 +73,8 @@ class CallablePort:
         for name, grad in weight_grads.items():
             sums[name] = grad if name not in sums else sums[name] + grad
 
-    def finish(self, writer: TraceWriter) -> None:
-        for site, sums in self._weight_grads.values():
-            for name, grad in sums.items():
-                writer.record(site, "weight_grad", grad, arg=name)
+    def finish(self, writer: TraceWriter, complete: set[str]) -> None:
+        for module, (site, sums) in self._weight_grads.items():
+            if module in complete:
+                for name, grad in sums.items():
+                    writer.record(site, "weight_grad", grad, arg=name)

@@ -23,7 +23,7 @@ from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.result import Diff
 from layerdiff.compare.tolerances import Tolerances
-from layerdiff.errors import CaptureError
+from layerdiff.errors import CaptureError, DiffError
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
 
@@ -91,8 +91,34 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                     (call.site, reason))
         while open_calls:
             writer.exit(open_calls.pop()[1])
-        backend.finish(writer)
+        backend.finish(writer, _complete_modules(ref, log))
+    if not log.replayed:
+        raise DiffError(f"no call of {ref.path} was replayed into {port.name}: "
+                        + ("; ".join(f"{s}: {why}" for s, why in (log.failed + log.skipped)[:3])
+                           or "no port layer pairs with any reference site")
+                        + "; check the case and the mapping (--map)")
     return log
+
+
+def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:
+    """Port modules all of whose reference calls were replayed: their weight gradients are
+    sums over every call, as the reference's are."""
+    calls = ref.sites[(ref.sites["step"] == 0)].groupby("module")["site"].apply(set)
+    replayed: dict[str, set[str]] = {}
+    ports: dict[str, str] = {}
+    for ref_site, port_site in log.replayed:
+        module = schema.split_site(ref_site)[0]
+        replayed.setdefault(module, set()).add(ref_site)
+        ports[module] = schema.split_site(port_site)[0]
+    complete = set()
+    for module, done in replayed.items():
+        if done == calls.get(module, set()):
+            complete.add(ports[module])
+        else:
+            log.skipped.append((f"{module} weight_grad", f"{len(done)} of "
+                                f"{len(calls.get(module, ()))} calls replayed: the reference's "
+                                "weight gradient sums them all, so it is not compared"))
+    return complete
 
 
 def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):

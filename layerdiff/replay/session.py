@@ -13,6 +13,7 @@ import cmd
 import fnmatch
 import os
 import shlex
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,7 @@ class Session:
 
     def show(self, name: str) -> Any:
         """The last diff's rows of one layer (runs the diff first if there is none)."""
-        result = self.last_diff or self.diff()
+        result = self.last_diff if self.last_diff is not None else self.diff()
         module = self.swapper.resolve(name)
         rows = result.rows[result.rows["site"].str.rpartition("#")[0] == module]
         if rows.empty:
@@ -146,6 +147,8 @@ class SessionShell(cmd.Cmd):
         """run [STEPS]: run the reference with the swapped layers against the pure reference."""
         from layerdiff.report.terminal import format_swap
 
+        if arg.strip() and not arg.strip().isdigit():
+            raise DiffError(f"usage: run [STEPS], with STEPS a whole number (got {arg.strip()!r})")
         self.echo(format_swap(self.session.run(int(arg) if arg.strip() else None)))
 
     def do_diff(self, arg: str) -> None:
@@ -218,20 +221,26 @@ class SessionShell(cmd.Cmd):
 def interact(session: Session, echo: Callable[[str], None] = print) -> None:
     """Run the shell, with readline history when on a terminal."""
     shell = SessionShell(session, echo)
-    history = _load_history()
+    history = _load_history(echo) if sys.stdin.isatty() else None
     try:
         shell.cmdloop()
     finally:
-        if history is not None:
-            history.write_history_file(str(HISTORY))
         session.close()
+        if history is not None:
+            try:
+                history.write_history_file(str(HISTORY))
+            except OSError as exc:
+                echo(f"warning: history not saved to {HISTORY} ({exc})")
 
 
-def _load_history():
+def _load_history(echo: Callable[[str], None]):
     try:
         import readline
     except ImportError:  # pragma: no cover - no readline on this platform
         return None
-    if HISTORY.exists():
-        readline.read_history_file(str(HISTORY))
+    try:
+        if HISTORY.exists():
+            readline.read_history_file(str(HISTORY))
+    except OSError as exc:
+        echo(f"warning: history not read from {HISTORY} ({exc})")
     return readline

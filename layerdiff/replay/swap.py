@@ -10,6 +10,7 @@ direction (``into="port"``) puts reference layers into the port, to confirm a fi
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class SwapResult:
     steps: int
     losses: list[tuple[float, float]]       # (reference, swapped) per step
     rows: list[dict[str, Any]] = field(default_factory=list)  # what, ratio, max_abs
+    into: str = "reference"                 # which model the swapped layers went into
 
     @property
     def ratio(self) -> float:
@@ -52,13 +54,19 @@ class SwapResult:
         return not self.ratio <= 1.0  # NaN breaks
 
     def describe(self) -> str:
-        names = ", ".join(port for _, port in self.swapped) or "nothing"
+        if self.into == "port":
+            names = "the reference's " + (", ".join(ref for ref, _ in self.swapped) or
+                                          "nothing") + " in the port"
+        else:
+            names = ", ".join(port for _, port in self.swapped) or "nothing"
         judged = [r for r in self.rows if r["judged"]]
         worst = max(judged, key=lambda r: r["ratio"] if np.isfinite(r["ratio"]) else np.inf,
                     default=None)
         if not self.breaks:
             return f"with {names} swapped in: within tolerance ({self.ratio:.3g})"
-        return (f"with {names} swapped in: breaks; worst {worst['what']} "
+        return (f"with {names} swapped in: differs; worst {worst['what']} "
+                if self.into == "port" else f"with {names} swapped in: breaks; worst "
+                f"{worst['what']} "
                 f"{worst['ratio']:.3g}x tolerance")
 
     def as_json(self) -> dict[str, Any]:
@@ -76,8 +84,10 @@ class Swapper:
 
     def __init__(self, reference: Any, port: Any, mapping: str | os.PathLike | Mapping | None
                  = None) -> None:
-        self.make_reference = reference if callable(reference) else (lambda: reference)
-        self.make_port = port if callable(port) else (lambda: port)
+        # every run trains its models, so each gets a fresh case (a copy of a given Case)
+        self.make_reference = reference if callable(reference) else (
+            lambda: copy.deepcopy(reference))
+        self.make_port = port if callable(port) else (lambda: copy.deepcopy(port))
         self.mapping = mapping if isinstance(mapping, Mapping) else (
             Mapping.load(mapping) if mapping is not None else Mapping())
         probe_ref, probe_port = self.make_reference(), self.make_port()
@@ -120,6 +130,8 @@ class Swapper:
             into: str = "reference") -> SwapResult:
         """The host case with ``modules`` (reference names) swapped, against the reference."""
         modules = _outermost([self.resolve(m) for m in modules])
+        if steps is not None and steps < 1:
+            raise DiffError(f"--steps must be at least 1 (got {steps})")
         steps = steps or self.make_reference().steps
         baseline, ref_run = self._baseline(steps)
         if into == "reference":
@@ -130,6 +142,10 @@ class Swapper:
         else:
             donor = self.make_reference()
             host = self.make_port()
+            if isinstance(host, ExternalCase):
+                raise DiffError(f"case {host.name} is not a torch model, so reference layers "
+                                "cannot go into it (--into port); swap its layers into the "
+                                "reference instead")
             load_weights_from(host.model, self._reference_state, self.mapping)
         swapped, layers = [], []
         for module in modules:
@@ -139,13 +155,12 @@ class Swapper:
                 _replace(host.model, module, layer)
                 layers.append((module, port_module, layer))
             else:
-                layer = _ArgumentAdapter(_get(donor.model, module),
-                                         {v: k for k, v in args_map.items()})
+                layer = _ArgumentAdapter(_get(donor.model, module), args_map, inverse=True)
                 _replace(host.model, port_module, layer)
             swapped.append((module, port_module))
         host_run = run_case(host, steps=steps)
         result = SwapResult(swapped, steps, [(float(a), float(b)) for a, b in zip(
-            ref_run.losses, host_run.losses, strict=True)])
+            ref_run.losses, host_run.losses, strict=True)], into=into)
         for step, (a, b) in enumerate(zip(ref_run.losses, host_run.losses, strict=True)):
             result.rows.append(_compare(f"loss, step {step}", a, b))
         for (arg, a), (_, b) in zip(flatten(ref_run.output, ""), flatten(host_run.output, ""),
@@ -217,6 +232,13 @@ class Swapper:
                     ref_module: str) -> nn.Module:
         if isinstance(donor, ExternalCase):
             prefix = "" if ref_module == schema.ROOT_MODULE else ref_module + "."
+            nested = [n for n in self._reference_state
+                      if n.startswith(prefix) and "." in n[len(prefix):]]
+            if nested:
+                raise DiffError(f"port layer {port_module} is not torch and reference module "
+                                f"{ref_module} has parameters inside its children "
+                                f"({', '.join(nested[:3])}), which the layer would leave "
+                                "untrained; swap its children instead")
             weights = {name[len(prefix):]: value for name, value in self._reference_state.items()
                        if name.startswith(prefix) and "." not in name[len(prefix):]}
             return _CallableLayer(donor.layers[port_module], weights, args_map)
@@ -237,37 +259,65 @@ def swap(reference: Any, port: Any, sites: Sequence[str], *,
 
 
 class _ArgumentAdapter(nn.Module):
-    """Calls ``layer`` with the caller's arguments renamed by ``args_map``."""
+    """Calls ``layer`` with the caller's arguments renamed by ``args_map`` (reference argument
+    -> port argument), or, ``inverse``, a reference layer with a port caller's arguments (one
+    port argument may feed several reference ones: attn(x) -> attn(x, x, x))."""
 
-    def __init__(self, layer: nn.Module, args_map: dict[str, str]) -> None:
+    def __init__(self, layer: nn.Module, args_map: dict[str, str], *,
+                 inverse: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self.args_map = args_map
+        self.inverse = inverse
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.args_map:
             return self.layer(*args, **kwargs)
-        values, seen = [], set()
-        for path, value in _arguments(args, kwargs):
-            mapped = map_argument(path, self.args_map)
-            if mapped not in seen:
-                seen.add(mapped)
-                values.append((mapped, value))
-        port_args, port_kwargs = rebuild_call(values)
-        return self.layer(*port_args, **port_kwargs)
+        values = _inverse_arguments(args, kwargs, self.args_map) if self.inverse else (
+            _mapped_arguments(args, kwargs, self.args_map))
+        call_args, call_kwargs = rebuild_call(values)
+        return self.layer(*call_args, **call_kwargs)
+
+
+def _mapped_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
+                      ) -> list[tuple[str, Any]]:
+    values, seen = [], set()
+    for path, value in _arguments(args, kwargs):
+        mapped = map_argument(path, args_map)
+        if mapped not in seen:  # attn(x, x, x) -> attn(x)
+            seen.add(mapped)
+            values.append((mapped, value))
+    return values
+
+
+def _inverse_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
+                       ) -> list[tuple[str, Any]]:
+    values = []
+    for path, value in _arguments(args, kwargs):
+        head, dot, rest = path.partition(".")
+        targets = [ref for ref, port in args_map.items() if port == head]
+        if head not in args_map:
+            targets.append(head)
+        values += [(target + dot + rest, value) for target in targets]
+    return sorted(values, key=lambda item: (not item[0].split(".")[0].isdigit(), item[0]))
 
 
 class _CallableFunction(torch.autograd.Function):
+    """A per-site numpy layer's forward and backward as an autograd node."""
+
     @staticmethod
-    def forward(ctx, layer, names, arg_paths, *tensors):
-        inputs = {p: t.detach().cpu().numpy() for p, t in zip(arg_paths, tensors, strict=False)}
+    def forward(ctx, layer, plain, names, arg_paths, *tensors):
+        inputs = dict(plain)
+        inputs.update((p, t.detach().cpu().numpy()) for p, t in zip(
+            arg_paths, tensors, strict=False))
         weights = {n: t.detach().cpu().numpy() for n, t in zip(
             names, tensors[len(arg_paths):], strict=True)}
         outputs, context = layer.forward(inputs, weights)
+        like = tensors[0]
         ctx.layer, ctx.context, ctx.arg_paths, ctx.names = layer, context, arg_paths, names
         ctx.out_args = list(outputs)
-        device = tensors[0].device
-        return tuple(torch.from_numpy(np.ascontiguousarray(outputs[a])).to(device)
+        ctx.inputs = [(t.dtype, t.device) for t in tensors]
+        return tuple(torch.from_numpy(np.ascontiguousarray(outputs[a])).to(like.device, like.dtype)
                      for a in ctx.out_args)
 
     @staticmethod
@@ -275,12 +325,12 @@ class _CallableFunction(torch.autograd.Function):
         given = {a: g.detach().cpu().numpy() for a, g in zip(ctx.out_args, grads, strict=True)
                  if g is not None}
         grad_inputs, weight_grads = ctx.layer.backward(ctx.context, given)
-
-        def tensor(value):
-            return None if value is None else torch.from_numpy(np.ascontiguousarray(value))
-
-        return (None, None, None, *(tensor(grad_inputs.get(p)) for p in ctx.arg_paths),
-                *(tensor(weight_grads.get(n)) for n in ctx.names))
+        found = [grad_inputs.get(p) for p in ctx.arg_paths] + [weight_grads.get(n)
+                                                                for n in ctx.names]
+        return (None, None, None, None, *(
+            None if value is None else torch.from_numpy(np.ascontiguousarray(value)).to(
+                device, dtype) for value, (dtype, device) in zip(found, ctx.inputs,
+                                                                  strict=True)))
 
 
 class _CallableLayer(nn.Module):
@@ -294,11 +344,12 @@ class _CallableLayer(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.from_numpy(value.copy())))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = [(map_argument(p, self.args_map), v) for p, v in _arguments(args, kwargs)]
-        paths = [p for p, v in values if torch.is_tensor(v)]
+        values = _mapped_arguments(args, kwargs, self.args_map)
+        tensors = [(p, v) for p, v in values if torch.is_tensor(v)]
+        plain = tuple((p, v) for p, v in values if not torch.is_tensor(v))
         names = [n for n, _ in self.named_parameters(recurse=False)]
-        outputs = _CallableFunction.apply(self.layer, names, paths,
-                                          *(v for _, v in values if torch.is_tensor(v)),
+        outputs = _CallableFunction.apply(self.layer, plain, names, [p for p, _ in tensors],
+                                          *(v for _, v in tensors),
                                           *(p for _, p in self.named_parameters(recurse=False)))
         return outputs[0] if len(outputs) == 1 else outputs
 

@@ -129,11 +129,13 @@ class TorchPort:
             if grad is not None:
                 sums[name] = grad if name not in sums else sums[name] + grad
 
-    def finish(self, writer: TraceWriter) -> None:
-        """Weight gradients, summed over each module's calls as the reference records them."""
-        for site, sums in self._weight_grads.values():
-            for name, grad in sums.items():
-                writer.record(site, "weight_grad", _numpy(grad), arg=name)
+    def finish(self, writer: TraceWriter, complete: set[str]) -> None:
+        """Weight gradients, summed over each module's calls as the reference records them;
+        only for modules in ``complete`` (every call replayed), or the sums would differ."""
+        for module, (site, sums) in self._weight_grads.items():
+            if module in complete:
+                for name, grad in sums.items():
+                    writer.record(site, "weight_grad", _numpy(grad), arg=name)
 
 
 def _numpy(value: Any) -> Any:
