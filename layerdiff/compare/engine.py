@@ -19,7 +19,7 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import match_sites
-from layerdiff.compare.metrics import PairMetrics
+from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import find_origins
 from layerdiff.compare.reading import TensorRef, stream_pairs
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
@@ -97,6 +97,7 @@ class _Comparer:
         self.ref, self.port = ref, port
         self.tolerances = tolerances
         self.grad_factor = grad_factor
+        self.scratch = Scratch()  # one set of work arrays for every chunk of this diff
 
     def run(self, pairs: list[RecordPair], progress: Progress | None) -> pd.DataFrame:
         # plain dicts: a pandas row lookup costs ~100 us, which dominated large identical diffs
@@ -113,6 +114,7 @@ class _Comparer:
             shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
             tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
             metrics = _new_metrics(tolerance, r, p, shape, row["role"])
+            metrics.scratch = self.scratch
             if row["role"] in GRAD_ROLES and self.grad_factor != 1.0:
                 metrics.ulp_scale = None  # rescaled values: ULPs of neither side
             streamed.append((len(rows) - 1, self._tensor(r, pair.ref_slice, False),
