@@ -183,8 +183,10 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
     from layerdiff.replay import replay
     from layerdiff.report.terminal import format_replay
 
+    # the HTML report reads the replayed tensors: keep the replay trace beside it
+    kept = Path(html_path).with_suffix(".replay.h5") if html_path else None
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
-                    tolerances=tolerances)
+                    tolerances=tolerances, output=kept)
     _write_reports(result, json_path, None, html_path)
     if json_path != "-":
         click.echo(format_replay(result, verbose=verbose))
