@@ -53,3 +53,15 @@ def test_bfloat16_bits_are_widened():
     bits = (np.array([1.5, -2.0], dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     stats = compute_stats(bits, "bfloat16")
     assert (stats.min, stats.max) == (-2.0, 1.5)
+
+
+def test_std_keeps_its_digits_far_from_zero():
+    """E[x^2] - E[x]^2 cancels for a small spread far from zero; the std must not."""
+    values = np.array([1000.0, 1000.001, 1000.002], np.float32)
+    want = values.std(dtype=np.float64)
+    assert compute_stats(values, "float32").std == pytest.approx(want, rel=1e-6)
+    buffer = np.zeros(256, np.uint8)
+    buffer[:12] = values.view(np.uint8)
+    buffer[64:76] = values.view(np.uint8)
+    got = batch_stats(buffer, [(0, 12, "float32"), (64, 12, "float32")])
+    assert got[0].std == pytest.approx(want, rel=1e-6)

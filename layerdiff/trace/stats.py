@@ -72,7 +72,7 @@ def compute_stats(raw: np.ndarray, dtype_name: str) -> Stats:
         np.dot(finite.astype(np.float64), finite.astype(np.float64)))
     count = finite.size
     mean = total / count
-    std = math.sqrt(max(squares / count - mean * mean, 0.0))
+    std = _std(squares / count, mean, finite)
     l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
 
@@ -117,7 +117,22 @@ def batch_stats(buffer: np.ndarray, spans: list[tuple[int, int, str]]) -> list[S
         for j, i in enumerate(chosen):
             if finite[j]:
                 offset, nbytes, _ = spans[i]
-                results[i] = Stats(float(mins[j]), float(maxs[j]), float(means[j]),
-                                   float(stds[j]), float(norms[j]), 0, 0,
-                                   digest(buffer[offset:offset + nbytes]))
+                std = float(stds[j])
+                if _cancelled(squares[j] / counts[j], means[j]):
+                    std = float(buffer[offset:offset + nbytes].view(dtype).std(dtype=np.float64))
+                results[i] = Stats(float(mins[j]), float(maxs[j]), float(means[j]), std,
+                                   float(norms[j]), 0, 0, digest(buffer[offset:offset + nbytes]))
     return results
+
+
+def _cancelled(mean_square: float, mean: float) -> bool:
+    """Whether E[x^2] - E[x]^2 lost its digits: the spread is tiny next to the mean."""
+    return mean_square - mean * mean < 1e-4 * mean_square
+
+
+def _std(mean_square: float, mean: float, values: np.ndarray) -> float:
+    """The one-pass standard deviation, or the two-pass one where one pass cancels out
+    (values far from zero with a small spread: [1000.0, 1000.001])."""
+    if _cancelled(mean_square, mean):
+        return float(values.std(dtype=np.float64))
+    return math.sqrt(max(mean_square - mean * mean, 0.0))
