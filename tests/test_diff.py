@@ -343,3 +343,15 @@ def test_cli_names_the_line_of_a_broken_mapping(run, reference_traces, tmp_path)
     result = run("diff", reference, reference, "--map", mapping)
     assert result.exit_code == 2
     assert f"{mapping} line 3" in result.output and "did you mean 'reference'" in result.output
+
+
+def test_read_pair_gives_both_tensors_of_a_row_for_drill_down(reference_traces, tmp_path):
+    from layerdiff.compare import read_pair
+
+    info = find("reference_models.mlp_port:bug_weight_not_transposed")
+    reference = reference_traces(info.reference)
+    result = diff(reference, _capture_port(info, reference, tmp_path / "p.h5"))
+    row = result.failing().iloc[0]
+    ref, port = read_pair(result, row)
+    assert ref.shape == port.shape == tuple(int(s) for s in row["shape"].split(","))
+    assert np.abs(ref - port).max() == pytest.approx(row["max_abs"], rel=1e-6)
