@@ -272,3 +272,36 @@ def test_a_self_recording_port_that_raises_publishes_nothing(trace_path):
 def test_include_does_not_apply_to_a_self_recording_port(trace_path):
     with pytest.raises(CaptureError, match="records itself"):
         capture(tiny_cases.numpy_port(), trace_path, include=["lin"])
+
+
+class _PassThrough(torch.nn.Module):
+    """Returns its input as well as a function of it: return x, lin(x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x, self.lin(x)
+
+
+def test_an_input_returned_unchanged_gets_one_grad_input_record(trace_path):
+    from layerdiff import Case, seed_everything
+
+    seed_everything(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _PassThrough())
+    x = torch.randn(3, 4)
+
+    def loss_fn(out):
+        a, b = out
+        return (3 * a).sum() + (b ** 2).sum()
+
+    capture(Case(model=model, inputs=(x,), loss_fn=loss_fn), trace_path)
+    pre = model[0](x)
+    pre.retain_grad()
+    a, b = model[1](pre)
+    loss_fn((a, b)).backward()
+    with open_trace(trace_path) as trace:
+        rows = trace.index.query("site == '1#0' and role == 'grad_input'")
+        assert len(rows) == 1
+        np.testing.assert_allclose(trace.read(rows.iloc[0]), pre.grad.numpy(), rtol=1e-6)

@@ -198,12 +198,15 @@ class ModuleRecorder:
         boundary: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
         seen: set[int] = set()
         todo = []
+        passed_through: set[str] = set()
         for _, tensor in outputs:
             arg = targets.get(_tensor_key(tensor))
             if arg is not None:  # returned its input unchanged: the gradient passes through
-                tensor.grad_fn.register_prehook(
-                    partial(self._on_grad_output, opened.site, "grad_input", arg,
-                            tensor.output_nr))
+                if arg not in passed_through:
+                    passed_through.add(arg)
+                    tensor.grad_fn.register_prehook(
+                        partial(self._on_grad_output, opened.site, "grad_input", arg,
+                                tensor.output_nr))
             else:
                 todo.append(tensor.grad_fn)
         while todo:
@@ -215,6 +218,8 @@ class ModuleRecorder:
                 if child is None:
                     continue
                 arg = targets.get(_edge_key(child, output_nr))
+                if arg in passed_through:
+                    continue  # recorded whole where it passes through: one record per input
                 if arg is not None:
                     boundary.setdefault(id(node), (node, []))[1].append((slot, arg))
                 else:
