@@ -123,9 +123,11 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a self-contained HTML report with plots.")
 @click.option("-v", "--verbose", is_flag=True, help="Every row, and what has no partner.")
+@click.option("--strict", is_flag=True,
+              help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
-                 verbose: bool) -> None:
+                 verbose: bool, strict: bool) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
     from layerdiff.report.progress import ByteProgress
@@ -137,7 +139,12 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
         click.echo(format_diff(result, verbose=verbose))
-    sys.exit(0 if result.passed else 1)
+    missing = result.undeclared_sites() if strict else result.undeclared_sites().iloc[:0]
+    if len(missing):
+        names = ", ".join(f"{r.side} {r.site}" for r in missing.head(6).itertuples())
+        click.echo(f"strict: {len(missing)} site(s) have no partner and no mapping declares "
+                   f"so ({names}); map them or declare them [[unmatched]] with why", err=True)
+    sys.exit(0 if result.passed and not len(missing) else 1)
 
 
 def _write_reports(result, json_path: str | None, csv_path: str | None,

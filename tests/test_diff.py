@@ -355,3 +355,18 @@ def test_read_pair_gives_both_tensors_of_a_row_for_drill_down(reference_traces, 
     ref, port = read_pair(result, row)
     assert ref.shape == port.shape == tuple(int(s) for s in row["shape"].split(","))
     assert np.abs(ref - port).max() == pytest.approx(row["max_abs"], rel=1e-6)
+
+
+def test_strict_fails_on_a_layer_missing_from_the_port(run, tmp_path):
+    x = np.ones((2, 3), np.float32)
+    for path, names in ((tmp_path / "ref.h5", ("a", "b")), (tmp_path / "port.h5", ("a",))):
+        with TraceWriter(path) as w:
+            for name in names:
+                with w.site(name, "Linear") as s:
+                    w.record(s, "output", x if name == "a" else np.ones((7,), np.float32))
+    plain = run("diff", tmp_path / "ref.h5", tmp_path / "port.h5")
+    assert plain.exit_code == 0  # listed, not failed
+    strict = run("diff", tmp_path / "ref.h5", tmp_path / "port.h5", "--strict")
+    assert strict.exit_code == 1 and "reference b#0" in strict.output
+    result = diff(tmp_path / "ref.h5", tmp_path / "port.h5")
+    assert list(result.undeclared_sites()["site"]) == ["b#0"]

@@ -74,8 +74,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     comparer = _Comparer(ref, port, tolerances, grad_factor)
     rows = comparer.run(records.pairs, progress)
     unmatched = pd.DataFrame(
-        [(side, None, site, "", "", why) for side, site, why in sites.unmatched]
-        + list(records.unmatched), columns=R.UNMATCHED_COLUMNS)
+        [(side, None, site, "", "", why, declared) for side, site, why, declared
+         in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
+        columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},

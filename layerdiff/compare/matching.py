@@ -35,7 +35,7 @@ class SitePair:
 @dataclass
 class SiteMatching:
     pairs: list[SitePair]
-    unmatched: list[tuple[str, str, str]]   # (side, site, reason)
+    unmatched: list[tuple[str, str, str, bool]]  # (side, site, reason, declared in the mapping)
     module_partner: dict[str, str]          # port module -> reference module
 
     def by_reference(self) -> dict[str, SitePair]:
@@ -75,13 +75,13 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
         paired_targets[port_site] = ref_site
     claimed |= set(paired_targets) & port_names
     pairs: list[SitePair] = []
-    unmatched: list[tuple[str, str, str]] = []
+    unmatched: list[tuple[str, str, str, bool]] = []
     leftover_refs: list[str] = []
 
     for ref_site, module, call in zip(refs["site"], refs["module"], refs["call"], strict=True):
         why = mapping.why_unmatched("reference", ref_site)
         if why is not None:
-            unmatched.append(("reference", ref_site, why))
+            unmatched.append(("reference", ref_site, why, True))
             continue
         pair = _named_partner(ref_site, module, int(call), mapping, port_names,
                               claimed - ({mapping.pairs[ref_site]} if ref_site in mapping.pairs
@@ -90,7 +90,7 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
             pairs.append(pair)
             claimed.add(pair.port)
         elif pair:  # a rule named a port site that is not there
-            unmatched.append(("reference", ref_site, pair))
+            unmatched.append(("reference", ref_site, pair, False))
         else:
             leftover_refs.append(ref_site)
 
@@ -100,7 +100,7 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
             continue
         why = mapping.why_unmatched("port", port_site)
         if why is not None:
-            unmatched.append(("port", port_site, why))
+            unmatched.append(("port", port_site, why, True))
         else:
             leftover_ports.append(port_site)
 
@@ -109,9 +109,9 @@ def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd
     found_ref = {p.reference for p in structural}
     found_port = {p.port for p in structural}
     unmatched += [("reference", s, "no port site of that name, no mapping rule for it, and no "
-                   "leftover port site with the same output shapes at that point")
+                   "leftover port site with the same output shapes at that point", False)
                   for s in leftover_refs if s not in found_ref]
-    unmatched += [("port", s, "no reference site of that name or mapped to it")
+    unmatched += [("port", s, "no reference site of that name or mapped to it", False)
                   for s in leftover_ports if s not in found_port]
 
     order = {site: i for i, site in enumerate(refs["site"])}

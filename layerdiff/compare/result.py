@@ -40,7 +40,8 @@ ROW_COLUMNS = [
     "status", "cause",
 ]
 
-UNMATCHED_COLUMNS = ["side", "step", "site", "role", "arg", "reason"]
+# declared: the mapping file says this site has no partner (and why)
+UNMATCHED_COLUMNS = ["side", "step", "site", "role", "arg", "reason", "declared"]
 
 
 @dataclass
@@ -101,6 +102,11 @@ class Diff:
     def origin(self) -> Origin | None:
         """The first origin: earliest step, forward before backward, in execution order."""
         return self.origins[0] if self.origins else None
+
+    def undeclared_sites(self) -> pd.DataFrame:
+        """Sites with no partner that no mapping declares so: a layer missing or extra."""
+        unmatched = self.unmatched
+        return unmatched[(unmatched["role"] == "") & ~unmatched["declared"].astype(bool)]
 
     def failing(self) -> pd.DataFrame:
         """Rows out of tolerance, in order."""
