@@ -140,10 +140,11 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             pairs.append(RecordPair(positions[0], int(port_pos), match, 1.0,
                                     transpose_port=transform == "transpose"))
             used_ref.add(positions[0])
+    paired_sites = sites.by_reference()
     for pos in ref_params.index:
         if pos not in used_ref:
             row = ref_index.loc[pos]
-            if row["site"] in sites.by_reference():
+            if row["site"] in paired_sites:
                 unmatched.append(("reference", int(row["step"]), row["site"], row["role"],
                                   row["arg"], "no port parameter is mapped from it"))
     return pairs, unmatched, used_port

@@ -64,9 +64,8 @@ class SwapResult:
                     default=None)
         if not self.breaks:
             return f"with {names} swapped in: within tolerance ({self.ratio:.3g})"
-        return (f"with {names} swapped in: differs; worst {worst['what']} "
-                if self.into == "port" else f"with {names} swapped in: breaks; worst "
-                f"{worst['what']} "
+        verb = "differs" if self.into == "port" else "breaks"
+        return (f"with {names} swapped in: {verb}; worst {worst['what']} "
                 f"{worst['ratio']:.3g}x tolerance")
 
     def as_json(self) -> dict[str, Any]:
