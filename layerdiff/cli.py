@@ -16,6 +16,18 @@ from layerdiff.errors import LayerdiffError
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
 
 
+# Options several commands share, written once.
+_map_option = click.option(
+    "--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+    help="Mapping file (TOML or YAML) for names that differ between the two models.")
+_tolerances_option = click.option(
+    "--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
+    help="Tolerance overrides (TOML or YAML) by site, role and dtype globs.")
+_json_option = click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
+    help="Write the result as JSON ('-' for stdout).")
+
+
 class _Group(click.Group):
     """Turns a LayerdiffError into one sentence on stderr and exit code 2 (unless --debug)."""
 
@@ -112,12 +124,9 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @main.command("diff")
 @click.argument("reference", type=click.Path(dir_okay=False))
 @click.argument("port", type=click.Path(dir_okay=False))
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file (TOML or YAML) for names that differ.")
-@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Tolerance overrides (TOML or YAML) by site, role and dtype globs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              metavar="FILE", help="Write the JSON report ('-' for stdout).")
+@_map_option
+@_tolerances_option
+@_json_option
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write every compared row as CSV.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
@@ -168,14 +177,11 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 @main.command("replay")
 @click.argument("reference", type=click.Path(dir_okay=False))
 @click.argument("port_spec", metavar="PORT_CASE")
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file for names that differ.")
+@_map_option
 @click.option("--site", "sites", multiple=True, metavar="GLOB",
               help="Replay only these reference sites or modules (repeatable).")
-@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Tolerance overrides (TOML or YAML).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              metavar="FILE", help="Write the JSON report ('-' for stdout).")
+@_tolerances_option
+@_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a self-contained HTML report.")
 @click.option("-v", "--verbose", is_flag=True, help="Every site, not only the notable ones.")
@@ -213,14 +219,12 @@ def _case_factory(spec: str):
 @click.argument("port_spec", metavar="PORT_CASE")
 @click.option("--site", "sites", multiple=True, required=True, metavar="NAME",
               help="A layer to swap, by module or site name in either model (repeatable).")
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file for names that differ.")
+@_map_option
 @click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
 @click.option("--into", type=click.Choice(["reference", "port"]), default="reference",
               show_default=True, help="Port layers into the reference, or reference layers "
               "into the port (to confirm a fix).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              metavar="FILE", help="Write the result as JSON ('-' for stdout).")
+@_json_option
 def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
                  mapping: str | None, steps: int | None, into: str,
                  json_path: str | None) -> None:
@@ -243,12 +247,10 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
 @main.command("bisect")
 @click.argument("reference_spec", metavar="REF_CASE")
 @click.argument("port_spec", metavar="PORT_CASE")
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file for names that differ.")
+@_map_option
 @click.option("--granularity", type=click.Choice(["leaves", "all"]), default="leaves",
               show_default=True, help="Search the port's leaf layers, or every paired layer.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              metavar="FILE", help="Write culprits and probes as JSON ('-' for stdout).")
+@_json_option
 def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
                    json_path: str | None) -> None:
     """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
@@ -294,8 +296,7 @@ def _echo_or_write(text: str, path: str) -> None:
 @main.command("session")
 @click.argument("reference_spec", metavar="REF_CASE")
 @click.argument("port_spec", metavar="PORT_CASE")
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file for names that differ.")
+@_map_option
 def session_command(reference_spec: str, port_spec: str, mapping: str | None) -> None:
     """An interactive shell: swap port layers into REF_CASE, run, diff, replay, bisect."""
     from layerdiff.replay.session import Session, interact
@@ -343,14 +344,11 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
 @main.command("check")
 @click.argument("case_spec", metavar="CASE")
 @click.argument("golden_path", metavar="GOLDEN", type=click.Path(dir_okay=False))
-@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file, when CASE's names differ from the golden's.")
-@click.option("--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Tolerance overrides (e.g. from golden --calibrate).")
+@_map_option
+@_tolerances_option
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write JUnit XML: one test case per site.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              metavar="FILE", help="Write the diff as JSON ('-' for stdout).")
+@_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the HTML report.")
 def check_command(case_spec: str, golden_path: str, mapping: str | None,

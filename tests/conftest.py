@@ -6,6 +6,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from layerdiff import capture, load_case
 from layerdiff.cli import main
 
 pytest_plugins = ["pytester"]
@@ -27,3 +28,18 @@ def run(monkeypatch):
     def invoke(*args, input=None):
         return CliRunner().invoke(main, [str(a) for a in args], input=input)
     return invoke
+
+
+@pytest.fixture(scope="session")
+def reference_traces(tmp_path_factory):
+    """``get(spec, **capture_options)``: a trace of a bundled case, captured once per session."""
+    cache: dict[tuple, Path] = {}
+
+    def get(spec: str, **options):
+        key = (spec, tuple(sorted(options.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp("ref") / "ref.h5"
+            cache[key] = capture(load_case(spec), path, **options)
+        return cache[key]
+
+    return get

@@ -28,20 +28,6 @@ from reference_models.catalog import CATALOG, find
 CHECKED = [info for info in CATALOG if info.kind in ("port", "bug")]
 
 
-@pytest.fixture(scope="module")
-def reference_traces(tmp_path_factory):
-    """One reference trace per model, captured once for the module."""
-    cache: dict[str, object] = {}
-
-    def get(spec: str):
-        if spec not in cache:
-            path = tmp_path_factory.mktemp("ref") / "ref.h5"
-            cache[spec] = capture(load_case(spec), path)
-        return cache[spec]
-
-    return get
-
-
 def _capture_port(info, reference, path):
     case = load_case(info.spec)
     if not isinstance(case, ExternalCase):  # the path users take: weights from the trace

@@ -8,27 +8,13 @@ import fnmatch
 import pytest
 import torch
 
-from layerdiff import DiffError, capture, load_case
+from layerdiff import DiffError, load_case
 from layerdiff.errors import CaptureError
 from layerdiff.replay import local_table, replay
 from layerdiff.replay.arguments import rebuild_call
 from reference_models.catalog import CATALOG, find
 
 CHECKED = [info for info in CATALOG if info.kind in ("port", "bug")]
-
-
-@pytest.fixture(scope="module")
-def reference_traces(tmp_path_factory):
-    cache: dict[str, object] = {}
-
-    def get(spec: str, **options):
-        key = (spec, tuple(sorted(options.items())))
-        if key not in cache:
-            path = tmp_path_factory.mktemp("ref") / "ref.h5"
-            cache[key] = capture(load_case(spec), path, **options)
-        return cache[key]
-
-    return get
 
 
 @pytest.mark.parametrize("info", CHECKED, ids=[i.spec.split(".")[-1] for i in CHECKED])

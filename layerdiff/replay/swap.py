@@ -24,6 +24,7 @@ from layerdiff.capture.hooks import _arguments, flatten
 from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
 from layerdiff.compare.mapping import Mapping, ParamSource
+from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.tolerances import default_tolerance
 from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import map_argument, rebuild_call
@@ -97,19 +98,15 @@ class Swapper:
         self._reference_state = state_arrays(probe_ref.model)  # the weights swapped layers get
 
     def _pairs(self) -> dict[str, tuple[str, dict[str, str]]]:
+        """Reference module -> (port module, argument map), by the diff's own name matching
+        (explicit pairs, same names, rename rules) applied to each module's first call."""
         pairs: dict[str, tuple[str, dict[str, str]]] = {}
-        for ref_site, port_site in self.mapping.pairs.items():
-            pairs[schema.split_site(ref_site)[0]] = (schema.split_site(port_site)[0], {})
-        for module in self.reference_modules:
-            if module in pairs or self.mapping.why_unmatched("reference", module):
-                continue
-            if module in self.port_modules:
-                pairs[module] = (module, {})
-                continue
-            renamed = self.mapping.rename(module)
-            if renamed and renamed[0] in self.port_modules:
-                pairs[module] = (renamed[0], renamed[1])
-        pairs.pop(schema.ROOT_MODULE, None)
+        for ref_site in [*self.mapping.pairs, *(schema.site_name(m, 0)
+                                                for m in self.reference_modules)]:
+            module = schema.split_site(ref_site)[0]
+            found = port_site_for(ref_site, self.mapping, set(self.port_modules))
+            if found is not None and module not in pairs and module != schema.ROOT_MODULE:
+                pairs[module] = (schema.split_site(found[0])[0], found[1])
         return pairs
 
     def resolve(self, name: str) -> str:
