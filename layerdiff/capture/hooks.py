@@ -9,6 +9,13 @@ How the backward records are taken without perturbing the run:
   the input, not the sum over every consumer. Nothing is inserted into the graph (unlike
   ``register_full_backward_hook``), so in-place layers work and the order of gradient
   accumulation is untouched.
+
+Weights: a parameter or buffer object is recorded once per step however many modules hold it
+(a tied embedding and output head), as ``weight`` and ``weight_grad`` of the first selected
+module that holds it in registration order (``model.named_modules()``), see
+:func:`owned_tensors`. Tied weights are registered with the embedding first in the common
+models, so that module is also the first user in forward and the last in backward, where the
+gradient is complete: an error upstream in the backward is not blamed on the head.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from typing import Any
 
 import torch
@@ -71,6 +79,55 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (id(tensor.grad_fn), tensor.output_nr)
 
 
+@dataclass(frozen=True, slots=True)
+class _Owned:
+    """The tensors a module records as its own (fixed at attach): the hot path only loops."""
+
+    tensors: tuple[tuple[dict, str], ...]    # (module._parameters or _buffers, name)
+    params: tuple[tuple[dict, str], ...]     # the parameters among them: their .grad is recorded
+
+
+def owned_tensors(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, _Owned]:
+    """For each module path, the parameters and buffers it records: its own (recurse=False),
+    less those an earlier module in ``modules`` holds too. Each tensor object is recorded once,
+    under the first module (in the order given, registration order) that holds it."""
+    seen: set[int] = set()
+    owned: dict[str, _Owned] = {}
+    for path, module in modules:
+        tensors: list[tuple[dict, str]] = []
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    tensors.append((store, name))
+        if tensors:
+            params = tuple(t for t in tensors if t[0] is module._parameters)
+            owned[path] = _Owned(tuple(tensors), params)
+    return owned
+
+
+def shared_parameters(model: nn.Module, include: Sequence[str] = (),
+                      exclude: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Parameters and buffers that several names refer to (tied weights), for the trace meta.
+
+    Each is ``{"name": the full name its records carry, or None when no selected module holds
+    it, "users": every full name that refers to it}``; ``name`` comes from
+    :func:`owned_tensors` over the same selection the capture records, so the two agree.
+    """
+    users: dict[int, list[str]] = {}
+    named = chain(model.named_parameters(remove_duplicate=False),
+                  model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        users.setdefault(id(tensor), []).append(name)
+    recorded: dict[int, str] = {}
+    for path, owned in owned_tensors(select_modules(model, include, exclude)).items():
+        for store, name in owned.tensors:
+            full = name if path == schema.ROOT_MODULE else f"{path}.{name}"
+            recorded[id(store[name])] = full
+    return [{"name": recorded.get(key), "users": names}
+            for key, names in users.items() if len(names) > 1]
+
+
 def select_modules(model: nn.Module, include: Sequence[str],
                    exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
     """The (path, module) pairs to record; an include glob that matches nothing is an error."""
@@ -96,15 +153,16 @@ class ModuleRecorder:
         self.step = 0
         self.open: list[_OpenCall] = []           # calls whose forward has not returned
         self._calls: Counter[str] = Counter()
-        self._weight_sites: list[tuple[str, nn.Module]] = []
+        self._weight_sites: list[tuple[str, _Owned]] = []
         self._partial_grads: dict[tuple[str, str], list] = {}  # (site, arg) -> [left, sum]
         self._handles: list[Any] = []
 
     # ---- lifecycle ----
     def attach(self) -> None:
+        owned = owned_tensors(self.modules) if self.weights else {}
         for path, module in self.modules:
             self._handles.append(module.register_forward_pre_hook(
-                partial(self._before, path), with_kwargs=True))
+                partial(self._before, path, owned.get(path)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 partial(self._after, path), with_kwargs=True))
 
@@ -130,14 +188,16 @@ class ModuleRecorder:
             if total is not None:
                 self.stager.tensor(self.step, "backward", site, "grad_input", arg, total)
         self._partial_grads.clear()
-        for site, module in reversed(self._weight_sites):
-            for name, param in module.named_parameters(recurse=False):
-                if param.grad is not None:
-                    self.stager.tensor(self.step, "backward", site, "weight_grad", name,
-                                       param.grad)
+        for site, owned in reversed(self._weight_sites):
+            for store, name in owned.params:
+                param = store.get(name)
+                grad = param.grad if param is not None else None
+                if grad is not None:
+                    self.stager.tensor(self.step, "backward", site, "weight_grad", name, grad)
 
     # ---- forward hooks ----
-    def _before(self, path: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before(self, path: str, owned: _Owned | None, module: nn.Module, args: tuple,
+                kwargs: dict) -> None:
         call = self._calls[path]
         self._calls[path] = call + 1
         site = schema.site_name(path, call)
@@ -150,13 +210,13 @@ class ModuleRecorder:
             stager.any(step, "forward", site, "input", arg, value)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
-        if self.weights and call == 0 and (module._parameters or module._buffers):
-            # the module's own tensors (recurse=False), read from its dicts: this runs per call
-            for tensors in (module._parameters, module._buffers):
-                for name, tensor in tensors.items():
-                    if tensor is not None:
-                        stager.tensor(step, "forward", site, "weight", name, tensor)
-            self._weight_sites.append((site, module))
+        if owned is not None and call == 0:
+            # read from the module's dicts now: a tensor replaced since attach is recorded as is
+            for store, name in owned.tensors:
+                tensor = store.get(name)
+                if tensor is not None:
+                    stager.tensor(step, "forward", site, "weight", name, tensor)
+            self._weight_sites.append((site, owned))
 
     def _after(self, path: str, module: nn.Module, args: tuple, kwargs: dict,
                output: Any) -> None:

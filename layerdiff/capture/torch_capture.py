@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from layerdiff.capture.hooks import ModuleRecorder, select_modules
+from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.progress import StepProgress
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
@@ -48,7 +50,9 @@ class _Observer:
 def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequence[str] = (),
             exclude: Sequence[str] = (), loss_scale: float = 1.0, steps: int | None = None,
             summary: bool = False, weights: bool = True,
-            queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False) -> Path:
+            queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
+            dtype: str | None = None, autocast: str | None = None,
+            extra_meta: dict[str, Any] | None = None) -> Path:
     """Run ``case`` with every selected module call recorded into the trace at ``path``.
 
     Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
@@ -56,18 +60,28 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     over module paths (``<root>`` is the model itself). ``loss_scale`` multiplies the loss
     before backward (recorded gradients are amplified; training is not). ``summary`` keeps
     statistics only. ``queue_bytes`` caps the memory that staged tensors may take.
+    ``dtype`` casts the model's floating parameters and buffers and the case's floating inputs
+    first; ``autocast`` runs the forward under ``torch.autocast`` in that dtype: both are how a
+    baseline is made (the reference run the way a port runs). ``extra_meta`` is recorded in the
+    trace's meta as given (``weights``: where the weights came from and the mapping used).
 
     Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
     ever published under ``path``.
     """
     if isinstance(case, ExternalCase):
+        if dtype or autocast:
+            raise CaptureError(f"case {case.name} records itself, so --dtype and --autocast do "
+                               "not apply to it; run the port in that precision in its own code")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
                                  queue_bytes=queue_bytes)
+    if dtype is not None:
+        cast_case(case, dtype)
     prepared = PreparedCapture(case, path, include=include, exclude=exclude,
                                loss_scale=loss_scale, steps=steps, summary=summary,
-                               weights=weights, queue_bytes=queue_bytes)
+                               weights=weights, queue_bytes=queue_bytes, autocast=autocast,
+                               extra_meta={"dtype": dtype, **(extra_meta or {})})
     return prepared.run(progress=progress)
 
 
@@ -80,14 +94,18 @@ class PreparedCapture:
     def __init__(self, case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
                  exclude: Sequence[str] = (), loss_scale: float = 1.0,
                  steps: int | None = None, summary: bool = False, weights: bool = True,
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True) -> None:
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True,
+                 autocast: str | None = None, extra_meta: dict[str, Any] | None = None) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
+        self.autocast = autocast
         check_run_options(case, self.steps, loss_scale)
+        autocast_context(case, autocast)  # an unknown autocast dtype fails before any file
         check_writable(path)
         modules = select_modules(case.model, include, exclude)
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
+        meta.update(extra_meta or {}, autocast=autocast, model_dtype=model_dtype(case))
         self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes)
         self.stager = Stager(self.recorder, async_device=async_device)
         self.hooks = ModuleRecorder(modules, self.stager, weights=weights)
@@ -105,7 +123,8 @@ class PreparedCapture:
             observer = _Observer(hooks, recorder, bar)
             hooks.attach()
             try:
-                run_case(case, steps=self.steps, loss_scale=self.loss_scale, observer=observer)
+                run_case(case, steps=self.steps, loss_scale=self.loss_scale, observer=observer,
+                         autocast=self.autocast)
             except LayerdiffError:
                 _close_incomplete(recorder)
                 raise
@@ -155,6 +174,19 @@ def _capture_external(case: ExternalCase, path: str | os.PathLike, *, include: S
     return writer.close()
 
 
+def weights_meta(weights_from: str | os.PathLike, mapping: str | os.PathLike | None
+                 ) -> dict[str, Any]:
+    """What a port trace records of how its weights were loaded: the reference trace and the
+    mapping file's whole text with its hash, so that ``diff`` can use the same mapping."""
+    record: dict[str, Any] = {"from": str(weights_from), "mapping": None}
+    if mapping is not None:
+        path = Path(mapping)
+        text = path.read_text(encoding="utf-8")
+        record["mapping"] = {"name": path.name, "path": str(path), "text": text,
+                             "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return {"weights": record}
+
+
 def _close_incomplete(recorder: Recorder) -> Path:
     try:
         return recorder.close(complete=False)
@@ -164,6 +196,8 @@ def _close_incomplete(recorder: Recorder) -> Path:
 
 def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Sequence[str],
           exclude: Sequence[str]) -> dict[str, Any]:
+    from layerdiff.capture.hooks import shared_parameters
+
     meta = base_meta("layerdiff.capture (torch)")
     first = next(case.model.parameters(), None)
     meta.update({
@@ -179,6 +213,8 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "num_threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        # tied weights: recorded once, under "name"; "users" are all the names they go by
+        "shared_parameters": shared_parameters(case.model, include, exclude),
     })
     meta["versions"]["torch"] = torch.__version__
     return meta
