@@ -23,6 +23,24 @@ _map_option = click.option(
 _tolerances_option = click.option(
     "--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
     help="Tolerance overrides (TOML or YAML) by site, role and dtype globs.")
+
+
+def _tolerance_flags(command):
+    """--rtol and --atol: the default tolerance of every record (a tolerance file's rules still
+    override them)."""
+    command = click.option("--atol", type=click.FloatRange(min=0), default=None,
+                           help="Absolute tolerance for every record (default: per dtype).")(
+        command)
+    return click.option("--rtol", type=click.FloatRange(min=0), default=None,
+                        help="Relative tolerance for every record (default: per dtype).")(command)
+
+
+def _tolerances(path: str | None, rtol: float | None, atol: float | None):
+    from layerdiff.compare.tolerances import Tolerances
+
+    return Tolerances.build(path, rtol=rtol, atol=atol)
+
+
 _json_option = click.option(
     "--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
     help="Write the result as JSON ('-' for stdout).")
@@ -69,24 +87,33 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--weights-from", type=click.Path(dir_okay=False), metavar="TRACE",
               help="Load the model's weights from this reference trace first.")
 @click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Mapping file for --weights-from when names differ.")
+              help="Mapping file for --weights-from when names differ (recorded in the trace, "
+                   "so that diff finds it).")
+@click.option("--dtype", type=click.Choice(["float64", "float32", "bfloat16", "float16"]),
+              help="Cast the model's floating parameters and buffers and the inputs first "
+                   "(a baseline: the reference in the port's precision).")
+@click.option("--autocast", type=click.Choice(["bfloat16", "float16"]),
+              help="Run the forward and the loss under torch.autocast in this dtype.")
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
-                    mapping: str | None) -> None:
+                    mapping: str | None, dtype: str | None, autocast: str | None) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT."""
     from layerdiff.capture import capture
-    from layerdiff.case import load_case
+    from layerdiff.capture.precision import cast_case
+    from layerdiff.case import ExternalCase, load_case
 
     case = load_case(case_spec)
     if mapping and not weights_from:
         raise click.UsageError("--map is used with --weights-from when capturing")
-    if weights_from:
-        _load_reference_weights(case, weights_from, mapping)
+    if dtype and not isinstance(case, ExternalCase):
+        cast_case(case, dtype)  # before the weights, so that loading says what it cast
+    extra_meta = _load_reference_weights(case, weights_from, mapping) if weights_from else {}
     start = time.perf_counter()
     path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
                    steps=steps, summary=summary, weights=not no_weights,
-                   queue_bytes=queue_mib * 2**20, progress=True)
+                   queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
+                   autocast=autocast, extra_meta=extra_meta)
     _print_capture_result(path, time.perf_counter() - start)
 
 
@@ -126,6 +153,10 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @click.argument("port", type=click.Path(dir_okay=False))
 @_map_option
 @_tolerances_option
+@_tolerance_flags
+@click.option("--baseline", type=click.Path(dir_okay=False), metavar="TRACE",
+              help="The reference run the way the port runs (its dtype, autocast or device): "
+                   "the port may have a few times the error this trace has against REFERENCE.")
 @_json_option
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write every compared row as CSV.")
@@ -135,6 +166,7 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
+                 rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
                  verbose: bool, strict: bool) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
@@ -143,7 +175,8 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
     from layerdiff.report.terminal import format_diff
 
     with ByteProgress("diff") as bar:
-        result = diff(reference, port, mapping=mapping, tolerances=tolerances,
+        result = diff(reference, port, mapping=mapping,
+                      tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline,
                       progress=bar.progress)
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
@@ -181,13 +214,14 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 @click.option("--site", "sites", multiple=True, metavar="GLOB",
               help="Replay only these reference sites or modules (repeatable).")
 @_tolerances_option
+@_tolerance_flags
 @_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a self-contained HTML report.")
 @click.option("-v", "--verbose", is_flag=True, help="Every site, not only the notable ones.")
 def replay_command(reference: str, port_spec: str, mapping: str | None, sites: tuple[str, ...],
-                   tolerances: str | None, json_path: str | None, html_path: str | None,
-                   verbose: bool) -> None:
+                   tolerances: str | None, rtol: float | None, atol: float | None,
+                   json_path: str | None, html_path: str | None, verbose: bool) -> None:
     """Run each layer of PORT_CASE on REFERENCE's recorded inputs: its own error, alone.
 
     Exit 0 when no layer has a local error, 1 when one does, 2 for bad input.
@@ -199,7 +233,7 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
     # the HTML report reads the replayed tensors: keep the replay trace beside it
     kept = Path(html_path).with_suffix(".replay.h5") if html_path else None
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
-                    tolerances=tolerances, output=kept)
+                    tolerances=_tolerances(tolerances, rtol, atol), output=kept)
     _write_reports(result, json_path, None, html_path)
     if json_path != "-":
         click.echo(format_replay(result, verbose=verbose))
@@ -224,10 +258,12 @@ def _case_factory(spec: str):
 @click.option("--into", type=click.Choice(["reference", "port"]), default="reference",
               show_default=True, help="Port layers into the reference, or reference layers "
               "into the port (to confirm a fix).")
+@_tolerances_option
+@_tolerance_flags
 @_json_option
 def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
-                 mapping: str | None, steps: int | None, into: str,
-                 json_path: str | None) -> None:
+                 mapping: str | None, steps: int | None, into: str, tolerances: str | None,
+                 rtol: float | None, atol: float | None, json_path: str | None) -> None:
     """Run REF_CASE with PORT_CASE's layers at --site in place; compare with the reference.
 
     Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not.
@@ -236,7 +272,8 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
     from layerdiff.report.terminal import format_swap
 
     result = swap(_case_factory(reference_spec), _case_factory(port_spec), sites,
-                  mapping=mapping, steps=steps, into=into)
+                  mapping=mapping, steps=steps, into=into,
+                  tolerances=_tolerances(tolerances, rtol, atol))
     if json_path:
         _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
@@ -250,8 +287,11 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
 @_map_option
 @click.option("--granularity", type=click.Choice(["leaves", "all"]), default="leaves",
               show_default=True, help="Search the port's leaf layers, or every paired layer.")
+@_tolerances_option
+@_tolerance_flags
 @_json_option
 def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
+                   tolerances: str | None, rtol: float | None, atol: float | None,
                    json_path: str | None) -> None:
     """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
 
@@ -261,7 +301,8 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
     from layerdiff.replay import Swapper, bisect
 
     quiet = json_path == "-"
-    swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping)
+    swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping,
+                      tolerances=_tolerances(tolerances, rtol, atol))
 
     def show(number: int, probe) -> None:
         if not quiet:
@@ -346,14 +387,15 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
 @click.argument("golden_path", metavar="GOLDEN", type=click.Path(dir_okay=False))
 @_map_option
 @_tolerances_option
+@_tolerance_flags
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write JUnit XML: one test case per site.")
 @_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the HTML report.")
 def check_command(case_spec: str, golden_path: str, mapping: str | None,
-                  tolerances: str | None, junit_path: str | None, json_path: str | None,
-                  html_path: str | None) -> None:
+                  tolerances: str | None, rtol: float | None, atol: float | None,
+                  junit_path: str | None, json_path: str | None, html_path: str | None) -> None:
     """Capture CASE and diff it against GOLDEN: identical, drift within tolerance, or fail.
 
     Exit 0 identical or within tolerance, 1 out of tolerance, 2 bad input.
@@ -361,7 +403,8 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
     from layerdiff.ci import check, write_junit
     from layerdiff.report.terminal import format_diff
 
-    result = check(case_spec, golden_path, mapping=mapping, tolerances=tolerances)
+    result = check(case_spec, golden_path, mapping=mapping,
+                   tolerances=_tolerances(tolerances, rtol, atol))
     if junit_path:
         write_junit(result.diff, junit_path, suite=f"layerdiff check {case_spec}")
     _write_reports(result.diff, json_path, None, html_path)
@@ -438,7 +481,9 @@ def demo_command(output_dir: str, port_spec: str) -> None:
     click.echo(f"next: layerdiff diff {reference} {port}{mapping} --verbose")
 
 
-def _load_reference_weights(case, trace: str, mapping: str | None) -> None:
+def _load_reference_weights(case, trace: str, mapping: str | None) -> dict:
+    """Load the weights; returns what the trace's meta records of it (the mapping's text)."""
+    from layerdiff.capture.torch_capture import weights_meta
     from layerdiff.case import ExternalCase
     from layerdiff.errors import CaptureError
     from layerdiff.weights import load_weights
@@ -448,6 +493,7 @@ def _load_reference_weights(case, trace: str, mapping: str | None) -> None:
                            "weights; load them from the reference in the port's own code")
     report = load_weights(case.model, trace, mapping)
     click.echo(f"weights from {trace}: {report.summary()}")
+    return weights_meta(trace, mapping)
 
 
 def _print_capture_result(path: Path, seconds: float) -> None:

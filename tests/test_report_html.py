@@ -67,7 +67,7 @@ def _row(seq: int, site: str, role: str, *, ratio: float = 0.0, verdict: str = "
         "rms": ratio * ATOL / 2, "cosine": 1.0 if ratio < 1 else 0.999, "max_ulp": int(ratio),
         "frac_out": 0.75 if ratio > 1 else 0.0, "worst_index": "1,0", "ratio": ratio,
         "ref_nan": 0, "ref_inf": 0, "port_nan": 0, "port_inf": 0,
-        "rtol": RTOL, "atol": ATOL, "tol_source": "float32 default",
+        "rtol": RTOL, "atol": ATOL, "tol_source": "float32 default", "rms_tol": None,
         "verdict": verdict, "note": "", "batch_ratio": batch_ratio,
         "status": status, "cause": cause,
     }

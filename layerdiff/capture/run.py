@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from layerdiff.capture.precision import autocast_context
 from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaptureError
 
@@ -40,12 +41,13 @@ def check_run_options(case: Case, steps: int, loss_scale: float) -> None:
 
 
 def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
-             observer: StepObserver | None = None) -> RunResult:
+             observer: StepObserver | None = None, autocast: str | None = None) -> RunResult:
     """Run ``steps`` training steps of ``case`` (its own count by default) from its seed.
 
     With ``loss_scale`` F the loss is multiplied by F before backward and the gradients are
     divided by F again before clipping and the optimizer step, so training is unaffected
-    (bit for bit when F is a power of two).
+    (bit for bit when F is a power of two). ``autocast`` ("bfloat16" or "float16") runs the
+    forward and the loss under ``torch.autocast``.
     """
     steps = case.steps if steps is None else steps
     check_run_options(case, steps, loss_scale)
@@ -63,8 +65,9 @@ def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        output = case.call_model()
-        loss = case.loss_fn(output)
+        with autocast_context(case, autocast):
+            output = case.call_model()
+            loss = case.loss_fn(output)
         if observer:
             observer.phase = "loss"
             observer.record_loss(loss)

@@ -7,6 +7,7 @@ at the tables plus a few MiB of chunk buffers, whatever the traces' size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare import result as R
+from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
@@ -35,33 +37,51 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, *,
          mapping: str | os.PathLike | Mapping | None = None,
          tolerances: str | os.PathLike | Tolerances | None = None,
+         baseline: str | os.PathLike | Trace | None = None, baseline_factor: float = FACTOR,
          progress: Progress | None = None, independent: bool = False) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
-    overrides the per-dtype defaults (a file or :class:`Tolerances`). ``independent`` says
+    overrides the per-dtype defaults (a file or :class:`Tolerances`). ``baseline`` is a trace of
+    the reference run the way the port runs (its dtype, autocast or device): each record's
+    tolerance then follows the error the baseline has there (see
+    :mod:`layerdiff.compare.baseline`: at most ``baseline_factor`` times the baseline's error,
+    plus one rounding); a tolerance file's rules still win. ``independent`` says
     that every site of ``port`` ran on the reference's own inputs (a replay), so each site is
     judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
     """
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
-    tolerances = tolerances if isinstance(tolerances, Tolerances) else (
-        Tolerances.load(tolerances) if tolerances is not None else Tolerances())
-    ref_trace = reference if isinstance(reference, Trace) else open_trace(reference)
-    try:
-        port_trace = port if isinstance(port, Trace) else open_trace(port)
-        try:
-            return _diff(ref_trace, port_trace, mapping, tolerances, progress, independent)
-        finally:
-            if not isinstance(port, Trace):
-                port_trace.close()
-    finally:
-        if not isinstance(reference, Trace):
-            ref_trace.close()
+    tolerances = Tolerances.build(tolerances)
+    with contextlib.ExitStack() as stack:
+        ref_trace, port_trace, base_trace = (
+            None if given is None else given if isinstance(given, Trace)
+            else stack.enter_context(open_trace(given))
+            for given in (reference, port, baseline))
+        judge = None if base_trace is None else _measure_baseline(
+            ref_trace, base_trace, baseline_factor, progress)
+        return _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
+
+
+def _measure_baseline(ref: Trace, base: Trace, factor: float,
+                      progress: Progress | None) -> Baseline:
+    """The baseline's own error against the reference, record by record (same names)."""
+    sites = match_sites(ref.sites, base.sites, ref.index, base.index, Mapping())
+    records = pair_records(ref.index, base.index, sites, Mapping())
+    exact = [pair for pair in records.pairs if pair.match == "exact"]
+    if not exact:
+        raise DiffError(f"baseline {base.path} shares no site with reference {ref.path}; a "
+                        "baseline is the reference's own case captured in the port's precision "
+                        f"(layerdiff capture {ref.meta.get('case', 'CASE')} --dtype ... -o "
+                        "baseline.h5)")
+    rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
+        exact, progress)
+    return Baseline.from_rows(base.path.name, rows, factor=factor)
 
 
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
-          progress: Progress | None, independent: bool) -> R.Diff:
+          progress: Progress | None, independent: bool,
+          baseline: Baseline | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping)
@@ -71,13 +91,14 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                         f"{', '.join(ref.sites['site'][:3])}; first port sites: "
                         f"{', '.join(port.sites['site'][:3])}); pass --map with a mapping file")
     grad_factor = ref.loss_scale / port.loss_scale
-    comparer = _Comparer(ref, port, tolerances, grad_factor)
+    comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
     rows = comparer.run(records.pairs, progress)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
         columns=R.UNMATCHED_COLUMNS)
-    origins, first_step = find_origins(rows, ref.sites, independent=independent)
+    origins, first_step = find_origins(rows, ref.sites, independent=independent,
+                                       ref_index=ref_index)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": str(mapping.path) if mapping.path else None,
@@ -86,17 +107,47 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                   "port": int(port.sites["site"].nunique()),
                   "paired": len(sites.pairs)},
         "summary": ref.summary or port.summary,
+        "baseline": None if baseline is None else {"trace": baseline.name,
+                                                   "factor": baseline.factor},
+        "precision": None if baseline is not None else _precision_hint(ref, port, rows,
+                                                                        mapping),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+
+
+def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
+                    mapping: Mapping) -> dict[str, Any] | None:
+    """When the port runs in another precision and no baseline was given: the two commands
+    that judge it by what that precision allows."""
+    floats = rows[rows["dtype"].astype(str).str.contains("float")]
+    differ = floats[floats["dtype"] != floats["port_dtype"]]
+    if differ.empty:
+        return None
+    port_dtype = str(differ["port_dtype"].mode().iloc[0])
+    autocast = port.meta.get("autocast")
+    flag = (f"--autocast {autocast}" if autocast
+            else f"--dtype {port.meta.get('dtype') or port_dtype}")
+    options = ""
+    if int(ref.meta.get("steps", 1) or 1) != 1:
+        options += f" --steps {ref.meta['steps']}"
+    if ref.loss_scale != 1.0:
+        options += f" --loss-scale {ref.loss_scale:g}"
+    case = ref.meta.get("case") or "REF_CASE"
+    base = ref.path.with_name(f"{ref.path.stem}.{port_dtype}.h5")
+    return {"reference": str(differ["dtype"].mode().iloc[0]), "port": port_dtype,
+            "capture": f"layerdiff capture {case} {flag}{options} -o {base}",
+            "diff": f"layerdiff diff {ref.path} {port.path} --baseline {base}"
+                    + (f" --map {mapping.path}" if mapping.path else "")}
 
 
 class _Comparer:
     """Turns record pairs into rows: digests first, data only where they differ."""
 
     def __init__(self, ref: Trace, port: Trace, tolerances: Tolerances,
-                 grad_factor: float) -> None:
+                 grad_factor: float, baseline: Baseline | None = None) -> None:
         self.ref, self.port = ref, port
         self.tolerances = tolerances
+        self.baseline = baseline
         self.grad_factor = grad_factor
         self.scratch = Scratch()  # one set of work arrays for every chunk of this diff
 
@@ -136,7 +187,15 @@ class _Comparer:
             # Tolerances are for the loss as it is; gradients here are amplified by the loss
             # scale, and so is their rounding error: atol follows, rtol needs nothing.
             tolerance = Tolerance(tolerance.rtol, tolerance.atol * scale,
-                                  f"{tolerance.source}; atol x loss scale {scale:g}")
+                                  f"{tolerance.source}; atol x loss scale {scale:g}",
+                                  tolerance.kind)
+        rms_tol = None
+        if self.baseline is not None and r["kind"] == "tensor" and tolerance.kind != "rule":
+            limit = self.baseline.limit(
+                (int(r["step"]), r["site"], r["role"], r["arg"]), r, p["dtype"],
+                scale if r["role"] in GRAD_ROLES else 1.0)
+            if limit is not None:
+                tolerance, rms_tol = limit.tolerance, limit.rms
         row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
         row.update({
             "step": int(r["step"]), "pass": r["pass"], "seq": int(r["seq"]),
@@ -146,6 +205,7 @@ class _Comparer:
             "shape": schema.format_shape(ref_shape), "port_shape": schema.format_shape(port_shape),
             "dtype": r["dtype"], "port_dtype": p["dtype"], "numel": int(np.prod(ref_shape)),
             "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
+            "rms_tol": rms_tol,
             "verdict": "", "note": "", "status": "", "cause": "",
         })
         notes = []
@@ -220,9 +280,17 @@ class _Comparer:
             if chunk.last:
                 row = rows[position]
                 row.update(metrics.result(shape))
+                if row["rms_tol"] is not None:  # a baseline's second rule
+                    row["ratio"] = max(row["ratio"], _over(row["rms"], row["rms_tol"]))
                 row["verdict"] = _verdict(row)
             if progress is not None:
                 progress(min(done, total), total)
+
+
+def _over(value: float, limit: float) -> float:
+    if value == 0:
+        return 0.0
+    return value / limit if limit > 0 else np.inf
 
 
 def _new_metrics(tolerance: Tolerance, r: pd.Series, p: pd.Series, shape: tuple[int, ...],

@@ -26,6 +26,7 @@ PASSING = frozenset({IDENTICAL, WITHIN, REF_NAN})
 ORIGIN = "origin"
 HOLDS_ORIGIN = "holds-origin"      # a container around an origin
 PROPAGATED = "propagated"          # out of tolerance because of an earlier origin (see `cause`)
+CANNOT_JUDGE = "cannot-judge"      # out, but what comes into it has no partner in the port
 
 # Columns of Diff.rows, in order. One row per compared (step, site, role, tensor).
 ROW_COLUMNS = [
@@ -35,7 +36,7 @@ ROW_COLUMNS = [
     "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
     "frac_out", "worst_index", "ratio",                 # ratio: max |d| / (atol + rtol|ref|)
     "ref_nan", "ref_inf", "port_nan", "port_inf",
-    "rtol", "atol", "tol_source",
+    "rtol", "atol", "tol_source", "rms_tol",           # rms_tol: a baseline's rms limit
     "verdict", "note", "batch_ratio",                   # batch_ratio: per batch element, or None
     "status", "cause",
 ]

@@ -46,6 +46,7 @@ class Tolerance:
     rtol: float
     atol: float
     source: str  # where the numbers came from, for the verdict's explanation
+    kind: str = "default"  # default | flags (--rtol/--atol) | rule (a tolerance file) | baseline
 
     def describe(self) -> str:
         return f"rtol={self.rtol:g} atol={self.atol:g} ({self.source})"
@@ -82,11 +83,34 @@ class _Rule:
 
 
 class Tolerances:
-    """Default tolerances plus the rules of an optional file."""
+    """Default tolerances plus the rules of an optional file.
 
-    def __init__(self, rules: list[_Rule] | None = None, path: Path | None = None) -> None:
+    ``rtol`` / ``atol`` (the ``--rtol`` / ``--atol`` flags) replace the per-dtype default of
+    every record; a file's rules still override them where they match."""
+
+    def __init__(self, rules: list[_Rule] | None = None, path: Path | None = None, *,
+                 rtol: float | None = None, atol: float | None = None) -> None:
         self.rules = rules or []
         self.path = path
+        for name, value in (("rtol", rtol), ("atol", atol)):
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0
+                                          and value != float("inf")):
+                raise ToleranceError(f"--{name} must be a finite number >= 0, got {value!r}")
+        self.rtol, self.atol = rtol, atol
+
+    @classmethod
+    def build(cls, source: str | Path | Tolerances | None = None, *, rtol: float | None = None,
+              atol: float | None = None) -> Tolerances:
+        """Tolerances from a file (or none, or ready ones) with the flags' defaults on top."""
+        if isinstance(source, Tolerances):
+            tolerances = source
+        else:
+            tolerances = cls.load(source) if source is not None else cls()
+        if rtol is not None or atol is not None:
+            tolerances = cls(tolerances.rules, tolerances.path,
+                             rtol=tolerances.rtol if rtol is None else rtol,
+                             atol=tolerances.atol if atol is None else atol)
+        return tolerances
 
     @classmethod
     def load(cls, path: str | Path) -> Tolerances:
@@ -123,17 +147,25 @@ class Tolerances:
         return cls(rules, config.path)
 
     def lookup(self, site: str, role: str, arg: str, dtype: str) -> Tolerance:
-        """The tolerance for one tensor: the dtype default, then every matching rule in order."""
+        """The tolerance for one tensor: the dtype default (or the flags), then every matching
+        rule in order."""
         tolerance = default_tolerance(dtype)
+        if (self.rtol is not None or self.atol is not None) and dtype in DEFAULTS:
+            given = " ".join(f"--{k} {v:g}" for k, v in (("rtol", self.rtol),
+                                                          ("atol", self.atol)) if v is not None)
+            tolerance = Tolerance(tolerance.rtol if self.rtol is None else self.rtol,
+                                  tolerance.atol if self.atol is None else self.atol,
+                                  given, "flags")
         for rule in self.rules:
             if rule.matches(site, role, arg, dtype):
                 tolerance = Tolerance(tolerance.rtol if rule.rtol is None else rule.rtol,
                                       tolerance.atol if rule.atol is None else rule.atol,
-                                      rule.label)
+                                      rule.label, "rule")
         return tolerance
 
     def as_json(self) -> dict[str, Any]:
-        return {"file": str(self.path) if self.path else None, "defaults": DEFAULTS}
+        return {"file": str(self.path) if self.path else None, "defaults": DEFAULTS,
+                "rtol": self.rtol, "atol": self.atol}
 
 
 def _yaml_number(value: Any) -> Any:

@@ -25,7 +25,7 @@ from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
 from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.matching import port_site_for
-from layerdiff.compare.tolerances import default_tolerance
+from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import map_argument, rebuild_call
 from layerdiff.trace import schema
@@ -83,13 +83,14 @@ class Swapper:
     """Builds swapped reference models for one reference case and one port case."""
 
     def __init__(self, reference: Any, port: Any, mapping: str | os.PathLike | Mapping | None
-                 = None) -> None:
+                 = None, *, tolerances: Tolerances | None = None) -> None:
         # every run trains its models, so each gets a fresh case (a copy of a given Case)
         self.make_reference = reference if callable(reference) else (
             lambda: copy.deepcopy(reference))
         self.make_port = port if callable(port) else (lambda: copy.deepcopy(port))
         self.mapping = mapping if isinstance(mapping, Mapping) else (
             Mapping.load(mapping) if mapping is not None else Mapping())
+        self.tolerances = tolerances or Tolerances()
         probe_ref, probe_port = self.make_reference(), self.make_port()
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
@@ -158,13 +159,14 @@ class Swapper:
         result = SwapResult(swapped, steps, [(float(a), float(b)) for a, b in zip(
             ref_run.losses, host_run.losses, strict=True)], into=into)
         for step, (a, b) in enumerate(zip(ref_run.losses, host_run.losses, strict=True)):
-            result.rows.append(_compare(f"loss, step {step}", a, b))
+            result.rows.append(_compare(f"loss, step {step}", a, b, self.tolerances))
         for (arg, a), (_, b) in zip(flatten(ref_run.output, ""), flatten(host_run.output, ""),
                                     strict=False):
             if torch.is_tensor(a) and torch.is_tensor(b):
-                result.rows.append(_compare(f"output {arg}, step {steps - 1}", a, b))
+                result.rows.append(_compare(f"output {arg}, step {steps - 1}", a, b,
+                                                 self.tolerances))
         if into == "reference":
-            result.rows += _parameter_rows(baseline.model, host.model, steps)
+            result.rows += _parameter_rows(baseline.model, host.model, steps, self.tolerances)
             result.rows += self._swapped_grad_rows(baseline.model, layers, steps)
         return result
 
@@ -187,7 +189,8 @@ class Swapper:
                 for ref_name, ref_grad, port_grad in _grad_pairs(found, [r.grad for r in refs],
                                                                  param.grad):
                     rows.append(_compare(f"weight_grad {ref_name} (port {port_module}.{name}), "
-                                         f"step {steps - 1}", ref_grad, port_grad))
+                                         f"step {steps - 1}", ref_grad, port_grad,
+                                         self.tolerances))
         return rows
 
     def _baseline(self, steps: int):
@@ -246,12 +249,14 @@ class Swapper:
 
 def swap(reference: Any, port: Any, sites: Sequence[str], *,
          mapping: str | os.PathLike | Mapping | None = None, steps: int | None = None,
-         into: str = "reference") -> SwapResult:
+         into: str = "reference", tolerances: Tolerances | None = None) -> SwapResult:
     """Run ``reference`` (a Case, or a function making one) with the port's layers at
     ``sites`` in place (``into="port"``: the reference's layers in the port instead) and
     compare loss, outputs, weight gradients and weights after the steps with the pure reference.
-    Cases are built afresh for each run when given as functions (recommended: a run trains)."""
-    return Swapper(reference, port, mapping).run(sites, steps=steps, into=into)
+    Cases are built afresh for each run when given as functions (recommended: a run trains).
+    ``tolerances`` (see :meth:`Tolerances.build`) judges the comparisons."""
+    return Swapper(reference, port, mapping, tolerances=tolerances).run(sites, steps=steps,
+                                                                         into=into)
 
 
 class _ArgumentAdapter(nn.Module):
@@ -365,7 +370,8 @@ def _grad_pairs(found: ParamSource, ref_grads: list[torch.Tensor], port_grad: to
     return [(found.reference[0], ref_grads[0], port_grad)]
 
 
-def _parameter_rows(reference: nn.Module, host: nn.Module, steps: int) -> list[dict[str, Any]]:
+def _parameter_rows(reference: nn.Module, host: nn.Module, steps: int,
+                    tolerances: Tolerances) -> list[dict[str, Any]]:
     """Weights after the steps (reported) and the last step's weight gradients (judged), for
     the parameters both models have under the same name."""
     ours = dict(reference.named_parameters())
@@ -373,20 +379,20 @@ def _parameter_rows(reference: nn.Module, host: nn.Module, steps: int) -> list[d
     for name, param in host.named_parameters():
         if name in ours:  # the swapped layers' own parameters have other names
             rows.append(_compare(f"weight {name} after {steps} step(s)", ours[name], param,
-                                 judged=False))
+                                 tolerances, judged=False))
             if ours[name].grad is not None and param.grad is not None:
                 rows.append(_compare(f"weight_grad {name}, step {steps - 1}", ours[name].grad,
-                                     param.grad))
+                                     param.grad, tolerances))
     return rows
 
 
-def _compare(what: str, expected: torch.Tensor, got: torch.Tensor, *,
+def _compare(what: str, expected: torch.Tensor, got: torch.Tensor, tolerances: Tolerances, *,
              judged: bool = True) -> dict[str, Any]:
     a = expected.detach().double().cpu()
     b = got.detach().double().cpu()
     if a.shape != b.shape:
         return {"what": what, "ratio": np.inf, "max_abs": np.inf, "judged": judged}
-    tolerance = default_tolerance(str(expected.dtype).removeprefix("torch."))
+    tolerance = tolerances.lookup(what, "*", "", str(expected.dtype).removeprefix("torch."))
     diff = (a - b).abs()
     ratio = diff / (tolerance.atol + tolerance.rtol * a.abs())
     ratio[diff == 0] = 0

@@ -7,7 +7,7 @@ import textwrap
 
 import pandas as pd
 
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import CANNOT_JUDGE, Diff, Origin
 
 WIDTH = 100
 MAX_SITES = 40
@@ -23,6 +23,7 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
     lines = [verdict_line(diff, width)]
     if diff.origin is not None:
         lines += _origin_details(diff.origin, width)
+    lines += _precision_hint(diff.meta.get("precision"), width)
     lines.append("")
     lines += _summary(diff, width)
     if verbose:
@@ -48,6 +49,10 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
         return _clip(f"PASS  {len(diff.rows):,} records within tolerance (largest error "
                      f"{_number(worst)} of its tolerance)", width)
     if diff.origin is None:
+        if (diff.rows["status"] == CANNOT_JUDGE).any():
+            return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
+                         "can be named: what comes into the failing sites has no partner in "
+                         "the port", width)
         return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
                      "found (every failing site's inputs were already out)", width)
     return f"FAIL  origin: {diff.origin.describe(port_name=False)}"
@@ -76,6 +81,17 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
         line, width, initial_indent=" " * 6, subsequent_indent=" " * 8)]
 
 
+def _precision_hint(hint: dict | None, width: int) -> list[str]:
+    if not hint:
+        return []
+    lines = textwrap.wrap(
+        f"the port runs in {hint['port']}, the reference in {hint['reference']}: per-dtype "
+        "tolerances cannot know what that precision accumulates. Judge the port by the "
+        "reference run its way (a baseline):", width, initial_indent=" " * 6,
+        subsequent_indent=" " * 6)
+    return lines + [f"        {hint['capture']}", f"        {hint['diff']}"]
+
+
 def _summary(diff: Diff, width: int) -> list[str]:
     rows, meta = diff.rows, diff.meta
     sites = rows[~rows["role"].isin(["weight", "weight_grad"])].drop_duplicates("site")
@@ -93,6 +109,17 @@ def _summary(diff: Diff, width: int) -> list[str]:
                      "port gradients rescaled to the reference's")
     if meta.get("summary"):
         lines.append("summary trace: statistics compared, not tensors")
+    if meta.get("baseline"):
+        lines.append(f"baseline  {meta['baseline']['trace']}: each record may have "
+                     f"{meta['baseline']['factor']:g}x the baseline's error + one rounding")
+    for warning in meta.get("warnings", []):
+        lines += textwrap.wrap(f"warning   {warning}", width, subsequent_indent=" " * 10)
+    unjudged = rows[rows["status"] == CANNOT_JUDGE].drop_duplicates("site")
+    if len(unjudged):
+        names = ", ".join(unjudged["site"].head(6)) + (" ..." if len(unjudged) > 6 else "")
+        lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) whose inputs or "
+                               f"incoming gradients have no partner in the port: {names}",
+                               width, subsequent_indent=" " * 10)
     if len(diff.origins) > 1:
         lines.append(f"origins   {len(diff.origins)}:")
         lines += [_clip(f"  {i}. {o.describe(port_name=False)}", width)
@@ -116,8 +143,8 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
     widths = [(c, w or max(16, width - fixed), a) for c, w, a in COLUMNS]
     out = [_row(widths, {c: c for c, _, _ in COLUMNS})]
     for row in rows.rename(columns={"pass": "pass_"}).itertuples(index=False):
-        status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated"}.get(
-            row.status, row.verdict)
+        status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated",
+                  CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
         out.append(_row(widths, {
             "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
             "site": row.site, "role": row.role, "arg": row.arg,
