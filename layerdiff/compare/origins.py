@@ -14,6 +14,10 @@ through the weights):
 - nesting: of a container and sites inside it that all qualify, the innermost are the origins
   and the containers are marked as holding them; a container that qualifies with no qualifying
   site inside has the fault in its own code between its children.
+- no false secondary origins: a candidate whose error is no larger than what the errors
+  measured on what came into it can produce (a first-order bound, see :func:`_propagated_bound`)
+  is propagated, not an origin; a candidate some of whose inputs or incoming gradients have no
+  partner in the port cannot be judged, and is listed as such rather than named an origin.
 Every other failing row is marked as propagated from the nearest origin before it.
 """
 
@@ -27,6 +31,12 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.records import param_name
 from layerdiff.trace import schema
+
+# The Jacobian of a site without a weight matrix is estimated from the reference's aggregate
+# gains (see _gain); the worst row's gain can be larger (a layer norm's 1/sigma is largest for
+# the token with the smallest spread). Measured: an error arriving just within tolerance at a
+# GPT block's first layer norm left it at 1.02x the estimate; planted bugs are 10-1000x.
+GAIN_SLACK = 2.0
 
 METRIC_KEYS = ("ratio", "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
                "frac_out", "worst_index", "rtol", "atol", "tol_source", "note")
@@ -42,33 +52,51 @@ class _Site:
     backward_order: int = 1 << 62    # seq of its first backward row
     bad: dict[str, list[int]] = field(default_factory=dict)   # role -> failing row positions
     new_non_finite: dict[str, bool] = field(default_factory=dict)  # role -> port NaN/Inf extra
+    rows: dict[str, list[int]] = field(default_factory=dict)  # role -> every compared row
+    missing: set[str] = field(default_factory=set)  # roles the reference has, unpaired here
+    explained: tuple[float, float] | None = None  # (error, bound) when its inputs explain it
 
     def is_bad(self, *roles: str) -> bool:
         return any(self.bad.get(role) for role in roles)
 
+    def lacks(self, *roles: str) -> bool:
+        return any(role in self.missing for role in roles)
 
-def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False
-                 ) -> tuple[list[R.Origin], int | None]:
+
+def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
+                 ref_index: pd.DataFrame | None = None) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
     ``independent``: every site ran on the reference's own inputs and gradients (a replay), so
-    no site's backward inherits another's error and every qualifying site is an origin."""
+    no site's backward inherits another's error and every qualifying site is an origin.
+    ``ref_index``: the reference's index, to tell a site whose inputs have no partner (it
+    cannot be judged) and to bound the error its inputs can produce (their norms)."""
     failing = ~rows["verdict"].isin(R.PASSING)
     if not failing.any():
         return [], None
     step = int(rows.loc[failing, "step"].min())
     in_step = rows.index[rows["step"] == step]
     sites = _collect(rows, in_step)
+    norms: dict[int, float] = {}
+    if ref_index is not None:
+        _find_missing(sites, rows, ref_index, step)
+        norms = _norms(rows, in_step, ref_index)
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
 
     weight_origins = [s for s in sites.values() if s.is_bad("weight")]
-    forward = [s for s in sites.values() if _forward_candidate(s)]
+    forward_all = [s for s in sites.values() if _forward_candidate(s)]
+    backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
+    unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
+    forward = [s for s in forward_all if s not in unjudged]
+    backward = [s for s in backward_all if s not in unjudged]
+    if norms and not independent:
+        forward = _unexplained(rows, forward, ("output",), norms, sites)
+        backward = _unexplained(rows, backward, ("grad_input", "weight_grad"), norms, sites)
     # The gradient reaching a site that ran before a forward origin has passed through that
     # origin's backward: small errors there, summed into a weight gradient, are its doing.
     last_forward = -1 if independent else max((s.order for s in forward), default=-1)
-    backward = [s for s in sites.values()
-                if _backward_candidate(s, sites, independent) and s.order > last_forward]
+    backward = [s for s in backward if s.order > last_forward]
     origins: list[R.Origin] = []
     # A site with wrong weights is an origin of its own; for nesting it qualifies like a
     # forward candidate, so the containers around it hold it rather than become origins.
@@ -89,9 +117,15 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             lambda s: s.backward_order)
         for site in sorted(innermost, key=key):
             role = next(r for r in role_order if site.is_bad(r))
-            origin = _origin(rows, site, step, role, reason(site, parents, sites))
+            text = reason(site, parents, sites)
+            if site.explained is not None:
+                text += (f"; its error ({site.explained[0]:.3g}) is within what the errors "
+                         f"arriving at it can produce ({site.explained[1]:.3g}), but nothing "
+                         "before it is out: the difference began below tolerance upstream")
+            origin = _origin(rows, site, step, role, text)
             origin.holders = sorted(holders.get(site.name, []))
             origins.append(origin)
+    _mark_unjudged(rows, unjudged)
     _mark(rows, origins, sites, step, failing)
     return origins, step
 
@@ -117,11 +151,169 @@ def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
             entry = sites[name] = _Site(name, port_site, int(seq))
         if role in ("grad_output", "grad_input"):
             entry.backward_order = min(entry.backward_order, int(seq))
+        entry.rows.setdefault(role, []).append(pos)
         if verdict not in R.PASSING:
             entry.bad.setdefault(role, []).append(pos)
         if port_bad > ref_bad:
             entry.new_non_finite[role] = True
     return sites
+
+
+def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.DataFrame,
+                  step: int) -> None:
+    """Note, per site, the roles with a floating-point reference tensor that has no partner
+    in the port (unmatched, or declared so) and whose values no paired record of the same site
+    and role holds (``attn(x, x, x)`` pairs one of three equal inputs)."""
+    wanted = ref_index[(ref_index["step"] == step) & (ref_index["kind"] == "tensor")
+                       & ref_index["role"].isin(["input", "grad_output", "output"])
+                       & ref_index["dtype"].str.contains("float")]
+    frame = rows[rows["step"] == step]
+    paired = set(zip(frame["site"], frame["role"], frame["arg"], strict=True))
+    digests: dict[tuple[str, str], set[str]] = {}
+    unpaired = []
+    for site, role, arg, digest in zip(wanted["site"], wanted["role"], wanted["arg"],
+                                       wanted["digest"], strict=True):
+        if (site, role, arg) in paired:
+            digests.setdefault((site, role), set()).add(digest)
+        else:
+            unpaired.append((site, role, digest))
+    root = f"{schema.ROOT_MODULE}#0"
+    for site, role, digest in unpaired:
+        if digest in digests.get((site, role), set()):
+            continue
+        if site in sites:
+            sites[site].missing.add(role)
+        elif site == root and role == "output" and schema.LOSS_SITE in sites:
+            sites[schema.LOSS_SITE].missing.add("input")
+    loss = sites.get(schema.LOSS_SITE)
+    if loss is not None and root in sites and sites[root].lacks("output"):
+        loss.missing.add("input")  # the model's output, which the loss takes, has no partner
+
+
+def _cannot_judge(site: _Site) -> bool:
+    """Whether what comes into the failing record has no partner to be judged against."""
+    if site.is_bad("output") and not site.is_bad("grad_input", "weight_grad"):
+        return site.lacks("input")
+    return site.lacks("grad_output", "input")
+
+
+def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame
+           ) -> dict[int, float]:
+    """Row position -> L2 norm of its reference tensor (the index has it for every record)."""
+    l2 = dict(zip(zip(ref_index["step"], ref_index["site"], ref_index["role"], ref_index["arg"]),
+                  ref_index["l2"], strict=True))
+    frame = rows.loc[positions]
+    return {pos: float(l2.get((int(step), site, role, arg), np.nan))
+            for pos, step, site, role, arg in zip(frame.index, frame["step"], frame["site"],
+                                                  frame["role"], frame["arg"], strict=True)}
+
+
+def _error(rows: pd.DataFrame, positions: list[int]) -> float:
+    """Frobenius norm of the error over these rows (rms x sqrt(size)); NaN if any is unknown
+    (a statistics-only row has no rms)."""
+    total = 0.0
+    for pos in positions:
+        rms = rows.at[pos, "rms"]
+        if rms is None or not np.isfinite(rms):
+            return np.nan
+        total += float(rms) ** 2 * int(rows.at[pos, "numel"])
+    return float(np.sqrt(total))
+
+
+def _norm(norms: dict[int, float], positions: list[int]) -> float:
+    return float(np.sqrt(sum(norms.get(p, np.nan) ** 2 for p in positions)))
+
+
+def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[int, float],
+                      sites: dict[str, _Site]) -> float:
+    """A first-order bound on the error (Frobenius norm) that the errors measured on what came
+    into ``site`` can produce in its ``role`` records.
+
+    Every bound is Cauchy-Schwarz on a product: for ``z = a . b`` (a sum of products over an
+    inner index: a matmul, a convolution, a weight gradient summed over batch and positions),
+    ``|dz| <= |da| |b| + |a| |db| + |da| |db|`` in Frobenius norms, whatever the inner size.
+    - weight_grad = sum over every call and position of grad_output x input:
+      ``a`` = the grad_outputs, ``b`` = the float inputs, over all calls of the module;
+    - grad_input = grad_output through the site's Jacobian; output = inputs through the site:
+      with weights of its own (a matrix), ``b`` is those weights; without, the Jacobian's size
+      is taken from the reference's own gain (|grad_input| / |grad_output|, |output| / |input|),
+      an estimate for element-wise and container sites, and the inputs' relative error carries
+      over at that gain.
+    """
+    float_rows = [p for p in site.rows.get("input", [])
+                  if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+    if role == "weight_grad":
+        module = schema.split_site(site.name)[0]
+        calls = [s for n, s in sites.items() if schema.split_site(n)[0] == module] or [site]
+        bound = 0.0
+        for call in calls:
+            grads = call.rows.get("grad_output", [])
+            inputs = [p for p in call.rows.get("input", [])
+                      if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+            e_a, n_a = _error(rows, grads), _norm(norms, grads)
+            e_b, n_b = _error(rows, inputs), _norm(norms, inputs)
+            bound += e_a * n_b + n_a * e_b + e_a * e_b
+        return bound
+    incoming = site.rows.get("grad_output", []) if role == "grad_input" else float_rows
+    outgoing = site.rows.get(role, [])
+    weights = site.rows.get("weight", [])
+    matrices = [p for p in weights if len(str(rows.at[p, "shape"]).split(",")) >= 2]
+    e_a, n_a = _error(rows, incoming), _norm(norms, incoming)
+    e_w, n_w = _error(rows, weights), _norm(norms, weights)
+    if matrices:
+        bound = e_a * n_w + n_a * e_w + e_a * e_w
+    else:
+        bound = GAIN_SLACK * e_a * _gain(site, norms, float_rows) + _norm(norms, outgoing) * (
+            e_w / n_w if n_w > 0 else 0.0)
+    if role == "grad_input":  # the forward inputs' error changes the Jacobian itself
+        e_x, n_x = _error(rows, float_rows), _norm(norms, float_rows)
+        bound += _norm(norms, outgoing) * (e_x / n_x if n_x > 0 else 0.0)
+    return bound
+
+
+def _gain(site: _Site, norms: dict[int, float], float_inputs: list[int]) -> float:
+    """An estimate of the size of a site's Jacobian, from the reference's own tensors: the
+    larger of its forward gain (|output| / |input|) and its backward gain (|grad_input| /
+    |grad_output|). A linear map and its transpose have the same norm, and either gain alone
+    can miss it: a layer norm's backward removes the mean of the gradient it receives, so its
+    backward gain is small while an error arriving there passes at 1/sigma, its forward gain."""
+    gains = []
+    for out, into in ((site.rows.get("output", []), float_inputs),
+                      (site.rows.get("grad_input", []), site.rows.get("grad_output", []))):
+        n_in = _norm(norms, into)
+        if out and into and n_in > 0:
+            gains.append(_norm(norms, out) / n_in)
+    finite = [g for g in gains if np.isfinite(g)]
+    return max(finite) if finite else np.inf
+
+
+def _unexplained(rows: pd.DataFrame, candidates: list[_Site], roles: tuple[str, ...],
+                 norms: dict[int, float], sites: dict[str, _Site]) -> list[_Site]:
+    """The candidates whose failing records hold more error than what came into them can
+    produce; when none does, the first candidate stays (the difference began below tolerance
+    before it, and it is where it first shows)."""
+    kept = []
+    for site in candidates:
+        role = next(r for r in roles if site.is_bad(r))
+        error = _error(rows, site.bad[role])
+        bound = _propagated_bound(rows, site, role, norms, sites)
+        if not (np.isfinite(error) and np.isfinite(bound)) or error > bound:
+            kept.append(site)
+        else:
+            site.explained = (error, bound)
+    if not kept and candidates:
+        first = min(candidates, key=lambda s: s.order if "output" in roles
+                    else s.backward_order)
+        kept.append(first)
+    return kept
+
+
+def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site]) -> None:
+    for site in unjudged:
+        for positions in site.bad.values():
+            for pos in positions:
+                rows.at[pos, "status"] = R.CANNOT_JUDGE
+                rows.at[pos, "cause"] = "its inputs have no partner in the port"
 
 
 def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:
