@@ -86,6 +86,9 @@ CATALOG: list[CaseInfo] = [
 
     _bug("mlp_port", "bug_weight_not_transposed", "mlp", "fc2#0", "forward",
          "a square Linear weight used without its transpose (x @ W instead of x @ W.T)"),
+    _bug("mlp_port", "bug_gelu_tanh", "mlp", "act2#0", "forward",
+         "GELU from its tanh approximation where the reference uses erf: at most ~5e-4 apart, "
+         "outside float32 tolerance, inside bfloat16 rounding"),
     _bug("cnn_port", "bug_relu_backward_batch", "cnn", "block.act#0", "backward",
          "custom autograd ReLU whose backward applies the first batch element's mask to "
          "all: gradients wrong only for batch elements after the first"),
