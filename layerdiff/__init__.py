@@ -35,6 +35,7 @@ _LAZY = {
     "Mapping": "layerdiff.compare",
     "Tolerances": "layerdiff.compare",
     "load_weights": "layerdiff.weights",
+    "map_check": "layerdiff.mapcheck",
     "replay": "layerdiff.replay",
     "swap": "layerdiff.replay",
     "bisect": "layerdiff.replay",
@@ -46,6 +47,7 @@ __all__ = [
     "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase", "LayerdiffError",
     "Mapping", "MappingError", "Session", "ToleranceError", "Tolerances", "TraceError",
     "TraceWriter", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",
+    "map_check",
     "open_trace", "replay", "run_case", "seed_everything", "swap",
 ]
 

@@ -2,23 +2,25 @@
 
 ``load_weights(port_model, "ref.h5", mapping="port.map.toml")`` sets every parameter and buffer
 of the port from the reference's ``weight`` records of step 0: renamed, transposed, split or
-concatenated as the mapping says, shape-checked, cast to the port's dtype.
+concatenated (or a chain of these, in order) as the mapping says, shape-checked, cast to the
+port's dtype. :func:`resolve_weights` says what each port tensor would get without setting
+anything; ``load_weights`` and ``map_check`` both stand on it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.compare.mapping import Mapping, ParamSource
+from layerdiff.compare.mapping import Mapping, ParamSource, Slice
 from layerdiff.compare.records import param_name
 from layerdiff.errors import MappingError
-from layerdiff.trace import open_trace, schema
+from layerdiff.trace import Trace, open_trace, schema
 
 
 @dataclass
@@ -41,8 +43,9 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     Raises :class:`MappingError` naming both sides when a shape does not fit, and listing the
     port tensors that nothing in the reference provides.
     """
-    path = Path(trace_path)
-    return load_weights_from(model, _reference_weights(path), mapping, source=str(path))
+    with open_trace(trace_path) as trace:
+        reference = trace_weights(trace)
+    return load_weights_from(model, reference, mapping, source=str(trace_path))
 
 
 def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
@@ -55,40 +58,142 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                       source: str = "the reference") -> WeightsReport:
     """Set ``model``'s parameters and buffers from ``reference`` (name -> array) through
     ``mapping``; see :func:`load_weights`."""
-    mapping = mapping if isinstance(mapping, Mapping) else (
-        Mapping.load(mapping) if mapping is not None else Mapping())
-    partner = _module_partners(model, reference, mapping)
-    report = WeightsReport()
-    missing: list[str] = []
-    persistent = set(model.state_dict())  # buffers registered persistent=False are the port's
-    targets = dict(model.named_parameters())
-    targets.update((n, b) for n, b in model.named_buffers() if n in persistent)
-    values: dict[str, np.ndarray] = {}
-    for name, tensor in targets.items():
-        found = mapping.param_source(name, partner) or ParamSource([name])
-        if not all(ref in reference for ref in found.reference):
-            missing.append(name)
-            continue
-        value = _combine(found, reference)
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise MappingError(
-                f"weights from {source}: port {name} has shape {tuple(tensor.shape)} but "
-                f"reference {' + '.join(found.reference)} gives {tuple(value.shape)} "
-                f"({found.transform}); fix the [[param]] rule in {mapping.name}")
-        values[name] = value
-        report.loaded[name] = found.reference
+    mapping = as_mapping(mapping)
+    assignments = resolve_weights(model, reference, mapping)
+    for found in assignments:
+        if found.problem == SHAPE_MISMATCH:
+            raise MappingError(f"weights from {source}: {found.note}; fix the [[param]] rule "
+                               f"in {mapping.name}")
+    missing = [found.port for found in assignments if found.problem == NO_SOURCE]
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
         raise MappingError(f"weights from {source}: nothing in the reference gives port "
                            f"{shown} ({len(missing)} tensors); add [[site]] or [[param]] rules "
                            f"to {mapping.name if mapping.path else 'a mapping file (--map)'}")
+    targets = port_tensors(model)
     with torch.no_grad():
-        for name, value in values.items():
-            target = targets[name]
-            target.copy_(torch.from_numpy(np.array(value, order="C")).to(target.dtype))
-    used = {ref for refs in report.loaded.values() for ref in refs}
-    report.unused = sorted(set(reference) - used)
-    return report
+        for found in assignments:
+            target = targets[found.port]
+            target.copy_(torch.from_numpy(np.array(found.value, order="C")).to(target.dtype))
+    return WeightsReport({found.port: found.source.reference for found in assignments},
+                         unused_reference(reference, assignments))
+
+
+# ---- resolution: what each port tensor would get (load_weights and map_check share it)
+
+NO_SOURCE = "no-source"
+SHAPE_MISMATCH = "shape-mismatch"
+
+
+@dataclass
+class Assignment:
+    """What one port parameter or buffer receives from the reference, or why it cannot."""
+
+    port: str                     # the port tensor's name
+    shape: tuple[int, ...]        # its shape
+    source: ParamSource           # reference names and the transform chain
+    value: np.ndarray | None = None  # what the chain makes (None when it cannot make one)
+    problem: str = ""             # "" | NO_SOURCE | SHAPE_MISMATCH
+    note: str = ""                # the problem, said for people
+
+
+def as_mapping(mapping: str | os.PathLike | Mapping | None) -> Mapping:
+    """A Mapping from a file name, a Mapping, or nothing (names as they are)."""
+    if isinstance(mapping, Mapping):
+        return mapping
+    return Mapping.load(mapping) if mapping is not None else Mapping()
+
+
+def port_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a load sets: parameters, and buffers that are part of the state (those
+    registered with persistent=False are the port's own)."""
+    persistent = set(model.state_dict())
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if n in persistent)
+    return targets
+
+
+def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray],
+                    mapping: Mapping) -> list[Assignment]:
+    """One assignment per port tensor: the reference tensors the mapping gives it, combined
+    through the rule's transform chain and shape-checked. Changes nothing."""
+    partner = _module_partners(model, reference, mapping)
+    assignments = []
+    for name, tensor in port_tensors(model).items():
+        found = mapping.param_source(name, partner) or ParamSource([name])
+        shape = tuple(tensor.shape)
+        absent = [ref for ref in found.reference if ref not in reference]
+        if absent:
+            note = f"the reference has no {', '.join(absent)}" + (
+                "; no [[param]] rule names it and its module pairs with none by name"
+                if found.reference == [name] else "")
+            assignments.append(Assignment(name, shape, found, problem=NO_SOURCE, note=note))
+            continue
+        assignments.append(_checked(Assignment(name, shape, found), reference))
+    return assignments
+
+
+def unused_reference(reference: dict[str, np.ndarray],
+                     assignments: list[Assignment]) -> list[str]:
+    """Reference tensors that no port tensor takes anything from."""
+    used = {ref for found in assignments if found.problem != NO_SOURCE
+            for ref in found.source.reference}
+    return sorted(set(reference) - used)
+
+
+def _checked(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:
+    names = " + ".join(found.source.reference)
+    try:
+        value = combine(found.source, [reference[n] for n in found.source.reference])
+    except ValueError as exc:  # parts that do not concatenate or split: a shape problem too
+        found.problem = SHAPE_MISMATCH
+        found.note = (f"reference {names} cannot be combined by ({found.source.transform}) "
+                      f"for port {found.port}: {exc}")
+        return found
+    found.value = value
+    if tuple(value.shape) != found.shape:
+        found.problem = SHAPE_MISMATCH
+        found.note = (f"port {found.port} has shape {found.shape} but reference {names} gives "
+                      f"{tuple(value.shape)} ({found.source.transform})")
+    return found
+
+
+def combine(source: ParamSource, parts: list[np.ndarray]) -> np.ndarray:
+    """The port's tensor made from the reference tensors ``parts``: the source's transform
+    chain applied in order (a transpose before a concat transposes every part)."""
+    for step in source.transforms:
+        if step == "concat":
+            parts = [np.concatenate(parts, axis=source.axis)]
+        elif step == "split":
+            parts = [np.split(parts[0], source.parts, axis=source.axis)[source.part]]
+        elif step == "transpose":
+            parts = [part.T for part in parts]
+    return parts[0]
+
+
+def paired_parts(source: ParamSource, references: list, port: Any) -> list[tuple[str, Any, Any]]:
+    """``(reference name, reference tensor, the part of the port's tensor that is it)`` for
+    each reference tensor of ``source``: the chain undone. Numpy arrays or torch tensors (a
+    weight gradient is paired with its reference's this way)."""
+    shapes = [tuple(r.shape) for r in references]
+    pairs = []
+    for view in source.views(shapes, tuple(port.shape)):
+        ref, part = references[view.reference], port
+        if view.ref_slice is not None:
+            ref = ref[_index(view.ref_slice, ref.ndim)]
+        if view.port_slice is not None:
+            part = part[_index(view.port_slice, part.ndim)]
+        if view.transpose_port:
+            part = part.permute(*range(part.ndim - 1, -1, -1)) if torch.is_tensor(part) \
+                else part.T
+        pairs.append((source.reference[view.reference], ref, part))
+    return pairs
+
+
+def _index(part: Slice, ndim: int) -> tuple[slice, ...]:
+    index = [slice(None)] * ndim
+    index[part.axis] = slice(part.start, part.stop)
+    return tuple(index)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -96,18 +201,18 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
-def _reference_weights(path: Path) -> dict[str, np.ndarray]:
-    with open_trace(path) as trace:
-        if trace.summary:
-            raise MappingError(f"{path} is a summary trace: it has no tensor data to take "
-                               "weights from; capture the reference without --summary")
-        index = trace.index
-        rows = index[(index["role"] == "weight") & (index["step"] == index["step"].min())]
-        if rows.empty:
-            raise MappingError(f"{path} records no weights (was it captured with "
-                               "--no-weights?); capture the reference with weights")
-        return {param_name(row["site"], row["arg"]): np.array(trace.read(row))
-                for _, row in rows.iterrows()}
+def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
+    """A reference trace's first-step weights (parameters and buffers), by full name."""
+    if trace.summary:
+        raise MappingError(f"{trace.path} is a summary trace: it has no tensor data to take "
+                           "weights from; capture the reference without --summary")
+    index = trace.index
+    rows = index[(index["role"] == "weight") & (index["step"] == index["step"].min())]
+    if rows.empty:
+        raise MappingError(f"{trace.path} records no weights (was it captured with "
+                           "--no-weights?); capture the reference with weights")
+    return {param_name(row["site"], row["arg"]): np.array(trace.read(row))
+            for _, row in rows.iterrows()}
 
 
 def _module_partners(model: nn.Module, reference: dict[str, np.ndarray],
@@ -124,14 +229,3 @@ def _module_partners(model: nn.Module, reference: dict[str, np.ndarray],
         if target in port_modules:
             partner.setdefault(target, module)
     return partner
-
-
-def _combine(source: ParamSource, reference: dict[str, np.ndarray]) -> np.ndarray:
-    parts = [reference[name] for name in source.reference]
-    if source.transform == "concat":
-        return np.concatenate(parts, axis=source.axis)
-    if source.transform == "split":
-        return np.split(parts[0], source.parts, axis=source.axis)[source.part]
-    if source.transform == "transpose":
-        return parts[0].T
-    return parts[0]

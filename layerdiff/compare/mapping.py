@@ -28,12 +28,13 @@ A TOML file (YAML with the same keys works too)::
     port = "enc.*.self_attn.in_proj_weight"
     reference = ["encoder.layers.*.self_attn.w_q.weight", "encoder.layers.*.self_attn.w_k.weight",
                  "encoder.layers.*.self_attn.w_v.weight"]
-    transform = "concat"          # copy (default) | transpose | concat | split
-    axis = 0
+    transform = "concat"          # copy (default) | transpose | concat | split, or a list
+    axis = 0                      # of them applied in order: ["concat", "transpose"]
 
-For ``split`` the port side is a list and the reference one tensor. Parameters that no
-``[[param]]`` names follow their module: ``M.weight`` pairs with ``M'.weight`` when modules
-``M`` and ``M'`` are paired.
+For ``split`` the port side is a list and the reference one tensor. A chain holds at most one
+concat or split (it sets how many names each side has); ``axis`` is that step's. Parameters
+that no ``[[param]]`` names follow their module: ``M.weight`` pairs with ``M'.weight`` when
+modules ``M`` and ``M'`` are paired.
 """
 
 from __future__ import annotations
@@ -92,20 +93,99 @@ class SiteRule:
 class ParamRule:
     port: list[Pattern]
     reference: list[str]
-    transform: str
+    transforms: tuple[str, ...]
     axis: int
     line: int | None
 
 
+@dataclass(frozen=True)
+class Slice:
+    """Part of a tensor along one axis: rows ``start:stop`` of ``axis``."""
+
+    axis: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class PartView:
+    """How one reference tensor of a parameter is found in the port's tensor.
+
+    The reference tensor (its ``ref_slice``, when a split gave the port only part of it)
+    equals the port's stored tensor cut to ``port_slice`` and then, when ``transpose_port``,
+    transposed (all axes reversed). In that order, always: any chain of transposes around one
+    concat or split comes down to it, because a slice of a transposed tensor is the transpose
+    of a slice along the mirrored axis.
+    """
+
+    reference: int                  # position in ParamSource.reference
+    ref_slice: Slice | None = None
+    port_slice: Slice | None = None
+    transpose_port: bool = False
+
+
 @dataclass
 class ParamSource:
-    """Where one port parameter comes from: reference names and how to combine them."""
+    """Where one port parameter comes from: reference names and the chain of transforms that
+    makes the port's tensor from them, applied in order (a single name is a chain of one)."""
 
     reference: list[str]
-    transform: str = "copy"
+    transforms: tuple[str, ...] | str = ("copy",)
     axis: int = 0
     part: int = 0     # split: which part of the reference tensor
     parts: int = 1    # split: into how many
+
+    def __post_init__(self) -> None:
+        if isinstance(self.transforms, str):
+            self.transforms = (self.transforms,)
+        self.transforms = tuple(self.transforms)
+
+    @property
+    def transform(self) -> str:
+        """The chain as text: ``concat``, or ``concat, transpose``."""
+        return ", ".join(self.transforms)
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether the chain concatenates or splits (its views then depend on shapes)."""
+        return any(step in ("concat", "split") for step in self.transforms)
+
+    def views(self, ref_shapes: list[tuple[int, ...]],
+              port_shape: tuple[int, ...]) -> list[PartView]:
+        """Each reference tensor's place in the port's tensor, from the shapes alone; the
+        chain undone in reverse order. Raises ValueError when ``axis`` is not an axis of the
+        tensors."""
+        structural = [i for i, t in enumerate(self.transforms) if t in ("concat", "split")]
+        cut = structural[0] if structural else len(self.transforms)
+        flip_before = self.transforms[:cut].count("transpose") % 2 == 1
+        flip_after = self.transforms[cut:].count("transpose") % 2 == 1
+        transpose = flip_before != flip_after
+        if not structural:
+            return [PartView(0, transpose_port=transpose)]
+        step = self.transforms[cut]
+        if step == "split":
+            rows = port_shape[self._axis(port_shape, flip_after, step)]
+            part = Slice(self._axis(ref_shapes[0], flip_before, step), self.part * rows,
+                         (self.part + 1) * rows)
+            return [PartView(0, ref_slice=part, transpose_port=transpose)]
+        views, start = [], 0
+        port_axis = self._axis(port_shape, flip_after, step)
+        for number, shape in enumerate(ref_shapes):
+            rows = shape[self._axis(shape, flip_before, step)]
+            views.append(PartView(number, port_slice=Slice(port_axis, start, start + rows),
+                                  transpose_port=transpose))
+            start += rows
+        return views
+
+    def _axis(self, shape: tuple[int, ...], flipped: bool, step: str) -> int:
+        """``axis`` as an axis of a tensor of ``shape``, seen through a transpose (reversed
+        axes) when ``flipped``."""
+        ndim = len(shape)
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(f"a tensor of shape ({', '.join(map(str, shape))}) has no axis "
+                             f"{self.axis} to {step} along")
+        axis = self.axis % ndim
+        return ndim - 1 - axis if flipped else axis
 
 
 @dataclass
@@ -116,10 +196,16 @@ class Mapping:
     unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
     unmatched_port: list[tuple[str, str]] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
+    origin: str = ""  # where it came from, when not a file given by the user
 
     @classmethod
     def load(cls, path: str | Path) -> Mapping:
         return _load(ConfigFile.load(path, MappingError))
+
+    @classmethod
+    def from_text(cls, text: str, name: str) -> Mapping:
+        """A mapping from its text (as a port trace records it); ``name`` says TOML or YAML."""
+        return _load(ConfigFile.parse(Path(name), text, MappingError))
 
     @property
     def name(self) -> str:
@@ -159,7 +245,7 @@ class Mapping:
                     names = [pattern.fill(t, groups) for t in rule.reference]
                 except ValueError as exc:
                     raise MappingError(f"{self.name} line {rule.line}: {exc}") from None
-                return ParamSource(names, rule.transform, rule.axis, part, len(rule.port))
+                return ParamSource(names, rule.transforms, rule.axis, part, len(rule.port))
         module, _, leaf = port_param.rpartition(".")
         if module in module_partner:
             ref_module = module_partner[module]
@@ -230,18 +316,17 @@ def _load(config: ConfigFile) -> Mapping:
 
 def _param_rule(config: ConfigFile, entry: dict, where: str, line: int | None) -> ParamRule:
     config.check_keys(entry, {"port", "reference", "transform", "axis"}, where, line)
-    transform = entry.get("transform", "copy")
-    if transform not in TRANSFORMS:
-        config.fail(f"{where}: transform '{transform}' is not one of {', '.join(TRANSFORMS)}",
-                    line)
+    transforms = _transforms(config, entry.get("transform", "copy"), where, line)
     ports, refs = _names(config, entry, "port", where, line), _names(config, entry, "reference",
                                                                       where, line)
-    many = {"concat": "reference", "split": "port"}.get(transform)
+    structural = [t for t in transforms if t in ("concat", "split")]
+    many = {"concat": "reference", "split": "port"}.get(structural[0] if structural else "")
+    named = structural[0] if structural else ", ".join(transforms)
     for side, names in (("port", ports), ("reference", refs)):
         if side == many and len(names) < 2:
-            config.fail(f"{where}: '{transform}' needs a list of two or more {side} names", line)
+            config.fail(f"{where}: '{named}' needs a list of two or more {side} names", line)
         if side != many and len(names) != 1:
-            config.fail(f"{where}: '{transform}' takes one {side} name, got {len(names)}", line)
+            config.fail(f"{where}: '{named}' takes one {side} name, got {len(names)}", line)
     axis = entry.get("axis", 0)
     if not isinstance(axis, int) or isinstance(axis, bool):
         config.fail(f"{where}: axis must be an integer, got {axis!r}", line)
@@ -251,7 +336,28 @@ def _param_rule(config: ConfigFile, entry: dict, where: str, line: int | None) -
             if template.count("*") not in (0, pattern.text.count("*")):
                 config.fail(f"{where}: reference '{template}' has {template.count('*')} '*' "
                             f"but port '{pattern.text}' has {pattern.text.count('*')}", line)
-    return ParamRule(patterns, refs, transform, axis, line)
+    return ParamRule(patterns, refs, transforms, axis, line)
+
+
+def _transforms(config: ConfigFile, value: object, where: str,
+                line: int | None) -> tuple[str, ...]:
+    """A transform name, or a list of them applied in order, checked."""
+    chain = [value] if isinstance(value, str) else value
+    if not isinstance(chain, list) or not all(isinstance(t, str) for t in chain):
+        config.fail(f"{where}: transform must be a name or a list of names, e.g. "
+                    f"[\"concat\", \"transpose\"], got {value!r}", line)
+    if not chain:
+        config.fail(f"{where}: transform is an empty list; give a transform, or leave it out "
+                    "for a copy", line)
+    for name in chain:
+        if name not in TRANSFORMS:
+            config.fail(f"{where}: transform '{name}' is not one of {', '.join(TRANSFORMS)}",
+                        line)
+    structural = [t for t in chain if t in ("concat", "split")]
+    if len(structural) > 1:
+        config.fail(f"{where}: transform {chain} has {len(structural)} concat/split steps; a "
+                    "chain takes at most one (it sets how many names each side has)", line)
+    return tuple(chain)
 
 
 def _string(config: ConfigFile, entry: dict, key: str, where: str, line: int | None) -> str:

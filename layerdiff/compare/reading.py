@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from layerdiff.compare.records import Slice
+from layerdiff.compare.mapping import Slice
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 
@@ -29,7 +29,9 @@ POOL = 6  # chunk buffer pairs in flight
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where one side's tensor lies, and what to do to it before comparing."""
+    """Where one side's tensor lies, and what to do to it before comparing: cut it to
+    ``part``, then transpose it when ``transpose`` (in that order; every transform chain of a
+    mapping comes down to it, see :class:`layerdiff.compare.mapping.PartView`)."""
 
     segment: int
     offset: int
@@ -200,7 +202,7 @@ def _whole(tensor: TensorRef, reader: _RangeReader) -> np.ndarray:
     reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
     values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
-    if tensor.part is not None:
+    if tensor.part is not None:  # the slice first, on the stored layout; then the transpose
         index = [slice(None)] * values.ndim
         index[tensor.part.axis] = slice(tensor.part.start, tensor.part.stop)
         values = values[tuple(index)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from layerdiff.compare.mapping import Mapping
+from layerdiff.compare.mapping import Mapping, ParamSource, PartView, Slice
 from layerdiff.compare.matching import SiteMatching
 from layerdiff.errors import MappingError
 from layerdiff.trace import schema
@@ -17,16 +17,12 @@ PARAM_ROLES = ("weight", "weight_grad")
 
 
 @dataclass(frozen=True)
-class Slice:
-    """Part of a tensor along one axis: rows ``start:stop`` of ``axis``."""
-
-    axis: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
 class RecordPair:
+    """One reference record and the port record it is compared with. The port's tensor is seen
+    as the reference's by cutting it to ``port_slice`` and then, when ``transpose_port``,
+    transposing it: in that order (see :class:`PartView`); the reference's is cut to
+    ``ref_slice``."""
+
     ref: int                    # position in the reference index
     port: int                   # position in the port index
     match: str
@@ -107,39 +103,24 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             port_params.index, port_params["step"], port_params["role"], port_params["site"],
             port_params["arg"], port_params["shape"], strict=True):
         name = param_name(site, arg)
-        source = mapping.param_source(name, sites.module_partner)
-        if source is None:
-            source_names = [name]  # same name in the reference, if it has one
-            transform, axis, part = "copy", 0, 0
-        else:
-            source_names = source.reference
-            transform, axis, part = source.transform, source.axis, source.part
-        positions = [ref_by_name.get((step, role, n)) for n in source_names]
+        # without a rule or a partner module: the same name in the reference, if it has one
+        source = mapping.param_source(name, sites.module_partner) or ParamSource([name])
+        positions = [ref_by_name.get((step, role, n)) for n in source.reference]
         if any(p is None for p in positions):
-            missing = [n for n, p in zip(source_names, positions, strict=True) if p is None]
+            missing = [n for n, p in zip(source.reference, positions, strict=True) if p is None]
             unmatched.append(("port", int(step), site, role, arg,
                               f"parameter {name} comes from reference {', '.join(missing)}, "
                               "which the reference trace does not record"))
             continue
-        match = "exact" if source is None or source_names == [name] else "mapped"
+        match = "exact" if source.reference == [name] else "mapped"
         used_port.add(int(port_pos))
-        if transform == "concat":
-            start = 0
-            for ref_pos in positions:
-                rows = _rows(ref_index.at[ref_pos, "shape"], axis, mapping)
-                pairs.append(RecordPair(ref_pos, int(port_pos), match, 1.0,
-                                        port_slice=Slice(axis, start, start + rows)))
-                start += rows
-                used_ref.add(ref_pos)
-        elif transform == "split":
-            rows = _rows(shape, axis, mapping)
-            pairs.append(RecordPair(positions[0], int(port_pos), match, 1.0,
-                                    ref_slice=Slice(axis, part * rows, (part + 1) * rows)))
-            used_ref.add(positions[0])
-        else:
-            pairs.append(RecordPair(positions[0], int(port_pos), match, 1.0,
-                                    transpose_port=transform == "transpose"))
-            used_ref.add(positions[0])
+        # shapes only where a concat or split needs them: a row lookup costs ~10 us
+        ref_shapes = ([schema.parse_shape(ref_index.at[p, "shape"]) for p in positions]
+                      if source.reshapes else [])
+        for view in _views(source, ref_shapes, schema.parse_shape(shape), mapping):
+            pairs.append(RecordPair(positions[view.reference], int(port_pos), match, 1.0,
+                                    view.ref_slice, view.port_slice, view.transpose_port))
+        used_ref.update(positions)
     paired_sites = sites.by_reference()
     for pos in ref_params.index:
         if pos not in used_ref:
@@ -150,16 +131,17 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     return pairs, unmatched, used_port
 
 
-def _rows(shape_text: str, axis: int, mapping: Mapping) -> int:
-    shape = schema.parse_shape(shape_text)
-    if not shape or not -len(shape) <= axis < len(shape):
-        raise MappingError(f"{mapping.name}: a parameter of shape ({shape_text}) has no axis "
-                           f"{axis} to concatenate or split along; fix the rule's axis")
-    return shape[axis]
+def _views(source: ParamSource, ref_shapes: list[tuple[int, ...]],
+           port_shape: tuple[int, ...], mapping: Mapping) -> list[PartView]:
+    try:
+        return source.views(ref_shapes, port_shape)
+    except ValueError as exc:
+        raise MappingError(f"{mapping.name}: parameter from {', '.join(source.reference)}: "
+                           f"{exc}; fix the rule's axis") from None
 
 
 def sliced_shape(shape: tuple[int, ...], part: Slice | None, transpose: bool) -> tuple[int, ...]:
-    """The shape a record has after its slice or transpose."""
+    """The shape a record has after its slice and then, when ``transpose``, its transpose."""
     if part is not None:
         shape = list(shape)
         shape[part.axis] = part.stop - part.start

@@ -29,7 +29,7 @@ from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import map_argument, rebuild_call
 from layerdiff.trace import schema
-from layerdiff.weights import load_weights_from, state_arrays
+from layerdiff.weights import load_weights_from, paired_parts, state_arrays
 
 
 @dataclass
@@ -357,17 +357,8 @@ class _CallableLayer(nn.Module):
 
 def _grad_pairs(found: ParamSource, ref_grads: list[torch.Tensor], port_grad: torch.Tensor
                 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(reference name, reference gradient, port gradient) with concat/split/transpose undone."""
-    if found.transform == "concat":
-        sizes = [g.shape[found.axis] for g in ref_grads]
-        return list(zip(found.reference, ref_grads, port_grad.split(sizes, dim=found.axis),
-                        strict=True))
-    if found.transform == "split":
-        part = ref_grads[0].chunk(found.parts, dim=found.axis)[found.part]
-        return [(found.reference[0], part, port_grad)]
-    if found.transform == "transpose":
-        return [(found.reference[0], ref_grads[0], port_grad.T)]
-    return [(found.reference[0], ref_grads[0], port_grad)]
+    """(reference name, reference gradient, port gradient) with the transform chain undone."""
+    return paired_parts(found, ref_grads, port_grad)
 
 
 def _parameter_rows(reference: nn.Module, host: nn.Module, steps: int,

@@ -1,0 +1,350 @@
+"""``map_check``: a dry run of a mapping before any capture: what every port tensor would get.
+
+``map_check("ref.h5", port_case, mapping="port.map.toml")`` resolves the mapping exactly as
+:func:`layerdiff.load_weights` does (one function serves both) and lists, per port parameter
+and buffer, the reference tensors and transform chain it would receive; the port tensors
+nothing provides; the reference tensors nothing uses; the shapes that do not fit. A square
+matrix fits both ways round, so a missing or extra ``transpose`` loads without complaint: each
+one is checked by running the module that owns it on the reference's recorded inputs at the
+paired site, loaded as declared and transposed, against the reference's recorded output.
+
+The port model is left as it was: its tensors are put back after the dry run.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerdiff.capture.hooks import flatten
+from layerdiff.case import Case
+from layerdiff.compare.mapping import Mapping
+from layerdiff.compare.matching import port_site_for
+from layerdiff.errors import CaseError, LayerdiffError, TraceError
+from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
+from layerdiff.replay.torch_replay import NotReplayable, TorchPort
+from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.weights import (
+    NO_SOURCE,
+    SHAPE_MISMATCH,
+    Assignment,
+    as_mapping,
+    port_tensors,
+    resolve_weights,
+    trace_weights,
+    unused_reference,
+)
+
+OK = "ok"
+SUSPICIOUS = "suspicious-transpose"
+NOT_CHECKED = "not-checked"
+FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS)
+BETTER = 10.0        # a transposed load this many times closer to the reference is suspicious
+ROUNDING_ULPS = 16   # a declared load's error below this many ULPs is rounding, not a layout
+WIDTH = 100
+
+
+@dataclass
+class MapEntry:
+    """One port tensor: where it would come from, and whether that is sound."""
+
+    port: str
+    reference: list[str]
+    transform: tuple[str, ...]
+    axis: int
+    status: str            # ok | no-source | shape-mismatch | suspicious-transpose | not-checked
+    note: str = ""
+    errors: tuple[float, float] | None = None  # square matrix: (as declared, transposed)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"port": self.port, "reference": list(self.reference),
+                "transform": list(self.transform), "axis": self.axis, "status": self.status,
+                "note": self.note, "errors": None if self.errors is None else {
+                    "declared": self.errors[0], "transposed": self.errors[1]}}
+
+
+@dataclass
+class MapCheck:
+    """The dry run's findings; true when every port tensor gets a fitting, plausible source."""
+
+    reference: str
+    port: str
+    mapping: str | None
+    entries: list[MapEntry] = field(default_factory=list)
+    unused_reference: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failing()
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def failing(self) -> list[MapEntry]:
+        """Entries without a source, with a shape that does not fit, or likely transposed."""
+        return [entry for entry in self.entries if entry.status in FAILING]
+
+    def count(self, status: str) -> int:
+        return sum(entry.status == status for entry in self.entries)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"verdict": "pass" if self.passed else "fail", "reference": self.reference,
+                "port": self.port, "mapping": self.mapping,
+                "entries": [entry.as_json() for entry in self.entries],
+                "unused_reference": list(self.unused_reference)}
+
+    def format(self, width: int = WIDTH) -> str:
+        """A table (port tensor, from, transform, status) with the notes of what is wrong,
+        the unused reference tensors, then the verdict."""
+        lines = _table(self.entries, width)
+        if self.unused_reference:
+            lines += ["", *textwrap.wrap(
+                f"reference tensors nothing uses ({len(self.unused_reference)}): "
+                + ", ".join(self.unused_reference), width, subsequent_indent="  ")]
+        return "\n".join([*lines, "", self.verdict()])
+
+    def verdict(self) -> str:
+        checked = sum(entry.errors is not None for entry in self.entries)
+        if self.passed:
+            text = (f"PASS  {len(self.entries)} port tensors, each with a source that fits; "
+                    f"{checked} checked for a transpose")
+            if self.count(NOT_CHECKED):
+                text += f", {self.count(NOT_CHECKED)} could not be"
+            return _clip(text, WIDTH)
+        problems = [f"{self.count(status)} {label}" for status, label in (
+            (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
+            (SUSPICIOUS, "likely transposed")) if self.count(status)]
+        return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
+                     f"fix {self.mapping or 'the mapping (--map)'}", WIDTH)
+
+
+def map_check(reference_trace: str | os.PathLike, port_case: Case,
+              mapping: str | os.PathLike | Mapping | None = None) -> MapCheck:
+    """Check ``mapping`` between the reference trace (captured with weights) and a torch port
+    case without loading anything for good; see :class:`MapCheck`."""
+    if not isinstance(port_case, Case):
+        name = getattr(port_case, "name", "") or type(port_case).__name__
+        raise CaseError(f"case {name}: map-check needs a layerdiff.Case with a torch model "
+                        f"(it loads weights into it), got {type(port_case).__name__}; for a "
+                        "port that records itself, check the names with diff --map")
+    mapping = as_mapping(mapping)
+    with open_trace(reference_trace) as ref:
+        if ref.summary:
+            raise TraceError(f"{ref.path} is a summary trace: map-check needs the reference's "
+                             "weights and recorded inputs; capture the reference without "
+                             "--summary")
+        reference = trace_weights(ref)
+        model = port_case.model
+        with _restored(model):
+            assignments = resolve_weights(model, reference, mapping)
+            entries = _checked_entries(ref, model, mapping, assignments)
+    return MapCheck(str(reference_trace), port_case.name or type(model).__name__,
+                    str(mapping.path) if mapping.path else None, entries,
+                    unused_reference(reference, assignments))
+
+
+@contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer put back as it was, whatever happens in between."""
+    saved = [(tensor, tensor.detach().clone())
+             for tensor in (*model.parameters(), *model.buffers())]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
+
+
+def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
+                     assignments: list[Assignment]) -> list[MapEntry]:
+    targets = port_tensors(model)
+    with torch.no_grad():  # the declared load, so each module runs as the port would
+        for found in assignments:
+            if not found.problem:
+                targets[found.port].copy_(_tensor(found.value, targets[found.port]))
+    runner = _SiteRunner(ref, model, mapping)
+    entries = []
+    for found in assignments:
+        entry = MapEntry(found.port, list(found.source.reference), found.source.transforms,
+                         found.source.axis, found.problem or OK, found.note)
+        if found.problem == SHAPE_MISMATCH and _transposed_fits(found):
+            entry.note += "; transposed it would fit: does the rule need a 'transpose'?"
+        elif not found.problem and _transposed_fits(found):
+            _check_transpose(entry, found, targets[found.port], runner)
+        entries.append(entry)
+    return entries
+
+
+def _transposed_fits(found: Assignment) -> bool:
+    value = found.value
+    return value is not None and value.ndim == 2 and tuple(value.T.shape) == found.shape
+
+
+def _check_transpose(entry: MapEntry, found: Assignment, target: torch.Tensor,
+                     runner: _SiteRunner) -> None:
+    """Flag a square matrix whose transpose reproduces the reference's output far better."""
+    if np.array_equal(found.value, found.value.T):
+        entry.note = "symmetric: a transpose would change nothing"
+        return
+    module = found.port.rpartition(".")[0] or schema.ROOT_MODULE
+    try:
+        declared = runner.declared(module)
+        with torch.no_grad():
+            target.copy_(_tensor(found.value.T, target))
+        try:
+            transposed = runner.measure(module)
+        finally:
+            with torch.no_grad():
+                target.copy_(_tensor(found.value, target))
+    except Exception as exc:  # a module that cannot run on the recorded call is not checked
+        known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+        entry.status = NOT_CHECKED
+        entry.note = str(exc) if known else (f"port module {module} raised "
+                                             f"{type(exc).__name__} on the reference's recorded "
+                                             f"inputs: {exc}")
+        return
+    entry.errors = (declared.error, transposed.error)
+    errors = f"relative error {declared.error:.1e} as declared, {transposed.error:.1e} transposed"
+    if transposed.error * BETTER < declared.error and declared.error > declared.rounding:
+        entry.status = SUSPICIOUS
+        entry.note = (f"at {declared.site} the transposed load reproduces the reference's "
+                      f"output far better ({errors}): add or remove a 'transpose' in the rule")
+    else:
+        entry.note = f"transpose checked at {declared.site}: {errors}"
+
+
+def _tensor(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.array(value, order="C")).to(like.device, like.dtype)
+
+
+@dataclass(frozen=True)
+class _Measure:
+    site: str          # the reference site whose recorded call the module ran on
+    error: float       # relative Frobenius error of the module's outputs
+    rounding: float    # an error this small is rounding, whatever the layout
+
+
+class _SiteRunner:
+    """Runs a port module on the reference's first recorded call at its paired site (paired
+    by name, as replay pairs them) and measures its outputs against the recorded ones."""
+
+    def __init__(self, ref: Trace, model: nn.Module, mapping: Mapping) -> None:
+        self.ref, self.mapping = ref, mapping
+        self.port = TorchPort(model, ref)
+        self._calls: dict[str, tuple[RecordedCall, str, list]] | None = None
+        self._expected: dict[str, dict[str, np.ndarray]] = {}
+        self._declared: dict[str, _Measure] = {}
+
+    def declared(self, module: str) -> _Measure:
+        """The measure with the declared load, taken once per module."""
+        if module not in self._declared:
+            self._declared[module] = self.measure(module)
+        return self._declared[module]
+
+    def measure(self, module: str) -> _Measure:
+        call, port_site, values = self._call_for(module)
+        outputs = self.port._run_twice(self.port.modules[module], values, {})
+        expected = self._recorded_outputs(call.site)
+        gap = norm = eps = 0.0
+        for arg, value in flatten(outputs, ""):
+            if arg not in expected or not torch.is_tensor(value) or \
+                    not value.is_floating_point():
+                continue
+            got = value.detach().cpu().double().numpy()
+            if got.shape != expected[arg].shape:
+                raise ValueError(f"port site {port_site} gives output {arg} of shape "
+                                 f"{got.shape}, the reference's {call.site} "
+                                 f"{expected[arg].shape}; the transpose was not checked")
+            gap += float(np.sum((got - expected[arg]) ** 2))
+            norm += float(np.sum(expected[arg] ** 2))
+            eps = max(eps, torch.finfo(value.dtype).eps)
+        if not eps:
+            raise ValueError(f"port site {port_site} gives no floating-point output that the "
+                             f"reference records at {call.site}; the transpose was not checked")
+        return _Measure(call.site, float(np.sqrt(gap / max(norm, np.finfo(float).tiny))),
+                        ROUNDING_ULPS * eps)
+
+    def _call_for(self, module: str) -> tuple[RecordedCall, str, list]:
+        """The first recorded call whose site pairs with ``module``, with its inputs."""
+        if self._calls is None:
+            self._calls = {}
+            for call in recorded_calls(self.ref):
+                target = port_site_for(call.site, self.mapping, set(self.port.modules))
+                if target is not None:
+                    self._calls.setdefault(schema.split_site(target[0])[0], (call, *target))
+        if module not in self._calls:
+            raise LookupError(f"no reference site pairs with port module {module} by name, so "
+                              "its transpose was not checked; a [[site]] rule would pair it")
+        call, port_site, args = self._calls[module]
+        if isinstance(args, dict):  # inputs read once: each run gets clones of them
+            self._calls[module] = (call, port_site, self.port._inputs(call, args))
+        return self._calls[module]
+
+    def _recorded_outputs(self, site: str) -> dict[str, np.ndarray]:
+        if site not in self._expected:
+            index = self.ref.index
+            rows = index[(index["step"] == 0) & (index["site"] == site)
+                         & (index["role"] == "output") & (index["kind"] == "tensor")]
+            self._expected[site] = {row["arg"]: read_array(self.ref, row).astype(np.float64)
+                                    for _, row in rows.iterrows()}
+        return self._expected[site]
+
+
+# ---- the terminal table
+
+def _table(entries: list[MapEntry], width: int) -> list[str]:
+    status_w = max([len("status"), *(len(e.status) for e in entries)])
+    transform_w = min(24, max([len("transform"), *(len(_chain(e)) for e in entries)]))
+    names = [_sources(e.reference) for e in entries]
+    room = width - status_w - transform_w - 6
+    from_w = min(max([4, *map(len, names)]), room // 2)
+    port_w = min(max([len("port tensor"), *(len(e.port) for e in entries)]), room - from_w)
+    from_w = min(max([4, *map(len, names)]), room - port_w)  # what the port column leaves
+    lines = [f"{'port tensor':<{port_w}}  {'from':<{from_w}}  {'transform':<{transform_w}}  "
+             "status", "-" * (port_w + from_w + transform_w + status_w + 6)]
+    for entry, source in zip(entries, names, strict=True):
+        if len(entry.reference) > 1 and len(source) > from_w:
+            more = f" +{len(entry.reference) - 1}"
+            source = _clip_left(entry.reference[0], from_w - len(more)) + more
+        lines.append(f"{_clip_left(entry.port, port_w):<{port_w}}  "
+                     f"{_clip_left(source, from_w):<{from_w}}  "
+                     f"{_clip(_chain(entry), transform_w):<{transform_w}}  {entry.status}")
+        if entry.status != OK and entry.note:
+            lines += textwrap.wrap(entry.note, width, initial_indent="    ",
+                                   subsequent_indent="    ")
+    return lines
+
+
+def _sources(names: list[str]) -> str:
+    """Reference names with what they share said once: 'a.w_q.weight, w_k.weight'."""
+    if len(names) < 2:
+        return names[0] if names else ""
+    parts = [name.split(".") for name in names]
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    return ", ".join([names[0], *(".".join(p[shared:]) for p in parts[1:])])
+
+
+def _chain(entry: MapEntry) -> str:
+    """The transform chain in a few characters: concat(1),transpose."""
+    return ",".join(f"{step}({entry.axis})" if step in ("concat", "split") and entry.axis
+                    else step for step in entry.transform)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _clip_left(text: str, width: int) -> str:
+    """The end of a long name, which says most: '...layers.3.attn.w_q.weight'."""
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
