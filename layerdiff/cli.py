@@ -346,6 +346,29 @@ def session_command(reference_spec: str, port_spec: str, mapping: str | None) ->
     interact(Session(reference_spec, port_spec, mapping), echo=click.echo)
 
 
+@main.command("map-check")
+@click.argument("reference", metavar="REF_TRACE", type=click.Path(dir_okay=False))
+@click.argument("port_spec", metavar="PORT_CASE")
+@_map_option
+@_json_option
+def map_check_command(reference: str, port_spec: str, mapping: str | None,
+                      json_path: str | None) -> None:
+    """Dry-run a mapping: what each tensor of PORT_CASE would get from REF_TRACE's weights.
+
+    Exit 0 when every port tensor has a source that fits and none looks transposed, 1 when
+    one does not, 2 for bad input.
+    """
+    from layerdiff.case import load_case
+    from layerdiff.mapcheck import map_check
+
+    result = map_check(reference, load_case(port_spec), mapping)
+    if json_path:
+        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+    if json_path != "-":
+        click.echo(result.format())
+    sys.exit(0 if result.passed else 1)
+
+
 @main.command("golden")
 @click.argument("case_spec", metavar="CASE")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),

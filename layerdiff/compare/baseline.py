@@ -62,6 +62,7 @@ class Baseline:
         self.name = name
         self.errors = errors
         self.factor = factor
+        self.warnings: list[str] = []  # said with the diff's result
 
     @classmethod
     def from_rows(cls, name: str, rows: pd.DataFrame, *, factor: float = FACTOR) -> Baseline:

@@ -32,6 +32,11 @@ class ConfigFile:
             raise error(f"{path} does not exist; check the path") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise error(f"{path} cannot be read ({exc})") from exc
+        return cls.parse(path, text, error)
+
+    @classmethod
+    def parse(cls, path: Path, text: str, error: type[LayerdiffError]) -> ConfigFile:
+        """A file's text, already read (``path`` names it and says TOML or YAML)."""
         if path.suffix.lower() in (".yaml", ".yml"):
             data = _parse_yaml(path, text, error)
         else:

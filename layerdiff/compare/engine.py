@@ -8,6 +8,7 @@ at the tables plus a few MiB of chunk buffers, whatever the traces' size.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -50,17 +51,39 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     that every site of ``port`` ran on the reference's own inputs (a replay), so each site is
     judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
     """
-    mapping = mapping if isinstance(mapping, Mapping) else (
-        Mapping.load(mapping) if mapping is not None else Mapping())
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:
         ref_trace, port_trace, base_trace = (
             None if given is None else given if isinstance(given, Trace)
             else stack.enter_context(open_trace(given))
             for given in (reference, port, baseline))
+        mapping, said = _mapping(mapping, port_trace)
         judge = None if base_trace is None else _measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
-        return _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
+        result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
+        result.meta["warnings"] = said + result.meta["warnings"]
+        return result
+
+
+def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Mapping, list[str]]:
+    """The mapping to pair with: the one given, else the one the port trace recorded when its
+    weights were loaded (``capture --weights-from --map``); and what to tell the user."""
+    recorded = (port.meta.get("weights") or {}).get("mapping") if isinstance(
+        port.meta.get("weights"), dict) else None
+    if isinstance(given, Mapping):
+        return given, []
+    if given is None:
+        if not recorded:
+            return Mapping(), []
+        mapping = Mapping.from_text(recorded["text"], recorded["name"])
+        mapping.origin = f"recorded in {port.path.name} at capture"
+        return mapping, []
+    mapping = Mapping.load(given)
+    text = Path(given).read_text(encoding="utf-8")
+    if recorded and hashlib.sha256(text.encode()).hexdigest() != recorded.get("sha256"):
+        return mapping, [f"--map {given} differs from the mapping {port.path.name} was captured "
+                         f"with ({recorded['name']}); pairing follows --map"]
+    return mapping, []
 
 
 def _measure_baseline(ref: Trace, base: Trace, factor: float,
@@ -69,14 +92,20 @@ def _measure_baseline(ref: Trace, base: Trace, factor: float,
     sites = match_sites(ref.sites, base.sites, ref.index, base.index, Mapping())
     records = pair_records(ref.index, base.index, sites, Mapping())
     exact = [pair for pair in records.pairs if pair.match == "exact"]
-    if not exact:
-        raise DiffError(f"baseline {base.path} shares no site with reference {ref.path}; a "
-                        "baseline is the reference's own case captured in the port's precision "
+    if len({pair.ref for pair in exact}) < len(ref.index) // 2:
+        raise DiffError(f"baseline {base.path} shares under half of its records with reference "
+                        f"{ref.path}; a baseline is the reference's own case captured in the "
+                        "port's precision "
                         f"(layerdiff capture {ref.meta.get('case', 'CASE')} --dtype ... -o "
                         "baseline.h5)")
     rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
         exact, progress)
-    return Baseline.from_rows(base.path.name, rows, factor=factor)
+    judge = Baseline.from_rows(base.path.name, rows, factor=factor)
+    cases = ref.meta.get("case"), base.meta.get("case")
+    if all(cases) and cases[0] != cases[1]:  # a case built on another device may be named so
+        judge.warnings.append(f"the baseline is a trace of case {cases[1]}, the reference of "
+                              f"{cases[0]}: a baseline should be the reference's own model")
+    return judge
 
 
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
@@ -93,6 +122,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     grad_factor = ref.loss_scale / port.loss_scale
     comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
     rows = comparer.run(records.pairs, progress)
+    _refuse_guessed_names(ref, port, sites, rows, mapping)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
@@ -101,7 +131,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        ref_index=ref_index)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
-        "mapping": str(mapping.path) if mapping.path else None,
+        "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
+                    if mapping.origin else str(mapping.path)),
         "tolerances": tolerances.as_json(),
         "sites": {"reference": int(ref.sites["site"].nunique()),
                   "port": int(port.sites["site"].nunique()),
@@ -109,10 +140,32 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "summary": ref.summary or port.summary,
         "baseline": None if baseline is None else {"trace": baseline.name,
                                                    "factor": baseline.factor},
+        "warnings": [] if baseline is None else list(baseline.warnings),
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+
+
+def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,
+                          mapping: Mapping) -> None:
+    """Most sites paired only by the structural guess, and shapes clash: the names differ and
+    no verdict on such pairs can be trusted, so ask for a mapping instead of naming an origin."""
+    guessed = [pair for pair in sites.pairs if pair.match == "structural"]
+    clashes = rows[rows["verdict"] == R.SHAPE_MISMATCH]
+    if len(guessed) * 2 <= len(sites.pairs) or clashes.empty:
+        return
+    lost = [site for side, site, _, declared in sites.unmatched if not declared]
+    example = clashes.iloc[0]
+    raise DiffError(
+        f"the names differ between {ref.path} and {port.path}: {len(guessed)} of "
+        f"{len(sites.pairs)} site pairs were only guessed from execution order and output "
+        f"shapes, and {len(clashes)} of their records clash in shape (e.g. {example['site']} "
+        f"{example['role']} {example['arg']} ({example['shape']}) with {example['port_site']} "
+        f"({example['port_shape']})); write a mapping (--map, see docs/mapping.md"
+        + ("; `layerdiff map-check` checks it" if mapping.path is None else "") + ")"
+        + (f"; sites it could not pair: {', '.join(lost[:6])}"
+           + (" ..." if len(lost) > 6 else "") if lost else ""))
 
 
 def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
@@ -137,7 +190,7 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
     return {"reference": str(differ["dtype"].mode().iloc[0]), "port": port_dtype,
             "capture": f"layerdiff capture {case} {flag}{options} -o {base}",
             "diff": f"layerdiff diff {ref.path} {port.path} --baseline {base}"
-                    + (f" --map {mapping.path}" if mapping.path else "")}
+                    + (f" --map {mapping.path}" if mapping.path and not mapping.origin else "")}
 
 
 class _Comparer:

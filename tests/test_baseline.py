@@ -1,0 +1,173 @@
+"""Low-precision ports judged by a baseline (the reference run the port's way), the hint that
+says how to make one, and the --rtol/--atol flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerdiff import DiffError, capture, diff, load_case, load_weights, open_trace
+from layerdiff.capture.precision import cast_case
+from layerdiff.compare import result as R
+from reference_models.catalog import find
+
+TRANSFORMER = "reference_models.transformer:reference"
+MAP = find("reference_models.transformer_port:port").mapping_path
+
+
+def _port(spec: str, reference, path, *, dtype: str | None = None, mapping=None, **options):
+    """A port with the reference's weights, the way `capture --weights-from --dtype` makes it."""
+    case = load_case(spec)
+    if dtype:
+        cast_case(case, dtype)
+    load_weights(case.model, reference, mapping)
+    return capture(case, path, dtype=dtype, **options)
+
+
+@pytest.fixture(scope="module")
+def bf16(reference_traces, tmp_path_factory):
+    """The float32 reference and its bfloat16 baseline."""
+    reference = reference_traces(TRANSFORMER)
+    base = capture(load_case(TRANSFORMER), tmp_path_factory.mktemp("base") / "bf16.h5",
+                   dtype="bfloat16")
+    return reference, base
+
+
+def test_capture_casts_the_model_and_inputs_and_says_so(bf16):
+    _, base = bf16
+    with open_trace(base) as trace:
+        assert trace.meta["dtype"] == "bfloat16" and trace.meta["model_dtype"] == "bfloat16"
+        index = trace.index
+        weights = index[(index["role"] == "weight") & index["dtype"].str.contains("float")]
+        assert set(weights["dtype"]) == {"bfloat16"}
+        tokens = index[(index["site"] == "src_embed.lut#0") & (index["role"] == "input")]
+        assert set(tokens["dtype"]) == {"int64"}  # token ids stay integers
+
+
+def test_autocast_runs_matmuls_in_low_precision_and_keeps_weights(tmp_path):
+    path = capture(load_case("reference_models.mlp:reference"), tmp_path / "ac.h5",
+                   autocast="bfloat16")
+    with open_trace(path) as trace:
+        index = trace.index
+        assert trace.meta["autocast"] == "bfloat16"
+        fc1 = index[(index["site"] == "fc1#0")]
+        assert set(fc1.loc[fc1["role"] == "output", "dtype"]) == {"bfloat16"}
+        assert set(fc1.loc[fc1["role"] == "weight", "dtype"]) == {"float32"}
+
+
+def test_faithful_bf16_port_fails_without_baseline_and_passes_with_it(bf16, tmp_path):
+    reference, base = bf16
+    port = _port("reference_models.transformer_port:port", reference, tmp_path / "p.h5",
+                 dtype="bfloat16", mapping=MAP)
+    plain = diff(reference, port, mapping=MAP)
+    assert not plain.passed  # the element-wise bfloat16 rule cannot know what bf16 accumulates
+    hint = plain.meta["precision"]
+    assert hint["port"] == "bfloat16" and hint["reference"] == "float32"
+    assert hint["capture"].startswith(f"layerdiff capture {TRANSFORMER} --dtype bfloat16 -o ")
+    assert "--baseline" in hint["diff"] and str(MAP) in hint["diff"]
+
+    judged = diff(reference, port, mapping=MAP, baseline=base)
+    assert judged.passed, judged.failing()[["site", "role", "ratio", "tol_source"]].head()
+    assert judged.meta["precision"] is None and judged.meta["baseline"]["factor"] == 4.0
+    compared = judged.rows[judged.rows["verdict"] != R.IDENTICAL]
+    assert compared["tol_source"].str.startswith("baseline bf16.h5").any()
+
+
+def test_planted_bug_in_bf16_is_still_found_at_its_site(bf16, tmp_path):
+    reference, base = bf16
+    info = find("reference_models.transformer_port:bug_softmax_axis")
+    port = _port(info.spec, reference, tmp_path / "bug.h5", dtype="bfloat16", mapping=MAP)
+    result = diff(reference, port, mapping=MAP, baseline=base)
+    assert (result.origin.port_site, result.origin.pass_) == (info.site, info.pass_)
+    # the kernel is every attention's: the decoder's self-attention, whose inputs do not come
+    # from the encoder, is a second, genuine origin; nothing else is
+    assert {o.port_site for o in result.origins} == {"enc.0.self_attn#0", "dec.0.self_attn#0"}
+
+
+def test_a_tolerance_rule_still_wins_over_the_baseline(bf16, tmp_path):
+    reference, base = bf16
+    rules = tmp_path / "tol.toml"
+    rules.write_text('[[rule]]\nsite = "generator*"\nrtol = 0.5\natol = 1.0\nwhy = "loose"\n')
+    port = _port("reference_models.transformer_port:port", reference, tmp_path / "p.h5",
+                 dtype="bfloat16", mapping=MAP)
+    result = diff(reference, port, mapping=MAP, baseline=base, tolerances=rules)
+    generator = result.rows[result.rows["site"].str.startswith("generator")]
+    assert (generator["tol_source"] == "tol.toml rule 1 (line 1): loose").all()
+
+
+def test_small_float32_bug_is_found_against_a_float64_golden(tmp_path):
+    golden = capture(load_case("reference_models.mlp:reference"), tmp_path / "g64.h5",
+                     dtype="float64")
+    ref32 = capture(load_case("reference_models.mlp:reference"), tmp_path / "r32.h5")
+    correct = _port("reference_models.mlp_port:port", golden, tmp_path / "ok.h5")
+    assert diff(golden, correct, baseline=ref32).passed
+    buggy = _port("reference_models.mlp_port:bug_gelu_tanh", golden, tmp_path / "bug.h5")
+    result = diff(golden, buggy, baseline=ref32)
+    assert (result.origin.site, result.origin.pass_) == ("act2#0", "forward")
+
+
+def test_a_baseline_of_another_model_is_refused(bf16, tmp_path):
+    reference, _ = bf16
+    other = capture(load_case("reference_models.mlp:reference"), tmp_path / "mlp.h5")
+    with pytest.raises(DiffError, match="shares under half of its records"):
+        diff(reference, other, baseline=other)
+
+
+def test_cli_baseline_and_hint(run, bf16, tmp_path):
+    reference, base = bf16
+    port = _port("reference_models.transformer_port:port", reference, tmp_path / "p.h5",
+                 dtype="bfloat16", mapping=MAP)
+    plain = run("diff", reference, port, "--map", MAP)
+    assert plain.exit_code == 1
+    assert f"layerdiff capture {TRANSFORMER} --dtype bfloat16" in plain.output
+    judged = run("diff", reference, port, "--map", MAP, "--baseline", base)
+    assert judged.exit_code == 0, judged.output
+    assert "baseline  bf16.h5: each record may have 4x the baseline's error" in judged.output
+
+
+def test_rtol_atol_flags_set_every_default_and_rules_still_override(run, reference_traces,
+                                                                    tmp_path):
+    info = find("reference_models.mlp_port:bug_gelu_tanh")
+    reference = reference_traces(info.reference)
+    port = _port(info.spec, reference, tmp_path / "p.h5")
+    assert run("diff", reference, port).exit_code == 1
+    loose = run("diff", reference, port, "--rtol", "0.01", "--atol", "0.01", "--json",
+                tmp_path / "r.json")
+    assert loose.exit_code == 0, loose.output
+    result = diff(reference, port, tolerances=_tolerances(rtol=0.01, atol=0.01))
+    floats = result.rows[result.rows["dtype"] == "float32"]
+    assert (floats["tol_source"] == "--rtol 0.01 --atol 0.01").all()
+    rules = tmp_path / "tol.toml"
+    rules.write_text('[[rule]]\nsite = "act2*"\nrtol = 0\natol = 0\n')
+    strict = run("diff", reference, port, "--rtol", "0.01", "--atol", "0.01", "--tolerances",
+                 rules)
+    assert strict.exit_code == 1 and "act2#0" in strict.output
+    assert run("diff", reference, port, "--atol", "-1").exit_code == 2
+
+
+def _tolerances(**flags):
+    from layerdiff.compare.tolerances import Tolerances
+
+    return Tolerances.build(None, **flags)
+
+
+def test_tolerances_refuse_a_negative_flag():
+    from layerdiff import ToleranceError
+    from layerdiff.compare.tolerances import Tolerances
+
+    with pytest.raises(ToleranceError, match="--rtol must be a finite number"):
+        Tolerances(rtol=-1.0)
+
+
+def test_integer_records_stay_exact_under_the_flags():
+    tolerance = _tolerances(rtol=0.5, atol=0.5).lookup("x#0", "input", "0", "int64")
+    assert (tolerance.rtol, tolerance.atol) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_cast_case_casts_floating_inputs_only(dtype):
+    case = load_case("reference_models.transformer:reference")
+    cast_case(case, dtype)
+    src, tgt = case.inputs
+    assert src.dtype == torch.int64 and tgt.dtype == torch.int64
+    assert next(case.model.parameters()).dtype == getattr(torch, dtype)
