@@ -211,8 +211,15 @@ def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
     if rows.empty:
         raise MappingError(f"{trace.path} records no weights (was it captured with "
                            "--no-weights?); capture the reference with weights")
-    return {param_name(row["site"], row["arg"]): np.array(trace.read(row))
-            for _, row in rows.iterrows()}
+    weights = {param_name(row["site"], row["arg"]): np.array(trace.read(row))
+               for _, row in rows.iterrows()}
+    # a tied tensor is recorded once: every other name it had gives the same values, so that a
+    # port that does not tie it (or ties it the other way round) still finds it by name
+    for shared in trace.meta.get("shared_parameters") or []:
+        if isinstance(shared, dict) and shared.get("name") in weights:
+            for alias in shared.get("users") or []:
+                weights.setdefault(alias, weights[shared["name"]])
+    return weights
 
 
 def _module_partners(model: nn.Module, reference: dict[str, np.ndarray],

@@ -55,7 +55,7 @@ class Conv1D(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size_out = x.size()[:-1] + (self.nf,)
+        size_out = (*x.size()[:-1], self.nf)
         x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
         return x.view(size_out)
 
@@ -82,12 +82,12 @@ class GPT2Attention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        new_shape = x.size()[:-1] + (self.num_heads, self.head_dim)
+        new_shape = (*x.size()[:-1], self.num_heads, self.head_dim)
         return x.view(new_shape).permute(0, 2, 1, 3)  # (batch, head, seq, head_dim)
 
     def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         x = x.permute(0, 2, 1, 3).contiguous()
-        return x.view(x.size()[:-2] + (self.embed_dim,))
+        return x.view((*x.size()[:-2], self.embed_dim))
 
     def _attn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         attn_weights = torch.matmul(query, key.transpose(-1, -2))

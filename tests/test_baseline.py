@@ -63,7 +63,8 @@ def test_faithful_bf16_port_fails_without_baseline_and_passes_with_it(bf16, tmp_
     assert not plain.passed  # the element-wise bfloat16 rule cannot know what bf16 accumulates
     hint = plain.meta["precision"]
     assert hint["port"] == "bfloat16" and hint["reference"] == "float32"
-    assert hint["capture"].startswith(f"layerdiff capture {TRANSFORMER} --dtype bfloat16 -o ")
+    assert hint["capture"].startswith(
+        f"layerdiff capture {TRANSFORMER} --dtype bfloat16 --steps 1 -o ")
     assert "--baseline" in hint["diff"] and str(MAP) in hint["diff"]
 
     judged = diff(reference, port, mapping=MAP, baseline=base)
@@ -110,7 +111,28 @@ def test_a_baseline_of_another_model_is_refused(bf16, tmp_path):
     reference, _ = bf16
     other = capture(load_case("reference_models.mlp:reference"), tmp_path / "mlp.h5")
     with pytest.raises(DiffError, match="shares under half of its records"):
-        diff(reference, other, baseline=other)
+        diff(reference, reference, baseline=other)
+
+
+def test_a_baseline_that_is_the_port_or_the_reference_is_refused(bf16, tmp_path):
+    reference, base = bf16
+    with pytest.raises(DiffError, match="is a trace of the port"):
+        diff(reference, base, baseline=base)  # judged by its own error, anything passes
+    with pytest.raises(DiffError, match="is identical to reference"):
+        diff(reference, base, baseline=reference)
+
+
+def test_flags_win_over_the_baseline_and_integers_stay_exact(bf16, tmp_path):
+    reference, base = bf16
+    port = _port("reference_models.transformer_port:port", reference, tmp_path / "p.h5",
+                 dtype="bfloat16", mapping=MAP)
+    result = diff(reference, port, mapping=MAP, baseline=base,
+                  tolerances=_tolerances(rtol=0.5, atol=0.5))
+    floats = result.rows[result.rows["dtype"] == "float32"]
+    assert (floats["tol_source"] == "--rtol 0.5 --atol 0.5").all()
+    judged = diff(reference, port, mapping=MAP, baseline=base)
+    ints = judged.rows[judged.rows["dtype"] == "int64"]
+    assert len(ints) and (ints["atol"] == 0).all() and (ints["rtol"] == 0).all()
 
 
 def test_cli_baseline_and_hint(run, bf16, tmp_path):

@@ -47,9 +47,15 @@ def autocast_context(case: Case, dtype: str | None) -> contextlib.AbstractContex
         return contextlib.nullcontext()
     if dtype not in AUTOCAST_DTYPES:
         raise CaptureError(f"--autocast {dtype!r} is not one of {', '.join(AUTOCAST_DTYPES)}")
-    first = next(case.model.parameters(), None)
-    device = first.device.type if first is not None else "cpu"
-    return torch.autocast(device_type=device, dtype=DTYPES[dtype])
+    return torch.autocast(device_type=_device_type(case), dtype=DTYPES[dtype])
+
+
+def _device_type(case: Case) -> str:
+    """Where the model computes: its parameters', else its buffers', else its inputs' device."""
+    for tensor in (*case.model.parameters(), *case.model.buffers()):
+        return tensor.device.type
+    values = case.inputs.values() if isinstance(case.inputs, dict) else case.inputs
+    return next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
 
 
 def model_dtype(case: Case) -> str:

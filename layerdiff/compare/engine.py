@@ -47,7 +47,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     the reference run the way the port runs (its dtype, autocast or device): each record's
     tolerance then follows the error the baseline has there (see
     :mod:`layerdiff.compare.baseline`: at most ``baseline_factor`` times the baseline's error,
-    plus one rounding); a tolerance file's rules still win. ``independent`` says
+    plus a few roundings); a tolerance file's rules still win. ``independent`` says
     that every site of ``port`` ran on the reference's own inputs (a replay), so each site is
     judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
     """
@@ -58,6 +58,14 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
             else stack.enter_context(open_trace(given))
             for given in (reference, port, baseline))
         mapping, said = _mapping(mapping, port_trace)
+        if base_trace is not None and (
+                base_trace.path.resolve() == port_trace.path.resolve()
+                or (base_trace.meta.get("case") and base_trace.meta.get("case")
+                    == port_trace.meta.get("case") != ref_trace.meta.get("case"))):
+            raise DiffError(f"baseline {base_trace.path} is a trace of the port, not of the "
+                            "reference: judged by its own error, any port passes; capture the "
+                            f"reference's case ({ref_trace.meta.get('case', 'REF_CASE')}) the "
+                            "port's way as the baseline")
         judge = None if base_trace is None else _measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
@@ -92,6 +100,10 @@ def _measure_baseline(ref: Trace, base: Trace, factor: float,
     sites = match_sites(ref.sites, base.sites, ref.index, base.index, Mapping())
     records = pair_records(ref.index, base.index, sites, Mapping())
     exact = [pair for pair in records.pairs if pair.match == "exact"]
+    if base.summary and not ref.summary:
+        raise DiffError(f"baseline {base.path} is a summary trace: its statistics cannot show "
+                        "the element-wise error a full trace is judged by; capture the baseline "
+                        "without --summary")
     if len({pair.ref for pair in exact}) < len(ref.index) // 2:
         raise DiffError(f"baseline {base.path} shares under half of its records with reference "
                         f"{ref.path}; a baseline is the reference's own case captured in the "
@@ -100,6 +112,11 @@ def _measure_baseline(ref: Trace, base: Trace, factor: float,
                         "baseline.h5)")
     rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
         exact, progress)
+    floats = rows[rows["dtype"].astype(str).str.contains("float")]
+    if len(floats) and (floats["verdict"] == R.IDENTICAL).all():
+        raise DiffError(f"baseline {base.path} is identical to reference {ref.path}: it shows "
+                        "no error to allow; a baseline is the reference run the port's way "
+                        "(--dtype, --autocast, or on the port's device)")
     judge = Baseline.from_rows(base.path.name, rows, factor=factor)
     cases = ref.meta.get("case"), base.meta.get("case")
     if all(cases) and cases[0] != cases[1]:  # a case built on another device may be named so
@@ -160,7 +177,7 @@ def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,
     raise DiffError(
         f"the names differ between {ref.path} and {port.path}: {len(guessed)} of "
         f"{len(sites.pairs)} site pairs were only guessed from execution order and output "
-        f"shapes, and {len(clashes)} of their records clash in shape (e.g. {example['site']} "
+        f"shapes, and {len(clashes)} compared records clash in shape (e.g. {example['site']} "
         f"{example['role']} {example['arg']} ({example['shape']}) with {example['port_site']} "
         f"({example['port_shape']})); write a mapping (--map, see docs/mapping.md"
         + ("; `layerdiff map-check` checks it" if mapping.path is None else "") + ")"
@@ -180,9 +197,8 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
     autocast = port.meta.get("autocast")
     flag = (f"--autocast {autocast}" if autocast
             else f"--dtype {port.meta.get('dtype') or port_dtype}")
-    options = ""
-    if int(ref.meta.get("steps", 1) or 1) != 1:
-        options += f" --steps {ref.meta['steps']}"
+    # always the steps: the trace cannot tell whether the reference ran its case's default
+    options = f" --steps {int(ref.meta.get('steps', 1) or 1)}"
     if ref.loss_scale != 1.0:
         options += f" --loss-scale {ref.loss_scale:g}"
     case = ref.meta.get("case") or "REF_CASE"
@@ -243,7 +259,8 @@ class _Comparer:
                                   f"{tolerance.source}; atol x loss scale {scale:g}",
                                   tolerance.kind)
         rms_tol = None
-        if self.baseline is not None and r["kind"] == "tensor" and tolerance.kind != "rule":
+        if (self.baseline is not None and r["kind"] == "tensor"
+                and tolerance.kind not in ("rule", "flags")):  # what the user said wins
             limit = self.baseline.limit(
                 (int(r["step"]), r["site"], r["role"], r["arg"]), r, p["dtype"],
                 scale if r["role"] in GRAD_ROLES else 1.0)

@@ -50,9 +50,8 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
                      f"{_number(worst)} of its tolerance)", width)
     if diff.origin is None:
         if (diff.rows["status"] == CANNOT_JUDGE).any():
-            return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
-                         "can be named: what comes into the failing sites has no partner in "
-                         "the port", width)
+            return _clip(f"FAIL  {len(diff.failing()):,} records out; no origin can be named: "
+                         "their inputs have no partner in the port", width)
         return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
                      "found (every failing site's inputs were already out)", width)
     return f"FAIL  origin: {diff.origin.describe(port_name=False)}"
@@ -66,7 +65,7 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
     lines = [*in_port, origin.reason,
              f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
              f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
-             f"{_number(m.get('frac_out', 0) * 100)}% of elements out"]
+             f"{_number((m.get('frac_out') or 0) * 100)}% of elements out"]
     batch = m.get("batch_ratio")
     if batch:
         out = [i for i, r in enumerate(batch) if r is not None and r > 1]
@@ -89,7 +88,7 @@ def _precision_hint(hint: dict | None, width: int) -> list[str]:
         "tolerances cannot know what that precision accumulates. Judge the port by the "
         "reference run its way (a baseline):", width, initial_indent=" " * 6,
         subsequent_indent=" " * 6)
-    return lines + [f"        {hint['capture']}", f"        {hint['diff']}"]
+    return [*lines, f"        {hint['capture']}", f"        {hint['diff']}"]
 
 
 def _summary(diff: Diff, width: int) -> list[str]:
@@ -111,7 +110,7 @@ def _summary(diff: Diff, width: int) -> list[str]:
         lines.append("summary trace: statistics compared, not tensors")
     if meta.get("baseline"):
         lines.append(f"baseline  {meta['baseline']['trace']}: each record may have "
-                     f"{meta['baseline']['factor']:g}x the baseline's error + one rounding")
+                     f"{meta['baseline']['factor']:g}x the baseline's error + its dtype's rtol")
     for warning in meta.get("warnings", []):
         lines += textwrap.wrap(f"warning   {warning}", width, subsequent_indent=" " * 10)
     unjudged = rows[rows["status"] == CANNOT_JUDGE].drop_duplicates("site")
