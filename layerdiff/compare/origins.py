@@ -200,8 +200,9 @@ def _cannot_judge(site: _Site) -> bool:
 def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame
            ) -> dict[int, float]:
     """Row position -> L2 norm of its reference tensor (the index has it for every record)."""
-    l2 = dict(zip(zip(ref_index["step"], ref_index["site"], ref_index["role"], ref_index["arg"], strict=False),
-                  ref_index["l2"], strict=True))
+    keys = zip(ref_index["step"], ref_index["site"], ref_index["role"], ref_index["arg"],
+               strict=True)
+    l2 = dict(zip(keys, ref_index["l2"], strict=True))
     frame = rows.loc[positions]
     return {pos: float(l2.get((int(step), site, role, arg), np.nan))
             for pos, step, site, role, arg in zip(frame.index, frame["step"], frame["site"],
