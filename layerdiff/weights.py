@@ -27,9 +27,12 @@ from layerdiff.trace import Trace, open_trace, schema
 class WeightsReport:
     loaded: dict[str, list[str]] = field(default_factory=dict)  # port name -> reference names
     unused: list[str] = field(default_factory=list)             # reference tensors not used
+    cast: dict[str, int] = field(default_factory=dict)          # "float32 -> bfloat16": count
 
     def summary(self) -> str:
         text = f"loaded {len(self.loaded)} port tensors from the reference"
+        if self.cast:
+            text += " (cast " + ", ".join(f"{n} {how}" for how, n in self.cast.items()) + ")"
         if self.unused:
             shown = ", ".join(self.unused[:4]) + (" ..." if len(self.unused) > 4 else "")
             text += f"; {len(self.unused)} reference tensors unused ({shown})"
@@ -71,12 +74,18 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                            f"{shown} ({len(missing)} tensors); add [[site]] or [[param]] rules "
                            f"to {mapping.name if mapping.path else 'a mapping file (--map)'}")
     targets = port_tensors(model)
+    report = WeightsReport({found.port: found.source.reference for found in assignments},
+                           unused_reference(reference, assignments))
     with torch.no_grad():
         for found in assignments:
             target = targets[found.port]
-            target.copy_(torch.from_numpy(np.array(found.value, order="C")).to(target.dtype))
-    return WeightsReport({found.port: found.source.reference for found in assignments},
-                         unused_reference(reference, assignments))
+            value = torch.from_numpy(np.array(found.value, order="C"))
+            if value.is_floating_point() and value.dtype != target.dtype:
+                how = (f"{str(value.dtype).removeprefix('torch.')} -> "
+                       f"{str(target.dtype).removeprefix('torch.')}")
+                report.cast[how] = report.cast.get(how, 0) + 1
+            target.copy_(value.to(target.dtype))
+    return report
 
 
 # ---- resolution: what each port tensor would get (load_weights and map_check share it)

@@ -193,3 +193,11 @@ def test_cast_case_casts_floating_inputs_only(dtype):
     src, tgt = case.inputs
     assert src.dtype == torch.int64 and tgt.dtype == torch.int64
     assert next(case.model.parameters()).dtype == getattr(torch, dtype)
+
+
+def test_weights_loaded_into_another_dtype_say_they_were_cast(reference_traces):
+    case = load_case("reference_models.mlp_port:port")
+    cast_case(case, "bfloat16")
+    report = load_weights(case.model, reference_traces("reference_models.mlp:reference"))
+    assert report.cast == {"float32 -> bfloat16": 6}
+    assert "(cast 6 float32 -> bfloat16)" in report.summary()
