@@ -76,8 +76,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
 def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Mapping, list[str]]:
     """The mapping to pair with: the one given, else the one the port trace recorded when its
     weights were loaded (``capture --weights-from --map``); and what to tell the user."""
-    recorded = (port.meta.get("weights") or {}).get("mapping") if isinstance(
-        port.meta.get("weights"), dict) else None
+    weights = port.meta.get("weights")
+    recorded = weights.get("mapping") if isinstance(weights, dict) else None
     if isinstance(given, Mapping):
         return given, []
     if given is None:

@@ -225,6 +225,12 @@ def _norm(norms: dict[int, float], positions: list[int]) -> float:
     return float(np.sqrt(sum(norms.get(p, np.nan) ** 2 for p in positions)))
 
 
+def _float_inputs(rows: pd.DataFrame, site: _Site) -> list[int]:
+    """A site's input rows that carry errors (token ids and masks do not)."""
+    return [p for p in site.rows.get("input", [])
+            if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+
+
 def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[int, float],
                       sites: dict[str, _Site]) -> float:
     """A first-order bound on the error (Frobenius norm) that the errors measured on what came
@@ -241,16 +247,14 @@ def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[in
       an estimate for element-wise and container sites, and the inputs' relative error carries
       over at that gain.
     """
-    float_rows = [p for p in site.rows.get("input", [])
-                  if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+    float_rows = _float_inputs(rows, site)
     if role == "weight_grad":
         module = schema.split_site(site.name)[0]
         calls = [s for n, s in sites.items() if schema.split_site(n)[0] == module] or [site]
         bound = 0.0
         for call in calls:
             grads = call.rows.get("grad_output", [])
-            inputs = [p for p in call.rows.get("input", [])
-                      if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+            inputs = _float_inputs(rows, call)
             e_a, n_a = _error(rows, grads), _norm(norms, grads)
             e_b, n_b = _error(rows, inputs), _norm(norms, inputs)
             bound += e_a * n_b + n_a * e_b + e_a * e_b
