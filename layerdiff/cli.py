@@ -224,7 +224,8 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
                    json_path: str | None, html_path: str | None, verbose: bool) -> None:
     """Run each layer of PORT_CASE on REFERENCE's recorded inputs: its own error, alone.
 
-    Exit 0 when no layer has a local error, 1 when one does, 2 for bad input.
+    Exit 0 when no layer has a local error, 1 when one does or a layer cannot be called
+    (cannot judge), 2 for bad input.
     """
     from layerdiff.case import load_case
     from layerdiff.replay import replay
@@ -234,10 +235,14 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
     kept = Path(html_path).with_suffix(".replay.h5") if html_path else None
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
                     tolerances=_tolerances(tolerances, rtol, atol), output=kept)
-    _write_reports(result, json_path, None, html_path)
+    _write_reports(result, json_path, None, None)
+    if html_path:
+        from layerdiff.report.html import write_html
+
+        write_html(result.diff, html_path)
     if json_path != "-":
         click.echo(format_replay(result, verbose=verbose))
-    sys.exit(0 if result.passed else 1)
+    sys.exit(0 if result else 1)
 
 
 def _case_factory(spec: str):
@@ -246,6 +251,12 @@ def _case_factory(spec: str):
 
     load_case(spec)  # fail now, with the case's own message, if it does not load
     return lambda: load_case(spec)
+
+
+_swap_baseline_option = click.option(
+    "--baseline", type=click.Path(exists=True, dir_okay=False), metavar="TRACE",
+    help="A trace of REF_CASE run the port's way (its dtype, autocast or device): each "
+         "comparison may have a few times the error this trace has there.")
 
 
 @main.command("swap")
@@ -260,55 +271,60 @@ def _case_factory(spec: str):
               "into the port (to confirm a fix).")
 @_tolerances_option
 @_tolerance_flags
+@_swap_baseline_option
 @_json_option
 def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
                  mapping: str | None, steps: int | None, into: str, tolerances: str | None,
-                 rtol: float | None, atol: float | None, json_path: str | None) -> None:
+                 rtol: float | None, atol: float | None, baseline: str | None,
+                 json_path: str | None) -> None:
     """Run REF_CASE with PORT_CASE's layers at --site in place; compare with the reference.
 
-    Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not.
+    Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not
+    or when a swapped layer cannot be called (cannot judge), 2 for bad input.
     """
     from layerdiff.replay import swap
     from layerdiff.report.terminal import format_swap
 
     result = swap(_case_factory(reference_spec), _case_factory(port_spec), sites,
                   mapping=mapping, steps=steps, into=into,
-                  tolerances=_tolerances(tolerances, rtol, atol))
+                  tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
     if json_path:
         _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
         click.echo(format_swap(result))
-    sys.exit(1 if result.breaks else 0)
+    sys.exit(0 if result else 1)
 
 
 @main.command("bisect")
 @click.argument("reference_spec", metavar="REF_CASE")
 @click.argument("port_spec", metavar="PORT_CASE")
 @_map_option
-@click.option("--granularity", type=click.Choice(["leaves", "all"]), default="leaves",
-              show_default=True, help="Search the port's leaf layers, or every paired layer.")
+@click.option("--granularity", type=click.Choice(["auto", "leaves", "all"]), default="auto",
+              show_default=True, help="auto: the port's leaf layers, then (when they find "
+              "nothing) its containers; leaves: leaf layers only; all: every paired layer.")
 @_tolerances_option
 @_tolerance_flags
+@_swap_baseline_option
 @_json_option
 def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
                    tolerances: str | None, rtol: float | None, atol: float | None,
-                   json_path: str | None) -> None:
+                   baseline: str | None, json_path: str | None) -> None:
     """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
 
-    Exit 1 when culprits are found, 0 when swapping every layer keeps the reference within
-    tolerance (nothing to find), 2 for bad input.
+    Exit 0 only when the whole port swapped in keeps the reference within tolerance (nothing
+    to find); 1 when culprits are found or a layer could not be tried; 2 for bad input.
     """
     from layerdiff.replay import Swapper, bisect
+    from layerdiff.report.terminal import format_bisect
 
     quiet = json_path == "-"
     swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping,
-                      tolerances=_tolerances(tolerances, rtol, atol))
+                      tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
 
     def show(number: int, probe) -> None:
         if not quiet:
-            mark = "breaks" if probe.breaks else "within"
             names = ", ".join(probe.swapped)
-            line = f"probe {number:>3}  {mark:<6}  {names}"
+            line = f"probe {number:>3}  {probe.outcome:<12}  {names}"
             click.echo(line if len(line) <= 100 else line[:96] + " ...")
 
     result = bisect(swapper, granularity=granularity, on_probe=show)
@@ -316,15 +332,8 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
         _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if not quiet:
         click.echo()
-        if not result.reproduced:
-            click.echo(f"nothing to find: with all {len(result.candidates)} port layers swapped "
-                       "in, the reference stays within tolerance")
-        else:
-            names = ", ".join(port for _, port in result.culprits)
-            click.echo(textwrap.fill(f"culprits: {names} ({len(result.probes)} probes over "
-                                     f"{len(result.candidates)} layers)", 100,
-                                     subsequent_indent="  "))
-    sys.exit(1 if result.culprits else 0)
+        click.echo(format_bisect(result))
+    sys.exit(0 if result else 1)
 
 
 def _echo_or_write(text: str, path: str) -> None:

@@ -240,7 +240,7 @@ class _SiteRunner:
     def __init__(self, ref: Trace, model: nn.Module, mapping: Mapping) -> None:
         self.ref, self.mapping = ref, mapping
         self.port = TorchPort(model, ref)
-        self._calls: dict[str, tuple[RecordedCall, str, list]] | None = None
+        self._calls: dict[str, tuple[RecordedCall, str, dict[str, str], list]] | None = None
         self._expected: dict[str, dict[str, np.ndarray]] = {}
         self._declared: dict[str, _Measure] = {}
 
@@ -251,8 +251,8 @@ class _SiteRunner:
         return self._declared[module]
 
     def measure(self, module: str) -> _Measure:
-        call, port_site, values = self._call_for(module)
-        outputs = self.port._run_twice(self.port.modules[module], values, {})
+        call, port_site, args, values = self._call_for(module)
+        outputs = self.port.outputs(call, module, args, values)
         expected = self._recorded_outputs(call.site)
         gap = norm = eps = 0.0
         for arg, value in flatten(outputs, ""):
@@ -273,20 +273,21 @@ class _SiteRunner:
         return _Measure(call.site, float(np.sqrt(gap / max(norm, np.finfo(float).tiny))),
                         ROUNDING_ULPS * eps)
 
-    def _call_for(self, module: str) -> tuple[RecordedCall, str, list]:
+    def _call_for(self, module: str) -> tuple[RecordedCall, str, dict[str, str], list]:
         """The first recorded call whose site pairs with ``module``, with its inputs."""
         if self._calls is None:
             self._calls = {}
             for call in recorded_calls(self.ref):
                 target = port_site_for(call.site, self.mapping, set(self.port.modules))
                 if target is not None:
-                    self._calls.setdefault(schema.split_site(target[0])[0], (call, *target))
+                    self._calls.setdefault(schema.split_site(target[0])[0],
+                                           (call, *target, None))
         if module not in self._calls:
             raise LookupError(f"no reference site pairs with port module {module} by name, so "
                               "its transpose was not checked; a [[site]] rule would pair it")
-        call, port_site, args = self._calls[module]
-        if isinstance(args, dict):  # inputs read once: each run gets clones of them
-            self._calls[module] = (call, port_site, self.port._inputs(call, args))
+        call, port_site, args, values = self._calls[module]
+        if values is None:  # inputs read once: each run gets clones of them
+            self._calls[module] = (call, port_site, args, self.port.inputs(call, args))
         return self._calls[module]
 
     def _recorded_outputs(self, site: str) -> dict[str, np.ndarray]:

@@ -139,7 +139,7 @@ def generate(ref_path: Path, port_path: Path, total: int, seed: int = 0) -> tupl
 def run_engine(ref_path: str, port_path: str) -> tuple[list[dict], int]:
     """``layerdiff.diff``; returns the metric rows and how many were decided by digest."""
     import layerdiff
-    from layerdiff.compare import result as R
+    from layerdiff.compare.judge import Verdict
     rows = layerdiff.diff(ref_path, port_path).rows
     tensors = rows[rows["numel"] > 0]
     out = []
@@ -152,7 +152,7 @@ def run_engine(ref_path: str, port_path: str) -> tuple[list[dict], int]:
                     "out": round(r.frac_out * r.numel), "worst_index": r.worst_index,
                     "ratio": r.ratio, "nan_inf": [r.ref_nan, r.ref_inf, r.port_nan, r.port_inf],
                     "batch_ratio": None if batch is None else [float(x) for x in batch]})
-    return out, int((rows["verdict"] == R.IDENTICAL).sum())
+    return out, int((rows["verdict"] == Verdict.IDENTICAL).sum())
 
 
 def _ordered_bits(values: np.ndarray) -> np.ndarray:

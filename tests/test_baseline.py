@@ -8,7 +8,7 @@ import torch
 
 from layerdiff import DiffError, capture, diff, load_case, load_weights, open_trace
 from layerdiff.capture.precision import cast_case
-from layerdiff.compare import result as R
+from layerdiff.compare.judge import Verdict
 from reference_models.catalog import find
 
 TRANSFORMER = "reference_models.transformer:reference"
@@ -70,7 +70,7 @@ def test_faithful_bf16_port_fails_without_baseline_and_passes_with_it(bf16, tmp_
     judged = diff(reference, port, mapping=MAP, baseline=base)
     assert judged.passed, judged.failing()[["site", "role", "ratio", "tol_source"]].head()
     assert judged.meta["precision"] is None and judged.meta["baseline"]["factor"] == 4.0
-    compared = judged.rows[judged.rows["verdict"] != R.IDENTICAL]
+    compared = judged.rows[judged.rows["verdict"] != Verdict.IDENTICAL]
     assert compared["tol_source"].str.startswith("baseline bf16.h5").any()
 
 

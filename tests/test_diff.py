@@ -22,6 +22,7 @@ from layerdiff import (
 )
 from layerdiff.case import ExternalCase
 from layerdiff.compare import result as R
+from layerdiff.compare.judge import Status, Verdict
 from reference_models import mlp_port
 from reference_models.catalog import CATALOG, find
 
@@ -50,7 +51,7 @@ def test_bundled_port_passes_and_planted_bug_is_found_at_its_site(info, referenc
     assert (origin.port_site, origin.pass_, origin.step) == (info.site, info.pass_, 0)
     # every failing row before the origin's would be an earlier origin: there is none
     failing = result.failing()
-    first_seq = failing.loc[failing["status"] == R.ORIGIN, "seq"].min()
+    first_seq = failing.loc[failing["status"] == Status.ORIGIN, "seq"].min()
     assert (failing.loc[failing["pass"] == info.pass_, "seq"] >= first_seq).all()
 
 
@@ -61,7 +62,7 @@ def test_backward_bug_is_reported_per_batch_element(reference_traces, tmp_path):
     batch = result.origin.metrics["batch_ratio"]
     assert batch[0] <= 1 and all(r > 1 for r in batch[1:])
     forward = result.rows[result.rows["pass"] == "forward"]
-    assert (forward["verdict"] != R.OUT).all()
+    assert (forward["verdict"] != Verdict.OUT).all()
 
 
 def test_json_report_has_the_documented_keys(reference_traces, tmp_path):
@@ -113,7 +114,7 @@ def test_innermost_site_is_the_origin_and_containers_hold_it(tmp_path):
     assert result.origin.site == "block.b#0" and result.origin.holders == ["block#0"]
     statuses = dict(zip(result.rows["site"] + " " + result.rows["role"], result.rows["status"],
                         strict=True))
-    assert statuses["block#0 output"] == R.HOLDS_ORIGIN
+    assert statuses["block#0 output"] == Status.HOLDS_ORIGIN
     assert result.origin.metrics["worst_index"] == "2,3"
 
 
@@ -145,7 +146,7 @@ def test_nan_in_the_reference_is_reported_not_blamed_on_the_port(tmp_path):
     port = _chain(tmp_path / "port.h5", [a, a])
     result = diff(ref, port)
     row = result.rows.query("site == 'block.a#0' and role == 'output'").iloc[0]
-    assert row["verdict"] == R.REF_NAN and row["ref_nan"] == 1
+    assert row["verdict"] == Verdict.REF_NAN and row["ref_nan"] == 1
     assert result.passed
 
 
@@ -154,9 +155,9 @@ def test_shape_and_dtype_mismatches_are_row_verdicts(tmp_path):
     port = _chain(tmp_path / "port.h5", [a.astype(np.float64), (a * 2).reshape(6, 4)])
     result = diff(ref, port)
     rows = result.rows.set_index(result.rows["site"] + " " + result.rows["role"])
-    assert rows.at["block.b#0 output", "verdict"] == R.SHAPE_MISMATCH
+    assert rows.at["block.b#0 output", "verdict"] == Verdict.SHAPE_MISMATCH
     assert "shapes differ" in rows.at["block.b#0 output", "note"]
-    assert rows.at["block.a#0 output", "verdict"] == R.WITHIN
+    assert rows.at["block.a#0 output", "verdict"] == Verdict.WITHIN
     assert "compared in float64" in rows.at["block.a#0 output", "note"]
 
 
@@ -258,7 +259,7 @@ def test_a_nan_in_the_reference_does_not_hide_errors_elsewhere(tmp_path):
         with TraceWriter(path) as w, w.site("layer") as s:
             w.record(s, "output", np.array(value, np.float32))
     row = diff(tmp_path / "r.h5", tmp_path / "p.h5").rows.iloc[0]
-    assert row["verdict"] == R.OUT
+    assert row["verdict"] == Verdict.OUT
 
 
 def test_a_weight_difference_is_the_origin_and_its_containers_hold_it(tmp_path):

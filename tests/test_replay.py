@@ -10,7 +10,7 @@ import torch
 
 from layerdiff import DiffError, load_case
 from layerdiff.errors import CaptureError
-from layerdiff.replay import local_table, replay
+from layerdiff.replay import replay
 from layerdiff.replay.arguments import rebuild_call
 from reference_models.catalog import CATALOG, find
 
@@ -21,8 +21,8 @@ CHECKED = [info for info in CATALOG if info.kind in ("port", "bug")]
 def test_replay_finds_each_bug_locally_and_nothing_in_correct_ports(info, reference_traces):
     result = replay(reference_traces(info.reference), load_case(info.spec),
                     mapping=info.mapping_path)
-    assert not result.meta["replay"]["failed"]
-    table = local_table(result)
+    assert not result.cannot_judge
+    table = result.local
     local = table[table["verdict"] == "LOCAL ERROR"]
     if info.kind == "port":
         assert result.passed and local.empty, local
@@ -36,7 +36,7 @@ def test_replay_finds_each_bug_locally_and_nothing_in_correct_ports(info, refere
 
 def test_replay_exonerates_layers_that_only_pass_an_error_on(reference_traces):
     info = find("reference_models.mlp_port:bug_weight_not_transposed")
-    table = local_table(replay(reference_traces(info.reference), load_case(info.spec)))
+    table = replay(reference_traces(info.reference), load_case(info.spec)).local
     act2 = table[(table["port_site"] == "act2#0") & (table["pass"] == "forward")].iloc[0]
     assert act2["propagated"] > 1 and act2["local"] <= 1 and act2["verdict"] == "exonerated"
 
@@ -46,13 +46,13 @@ def test_the_reference_replayed_into_itself_has_no_local_error(reference_traces)
     of c already holds that path and must not be counted twice."""
     ref = reference_traces("reference_models.convlstm:reference")
     result = replay(ref, load_case("reference_models.convlstm:reference"), propagated=False)
-    assert result.passed and result.rows["ratio"].max() < 0.01
+    assert result.passed and result.diff.rows["ratio"].max() < 0.01
 
 
 def test_layers_that_draw_random_numbers_are_skipped_saying_why(reference_traces):
     result = replay(reference_traces("reference_models.mlp:reference"),
                     load_case("reference_models.mlp_port:port"), propagated=False)
-    skipped = dict(result.meta["replay"]["skipped"])
+    skipped = dict(result.skipped)
     assert "random" in skipped["drop#0"] and result.passed
 
 
@@ -65,9 +65,11 @@ def test_a_port_layer_that_raises_is_named_and_the_rest_replayed(reference_trace
     case.model.act2.forward = broken
     result = replay(reference_traces("reference_models.mlp:reference"), case,
                     propagated=False)
-    failed = dict(result.meta["replay"]["failed"])
+    failed = dict(result.cannot_judge)
     assert "kernel not implemented" in failed["act2#0"]
-    assert "fc2#0" in set(result.rows["site"])
+    assert "fc2#0" in set(result.diff.rows["site"])
+    # a layer that raises is never within tolerance: the replay as a whole cannot judge
+    assert result.outcome == "cannot-judge" and not result
 
 
 def test_replay_needs_tensors_not_a_summary(reference_traces):
@@ -86,7 +88,7 @@ def test_replay_of_selected_sites_only(reference_traces):
     result = replay(reference_traces("reference_models.mlp:reference"),
                     load_case("reference_models.mlp_port:port"), sites=["fc*"],
                     propagated=False)
-    assert set(result.rows["site"]) == {"fc1#0", "fc2#0"}
+    assert set(result.diff.rows["site"]) == {"fc1#0", "fc2#0"}
 
 
 def test_a_numpy_port_without_layers_cannot_be_replayed(reference_traces):
@@ -125,5 +127,5 @@ def test_weight_gradients_are_compared_only_when_every_call_was_replayed(referen
     result = replay(ref, load_case("reference_models.convlstm:reference"),
                     sites=["cell.conv#2"], propagated=False)
     assert result.passed
-    assert "weight_grad" not in set(result.rows["role"])
-    assert any("1 of 6 calls replayed" in why for _, why in result.meta["replay"]["skipped"])
+    assert "weight_grad" not in set(result.diff.rows["role"])
+    assert any("1 of 6 calls replayed" in why for _, why in result.skipped)

@@ -17,6 +17,7 @@ from torch import nn
 
 from layerdiff import Case, MappingError, capture, diff, load_weights, seed_everything
 from layerdiff.compare import result as R
+from layerdiff.compare.judge import Verdict
 from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.records import sliced_shape
 from layerdiff.weights import combine, paired_parts
@@ -191,7 +192,7 @@ def test_diff_pairs_each_reference_weight_and_gradient_with_its_part(fused, tmp_
             assert (row["port_site"], row["port_arg"]) == ("attn#0", "kernel" if arg == "weight"
                                                             else "bias")
             assert row["shape"] == row["port_shape"]
-            assert row["verdict"] in (R.WITHIN, R.IDENTICAL)
+            assert row["verdict"] in (Verdict.WITHIN, Verdict.IDENTICAL)
 
 
 def test_wrong_part_of_the_fused_weight_is_reported_at_that_part(fused, tmp_path):
@@ -202,9 +203,10 @@ def test_wrong_part_of_the_fused_weight_is_reported_at_that_part(fused, tmp_path
         port.model.attn.kernel[:, OUT:2 * OUT] += 0.05  # k's columns in the (in, 3*out) layout
     result = diff(ref_path, capture(port, tmp_path / "port.h5"), mapping=mapping)
     verdicts = {key: row["verdict"] for key, row in _param_rows(result, "weight").items()}
-    assert verdicts[("attn.k#0", "weight")] == R.OUT
-    assert {verdicts[(f"attn.{n}#0", "weight")] for n in "qv"} <= {R.WITHIN, R.IDENTICAL}
-    assert {verdicts[(f"attn.{n}#0", "bias")] for n in "qkv"} <= {R.WITHIN, R.IDENTICAL}
+    assert verdicts[("attn.k#0", "weight")] == Verdict.OUT
+    passing = {Verdict.WITHIN, Verdict.IDENTICAL}
+    assert {verdicts[(f"attn.{n}#0", "weight")] for n in "qv"} <= passing
+    assert {verdicts[(f"attn.{n}#0", "bias")] for n in "qkv"} <= passing
 
 
 def test_wrong_gradient_of_one_part_is_reported_at_that_part(fused, tmp_path):
@@ -214,10 +216,10 @@ def test_wrong_gradient_of_one_part_is_reported_at_that_part(fused, tmp_path):
     result = diff(ref_path, capture(port, tmp_path / "port.h5"), mapping=mapping)
     grads = _param_rows(result, "weight_grad")
     for arg in ("weight", "bias"):
-        assert grads[("attn.v#0", arg)]["verdict"] == R.OUT
-        assert {grads[(f"attn.{n}#0", arg)]["verdict"] for n in "qk"} <= {R.WITHIN,
-                                                                            R.IDENTICAL}
-    assert (result.rows.loc[result.rows["pass"] == "forward", "verdict"] != R.OUT).all()
+        assert grads[("attn.v#0", arg)]["verdict"] == Verdict.OUT
+        assert {grads[(f"attn.{n}#0", arg)]["verdict"] for n in "qk"} <= {Verdict.WITHIN,
+                                                                            Verdict.IDENTICAL}
+    assert (result.rows.loc[result.rows["pass"] == "forward", "verdict"] != Verdict.OUT).all()
 
 
 def test_split_then_transpose_loads_and_pairs_each_part(tmp_path):
@@ -237,7 +239,7 @@ def test_split_then_transpose_loads_and_pairs_each_part(tmp_path):
     rows = result.rows[(result.rows["site"] == "attn.qkv#0") & (result.rows["arg"] == "weight")
                        & (result.rows["role"] == "weight")]
     assert list(rows["port_arg"]) == ["q_kernel", "k_kernel", "v_kernel"]
-    assert list(rows["verdict"] == R.OUT) == [False, False, True]
+    assert list(rows["verdict"] == Verdict.OUT) == [False, False, True]
     assert set(rows["shape"]) == set(rows["port_shape"]) == {f"{OUT},{IN}"}
 
 

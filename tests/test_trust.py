@@ -30,7 +30,7 @@ from layerdiff import (
     seed_everything,
 )
 from layerdiff.cli import main
-from layerdiff.compare import result as R
+from layerdiff.compare.judge import Status, Verdict
 from layerdiff.report.terminal import format_diff
 from reference_models.catalog import find
 from tests import gpt_cases
@@ -217,8 +217,8 @@ def test_a_deep_softmax_backward_bug_has_exactly_one_origin(strength, reference_
     origin = result.origin
     assert (origin.site, origin.pass_, origin.step) == ("decoder.layers.1.self_attn#0",
                                                         "backward", 0)
-    assert (result.rows["status"] == R.ORIGIN).sum() >= 1
-    assert (result.rows.loc[result.rows["pass"] == "forward", "verdict"] != R.OUT).all()
+    assert (result.rows["status"] == Status.ORIGIN).sum() >= 1
+    assert (result.rows.loc[result.rows["pass"] == "forward", "verdict"] != Verdict.OUT).all()
 
 
 @pytest.mark.parametrize("loss_scale", [1.0, 1e6])
@@ -294,8 +294,8 @@ def test_a_loss_whose_input_has_no_partner_is_not_named_an_origin(restructured):
     result = restructured
     assert not result.passed
     loss = result.rows[result.rows["site"] == LOSS]
-    assert (loss["verdict"] == R.OUT).all() and len(loss)
-    assert (loss["status"] == R.CANNOT_JUDGE).all()
+    assert (loss["verdict"] == Verdict.OUT).all() and len(loss)
+    assert (loss["status"] == Status.CANNOT_JUDGE).all()
     assert LOSS not in {o.site for o in result.origins}
     # every paired forward record is identical: nothing else can be named either
     assert result.origins == [] and result.origin is None
@@ -331,9 +331,9 @@ def test_a_weight_gradient_whose_incoming_gradient_is_declared_unmatched_is_not_
     assert result.origins == []
     rows = result.rows
     grads = rows[(rows["site"] == "fc2#0") & (rows["role"] == "weight_grad")]
-    out = grads[grads["verdict"] == R.OUT]
+    out = grads[grads["verdict"] == Verdict.OUT]
     assert list(out["arg"]) == ["weight"]
-    assert (out["status"] == R.CANNOT_JUDGE).all()
+    assert (out["status"] == Status.CANNOT_JUDGE).all()
     unmatched = result.unmatched
     declared = unmatched[(unmatched["side"] == "reference") & (unmatched["site"] == "fc2#0")]
     assert list(declared["declared"]) == [True]

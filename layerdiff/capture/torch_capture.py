@@ -18,6 +18,7 @@ from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case, ExternalCase, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.signature import Signature
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
 from layerdiff.trace.writer import TraceWriter, base_meta, check_writable
 
@@ -215,6 +216,20 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         "machine": platform.machine(),
         # tied weights: recorded once, under "name"; "users" are all the names they go by
         "shared_parameters": shared_parameters(case.model, include, exclude),
+        # what replay and swap bind the recorded calls against (layerdiff.replay.calling)
+        "signatures": _signatures(case.model),
     })
     meta["versions"]["torch"] = torch.__version__
     return meta
+
+
+def _signatures(model: torch.nn.Module) -> dict[str, Any]:
+    """Each module type's forward signature, by type name (the first module of a type wins)."""
+    found: dict[str, Any] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name not in found:
+            signature = Signature.of(module.forward)
+            if signature is not None:
+                found[name] = signature.as_json()
+    return found

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare import diff
-from layerdiff.compare.result import IDENTICAL
+from layerdiff.compare.judge import Verdict
 from layerdiff.compare.tolerances import default_tolerance
 
 
@@ -58,7 +58,7 @@ def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
         for other in paths[1:]:
             rows = diff(paths[0], other).rows
             frames.append(rows)
-            changed = rows[rows["verdict"] != IDENTICAL].sort_values("seq")
+            changed = rows[rows["verdict"] != Verdict.IDENTICAL].sort_values("seq")
             for site in changed["site"]:
                 if site not in result.nondeterministic:
                     result.nondeterministic.append(site)

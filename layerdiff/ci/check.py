@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from layerdiff.compare import diff
-from layerdiff.compare.result import IDENTICAL, Diff
+from layerdiff.compare.judge import Verdict
+from layerdiff.compare.result import Diff
 from layerdiff.errors import DiffError, TraceError
 from layerdiff.trace import open_trace, schema
 
@@ -48,7 +49,7 @@ class CheckResult:
             return f"IDENTICAL  {self.case}: all {len(rows):,} records bit for bit as in " \
                    f"{self.golden.name}"
         if self.outcome == DRIFT:
-            changed = rows[rows["verdict"] != IDENTICAL]
+            changed = rows[rows["verdict"] != Verdict.IDENTICAL]
             worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
             return (f"DRIFT  {self.case}: {len(changed):,} of {len(rows):,} records changed, "
                     f"within tolerance; the most at {worst['site']} {worst['role']} "
@@ -96,7 +97,7 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
         result.meta["structure"] = structural
     if not result.passed or structural:
         outcome = FAIL
-    elif (result.rows["verdict"] == IDENTICAL).all():
+    elif (result.rows["verdict"] == Verdict.IDENTICAL).all():
         outcome = IDENTICAL_OUTCOME
     else:
         outcome = DRIFT

@@ -10,7 +10,8 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from layerdiff.compare.result import PASSING, Diff
+from layerdiff.compare.judge import PASSING
+from layerdiff.compare.result import Diff
 
 
 def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdiff") -> Path:

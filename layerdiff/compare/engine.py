@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.baseline import FACTOR, Baseline
+from layerdiff.compare.judge import Verdict
 from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
@@ -66,7 +68,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
                             "reference: judged by its own error, any port passes; capture the "
                             f"reference's case ({ref_trace.meta.get('case', 'REF_CASE')}) the "
                             "port's way as the baseline")
-        judge = None if base_trace is None else _measure_baseline(
+        judge = None if base_trace is None else measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
         result.meta["warnings"] = said + result.meta["warnings"]
@@ -94,7 +96,7 @@ def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Ma
     return mapping, []
 
 
-def _measure_baseline(ref: Trace, base: Trace, factor: float,
+def measure_baseline(ref: Trace, base: Trace, factor: float,
                       progress: Progress | None) -> Baseline:
     """The baseline's own error against the reference, record by record (same names)."""
     sites = match_sites(ref.sites, base.sites, ref.index, base.index, Mapping())
@@ -113,7 +115,7 @@ def _measure_baseline(ref: Trace, base: Trace, factor: float,
     rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
         exact, progress)
     floats = rows[rows["dtype"].astype(str).str.contains("float")]
-    if len(floats) and (floats["verdict"] == R.IDENTICAL).all():
+    if len(floats) and (floats["verdict"] == Verdict.IDENTICAL).all():
         raise DiffError(f"baseline {base.path} is identical to reference {ref.path}: it shows "
                         "no error to allow; a baseline is the reference run the port's way "
                         "(--dtype, --autocast, or on the port's device)")
@@ -169,7 +171,7 @@ def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,
     """Most sites paired only by the structural guess, and shapes clash: the names differ and
     no verdict on such pairs can be trusted, so ask for a mapping instead of naming an origin."""
     guessed = [pair for pair in sites.pairs if pair.match == "structural"]
-    clashes = rows[rows["verdict"] == R.SHAPE_MISMATCH]
+    clashes = rows[rows["verdict"] == Verdict.SHAPE_MISMATCH]
     if len(guessed) * 2 <= len(sites.pairs) or clashes.empty:
         return
     lost = [site for side, site, _, declared in sites.unmatched if not declared]
@@ -281,12 +283,13 @@ class _Comparer:
         notes = []
         if r["kind"] != "tensor" or p["kind"] != "tensor":
             same = r["kind"] == p["kind"] and r["value"] == p["value"]
-            row.update(verdict=R.IDENTICAL if same else R.OUT, ratio=0.0 if same else np.inf,
+            row.update(verdict=Verdict.IDENTICAL if same else Verdict.OUT,
+                       ratio=0.0 if same else np.inf,
                        note="" if same else f"values differ: reference {r['value'] or 'tensor'}"
                        f", port {p['value'] or 'tensor'}")
             return row
         if ref_shape != port_shape:
-            row.update(verdict=R.SHAPE_MISMATCH, ratio=np.inf,
+            row.update(verdict=Verdict.SHAPE_MISMATCH, ratio=np.inf,
                        note=f"shapes differ: reference ({r['shape']}), port ({p['shape']})")
             return row
         if r["dtype"] != p["dtype"]:
@@ -300,7 +303,7 @@ class _Comparer:
         unscaled = r["role"] not in GRAD_ROLES or self.grad_factor == 1.0
         if (plain and unscaled and r["digest"] and r["digest"] == p["digest"]
                 and r["dtype"] == p["dtype"]):
-            row.update(_identical_metrics(r), verdict=R.IDENTICAL)
+            row.update(_identical_metrics(r), verdict=Verdict.IDENTICAL)
         elif r["segment"] < 0 or p["segment"] < 0:
             self._compare_statistics(row, r, p, plain)
         return row
@@ -309,23 +312,23 @@ class _Comparer:
                             plain: bool) -> None:
         """A summary trace on either side: judge by the statistics in the index."""
         if not plain:
-            row.update(verdict=R.WITHIN, ratio=np.nan, note="summary trace: a sliced or "
+            row.update(verdict=Verdict.WITHIN, ratio=np.nan, note="summary trace: a sliced or "
                        "transposed parameter cannot be judged from statistics; not compared")
             return
         factor = self.grad_factor if r["role"] in GRAD_ROLES else 1.0
         ref_stats, port_stats = _statistics(r), _statistics(p) * factor
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore"):
             gaps = np.abs(port_stats - ref_stats)
-            ratios = gaps / (row["atol"] + row["rtol"] * np.abs(ref_stats))
-        ratios[gaps == 0] = 0.0
-        non_finite = int(p["nan"]) > int(r["nan"]) or int(p["inf"]) > int(r["inf"])
-        row.update(max_abs=float(np.nanmax(gaps)) if gaps.size else 0.0,
-                   ratio=np.inf if non_finite else float(np.nanmax(ratios, initial=0.0)),
+        ratio = judge.statistics_ratio(ref_stats, port_stats, row["rtol"], row["atol"],
+                                       ref_counts=(int(r["nan"]), int(r["inf"])),
+                                       port_counts=(int(p["nan"]), int(p["inf"])))
+        row.update(max_abs=float(np.nanmax(gaps, initial=0.0)), ratio=ratio,
                    ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=int(p["nan"]),
                    port_inf=int(p["inf"]),
                    note="; ".join(filter(None, [row["note"], "statistics only (summary trace): "
                                                 "min, max, mean, std and rms compared"])))
-        row["verdict"] = _verdict(row)
+        row["verdict"] = judge.verdict(ratio, ref_nan=row["ref_nan"], port_nan=row["port_nan"],
+                                       port_inf=row["port_inf"])
 
     def _tensor(self, row: pd.Series, part, transpose: bool) -> TensorRef:
         return TensorRef(int(row["segment"]), int(row["offset"]), int(row["nbytes"]),
@@ -351,8 +354,11 @@ class _Comparer:
                 row = rows[position]
                 row.update(metrics.result(shape))
                 if row["rms_tol"] is not None:  # a baseline's second rule
-                    row["ratio"] = max(row["ratio"], _over(row["rms"], row["rms_tol"]))
-                row["verdict"] = _verdict(row)
+                    row["ratio"] = judge.worst([row["ratio"], _over(row["rms"],
+                                                                    row["rms_tol"])])
+                row["verdict"] = judge.verdict(
+                    row["ratio"], ref_nan=row["ref_nan"], port_nan=row["port_nan"],
+                    port_inf=row["port_inf"], finite_ratio=row["finite_ratio"])
             if progress is not None:
                 progress(min(done, total), total)
 
@@ -384,16 +390,6 @@ def _identical_metrics(r: pd.Series) -> dict[str, Any]:
             "max_ulp": 0.0, "frac_out": 0.0, "worst_index": "", "ratio": 0.0,
             "ref_nan": int(r["nan"]), "ref_inf": int(r["inf"]), "port_nan": int(r["nan"]),
             "port_inf": int(r["inf"])}
-
-
-def _verdict(row: dict[str, Any]) -> str:
-    if row["ratio"] is not None and row["ratio"] <= 1.0:
-        return R.WITHIN
-    # NaN in the reference is not the port's fault, but only where the rest is within
-    if (row["ref_nan"] and not row["port_nan"] and not row["port_inf"]
-            and row.get("finite_ratio", np.inf) <= 1.0):
-        return R.REF_NAN
-    return R.OUT
 
 
 def read_pair(diff_result: R.Diff, row: pd.Series) -> tuple[np.ndarray, np.ndarray]:

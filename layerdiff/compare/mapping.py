@@ -16,6 +16,11 @@ A TOML file (YAML with the same keys works too)::
     port = 'dec.\\1'
     args = { "1" = "2" }          # reference argument -> port argument, where they differ
 
+    [[site]]
+    reference = "transformer.h.*.attn"
+    port = "transformer.h.*.attn"
+    args = { past_key_values = "" }   # "": the port has no such argument; replay drops it
+
     [[pair]]                      # one reference site with one port site (module#call)
     reference = "tgt_pos#0"
     port = "pos#1"
@@ -287,8 +292,10 @@ def _load(config: ConfigFile) -> Mapping:
         args = entry.get("args", {})
         if not isinstance(args, dict) or not all(isinstance(v, (str, int)) for v in args.values()):
             config.fail(f"{where}: args must be a table of reference argument = port argument "
-                        "strings, e.g. args = { \"1\" = \"2\" }", line)
-        # YAML reads unquoted argument numbers as integers; arguments are names (strings)
+                        "strings, e.g. args = { \"1\" = \"2\" }, or \"\" for an argument the "
+                        "port does not take, e.g. args = { past_key_values = \"\" }", line)
+        # YAML reads unquoted argument numbers as integers; arguments are names (strings).
+        # An empty port name is allowed: the port has no such argument (replay drops it).
         args = {str(key): str(value) for key, value in args.items()}
         mapping.site_rules.append(SiteRule(pattern, port, args, line))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):

@@ -2,9 +2,8 @@
 
 A tensor of any size is compared in chunks of its flat C-order elements, so memory does not
 grow with the tensor. The verdict's measure is ``ratio``: the largest
-``|port - ref| / (atol + rtol * |ref|)`` over the elements, so ``ratio <= 1`` is exactly
-``torch.testing.assert_close``'s test. NaN where both sides have NaN, and infinities of the
-same sign on both sides, count as equal; a non-finite value on one side only is out.
+``|port - ref| / (atol + rtol * |ref|)`` over the elements, with the NaN and Inf rules of
+:mod:`layerdiff.compare.judge`, which decides; this module only accumulates.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from layerdiff.compare import judge
 
 # Elements per block of work inside a chunk: 7 float64 work arrays of 512 KiB fit a 2 MiB L2.
 BLOCK = 1 << 16
@@ -103,27 +104,18 @@ class PairMetrics:
         a, b = work.take("a", n, wide), work.take("b", n, wide)
         np.copyto(a, ref, casting="unsafe")
         np.copyto(b, port, casting="unsafe")
-        diff = work.take("diff", n)
-        with np.errstate(invalid="ignore", over="ignore"):
-            np.abs(np.subtract(a, b, out=work.take("sub", n, wide)), out=diff)
-        finite = np.isfinite(diff)
-        all_finite = bool(finite.all())
+        diff, all_finite = judge.differences(a, b, work.take("diff", n),
+                                             work.take("sub", n, wide))
         if not all_finite:
             self._count_non_finite(a, b)
-            same = (a == b) | (np.isnan(a) & np.isnan(b))
-            diff = np.where(finite, diff, np.where(same, 0.0, np.inf))
         magnitude = np.abs(a, out=work.take("magnitude", n))
-        ratio, rel = work.take("ratio", n), work.take("rel", n)
+        ratio = judge.ratios(diff, magnitude, self.rtol, self.atol, work.take("ratio", n),
+                             all_finite=all_finite)
+        rel = work.take("rel", n)
         with np.errstate(divide="ignore", invalid="ignore"):
-            np.multiply(magnitude, self.rtol, out=ratio)
-            ratio += self.atol
-            np.divide(diff, ratio, out=ratio)
-            if self.atol == 0 or not all_finite:  # 0/0 or 0/inf-or-NaN; else 0 already
-                ratio[diff == 0] = 0.0
             np.maximum(magnitude, self.atol or np.finfo(np.float64).tiny, out=rel)
             np.divide(diff, rel, out=rel)
-        if not all_finite:  # a non-finite reference makes the tolerance inf: inf/inf is NaN
-            ratio[np.isinf(diff)] = np.inf
+        if not all_finite:
             rel[np.isinf(diff)] = np.inf
             finite_ref = np.isfinite(a)
             if finite_ref.any():
@@ -148,7 +140,7 @@ class PairMetrics:
         if self.ulp_scale is not None and ref.dtype.kind == "f" and ref.dtype == port.dtype:
             ulp = np.abs(ordered_bits(ref).astype(np.int64) - ordered_bits(port))
             if not all_finite:
-                ulp = np.where(finite, ulp, 0)
+                ulp = np.where(keep, ulp, 0)
             self.max_ulp = max(self.max_ulp, float(ulp.max()) / self.ulp_scale)
         if self.batch_ratio is not None:
             self._update_batches(ratio, start)

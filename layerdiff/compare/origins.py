@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare import result as R
+from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.records import param_name
 from layerdiff.trace import schema
 
@@ -71,7 +72,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     no site's backward inherits another's error and every qualifying site is an origin.
     ``ref_index``: the reference's index, to tell a site whose inputs have no partner (it
     cannot be judged) and to bound the error its inputs can produce (their norms)."""
-    failing = ~rows["verdict"].isin(R.PASSING)
+    failing = ~rows["verdict"].isin(PASSING)
     if not failing.any():
         return [], None
     step = int(rows.loc[failing, "step"].min())
@@ -152,7 +153,7 @@ def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
         if role in ("grad_output", "grad_input"):
             entry.backward_order = min(entry.backward_order, int(seq))
         entry.rows.setdefault(role, []).append(pos)
-        if verdict not in R.PASSING:
+        if verdict not in PASSING:
             entry.bad.setdefault(role, []).append(pos)
         if port_bad > ref_bad:
             entry.new_non_finite[role] = True
@@ -317,7 +318,7 @@ def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site]) -> None:
     for site in unjudged:
         for positions in site.bad.values():
             for pos in positions:
-                rows.at[pos, "status"] = R.CANNOT_JUDGE
+                rows.at[pos, "status"] = Status.CANNOT_JUDGE
                 rows.at[pos, "cause"] = "its inputs have no partner in the port"
 
 
@@ -455,7 +456,7 @@ def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], 
         for holder in origin.holders:
             for positions in sites[holder].bad.values():
                 for pos in positions:
-                    rows.at[pos, "status"] = R.HOLDS_ORIGIN
+                    rows.at[pos, "status"] = Status.HOLDS_ORIGIN
                     rows.at[pos, "cause"] = origin.site
     first = origins[0] if origins else None
     forward = [o for o in origins if o.pass_ == "forward"]
@@ -464,12 +465,12 @@ def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], 
     ordered = sorted(origins, key=lambda o: _first_seq(rows, sites, o))
     for pos in rows.index[failing]:
         if pos in origin_rows:
-            rows.at[pos, "status"] = R.ORIGIN
+            rows.at[pos, "status"] = Status.ORIGIN
             rows.at[pos, "cause"] = origin_rows[pos].site
             continue
         if rows.at[pos, "status"]:
             continue
-        rows.at[pos, "status"] = R.PROPAGATED
+        rows.at[pos, "status"] = Status.PROPAGATED
         if rows.at[pos, "step"] != step:
             rows.at[pos, "cause"] = f"step {step}" + (f" ({first.site})" if first else "")
             continue

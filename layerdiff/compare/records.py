@@ -55,15 +55,19 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     used_port: set[int] = set()
 
     ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
-                   ref_index["role"], ref_index["arg"], strict=True)
-    for pos, step, site, role, arg in ref_rows:
+                   ref_index["role"], ref_index["arg"], ref_index["value"], strict=True)
+    for pos, step, site, role, arg, value in ref_rows:
         if role in PARAM_ROLES:
             continue
         pair = by_ref.get(site)
         if pair is None:
             continue  # the site itself is reported unmatched
-        port_arg = pair.args.get(arg, arg) if role in ("input", "grad_input") else arg
+        port_arg = _port_argument(arg, pair.args) if role in ("input", "grad_input") else arg
+        if port_arg is None:
+            continue  # the mapping drops it: the port takes no such argument
         port_pos = port_keys.get((step, pair.port, role, port_arg))
+        if port_pos is None and role == "input" and value == "null":
+            continue  # a None the reference passed and the port does not take carries nothing
         if port_pos is None:
             unmatched.append(("reference", int(step), site, role, arg,
                               f"the port recorded no {role} '{port_arg}' at {pair.port}"))
@@ -148,3 +152,14 @@ def sliced_shape(shape: tuple[int, ...], part: Slice | None, transpose: bool) ->
         shape = tuple(shape)
     return tuple(reversed(shape)) if transpose else tuple(shape)
 
+
+
+def _port_argument(arg: str, args: dict[str, str]) -> str | None:
+    """A reference argument path under the port's name (a mapping ``args`` rule names the
+    whole path or its top-level part), or None where the rule drops it (``""``)."""
+    if arg in args:
+        return args[arg] or None
+    head, dot, rest = arg.partition(".")
+    if head not in args:
+        return arg
+    return args[head] + dot + rest if args[head] else None

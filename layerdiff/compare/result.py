@@ -13,20 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-# Row verdicts. "identical" and "within" pass; the rest fail, but for "ref-nan", which is
-# reported and does not fail the port (the reference itself is not finite there).
-IDENTICAL = "identical"
-WITHIN = "within"
-OUT = "out"
-SHAPE_MISMATCH = "shape-mismatch"
-REF_NAN = "ref-nan"
-PASSING = frozenset({IDENTICAL, WITHIN, REF_NAN})
-
-# Row status, filled by origin finding.
-ORIGIN = "origin"
-HOLDS_ORIGIN = "holds-origin"      # a container around an origin
-PROPAGATED = "propagated"          # out of tolerance because of an earlier origin (see `cause`)
-CANNOT_JUDGE = "cannot-judge"      # out, but what comes into it has no partner in the port
+from layerdiff.compare.judge import PASSING
 
 # Columns of Diff.rows, in order. One row per compared (step, site, role, tensor).
 ROW_COLUMNS = [

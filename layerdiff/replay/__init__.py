@@ -3,9 +3,9 @@ reference), bisect (the smallest set of port layers that breaks it) and an inter
 """
 
 from layerdiff.replay.bisect import BisectResult, bisect
-from layerdiff.replay.replay import local_table, replay
+from layerdiff.replay.replay import ReplayResult, replay
 from layerdiff.replay.session import Session
 from layerdiff.replay.swap import Swapper, SwapResult, swap
 
-__all__ = ["BisectResult", "Session", "SwapResult", "Swapper", "bisect", "local_table",
+__all__ = ["BisectResult", "ReplayResult", "Session", "SwapResult", "Swapper", "bisect",
            "replay", "swap"]

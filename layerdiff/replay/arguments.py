@@ -55,6 +55,17 @@ def plain_value(text: str, where: str) -> Any:
 
 
 def map_argument(path: str, args: dict[str, str]) -> str:
-    """A reference argument path under the port's names (the top-level part is mapped)."""
+    """A reference argument path under the port's names (the top-level part is mapped).
+
+    A rule with an empty port name drops the argument (``dropped_arguments``): it is no
+    rename, so the path keeps its reference name."""
+    if path in args:  # a rule for the whole path wins over its head's
+        return args[path] or path
     head, dot, rest = path.partition(".")
-    return args.get(path, args.get(head, head) + dot + rest)
+    return args[head] + dot + rest if args.get(head) else path
+
+
+def dropped_arguments(args: dict[str, str]) -> frozenset[str]:
+    """Reference arguments the mapping drops (``args = { past_key_values = "" }``): the port
+    has no such argument, so they are left out of its call."""
+    return frozenset(name for name, port in args.items() if port == "")

@@ -9,16 +9,20 @@ layer that merely passes on an error is exonerated and one that makes its own is
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from layerdiff.case import Case, ExternalCase
-from layerdiff.compare import diff
+from layerdiff.compare import diff, judge
+from layerdiff.compare.judge import Status
 from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.result import Diff
@@ -26,13 +30,67 @@ from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
+from layerdiff.trace.schema import Pass, Role
+
+
+@dataclass
+class ReplayResult:
+    """What replay found: each port layer's own error on the reference's recorded inputs.
+
+    True when no layer has a local error and every paired layer could be called (``if
+    result: ...``). A layer that could not be called, or raised, *cannot be judged*: it is
+    listed with its reason in ``cannot_judge`` and never counts as within tolerance.
+    """
+
+    diff: Diff                                   # the replayed calls, each site on its own
+    replayed: list[tuple[str, str]]              # (reference site, port site)
+    cannot_judge: list[tuple[str, str]]          # (reference site, why)
+    skipped: list[tuple[str, str]]               # (reference site, why): not replayable
+    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # site -> args
+    propagated: Diff | None = None               # a plain diff of the port's own run
+
+    @property
+    def local(self) -> pd.DataFrame:
+        """One row per site and pass: local error, propagated error, amplification, verdict
+        (LOCAL ERROR, exonerated, holds one, within)."""
+        return _local_table(self.diff.rows, self.propagated)
+
+    @property
+    def outcome(self) -> str:
+        if not self.diff.passed:
+            return "fail"
+        return "cannot-judge" if self.cannot_judge else "pass"
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def origin(self):
+        return self.diff.origin
+
+    def as_json(self) -> dict[str, Any]:
+        local = self.local
+        return {**self.diff.as_json(), "verdict": self.outcome,
+                "replay": {"replayed": len(self.replayed),
+                           "cannot_judge": [list(entry) for entry in self.cannot_judge],
+                           "skipped": [list(entry) for entry in self.skipped],
+                           "dropped": self.dropped},
+                "propagated": None if self.propagated is None else {
+                    "verdict": self.propagated.verdict,
+                    "origin": self.propagated.origin.as_json() if self.propagated.origin
+                    else None},
+                "local": json.loads(local.to_json(orient="records"))}
 
 
 def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
            mapping: str | os.PathLike | Mapping | None = None,
            sites: Sequence[str] = (), tolerances: str | os.PathLike | Tolerances | None = None,
-           output: str | os.PathLike | None = None, propagated: bool = True) -> Diff:
-    """Replay every matched site of ``reference`` into ``port`` and diff the result.
+           output: str | os.PathLike | None = None, propagated: bool = True) -> ReplayResult:
+    """Replay every matched site of ``reference`` into ``port`` and judge each on its own.
 
     ``port`` is a torch Case (its model gets the reference's weights through ``mapping``) or
     an ExternalCase with per-site ``layers``. ``sites`` are globs over the reference's site or
@@ -45,12 +103,11 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
         path = Path(output) if output else Path(tmp) / "replay.h5"
         with open_trace(reference) as ref:
             log = write_replay(ref, port, mapping, sites, path)
-        result = diff(reference, path, mapping=mapping, tolerances=tolerances,
-                      independent=True)
-        result.meta["replay"] = {"failed": log.failed, "skipped": log.skipped,
-                                 "replayed": len(log.replayed)}
+        result = ReplayResult(
+            diff(reference, path, mapping=mapping, tolerances=tolerances, independent=True),
+            log.replayed, log.failed, log.skipped, log.dropped)
         if propagated:
-            _add_propagated(result, reference, port, mapping, tolerances, Path(tmp))
+            result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
     return result
 
 
@@ -59,6 +116,7 @@ class ReplayLog:
         self.failed: list[tuple[str, str]] = []     # (reference site, the error)
         self.skipped: list[tuple[str, str]] = []    # (reference site, why)
         self.replayed: list[tuple[str, str]] = []   # (reference site, port site)
+        self.dropped: dict[str, list[tuple[str, str]]] = {}  # port site -> (argument, why)
 
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
@@ -83,8 +141,10 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
             site = writer.enter(module, backend.type_of(module), call=number)
             open_calls.append((call, site))
             try:
-                backend.replay(call, site, args_map, writer)
+                dropped = backend.replay(call, site, args_map, writer)
                 log.replayed.append((call.site, port_site))
+                if dropped:
+                    log.dropped[port_site] = dropped
             except Exception as exc:  # a port layer that raises is named; the rest goes on
                 reason = f"{type(exc).__name__}: {exc}"
                 (log.skipped if type(exc).__name__ == "NotReplayable" else log.failed).append(
@@ -137,47 +197,48 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     return TorchPort(port.model, ref)
 
 
-def _add_propagated(result: Diff, reference, port, mapping: Mapping, tolerances,
-                    directory: Path) -> None:
-    """Columns from a plain diff of the port's own run: the error each site inherited."""
+def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:
+    """A plain diff of the port's own run: the error each site inherited."""
     from layerdiff.capture import capture
     from layerdiff.weights import load_weights
 
     if isinstance(port, Case):
         load_weights(port.model, reference, mapping)
     run = capture(port, directory / "port.h5", steps=1)
-    plain = diff(reference, run, mapping=mapping, tolerances=tolerances)
-    keys = ["step", "site", "role", "arg"]
-    merged = result.rows.merge(plain.rows[[*keys, "ratio"]].rename(
-        columns={"ratio": "propagated_ratio"}), on=keys, how="left")
-    rows = plain.rows[plain.rows["step"] == 0]
-    inputs = rows[rows["role"] == "input"].groupby("site")["ratio"].max()
-    outputs = rows[rows["role"] == "output"].groupby("site")["ratio"].max()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        amplification = (outputs / inputs).replace([np.inf, -np.inf], np.nan)
-    merged["amplification"] = merged["site"].map(amplification)
-    result.rows = merged
-    result.meta["propagated"] = {"verdict": plain.verdict,
-                                 "origin": plain.origin.as_json() if plain.origin else None}
+    return diff(reference, run, mapping=mapping, tolerances=tolerances)
 
 
-def local_table(result: Diff) -> pd.DataFrame:
+def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
     """One row per site and pass: local error, propagated error, amplification, verdict."""
-    rows = result.rows
-    if "propagated_ratio" not in rows:
+    keys = ["step", "site", "role", "arg"]
+    if plain is None:
         rows = rows.assign(propagated_ratio=np.nan, amplification=np.nan)
-    roles = {"forward": ["output"], "backward": ["grad_input", "weight_grad"]}
+    else:
+        rows = rows.merge(plain.rows[[*keys, "ratio"]].rename(
+            columns={"ratio": "propagated_ratio"}), on=keys, how="left")
+        first = plain.rows[plain.rows["step"] == 0]
+        inputs = first[first["role"] == Role.INPUT].groupby("site")["ratio"].max()
+        outputs = first[first["role"] == Role.OUTPUT].groupby("site")["ratio"].max()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            amplification = (outputs / inputs).replace([np.inf, -np.inf], np.nan)
+        rows = rows.assign(amplification=rows["site"].map(amplification))
+    roles = {Pass.FORWARD: [Role.OUTPUT], Pass.BACKWARD: [Role.GRAD_INPUT, Role.WEIGHT_GRAD]}
     parts = []
     for pass_, wanted in roles.items():
         chosen = rows[(rows["pass"] == pass_) & rows["role"].isin(wanted)]
         grouped = chosen.groupby(["site", "port_site"], sort=False).agg(
-            seq=("seq", "min"), local=("ratio", "max"), propagated=("propagated_ratio", "max"),
+            seq=("seq", "min"), local=("ratio", _worst), propagated=("propagated_ratio", "max"),
             amplification=("amplification", "max"),
-            holds=("status", lambda s: (s == "holds-origin").any())).reset_index()
-        grouped["pass"] = pass_
+            holds=("status", lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
+        grouped["pass"] = str(pass_)
         parts.append(grouped)
     table = pd.concat(parts, ignore_index=True)
+    local_error = ~table["local"].map(judge.within)
     table["verdict"] = np.where(
-        table["holds"], "holds one", np.where(table["local"] > 1, "LOCAL ERROR", np.where(
+        table["holds"], "holds one", np.where(local_error, "LOCAL ERROR", np.where(
             table["propagated"] > 1, "exonerated", "within")))
     return table.sort_values(["pass", "seq"], ascending=[False, True], kind="stable")
+
+
+def _worst(ratios: pd.Series) -> float:
+    return judge.worst(ratios.fillna(0.0))

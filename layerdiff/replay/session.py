@@ -172,10 +172,11 @@ class SessionShell(cmd.Cmd):
 
     def do_bisect(self, arg: str) -> None:
         """bisect: find the smallest set of port layers that breaks the reference."""
+        from layerdiff.report.terminal import format_bisect
+
         result = self.session.bisect(lambda n, p: self.echo(
-            f"probe {n:>3}  {'breaks' if p.breaks else 'within':<6}  {', '.join(p.swapped)}"))
-        names = ", ".join(port for _, port in result.culprits)
-        self.echo(f"culprits: {names}" if result.reproduced else "nothing to find")
+            f"probe {n:>3}  {p.outcome:<12}  {', '.join(p.swapped)}"))
+        self.echo(format_bisect(result))
 
     def do_quit(self, arg: str) -> bool:
         """quit: leave the session."""

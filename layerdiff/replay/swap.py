@@ -2,34 +2,73 @@
 backward intact, and measure what changes against the pure reference.
 
 A port layer goes in holding the reference's weights (through the mapping), behind an adapter
-that hands it the reference's call arguments under the port's argument names. A layer that is
-not torch (per-site numpy callables) goes in through a ``torch.autograd.Function`` around its
-forward and backward, with its weights as parameters so the optimizer trains them. The reverse
-direction (``into="port"``) puts reference layers into the port, to confirm a fix.
+(:mod:`layerdiff.replay.adapters`) that calls it the way the replaced layer was called: its
+own signature, its own dtype, the replaced layer's output structure. A layer that is not torch
+(per-site numpy callables) goes in through a ``torch.autograd.Function`` around its forward and
+backward, with its weights as parameters so the optimizer trains them. The reverse direction
+(``into="port"``) puts reference layers into the port, to confirm a fix.
+
+Every comparison is keyed like a trace record (step, site, role, argument) and judged by
+:mod:`layerdiff.compare.judge` with the tolerance a diff of those records would use: the
+per-dtype default, ``--rtol``/``--atol``, a tolerance file's rules, or a baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.capture.hooks import _arguments, flatten
+from layerdiff.capture.hooks import flatten
 from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
+from layerdiff.compare import judge
+from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.matching import port_site_for
-from layerdiff.compare.tolerances import Tolerances
+from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
-from layerdiff.replay.arguments import map_argument, rebuild_call
+from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
+from layerdiff.signature import Signature
 from layerdiff.trace import schema
+from layerdiff.trace.schema import Role
 from layerdiff.weights import load_weights_from, paired_parts, state_arrays
+
+
+class SwapOutcome(StrEnum):
+    WITHIN = "within"              # loss, outputs and weight gradients within tolerance
+    BREAKS = "breaks"              # out of tolerance, NaN/Inf where the reference is finite,
+                                   # or the run raised with the port's layers in
+    CANNOT_JUDGE = "cannot-judge"  # a layer could not be called: nothing was run to judge
+
+
+@dataclass(frozen=True)
+class SwapRow:
+    """One compared quantity of a swapped run, keyed like the trace record it corresponds to
+    (so tolerance rules and baselines apply by site, role and argument)."""
+
+    what: str               # "loss, step 0", "weight_grad fc1.weight, step 0", ...
+    step: int
+    site: str               # the reference's site: "<loss>#0", "<root>#0", "fc1#0"
+    role: Role
+    arg: str
+    ratio: float            # worst error over tolerance (inf: not finite where the ref is)
+    max_abs: float
+    judged: bool            # weights after the steps are reported, not judged
+    tolerance: str          # where the tolerance came from
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": _finite(self.ratio), "max_abs": _finite(self.max_abs)}
 
 
 @dataclass
@@ -39,20 +78,35 @@ class SwapResult:
     swapped: list[tuple[str, str]]          # (reference module, port module)
     steps: int
     losses: list[tuple[float, float]]       # (reference, swapped) per step
-    rows: list[dict[str, Any]] = field(default_factory=list)  # what, ratio, max_abs
+    rows: list[SwapRow] = field(default_factory=list)
     into: str = "reference"                 # which model the swapped layers went into
+    not_swapped: list[tuple[str, str]] = field(default_factory=list)  # (port layer, why)
+    raised: str = ""                        # the swapped run failed outside a swapped call
+    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # layer -> args
+
+    @property
+    def outcome(self) -> SwapOutcome:
+        if self.not_swapped:
+            return SwapOutcome.CANNOT_JUDGE
+        if self.raised or not judge.within(self.ratio):
+            return SwapOutcome.BREAKS
+        return SwapOutcome.WITHIN
 
     @property
     def ratio(self) -> float:
         """The worst error over tolerance of the loss, outputs and weight gradients; > 1
         breaks the reference. Weights after the steps are reported, not judged: an adaptive
         optimizer (Adam) turns rounding noise in a parameter whose gradient is ~0 (a key
-        projection's bias) into a step of ±lr, 19x tolerance on a correct transformer port."""
-        return max((r["ratio"] for r in self.rows if r["judged"]), default=0.0)
+        projection's bias) into a step of ±lr, 19x tolerance on a correct transformer port.
+        A value that is not finite where the reference's is breaks it wherever it is."""
+        return judge.worst(r.ratio for r in self.rows if r.judged)
 
     @property
     def breaks(self) -> bool:
-        return not self.ratio <= 1.0  # NaN breaks
+        return self.outcome == SwapOutcome.BREAKS
+
+    def __bool__(self) -> bool:
+        return self.outcome == SwapOutcome.WITHIN
 
     def describe(self) -> str:
         if self.into == "port":
@@ -60,19 +114,23 @@ class SwapResult:
                                           "nothing") + " in the port"
         else:
             names = ", ".join(port for _, port in self.swapped) or "nothing"
-        judged = [r for r in self.rows if r["judged"]]
-        worst = max(judged, key=lambda r: r["ratio"] if np.isfinite(r["ratio"]) else np.inf,
-                    default=None)
+        if self.outcome == SwapOutcome.CANNOT_JUDGE:
+            layer, why = self.not_swapped[0]
+            return f"cannot judge the swap of {names}: layer {layer} could not be called: {why}"
+        if self.raised:
+            return f"with {names} swapped in: breaks; the run raised {self.raised}"
         if not self.breaks:
             return f"with {names} swapped in: within tolerance ({self.ratio:.3g})"
+        judged = [r for r in self.rows if r.judged]
+        worst = max(judged, key=lambda r: r.ratio if not np.isnan(r.ratio) else np.inf)
         verb = "differs" if self.into == "port" else "breaks"
-        return (f"with {names} swapped in: {verb}; worst {worst['what']} "
-                f"{worst['ratio']:.3g}x tolerance")
+        return f"with {names} swapped in: {verb}; worst {worst.what} {worst.ratio:.3g}x tolerance"
 
     def as_json(self) -> dict[str, Any]:
-        return {"swapped": self.swapped, "steps": self.steps, "losses": self.losses,
-                "breaks": self.breaks, "ratio": _finite(self.ratio), "rows": [
-                    {**r, "ratio": _finite(r["ratio"])} for r in self.rows]}
+        return {"outcome": str(self.outcome), "swapped": self.swapped, "steps": self.steps,
+                "losses": self.losses, "breaks": self.breaks, "ratio": _finite(self.ratio),
+                "not_swapped": self.not_swapped, "raised": self.raised,
+                "dropped": self.dropped, "rows": [r.as_json() for r in self.rows]}
 
 
 def _finite(value: float) -> float | str | None:
@@ -80,10 +138,16 @@ def _finite(value: float) -> float | str | None:
 
 
 class Swapper:
-    """Builds swapped reference models for one reference case and one port case."""
+    """Builds swapped reference models for one reference case and one port case.
+
+    ``baseline`` (a trace of the reference run the port's way) sets each comparison's
+    tolerance from the error that precision makes there, as ``diff --baseline`` does; the
+    reference's own trace to measure it against is captured once, on first use."""
 
     def __init__(self, reference: Any, port: Any, mapping: str | os.PathLike | Mapping | None
-                 = None, *, tolerances: Tolerances | None = None) -> None:
+                 = None, *, tolerances: Tolerances | None = None,
+                 baseline: str | os.PathLike | None = None,
+                 baseline_factor: float = FACTOR) -> None:
         # every run trains its models, so each gets a fresh case (a copy of a given Case)
         self.make_reference = reference if callable(reference) else (
             lambda: copy.deepcopy(reference))
@@ -91,22 +155,38 @@ class Swapper:
         self.mapping = mapping if isinstance(mapping, Mapping) else (
             Mapping.load(mapping) if mapping is not None else Mapping())
         self.tolerances = tolerances or Tolerances()
+        self.baseline_path = None if baseline is None else Path(baseline)
+        self.baseline_factor = baseline_factor
+        self._baseline_judges: dict[int, Baseline] = {}
+        self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
+        # what each model's modules return, and in which order they are first called
+        self.order, self.reference_outputs = _observe(self.make_reference())
+        self.port_order, self.port_outputs = list(self.port_modules), {}
+        if not isinstance(probe_port, ExternalCase):
+            # a port that cannot run whole may still swap layer by layer: then every module
+            # counts as called
+            with contextlib.suppress(Exception):
+                self.port_order, self.port_outputs = _observe(self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
-        self._baselines: dict[int, tuple[Any, Any]] = {}
+        self._runs: dict[int, tuple[Any, Any]] = {}
         self._reference_state = state_arrays(probe_ref.model)  # the weights swapped layers get
 
     def _pairs(self) -> dict[str, tuple[str, dict[str, str]]]:
         """Reference module -> (port module, argument map), by the diff's own name matching
-        (explicit pairs, same names, rename rules) applied to each module's first call."""
+        (explicit pairs, same names, rename rules) applied to each module's first call. Only
+        modules that both models call: a container the port never calls (a ModuleDict) cannot
+        stand in for a layer."""
+        called_ref, called_port = set(self.order), set(self.port_order)
         pairs: dict[str, tuple[str, dict[str, str]]] = {}
         for ref_site in [*self.mapping.pairs, *(schema.site_name(m, 0)
                                                 for m in self.reference_modules)]:
             module = schema.split_site(ref_site)[0]
-            found = port_site_for(ref_site, self.mapping, set(self.port_modules))
-            if found is not None and module not in pairs and module != schema.ROOT_MODULE:
+            found = port_site_for(ref_site, self.mapping, called_port)
+            if (found is not None and module not in pairs and module in called_ref
+                    and module != schema.ROOT_MODULE):
                 pairs[module] = (schema.split_site(found[0])[0], found[1])
         return pairs
 
@@ -120,8 +200,8 @@ class Swapper:
                 return ref_module
         known = ", ".join(list(self.pairs)[:6])
         raise DiffError(f"site {name!r} has no layer in both models (neither a reference "
-                        f"module with a port partner nor a port module with a reference one); "
-                        f"such layers look like: {known}")
+                        f"module with a port partner nor a port module with a reference one, "
+                        f"both called in a forward pass); such layers look like: {known}")
 
     def run(self, modules: Sequence[str], *, steps: int | None = None,
             into: str = "reference") -> SwapResult:
@@ -130,7 +210,43 @@ class Swapper:
         if steps is not None and steps < 1:
             raise DiffError(f"--steps must be at least 1 (got {steps})")
         steps = steps or self.make_reference().steps
-        baseline, ref_run = self._baseline(steps)
+        pure, ref_run = self._pure_reference(steps)
+        self._baseline = self._baseline_judge(steps)
+        swapped = [(module, self.pairs[module][0]) for module in modules]
+        result = SwapResult(swapped, steps, [], into=into)
+        try:
+            host, adapters = self._swapped_host(modules, into)
+            host_run = run_case(host, steps=steps)
+        except LayerCallError as exc:
+            layer = self.pairs[exc.module][0] if into == "reference" else exc.module
+            result.not_swapped.append((layer, exc.reason))
+            return result
+        except Exception as exc:  # the port's layers broke the run itself: a break
+            result.raised = f"{type(exc).__name__}: {exc}"
+            return result
+        result.dropped = {name: adapter.dropped for name, adapter in adapters
+                          if isinstance(adapter, LayerAdapter) and adapter.dropped}
+        result.losses = [(float(a), float(b)) for a, b in zip(ref_run.losses, host_run.losses,
+                                                              strict=True)]
+        rows = result.rows
+        for step, (a, b) in enumerate(zip(ref_run.losses, host_run.losses, strict=True)):
+            rows.append(self._compare(f"loss, step {step}", (step, schema.LOSS_SITE,
+                                                            Role.OUTPUT, "0"), a, b))
+        root = schema.site_name(schema.ROOT_MODULE, 0)
+        for (arg, a), (_, b) in zip(flatten(ref_run.output, ""), flatten(host_run.output, ""),
+                                    strict=False):
+            if torch.is_tensor(a) and torch.is_tensor(b):
+                rows.append(self._compare(f"output {arg}, step {steps - 1}",
+                                          (steps - 1, root, Role.OUTPUT, arg), a, b))
+        if into == "reference":
+            rows += self._parameter_rows(pure.model, host.model, steps)
+            rows += self._swapped_grad_rows(pure.model, adapters, steps)
+        return result
+
+    def _swapped_host(self, modules: list[str], into: str
+                      ) -> tuple[Any, list[tuple[str, nn.Module]]]:
+        """The host case with ``modules`` replaced, and the layers put in (by reference
+        module)."""
         if into == "reference":
             host = self.make_reference()
             donor = self.make_port()  # one port for all the swapped layers of this run
@@ -144,61 +260,142 @@ class Swapper:
                                 "cannot go into it (--into port); swap its layers into the "
                                 "reference instead")
             load_weights_from(host.model, self._reference_state, self.mapping)
-        swapped, layers = [], []
+        adapters = []
         for module in modules:
             port_module, args_map = self.pairs[module]
             if into == "reference":
-                layer = self._port_layer(donor, port_module, args_map, module)
+                replaced = _get(host.model, module)
+                layer = self._port_layer(donor, port_module, args_map, module, replaced)
+                _tie_shared(host.model, module, layer, self.mapping, port_module)
                 _replace(host.model, module, layer)
-                layers.append((module, port_module, layer))
             else:
-                layer = _ArgumentAdapter(_get(donor.model, module), args_map, inverse=True)
+                replaced = _get(host.model, port_module)
+                layer = LayerAdapter(port_module, _get(donor.model, module), args_map,
+                                     caller=Signature.of(replaced.forward),
+                                     expected=self.port_outputs.get(port_module), inverse=True)
                 _replace(host.model, port_module, layer)
-            swapped.append((module, port_module))
-        host_run = run_case(host, steps=steps)
-        result = SwapResult(swapped, steps, [(float(a), float(b)) for a, b in zip(
-            ref_run.losses, host_run.losses, strict=True)], into=into)
-        for step, (a, b) in enumerate(zip(ref_run.losses, host_run.losses, strict=True)):
-            result.rows.append(_compare(f"loss, step {step}", a, b, self.tolerances))
-        for (arg, a), (_, b) in zip(flatten(ref_run.output, ""), flatten(host_run.output, ""),
-                                    strict=False):
-            if torch.is_tensor(a) and torch.is_tensor(b):
-                result.rows.append(_compare(f"output {arg}, step {steps - 1}", a, b,
-                                                 self.tolerances))
-        if into == "reference":
-            result.rows += _parameter_rows(baseline.model, host.model, steps, self.tolerances)
-            result.rows += self._swapped_grad_rows(baseline.model, layers, steps)
-        return result
+            adapters.append((module, layer))
+        return host, adapters
 
-    def _swapped_grad_rows(self, reference: nn.Module, layers: list, steps: int
-                           ) -> list[dict[str, Any]]:
+    def _port_layer(self, donor: Any, port_module: str, args_map: dict[str, str],
+                    ref_module: str, replaced: nn.Module) -> nn.Module:
+        if isinstance(donor, ExternalCase):
+            prefix = "" if ref_module == schema.ROOT_MODULE else ref_module + "."
+            nested = [n for n in self._reference_state
+                      if n.startswith(prefix) and "." in n[len(prefix):]]
+            if nested:
+                raise LayerCallError(ref_module, f"port layer {port_module} is not torch and "
+                                     f"reference module {ref_module} has parameters inside its "
+                                     f"children ({', '.join(nested[:3])}), which the layer "
+                                     "would leave untrained; swap its children instead")
+            weights = {name[len(prefix):]: value for name, value in self._reference_state.items()
+                       if name.startswith(prefix) and "." not in name[len(prefix):]}
+            return CallableLayer(ref_module, donor.layers[port_module], weights, args_map)
+        return LayerAdapter(ref_module, _get(donor.model, port_module), args_map,
+                            caller=Signature.of(replaced.forward),
+                            expected=self.reference_outputs.get(ref_module))
+
+    def _compare(self, what: str, key: tuple[int, str, str, str], expected: torch.Tensor,
+                 got: torch.Tensor, *, judged: bool = True) -> SwapRow:
+        """One quantity of the swapped run against the pure reference's, by the judge."""
+        step, site, role, arg = key
+        a = expected.detach().double().cpu().numpy()
+        b = got.detach().double().cpu().numpy()
+        ref_dtype = str(expected.dtype).removeprefix("torch.")
+        port_dtype = str(got.dtype).removeprefix("torch.")
+        tolerance = self.tolerances.lookup(site, role, arg, looser_dtype(ref_dtype, port_dtype))
+        rms_limit = None
+        if a.shape != b.shape:
+            return SwapRow(what, step, site, Role(role), arg, np.inf, np.inf, judged,
+                           f"shapes differ: {a.shape} vs {b.shape}")
+        if self._baseline is not None and tolerance.kind not in ("rule", "flags"):
+            limit = self._baseline.limit(key, _statistics(a), port_dtype, 1.0)
+            if limit is not None:
+                tolerance, rms_limit = limit.tolerance, limit.rms
+        ratios = judge.element_ratios(a, b, tolerance.rtol, tolerance.atol)
+        ratio = float(ratios.max()) if ratios.size else 0.0
+        if rms_limit is not None:
+            rms = float(np.sqrt(np.mean((a - b) ** 2))) if a.size else 0.0
+            ratio = judge.worst([ratio, rms / rms_limit if rms_limit > 0 else (
+                0.0 if rms == 0 else np.inf)])
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(a - b)
+        max_abs = float(np.nanmax(diff, initial=0.0)) if np.isfinite(ratio) else np.inf
+        # not finite where the reference is: a break wherever it is, reported rows included
+        broken = bool((np.isfinite(a) & ~np.isfinite(b)).any())
+        return SwapRow(what, step, site, Role(role), arg, ratio, max_abs, judged or broken,
+                       tolerance.describe())
+
+    def _parameter_rows(self, reference: nn.Module, host: nn.Module, steps: int
+                        ) -> list[SwapRow]:
+        """Weights after the steps (reported) and the last step's weight gradients (judged),
+        for the parameters both models have under the same name."""
+        ours = dict(reference.named_parameters())
+        rows = []
+        for name, param in host.named_parameters():
+            if name not in ours:  # the swapped layers' own parameters have other names
+                continue
+            module, _, leaf = name.rpartition(".")
+            site = schema.site_name(module or schema.ROOT_MODULE, 0)
+            rows.append(self._compare(f"weight {name} after {steps} step(s)",
+                                      (steps - 1, site, Role.WEIGHT, leaf), ours[name], param,
+                                      judged=False))
+            if ours[name].grad is not None and param.grad is not None:
+                rows.append(self._compare(f"weight_grad {name}, step {steps - 1}",
+                                          (steps - 1, site, Role.WEIGHT_GRAD, leaf),
+                                          ours[name].grad, param.grad))
+        return rows
+
+    def _swapped_grad_rows(self, reference: nn.Module, adapters: list[tuple[str, nn.Module]],
+                           steps: int) -> list[SwapRow]:
         """The swapped port layers' weight gradients against the reference's, through the
         mapping (a fused QKV gradient is compared part by part)."""
         ref_params = dict(reference.named_parameters())
         partner = {port: ref for ref, (port, _) in self.pairs.items()}
         rows = []
-        for ref_module, port_module, adapter in layers:
-            if not isinstance(adapter, _ArgumentAdapter):
+        for ref_module, adapter in adapters:
+            if not isinstance(adapter, LayerAdapter):
                 continue  # a numpy layer's parameters carry the reference's names already
+            port_module = self.pairs[ref_module][0]
             for name, param in adapter.layer.named_parameters():
                 found = self.mapping.param_source(f"{port_module}.{name}", partner) or \
                     ParamSource([f"{ref_module}.{name}"])
                 refs = [ref_params.get(n) for n in found.reference]
                 if param.grad is None or any(r is None or r.grad is None for r in refs):
                     continue
-                for ref_name, ref_grad, port_grad in _grad_pairs(found, [r.grad for r in refs],
-                                                                 param.grad):
-                    rows.append(_compare(f"weight_grad {ref_name} (port {port_module}.{name}), "
-                                         f"step {steps - 1}", ref_grad, port_grad,
-                                         self.tolerances))
+                for ref_name, ref_grad, port_grad in paired_parts(
+                        found, [r.grad for r in refs], param.grad):
+                    module, _, leaf = ref_name.rpartition(".")
+                    rows.append(self._compare(
+                        f"weight_grad {ref_name} (port {port_module}.{name}), step {steps - 1}",
+                        (steps - 1, schema.site_name(module or schema.ROOT_MODULE, 0),
+                         Role.WEIGHT_GRAD, leaf), ref_grad, port_grad))
         return rows
 
-    def _baseline(self, steps: int):
+    def _pure_reference(self, steps: int):
         """The pure reference, run once per number of steps (every probe compares with it)."""
-        if steps not in self._baselines:
+        if steps not in self._runs:
             case = self.make_reference()
-            self._baselines[steps] = (case, run_case(case, steps=steps))
-        return self._baselines[steps]
+            self._runs[steps] = (case, run_case(case, steps=steps))
+        return self._runs[steps]
+
+    def _baseline_judge(self, steps: int) -> Baseline | None:
+        """The baseline's error against the reference's own trace of ``steps`` steps (captured
+        once), as :func:`layerdiff.diff` measures it."""
+        if self.baseline_path is None:
+            return None
+        if steps not in self._baseline_judges:
+            from layerdiff.capture import capture
+            from layerdiff.compare.engine import measure_baseline
+            from layerdiff.trace import open_trace
+
+            with tempfile.TemporaryDirectory(prefix="layerdiff-swap-") as tmp:
+                trace = capture(self.make_reference(), Path(tmp) / "reference.h5",
+                                steps=steps)
+                with open_trace(trace) as ref, open_trace(self.baseline_path) as base:
+                    self._baseline_judges[steps] = measure_baseline(
+                        ref, base, self.baseline_factor, None)
+        return self._baseline_judges[steps]
 
     def leaves(self) -> list[str]:
         """Reference modules whose port partner is a leaf of the port, in execution order."""
@@ -209,187 +406,94 @@ class Swapper:
         else:
             port_leaves = {name for name, module in port.model.named_modules()
                            if name and not any(True for _ in module.children())}
-        order = self.execution_order()
-        return [m for m in order if m in self.pairs and self.pairs[m][0] in port_leaves]
+        return [m for m in self.order if m in self.pairs and self.pairs[m][0] in port_leaves]
+
+    def containers(self) -> list[str]:
+        """Paired reference modules that are not :meth:`leaves`, in execution order: layers
+        with code of their own around their children (an attention's scaling, a residual)."""
+        leaves = set(self.leaves())
+        return [m for m in self.order if m in self.pairs and m not in leaves]
 
     def execution_order(self) -> list[str]:
         """Reference modules in the order of their first call (one forward pass)."""
-        case = self.make_reference()
-        seen: dict[str, None] = {}
-        handles = [module.register_forward_pre_hook(
-            lambda _m, _a, name=name: seen.setdefault(name or schema.ROOT_MODULE))
-            for name, module in case.model.named_modules()]
-        try:
-            with torch.no_grad():
-                case.call_model()
-        finally:
-            for handle in handles:
-                handle.remove()
-        return list(seen)
-
-    def _port_layer(self, donor: Any, port_module: str, args_map: dict[str, str],
-                    ref_module: str) -> nn.Module:
-        if isinstance(donor, ExternalCase):
-            prefix = "" if ref_module == schema.ROOT_MODULE else ref_module + "."
-            nested = [n for n in self._reference_state
-                      if n.startswith(prefix) and "." in n[len(prefix):]]
-            if nested:
-                raise DiffError(f"port layer {port_module} is not torch and reference module "
-                                f"{ref_module} has parameters inside its children "
-                                f"({', '.join(nested[:3])}), which the layer would leave "
-                                "untrained; swap its children instead")
-            weights = {name[len(prefix):]: value for name, value in self._reference_state.items()
-                       if name.startswith(prefix) and "." not in name[len(prefix):]}
-            return _CallableLayer(donor.layers[port_module], weights, args_map)
-        return _ArgumentAdapter(_get(donor.model, port_module), args_map)
-
-    def _reference_of(self, port_module: str) -> str:
-        return next(ref for ref, (port, _) in self.pairs.items() if port == port_module)
+        return list(self.order)
 
 
 def swap(reference: Any, port: Any, sites: Sequence[str], *,
          mapping: str | os.PathLike | Mapping | None = None, steps: int | None = None,
-         into: str = "reference", tolerances: Tolerances | None = None) -> SwapResult:
+         into: str = "reference", tolerances: Tolerances | None = None,
+         baseline: str | os.PathLike | None = None) -> SwapResult:
     """Run ``reference`` (a Case, or a function making one) with the port's layers at
     ``sites`` in place (``into="port"``: the reference's layers in the port instead) and
     compare loss, outputs, weight gradients and weights after the steps with the pure reference.
     Cases are built afresh for each run when given as functions (recommended: a run trains).
-    ``tolerances`` (see :meth:`Tolerances.build`) judges the comparisons."""
-    return Swapper(reference, port, mapping, tolerances=tolerances).run(sites, steps=steps,
-                                                                         into=into)
+    ``tolerances`` (see :meth:`Tolerances.build`) and ``baseline`` judge the comparisons."""
+    return Swapper(reference, port, mapping, tolerances=tolerances,
+                   baseline=baseline).run(sites, steps=steps, into=into)
 
 
-class _ArgumentAdapter(nn.Module):
-    """Calls ``layer`` with the caller's arguments renamed by ``args_map`` (reference argument
-    -> port argument), or, ``inverse``, a reference layer with a port caller's arguments (one
-    port argument may feed several reference ones: attn(x) -> attn(x, x, x))."""
+def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
+    """One forward pass of ``case``: its modules in the order of their first call, and the
+    structure of what each returned (tensors as placeholders)."""
+    order: dict[str, None] = {}
+    outputs: dict[str, Any] = {}
 
-    def __init__(self, layer: nn.Module, args_map: dict[str, str], *,
-                 inverse: bool = False) -> None:
-        super().__init__()
-        self.layer = layer
-        self.args_map = args_map
-        self.inverse = inverse
+    def before(name: str):
+        def hook(_module, _args) -> None:  # returning a value would replace the arguments
+            order.setdefault(name)
+        return hook
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.args_map:
-            return self.layer(*args, **kwargs)
-        values = _inverse_arguments(args, kwargs, self.args_map) if self.inverse else (
-            _mapped_arguments(args, kwargs, self.args_map))
-        call_args, call_kwargs = rebuild_call(values)
-        return self.layer(*call_args, **call_kwargs)
+    def after(name: str):
+        def hook(_module, _args, out) -> None:
+            outputs.setdefault(name, skeleton(out))
+        return hook
 
-
-def _mapped_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
-                      ) -> list[tuple[str, Any]]:
-    values, seen = [], set()
-    for path, value in _arguments(args, kwargs):
-        mapped = map_argument(path, args_map)
-        if mapped not in seen:  # attn(x, x, x) -> attn(x)
-            seen.add(mapped)
-            values.append((mapped, value))
-    return values
+    handles = []
+    for name, module in case.model.named_modules():
+        name = name or schema.ROOT_MODULE
+        handles += [module.register_forward_pre_hook(before(name)),
+                    module.register_forward_hook(after(name))]
+    try:
+        with torch.no_grad():
+            case.call_model()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(order), outputs
 
 
-def _inverse_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
-                       ) -> list[tuple[str, Any]]:
-    values = []
-    for path, value in _arguments(args, kwargs):
-        head, dot, rest = path.partition(".")
-        targets = [ref for ref, port in args_map.items() if port == head]
-        if head not in args_map:
-            targets.append(head)
-        values += [(target + dot + rest, value) for target in targets]
-    return sorted(values, key=lambda item: (not item[0].split(".")[0].isdigit(), item[0]))
+def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,
+                port_module: str) -> None:
+    """A port layer standing in for a module whose parameter is tied to another module's
+    (GPT-2's lm_head and token embedding) takes the host's own parameter, so the tie holds and
+    its gradient sums over every user, as in the reference."""
+    if not isinstance(layer, LayerAdapter):
+        return
+    shared: dict[int, list[str]] = {}
+    for name, param in host.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    tied = {names[0]: names for names in shared.values() if len(names) > 1}
+    by_name = dict(host.named_parameters(remove_duplicate=False))
+    for name, param in list(layer.layer.named_parameters()):
+        source = mapping.param_source(f"{port_module}.{name}", {port_module: module})
+        refs = source.reference if source is not None else [f"{module}.{name}"]
+        plain = source is None or not source.transforms
+        if len(refs) != 1 or not plain:
+            continue
+        users = next((names for names in tied.values() if refs[0] in names), None)
+        host_param = by_name.get(refs[0])
+        if users and host_param is not None and host_param.shape == param.shape:
+            owner, _, leaf = name.rpartition(".")
+            setattr(layer.layer.get_submodule(owner) if owner else layer.layer, leaf,
+                    host_param)
 
 
-class _CallableFunction(torch.autograd.Function):
-    """A per-site numpy layer's forward and backward as an autograd node."""
-
-    @staticmethod
-    def forward(ctx, layer, plain, names, arg_paths, *tensors):
-        inputs = dict(plain)
-        inputs.update((p, t.detach().cpu().numpy()) for p, t in zip(
-            arg_paths, tensors, strict=False))
-        weights = {n: t.detach().cpu().numpy() for n, t in zip(
-            names, tensors[len(arg_paths):], strict=True)}
-        outputs, context = layer.forward(inputs, weights)
-        like = tensors[0]
-        ctx.layer, ctx.context, ctx.arg_paths, ctx.names = layer, context, arg_paths, names
-        ctx.out_args = list(outputs)
-        ctx.inputs = [(t.dtype, t.device) for t in tensors]
-        return tuple(torch.from_numpy(np.ascontiguousarray(outputs[a])).to(like.device, like.dtype)
-                     for a in ctx.out_args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        given = {a: g.detach().cpu().numpy() for a, g in zip(ctx.out_args, grads, strict=True)
-                 if g is not None}
-        grad_inputs, weight_grads = ctx.layer.backward(ctx.context, given)
-        found = [grad_inputs.get(p) for p in ctx.arg_paths] + [weight_grads.get(n)
-                                                                for n in ctx.names]
-        return (None, None, None, None, *(
-            None if value is None else torch.from_numpy(np.ascontiguousarray(value)).to(
-                device, dtype) for value, (dtype, device) in zip(found, ctx.inputs,
-                                                                  strict=True)))
-
-
-class _CallableLayer(nn.Module):
-    """A per-site numpy layer as a torch module: its weights are this module's parameters."""
-
-    def __init__(self, layer: Any, weights: dict[str, np.ndarray],
-                 args_map: dict[str, str]) -> None:
-        super().__init__()
-        self.layer, self.args_map = layer, args_map
-        for name, value in weights.items():
-            self.register_parameter(name, nn.Parameter(torch.from_numpy(value.copy())))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = _mapped_arguments(args, kwargs, self.args_map)
-        tensors = [(p, v) for p, v in values if torch.is_tensor(v)]
-        plain = tuple((p, v) for p, v in values if not torch.is_tensor(v))
-        names = [n for n, _ in self.named_parameters(recurse=False)]
-        outputs = _CallableFunction.apply(self.layer, plain, names, [p for p, _ in tensors],
-                                          *(v for _, v in tensors),
-                                          *(p for _, p in self.named_parameters(recurse=False)))
-        return outputs[0] if len(outputs) == 1 else outputs
-
-
-def _grad_pairs(found: ParamSource, ref_grads: list[torch.Tensor], port_grad: torch.Tensor
-                ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(reference name, reference gradient, port gradient) with the transform chain undone."""
-    return paired_parts(found, ref_grads, port_grad)
-
-
-def _parameter_rows(reference: nn.Module, host: nn.Module, steps: int,
-                    tolerances: Tolerances) -> list[dict[str, Any]]:
-    """Weights after the steps (reported) and the last step's weight gradients (judged), for
-    the parameters both models have under the same name."""
-    ours = dict(reference.named_parameters())
-    rows = []
-    for name, param in host.named_parameters():
-        if name in ours:  # the swapped layers' own parameters have other names
-            rows.append(_compare(f"weight {name} after {steps} step(s)", ours[name], param,
-                                 tolerances, judged=False))
-            if ours[name].grad is not None and param.grad is not None:
-                rows.append(_compare(f"weight_grad {name}, step {steps - 1}", ours[name].grad,
-                                     param.grad, tolerances))
-    return rows
-
-
-def _compare(what: str, expected: torch.Tensor, got: torch.Tensor, tolerances: Tolerances, *,
-             judged: bool = True) -> dict[str, Any]:
-    a = expected.detach().double().cpu()
-    b = got.detach().double().cpu()
-    if a.shape != b.shape:
-        return {"what": what, "ratio": np.inf, "max_abs": np.inf, "judged": judged}
-    tolerance = tolerances.lookup(what, "*", "", str(expected.dtype).removeprefix("torch."))
-    diff = (a - b).abs()
-    ratio = diff / (tolerance.atol + tolerance.rtol * a.abs())
-    ratio[diff == 0] = 0
-    worst = float(ratio.max()) if ratio.numel() else 0.0
-    return {"what": what, "ratio": worst if not torch.isnan(ratio).any() else np.nan,
-            "max_abs": float(diff.max()) if diff.numel() else 0.0, "judged": judged}
+def _statistics(values: np.ndarray) -> dict[str, float]:
+    """What a baseline limit reads of the reference's record (as a trace index row has it)."""
+    finite = values[np.isfinite(values)]
+    return {"min": float(finite.min()) if finite.size else 0.0,
+            "max": float(finite.max()) if finite.size else 0.0,
+            "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
 
 
 def _modules(case: Any) -> list[str]:
@@ -419,6 +523,3 @@ def _get(model: nn.Module, path: str) -> nn.Module:
 def _replace(model: nn.Module, path: str, layer: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(_get(model, parent) if parent else model, name, layer)
-
-
-

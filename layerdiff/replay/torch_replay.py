@@ -4,14 +4,17 @@ Each call gets the reference's recorded inputs (fresh leaf tensors, cloned befor
 an in-place layer cannot touch them) and, for its backward, the reference's recorded output
 gradients, through ``torch.autograd.grad`` so nothing accumulates into ``.grad``: a container's
 replay does not add to its children's weight gradients. Buffers (batch-norm statistics) are
-put back after each call. A call is run twice from different random seeds: a layer whose output
+put back after each call. The recorded arguments are fitted to the port layer's own signature
+(``calling.bind_call``: arguments it has no parameter for are dropped when they hold None or
+the reference's default), while the inputs are recorded under the reference's names, mapped,
+as the diff pairs them. A call is run twice from different random seeds: a layer whose output
 changes draws random numbers (dropout) and cannot be replayed exactly, so it is skipped, saying
 why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +23,9 @@ import torch
 from torch import nn
 
 from layerdiff.capture.hooks import flatten
-from layerdiff.replay.arguments import map_argument, rebuild_call
+from layerdiff.errors import DiffError
+from layerdiff.replay.arguments import dropped_arguments, map_argument
+from layerdiff.replay.calling import BoundCall, Signature, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 
@@ -40,18 +45,34 @@ class TorchPort:
         self.ref = ref
         self.device = next(model.parameters(), torch.empty(0)).device
         self._weights_recorded: set[str] = set()
-        self._weight_grads: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        # weight gradients summed per parameter over every call of every module holding it
+        # (a tied embedding and head: one parameter, one gradient, as the reference records)
+        self._holders: dict[int, list[tuple[str, str]]] = {}  # parameter -> (module, name)
+        for name, held in self.modules.items():
+            for local, param in held._parameters.items():
+                if param is not None:
+                    self._holders.setdefault(id(param), []).append((name, local))
+        self._grad_sums: dict[int, torch.Tensor] = {}
+        self._first_site: dict[str, str] = {}  # module -> its first replayed site
+        self._port_signatures: dict[str, Signature | None] = {}
+        self._ref_signatures: dict[str, Signature | None] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
-               writer: TraceWriter) -> None:
+               writer: TraceWriter) -> list[tuple[str, str]]:
+        """Replay one call; returns the reference arguments left out of the port's call, and
+        why (``calling.BoundCall.dropped``)."""
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
-        values = self._inputs(call, args_map)
+        drop = dropped_arguments(args_map)
+        values = self._inputs(call, args_map, drop)
+        bind = self._binder(call, module_name, drop)
+        dropped = bind(values).dropped  # refuses a call the port cannot take, before any work
         for arg, value in values:
-            writer.record(site, "input", _numpy(value), arg=arg)
+            if arg.partition(".")[0] not in drop:  # the port has no such argument to record
+                writer.record(site, "input", _numpy(value), arg=arg)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
             for tensors in (module._parameters, module._buffers):
@@ -61,19 +82,61 @@ class TorchPort:
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
-        outputs = self._run_twice(module, values, leaves)
+        outputs = self._run_twice(module, values, leaves, bind)
         flat = list(flatten(outputs, ""))
         for arg, value in flat:
             writer.record(site, "output", _numpy(value), arg=arg)
         self._backward(call, site, module_name, module, flat, leaves, writer)
+        return dropped
 
-    def _inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
+    def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
+        """The reference's recorded inputs of ``call`` under the port's argument names."""
+        return self._inputs(call, args_map, dropped_arguments(args_map))
+
+    def outputs(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
+                values: list[tuple[str, Any]]) -> Any:
+        """The port module's outputs on ``values`` (from :meth:`inputs`), called the way its
+        own signature takes them; what ``map-check`` measures."""
+        bind = self._binder(call, module_name, dropped_arguments(args_map))
+        return self._run_twice(self.modules[module_name], values, {}, bind)
+
+    def _binder(self, call: RecordedCall, module_name: str,
+                drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
+        """Fits (mapped argument, value) pairs to the port module's forward."""
+        if module_name not in self._port_signatures:
+            self._port_signatures[module_name] = Signature.of(self.modules[module_name].forward)
+        port = self._port_signatures[module_name]
+        reference = self._reference_signature(call.type)
+        where = f"port layer {module_name}"
+        return lambda values: bind_call(values, port, reference=reference, drop=drop,
+                                        where=where)
+
+    def _reference_signature(self, type_name: str) -> Signature | None:
+        """The reference module type's forward signature, as capture recorded it (traces
+        written before capture recorded them have none)."""
+        if type_name not in self._ref_signatures:
+            where = f"{self.ref.path} meta 'signatures'"
+            signatures = self.ref.meta.get("signatures", {})
+            if not isinstance(signatures, dict):
+                raise DiffError(f"{where} must be an object of module type name -> signature, "
+                                f"got {type(signatures).__name__}; capture the reference again")
+            data = signatures.get(type_name)
+            self._ref_signatures[type_name] = None if data is None else Signature.from_json(
+                data, f"{where} {type_name}")
+        return self._ref_signatures[type_name]
+
+    def _inputs(self, call: RecordedCall, args_map: dict[str, str],
+                drop: frozenset[str]) -> list[tuple[str, Any]]:
         values, seen = [], set()
         for arg, row in call.inputs:
             port_arg = map_argument(arg, args_map)
             if port_arg in seen:  # attn(x, x, x) -> attn(x): one argument
                 continue
             seen.add(port_arg)
+            if port_arg.partition(".")[0] in drop:
+                # not read: what the mapping drops may not be plain data (a cache object)
+                values.append((port_arg, None))
+                continue
             value = read_value(self.ref, row)
             if isinstance(value, np.ndarray):
                 value = torch.from_numpy(value).to(self.device, TORCH_DTYPES.get(row["dtype"]))
@@ -81,11 +144,12 @@ class TorchPort:
         return values
 
     def _run_twice(self, module: nn.Module, values: list[tuple[str, Any]],
-                   leaves: dict[str, torch.Tensor]) -> Any:
+                   leaves: dict[str, torch.Tensor],
+                   bind: Callable[[list[tuple[str, Any]]], BoundCall]) -> Any:
         def call(seed: int) -> Any:
             fresh = [(a, leaves[a].clone() if a in leaves else (
                 v.clone() if torch.is_tensor(v) else v)) for a, v in values]
-            args, kwargs = rebuild_call(fresh)
+            args, kwargs = bind(fresh).call()
             with _random_seed(seed, self.device), _buffers_kept(module):
                 return module(*args, **kwargs)
 
@@ -124,18 +188,22 @@ class TorchPort:
         for arg, grad in zip(leaves, results[:len(leaves)], strict=True):
             if grad is not None:
                 writer.record(site, "grad_input", _numpy(grad), arg=arg)
-        _, sums = self._weight_grads.setdefault(module_name, (site, {}))
-        for (name, _), grad in zip(params, results[len(leaves):], strict=True):
+        self._first_site.setdefault(module_name, site)
+        for (_, param), grad in zip(params, results[len(leaves):], strict=True):
             if grad is not None:
-                sums[name] = grad if name not in sums else sums[name] + grad
+                key = id(param)
+                self._grad_sums[key] = grad if key not in self._grad_sums else (
+                    self._grad_sums[key] + grad)
 
     def finish(self, writer: TraceWriter, complete: set[str]) -> None:
-        """Weight gradients, summed over each module's calls as the reference records them;
-        only for modules in ``complete`` (every call replayed), or the sums would differ."""
-        for module, (site, sums) in self._weight_grads.items():
-            if module in complete:
-                for name, grad in sums.items():
-                    writer.record(site, "weight_grad", _numpy(grad), arg=name)
+        """Weight gradients, summed over the calls of every module holding the parameter as
+        the reference records them, under the first of those modules; only where every such
+        module is in ``complete`` (every call replayed), or the sums would differ."""
+        for key, grad in self._grad_sums.items():
+            holders = [(m, n) for m, n in self._holders[key] if m in self._first_site]
+            if all(module in complete for module, _ in holders):
+                module, name = holders[0]
+                writer.record(self._first_site[module], "weight_grad", _numpy(grad), arg=name)
 
 
 def _numpy(value: Any) -> Any:

@@ -25,16 +25,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
-from layerdiff.compare.result import (
-    HOLDS_ORIGIN,
-    IDENTICAL,
-    ORIGIN,
-    PROPAGATED,
-    REF_NAN,
-    WITHIN,
-    Diff,
-    Origin,
-)
+from layerdiff.compare import judge
+from layerdiff.compare.judge import PASSING, Status, Verdict
+from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.trace import open_trace
 from layerdiff.trace.reader import Trace
@@ -48,22 +41,22 @@ DPI = 110
 
 # One colour per kind of point, shared by the plot legend and the table rows.
 COLOURS = {
-    ORIGIN: "#d62728",
-    HOLDS_ORIGIN: "#9467bd",
-    PROPAGATED: "#ff7f0e",
+    Status.ORIGIN: "#d62728",
+    Status.HOLDS_ORIGIN: "#9467bd",
+    Status.PROPAGATED: "#ff7f0e",
     "out": "#8c564b",            # out of tolerance but not attributed to an origin
-    REF_NAN: "#17becf",
-    WITHIN: "#2ca02c",
-    IDENTICAL: "#9a9a9a",
+    Verdict.REF_NAN: "#17becf",
+    Verdict.WITHIN: "#2ca02c",
+    Verdict.IDENTICAL: "#9a9a9a",
 }
 LABELS = {
-    ORIGIN: "origin",
-    HOLDS_ORIGIN: "holds an origin",
-    PROPAGATED: "propagated",
+    Status.ORIGIN: "origin",
+    Status.HOLDS_ORIGIN: "holds an origin",
+    Status.PROPAGATED: "propagated",
     "out": "out (no origin found)",
-    REF_NAN: "reference not finite",
-    WITHIN: "within tolerance",
-    IDENTICAL: "identical",
+    Verdict.REF_NAN: "reference not finite",
+    Verdict.WITHIN: "within tolerance",
+    Verdict.IDENTICAL: "identical",
 }
 
 # Columns that may be long wrap, so a table fits the page's width: module paths after a dot,
@@ -245,9 +238,9 @@ def _ratio_limits(ratios: np.ndarray) -> tuple[float, float]:
 
 
 def _category(verdict: str, status: str) -> str:
-    if status in (ORIGIN, HOLDS_ORIGIN, PROPAGATED):
+    if status in (Status.ORIGIN, Status.HOLDS_ORIGIN, Status.PROPAGATED):
         return status
-    if verdict in (IDENTICAL, WITHIN, REF_NAN):
+    if verdict in PASSING:
         return verdict
     return "out"
 
@@ -268,9 +261,9 @@ def _error_panel(ax: Any, frame: pd.DataFrame, name: str, step: int, low: float,
         for mask, marker in ((sel & (ratio == 0), "v"), (sel & ~np.isfinite(ratio), "^"),
                              (sel & np.isfinite(ratio) & (ratio != 0), "o")):
             if mask.any():
-                size = 60 if cat == ORIGIN else 22
+                size = 60 if cat == Status.ORIGIN else 22
                 ax.scatter(x[mask], y[mask], s=size, marker=marker, color=COLOURS[cat],
-                           label=LABELS[cat], zorder=3 if cat == ORIGIN else 2,
+                           label=LABELS[cat], zorder=3 if cat == Status.ORIGIN else 2,
                            edgecolors="white", linewidths=0.4)
     ax.axhline(1.0, color="#444", linestyle="--", linewidth=1, zorder=0)
     ax.text(1.0, 1.0, " tolerance", transform=ax.get_yaxis_transform(), va="bottom",
@@ -290,7 +283,7 @@ def _annotate_origins(ax: Any, frame: pd.DataFrame, x: np.ndarray, y: np.ndarray
                       cats: list[str]) -> None:
     """Name the origins on the plot: the points a reader must find. Labels stack down from
     the top of the panel, so two origins side by side do not cover each other."""
-    picks = [i for i, c in enumerate(cats) if c == ORIGIN][:5]
+    picks = [i for i, c in enumerate(cats) if c == Status.ORIGIN][:5]
     sites = frame["site"].tolist()
     roles = frame["role"].tolist()
     right_half = len(frame) / 2
@@ -303,8 +296,8 @@ def _annotate_origins(ax: Any, frame: pd.DataFrame, x: np.ndarray, y: np.ndarray
                                        units="points")
         ax.annotate(f"{sites[i]} {roles[i]}", xy=(x[i], y[i]), xytext=(x[i], 0.97 - 0.11 * n),
                     textcoords=place, ha="right" if right else "left", va="top", fontsize=9,
-                    fontweight="bold" if n == 0 else "normal", color=COLOURS[ORIGIN],
-                    arrowprops={"arrowstyle": "-", "color": COLOURS[ORIGIN], "lw": 0.8,
+                    fontweight="bold" if n == 0 else "normal", color=COLOURS[Status.ORIGIN],
+                    arrowprops={"arrowstyle": "-", "color": COLOURS[Status.ORIGIN], "lw": 0.8,
                                 "shrinkA": 0, "shrinkB": 4},
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
                           "alpha": 0.75}, zorder=4)
@@ -327,7 +320,7 @@ def _legend_entries(axes: Iterable[Any]) -> tuple[list[Any], list[str]]:
     for ax in axes:
         present.update(ax.get_legend_handles_labels()[1])
     order = [c for c in COLOURS if LABELS[c] in present]
-    handles = [Line2D([], [], linestyle="", marker="o", markersize=8 if c == ORIGIN else 5,
+    handles = [Line2D([], [], linestyle="", marker="o", markersize=8 if c == Status.ORIGIN else 5,
                       color=COLOURS[c]) for c in order]
     return handles, [LABELS[c] for c in order]
 
@@ -412,17 +405,6 @@ def _read_tensor(trace: Trace, step: int, pass_: str, site: str, role: str,
     return np.asarray(trace.read(hit.iloc[0]), dtype=np.float64)
 
 
-def _error_map(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -> np.ndarray:
-    """|port − ref| / (atol + rtol·|ref|) per element: 0 where equal (NaN with NaN, inf with
-    the same inf), inf where only one side is finite or the tolerance is zero."""
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        diff = np.abs(port - ref)
-        ratio = diff / (atol + rtol * np.abs(ref))
-    same = (ref == port) | (np.isnan(ref) & np.isnan(port))
-    ratio = np.where(same, 0.0, ratio)
-    return np.where(np.isnan(ratio), np.inf, ratio)
-
-
 def _batch_matrix(values: np.ndarray) -> np.ndarray:
     """Rows are batch elements (axis 0); a tensor with fewer than two axes is one row."""
     if values.ndim < 2:
@@ -445,7 +427,7 @@ def _max_pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, in
 
 
 def _heatmap_html(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -> str:
-    errors = _batch_matrix(_error_map(ref, port, rtol, atol))
+    errors = _batch_matrix(judge.element_ratios(ref, port, rtol, atol))
     batch, width = errors.shape
     per_row = errors.max(axis=1) if errors.size else np.zeros(batch)
     pooled, col_factor = _max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
@@ -514,7 +496,7 @@ def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
     floor = min(1e-3, float(finite.min()) / 10) if finite.size else 1e-3
     top = max(10.0, float(finite.max()) * 10) if finite.size else 10.0
     shown = np.clip(np.where(np.isfinite(per_row), per_row, top), floor, top)
-    colours = [COLOURS[ORIGIN] if v > 1 else COLOURS[WITHIN] for v in per_row]
+    colours = [COLOURS[Status.ORIGIN] if v > 1 else COLOURS[Verdict.WITHIN] for v in per_row]
     ax.set_xscale("log")
     ax.barh(rows, shown - floor, left=floor, color=colours, height=0.7)
     ax.set_xlim(floor, top)

@@ -7,7 +7,8 @@ import textwrap
 
 import pandas as pd
 
-from layerdiff.compare.result import CANNOT_JUDGE, Diff, Origin
+from layerdiff.compare.judge import Status
+from layerdiff.compare.result import Diff, Origin
 
 WIDTH = 100
 MAX_SITES = 40
@@ -49,7 +50,7 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
         return _clip(f"PASS  {len(diff.rows):,} records within tolerance (largest error "
                      f"{_number(worst)} of its tolerance)", width)
     if diff.origin is None:
-        if (diff.rows["status"] == CANNOT_JUDGE).any():
+        if (diff.rows["status"] == Status.CANNOT_JUDGE).any():
             return _clip(f"FAIL  {len(diff.failing()):,} records out; no origin can be named: "
                          "their inputs have no partner in the port", width)
         return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
@@ -113,7 +114,7 @@ def _summary(diff: Diff, width: int) -> list[str]:
                      f"{meta['baseline']['factor']:g}x the baseline's error + its dtype's rtol")
     for warning in meta.get("warnings", []):
         lines += textwrap.wrap(f"warning   {warning}", width, subsequent_indent=" " * 10)
-    unjudged = rows[rows["status"] == CANNOT_JUDGE].drop_duplicates("site")
+    unjudged = rows[rows["status"] == Status.CANNOT_JUDGE].drop_duplicates("site")
     if len(unjudged):
         names = ", ".join(unjudged["site"].head(6)) + (" ..." if len(unjudged) > 6 else "")
         lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) whose inputs or "
@@ -143,7 +144,7 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
     out = [_row(widths, {c: c for c, _, _ in COLUMNS})]
     for row in rows.rename(columns={"pass": "pass_"}).itertuples(index=False):
         status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated",
-                  CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
+                  Status.CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
         out.append(_row(widths, {
             "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
             "site": row.site, "role": row.role, "arg": row.arg,
@@ -200,15 +201,19 @@ REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propa
                   ("amplif.", 8, "r"), ("verdict", 12, "l")]
 
 
-def format_replay(result: Diff, *, verbose: bool = False, width: int = WIDTH) -> str:
-    """A replay: its verdict, then local beside propagated error per site and pass."""
-    from layerdiff.replay.replay import local_table
-
-    table = local_table(result)
+def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
+    """A replay (a ``ReplayResult``): its verdict, then local beside propagated error per
+    site and pass, and the layers that could not be judged."""
+    table = result.local
     local = table[table["verdict"] == "LOCAL ERROR"]
-    if result.passed:
+    unjudged = result.cannot_judge
+    if result.outcome == "pass":
         head = ("PASS  no layer has a local error: each is within tolerance on the reference's "
                 "inputs")
+    elif result.outcome == "cannot-judge":
+        head = (f"CANNOT JUDGE  {len(unjudged)} layer(s) could not be called: "
+                + ", ".join(site for site, _ in unjudged[:6])
+                + "; no other layer has a local error")
     else:
         sites = ", ".join(dict.fromkeys(f"{r.port_site} ({r['pass']})" for _, r in
                                         local.iterrows()))
@@ -216,10 +221,11 @@ def format_replay(result: Diff, *, verbose: bool = False, width: int = WIDTH) ->
     lines = textwrap.wrap(head, width, subsequent_indent=" " * 6)
     if result.origin is not None:
         lines += _origin_details(result.origin, width)
-    info = result.meta.get("replay", {})
-    lines += ["", f"replayed {info.get('replayed', 0)} sites of {result.reference}"]
-    for label, entries in (("failed", info.get("failed", [])),
-                           ("skipped", info.get("skipped", []))):
+    lines += ["", f"replayed {len(result.replayed)} sites of {result.diff.reference}"]
+    dropped = [(site, ", ".join(f"{arg} ({why})" for arg, why in args))
+               for site, args in result.dropped.items()]
+    for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
+                           ("not passed to", dropped)):
         for site, why in entries[: None if verbose else 5]:
             lines.append(_clip(f"  {label} {site}: {why}", width))
         if not verbose and len(entries) > 5:
@@ -241,20 +247,47 @@ def format_replay(result: Diff, *, verbose: bool = False, width: int = WIDTH) ->
 
 def format_swap(result, width: int = WIDTH) -> str:
     """A swap: verdict, losses per step, and the worst of what was compared."""
-    verdict = "BREAKS" if result.breaks else "WITHIN"
-    lines = textwrap.wrap(f"{verdict}  {result.describe()}", width, subsequent_indent=" " * 8)
+    verdict = {"within": "WITHIN", "breaks": "BREAKS", "cannot-judge": "CANNOT JUDGE"}[
+        str(result.outcome)]
+    lines = textwrap.wrap(f"{verdict}  {result.describe()}", width,
+                          subsequent_indent=" " * (len(verdict) + 2))
     for ref, port in result.swapped:
         lines.append(_clip(f"  swapped: reference {ref} <- port {port}", width))
-    lines.append("")
-    lines.append("step  reference loss   swapped loss")
-    for step, (a, b) in enumerate(result.losses):
-        lines.append(f"{step:>4}  {a:>14.7g}  {b:>13.7g}")
-    worst = sorted(result.rows, key=lambda r: -(r["ratio"] if r["ratio"] == r["ratio"]
+    for layer, dropped in result.dropped.items():
+        said = ", ".join(f"{arg} ({why})" for arg, why in dropped)
+        lines.append(_clip(f"  not passed to {layer}: {said}", width))
+    if result.losses:
+        lines += ["", "step  reference loss   swapped loss"]
+        for step, (a, b) in enumerate(result.losses):
+            lines.append(f"{step:>4}  {a:>14.7g}  {b:>13.7g}")
+    worst = sorted(result.rows, key=lambda r: -(r.ratio if r.ratio == r.ratio
                                                  else math.inf))[:8]
     if worst:
         lines += ["", "largest differences (x tolerance; weights after the steps are reported, "
                       "not judged):"]
         for row in worst:
-            note = "" if row["judged"] else " (reported)"
-            lines.append(_clip(f"  {_number(row['ratio']):>9}  {row['what']}{note}", width))
+            note = "" if row.judged else " (reported)"
+            lines.append(_clip(f"  {_number(row.ratio):>9}  {row.what}{note}", width))
+    return "\n".join(lines)
+
+
+def format_bisect(result, width: int = WIDTH) -> str:
+    """A bisection's conclusion, and the layers it could not try."""
+    outcome = str(result.outcome)
+    if outcome == "culprits":
+        names = ", ".join(port for _, port in result.culprits)
+        text = (f"culprits: {names} ({len(result.probes)} probes over "
+                f"{len(result.candidates)} {result.searched})")
+    elif outcome == "nothing-to-find":
+        text = (f"nothing to find: with all {len(result.candidates)} paired port layers "
+                "swapped in, the reference stays within tolerance")
+    elif result.reproduced:
+        text = ("cannot conclude: the whole port swapped in breaks the reference, but no "
+                "smaller set of the layers that could be tried does")
+    else:
+        text = ("cannot conclude: the port swapped in stays within tolerance, but some of its "
+                "layers could not be tried")
+    lines = textwrap.wrap(text, width, subsequent_indent="  ")
+    for layer, why in result.not_swapped:
+        lines.append(_clip(f"  not tried {layer}: {why}", width))
     return "\n".join(lines)

@@ -5,6 +5,8 @@ No torch here: a writer in any framework, and a reader in CI, need h5py and nump
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import numpy as np
 
 FORMAT_NAME = "layerdiff-trace"
@@ -23,16 +25,32 @@ TENSORS_GROUP = "tensors"
 
 PARTIAL_SUFFIX = ".partial"
 
-ROLES = ("input", "output", "grad_output", "grad_input", "weight", "weight_grad")
-PASSES = ("forward", "backward")
+class Role(StrEnum):
+    """What a tensor is to its site."""
+
+    INPUT = "input"
+    OUTPUT = "output"
+    GRAD_OUTPUT = "grad_output"    # the gradient arriving at an output
+    GRAD_INPUT = "grad_input"      # the gradient the site sends back to an input
+    WEIGHT = "weight"
+    WEIGHT_GRAD = "weight_grad"
+
+
+class Pass(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+ROLES = tuple(Role)
+PASSES = tuple(Pass)
 # The pass each role belongs to.
 ROLE_PASS = {
-    "input": "forward",
-    "output": "forward",
-    "weight": "forward",
-    "grad_output": "backward",
-    "grad_input": "backward",
-    "weight_grad": "backward",
+    Role.INPUT: Pass.FORWARD,
+    Role.OUTPUT: Pass.FORWARD,
+    Role.WEIGHT: Pass.FORWARD,
+    Role.GRAD_OUTPUT: Pass.BACKWARD,
+    Role.GRAD_INPUT: Pass.BACKWARD,
+    Role.WEIGHT_GRAD: Pass.BACKWARD,
 }
 KINDS = ("tensor", "value")
 

@@ -1,0 +1,233 @@
+"""Putting one model's layer where another model's layer was: the call adapted both ways.
+
+A swapped-in layer is called by code written for the layer it replaces. :class:`LayerAdapter`
+stands between the two:
+
+- the caller's arguments are renamed by the mapping's ``args`` rules and bound to the layer's
+  own signature (:func:`layerdiff.replay.calling.bind_call`: by name, then by position; the
+  caller's arguments the layer does not take are dropped when they hold None or their default);
+- floating-point inputs are cast to the layer's parameter dtype, and its outputs back to the
+  caller's dtype (a bfloat16 port layer inside a float32 reference);
+- the layer's outputs are put into the structure the replaced layer returned (a Hugging Face
+  attention returns ``(output, None)``, a nanoGPT one the output alone).
+
+What cannot be adapted, and anything the layer raises, becomes a :class:`LayerCallError` naming
+the layer: the swap cannot judge it, and says so in one sentence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from layerdiff.capture.hooks import _arguments, flatten
+from layerdiff.errors import DiffError
+from layerdiff.replay.arguments import dropped_arguments, map_argument
+from layerdiff.replay.calling import CannotCall, bind_call
+from layerdiff.signature import Signature
+
+
+class LayerCallError(DiffError):
+    """A swapped-in layer could not be called, or raised: ``module`` is the host's name."""
+
+    def __init__(self, module: str, reason: str) -> None:
+        super().__init__(f"{module}: {reason}")
+        self.module = module
+        self.reason = reason
+
+
+class _Tensor:
+    """Stands for a tensor leaf in an output skeleton."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+TENSOR = _Tensor()
+
+
+def skeleton(value: Any) -> Any:
+    """An output's structure with its tensors replaced by :data:`TENSOR` (kept per module from
+    the host's own run, to shape a swapped layer's outputs like the replaced layer's)."""
+    if torch.is_tensor(value):
+        return TENSOR
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        return type(value)(skeleton(v) for v in value) if not hasattr(value, "_fields") else (
+            type(value)(*(skeleton(v) for v in value)))
+    if isinstance(value, dict):
+        return {k: skeleton(v) for k, v in value.items()}
+    return value
+
+
+def _fill(shape: Any, tensors: list[torch.Tensor]) -> Any:
+    if shape is TENSOR:
+        return tensors.pop(0)
+    if isinstance(shape, (tuple, list)):
+        items = [_fill(v, tensors) for v in shape]
+        return type(shape)(*items) if hasattr(shape, "_fields") else type(shape)(items)
+    if isinstance(shape, dict):
+        return {k: _fill(v, tensors) for k, v in shape.items()}
+    return shape
+
+
+class LayerAdapter(nn.Module):
+    """``layer`` called the way the replaced layer was (see the module's docstring).
+
+    ``args_map`` renames the caller's arguments (reference argument -> port argument; with
+    ``inverse``, a port caller's arguments for a reference layer: one port argument may feed
+    several reference ones, attn(x) -> attn(x, x, x)). ``caller`` is the replaced layer's
+    signature, ``expected`` its output skeleton (None: return what the layer returns)."""
+
+    def __init__(self, name: str, layer: nn.Module, args_map: dict[str, str], *,
+                 caller: Signature | None = None, expected: Any = None,
+                 inverse: bool = False) -> None:
+        super().__init__()
+        self.name = name
+        self.layer = layer
+        self.args_map = {k: v for k, v in args_map.items() if v != ""}
+        self.drop = frozenset() if inverse else dropped_arguments(args_map)
+        self.inverse = inverse
+        self.signature = Signature.of(layer.forward)
+        self.caller = caller
+        self.expected = expected
+        self.dropped: list[tuple[str, str]] = []  # what the last call left out, and why
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        values = (_inverse_arguments(args, kwargs, self.args_map) if self.inverse
+                  else _mapped_arguments(args, kwargs, self.args_map))
+        try:
+            bound = bind_call(values, self.signature, reference=self.caller, drop=self.drop,
+                              where=f"layer {self.name} ({self._describe()})")
+        except CannotCall as exc:
+            raise LayerCallError(self.name, str(exc)) from exc
+        self.dropped = bound.dropped
+        call_args, call_kwargs = bound.call()
+        caller_dtype = _first_float_dtype([v for _, v in values])
+        layer_dtype = _first_float_dtype(list(self.layer.parameters()))
+        if layer_dtype is not None and caller_dtype not in (None, layer_dtype):
+            call_args, call_kwargs = _cast((call_args, call_kwargs), caller_dtype, layer_dtype)
+        try:
+            outputs = self.layer(*call_args, **call_kwargs)
+        except LayerCallError:
+            raise
+        except Exception as exc:  # the layer's own code failed: it cannot be judged here
+            raise LayerCallError(self.name, f"{self._describe()} raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        if layer_dtype is not None and caller_dtype not in (None, layer_dtype):
+            outputs = _cast(outputs, layer_dtype, caller_dtype)
+        return self._shaped(outputs)
+
+    def _describe(self) -> str:
+        return self.signature.describe() if self.signature else type(self.layer).__name__
+
+    def _shaped(self, outputs: Any) -> Any:
+        """The layer's tensors in the replaced layer's output structure."""
+        if self.expected is None or skeleton(outputs) == self.expected:
+            return outputs
+        tensors = [v for _, v in flatten(outputs, "") if torch.is_tensor(v)]
+        wanted = sum(1 for _, v in flatten(self.expected, "") if v is TENSOR)
+        if len(tensors) != wanted:
+            raise LayerCallError(self.name, f"{self._describe()} returns {len(tensors)} "
+                                 f"tensor(s) where the layer it replaces returns {wanted} "
+                                 f"({self.expected!r}); map its outputs in the mapping file")
+        return _fill(self.expected, tensors)
+
+
+def _first_float_dtype(values: list[Any]) -> torch.dtype | None:
+    for value in values:
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.dtype
+    return None
+
+
+def _cast(value: Any, source: torch.dtype, target: torch.dtype) -> Any:
+    if torch.is_tensor(value):
+        return value.to(target) if value.dtype == source else value
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        items = [_cast(v, source, target) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _cast(v, source, target) for k, v in value.items()}
+    return value
+
+
+def _mapped_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
+                      ) -> list[tuple[str, Any]]:
+    values, seen = [], set()
+    for path, value in _arguments(args, kwargs):
+        mapped = map_argument(path, args_map)
+        if mapped not in seen:  # attn(x, x, x) -> attn(x)
+            seen.add(mapped)
+            values.append((mapped, value))
+    return values
+
+
+def _inverse_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
+                       ) -> list[tuple[str, Any]]:
+    values = []
+    for path, value in _arguments(args, kwargs):
+        head, dot, rest = path.partition(".")
+        targets = [ref for ref, port in args_map.items() if port == head]
+        if head not in args_map:
+            targets.append(head)
+        values += [(target + dot + rest, value) for target in targets]
+    return sorted(values, key=lambda item: (not item[0].split(".")[0].isdigit(), item[0]))
+
+
+class _CallableFunction(torch.autograd.Function):
+    """A per-site numpy layer's forward and backward as an autograd node."""
+
+    @staticmethod
+    def forward(ctx, layer, plain, names, arg_paths, *tensors):
+        inputs = dict(plain)
+        inputs.update((p, t.detach().cpu().numpy()) for p, t in zip(
+            arg_paths, tensors, strict=False))
+        weights = {n: t.detach().cpu().numpy() for n, t in zip(
+            names, tensors[len(arg_paths):], strict=True)}
+        outputs, context = layer.forward(inputs, weights)
+        like = tensors[0]
+        ctx.layer, ctx.context, ctx.arg_paths, ctx.names = layer, context, arg_paths, names
+        ctx.out_args = list(outputs)
+        ctx.inputs = [(t.dtype, t.device) for t in tensors]
+        return tuple(torch.from_numpy(np.ascontiguousarray(outputs[a])).to(like.device, like.dtype)
+                     for a in ctx.out_args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        given = {a: g.detach().cpu().numpy() for a, g in zip(ctx.out_args, grads, strict=True)
+                 if g is not None}
+        grad_inputs, weight_grads = ctx.layer.backward(ctx.context, given)
+        found = [grad_inputs.get(p) for p in ctx.arg_paths] + [weight_grads.get(n)
+                                                                for n in ctx.names]
+        return (None, None, None, None, *(
+            None if value is None else torch.from_numpy(np.ascontiguousarray(value)).to(
+                device, dtype) for value, (dtype, device) in zip(found, ctx.inputs,
+                                                                  strict=True)))
+
+
+class CallableLayer(nn.Module):
+    """A per-site numpy layer as a torch module: its weights are this module's parameters."""
+
+    def __init__(self, name: str, layer: Any, weights: dict[str, np.ndarray],
+                 args_map: dict[str, str]) -> None:
+        super().__init__()
+        self.name, self.layer, self.args_map = name, layer, args_map
+        for key, value in weights.items():
+            self.register_parameter(key, nn.Parameter(torch.from_numpy(value.copy())))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        values = _mapped_arguments(args, kwargs, self.args_map)
+        tensors = [(p, v) for p, v in values if torch.is_tensor(v)]
+        plain = tuple((p, v) for p, v in values if not torch.is_tensor(v))
+        names = [n for n, _ in self.named_parameters(recurse=False)]
+        try:
+            outputs = _CallableFunction.apply(
+                self.layer, plain, names, [p for p, _ in tensors], *(v for _, v in tensors),
+                *(p for _, p in self.named_parameters(recurse=False)))
+        except Exception as exc:
+            raise LayerCallError(self.name, f"the port's callable raised {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        return outputs[0] if len(outputs) == 1 else outputs

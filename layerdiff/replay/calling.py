@@ -1,0 +1,265 @@
+"""Calling a port layer with the reference's recorded arguments, adapted to its own signature.
+
+A reference layer is often called with more than its port takes: a Hugging Face attention gets
+``attn(h, past_key_values=None, attention_mask=None, output_attentions=False)`` where the port's
+``forward(self, x)`` takes ``x`` alone. ``bind_call`` fits the recorded arguments (after the
+mapping file's renames) to the port's parameters. An argument is named by its *head*, the first
+part of its recorded path: a digit for a positional argument (``0``, ``1`` of ``1.0``), else
+a keyword name (``mask`` of ``mask``, ``cache`` of ``cache.k``). The rules, in order:
+
+a. A head the mapping drops (``args = { past_key_values = "" }``) is left out.
+b. When the port's signature is unknown, everything else is passed as recorded.
+c. A keyword whose name is one of the port's parameters binds to it.
+d. Positional arguments, in order, fill the port's positional parameters that (c) left free;
+   when none is left they go into the port's ``*args``, if it has one.
+e. Any other keyword goes into the port's ``**kwargs``, if it has one; else, when the
+   reference's signature (recorded by capture) puts it at position *i*, it fills the port's
+   *i*-th positional parameter if that is free (the reference's ``hidden_states=h`` feeds the
+   port's ``x``).
+f. An argument left without a parameter is dropped when it holds only None, or when it holds
+   the reference's own default for that parameter (``output_attentions=False``); a tensor
+   never equals a default. Anything else cannot be passed on: the call is refused, saying how
+   to map or drop the argument in the mapping file.
+g. A port parameter without a default that nothing fills refuses the call, too.
+h. The call is built in the port's parameter order: positional parameters are passed by
+   position up to the first one left unfilled, and by keyword after it (a positional-only one
+   after such a gap refuses the call); ``*args`` extras follow the last positional argument.
+
+What was dropped, and why, is kept with the bound call, so replay can report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from layerdiff.errors import DiffError
+from layerdiff.replay.arguments import rebuild_call
+from layerdiff.signature import Parameter, Signature, json_text
+
+__all__ = ["BoundCall", "CannotCall", "Parameter", "Signature", "bind_call"]
+
+MAPPING_DROPS = "the mapping drops it"
+
+
+class CannotCall(DiffError):
+    """A port layer that cannot be called with the reference's recorded arguments."""
+
+
+@dataclass
+class BoundCall:
+    """The reference's arguments as the port layer is called with them."""
+
+    values: list[tuple[str, Any]]                                     # paths in the port's call
+    dropped: list[tuple[str, str]] = field(default_factory=list)      # (reference head, why)
+    renamed: dict[str, str] = field(default_factory=dict)             # head -> head in the call
+
+    def call(self) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` for calling the port layer."""
+        return rebuild_call(self.values)
+
+
+def bind_call(values: list[tuple[str, Any]], port: Signature | None, *,
+              reference: Signature | None = None,
+              drop: frozenset[str] | set[str] = frozenset(), where: str = "") -> BoundCall:
+    """Fit ``values`` ((argument path, value) pairs as capture flattens them) to ``port``'s
+    parameters by the rules in this module's docstring. ``where`` names the layer in errors.
+
+    Raises :class:`CannotCall` when an argument has nowhere to go or a parameter gets nothing.
+    """
+    heads = _group(values)
+    dropped = [(head, MAPPING_DROPS) for head in heads if head in drop]
+    kept = {head: items for head, items in heads.items() if head not in drop}
+    if port is None:
+        return _unchanged(kept, dropped)
+    binder = _Binder(port, reference, where or "the port layer")
+    binder.bind(kept)
+    dropped += binder.drop_unplaced(kept)
+    binder.check_required()
+    renamed = binder.call_heads()
+    call_values = [(renamed[head] + rest, value) for head, items in kept.items()
+                   if head in renamed for rest, value in items]
+    return BoundCall(call_values, dropped,
+                     {head: new for head, new in renamed.items() if head != new})
+
+
+# ---- the argument tree by head
+Items = list[tuple[str, Any]]   # (rest of the path, with its leading dot or "", value)
+
+
+def _group(values: list[tuple[str, Any]]) -> dict[str, Items]:
+    """Values by head, in recording order; each keeps the rest of its path."""
+    heads: dict[str, Items] = {}
+    for path, value in values:
+        head, dot, rest = path.partition(".")
+        heads.setdefault(head, []).append((dot + rest, value))
+    return heads
+
+
+def _unchanged(kept: dict[str, Items], dropped: list[tuple[str, str]]) -> BoundCall:
+    """Rule (b): passed as recorded, positional heads renumbered to close what (a) left out
+    (``f(x, cache, y)`` with ``cache`` dropped is ``f(x, y)``)."""
+    positional = sorted((h for h in kept if h.isdigit()), key=int)
+    renamed = {head: str(number) for number, head in enumerate(positional)}
+    renamed |= {head: head for head in kept if not head.isdigit()}
+    values = [(renamed[head] + rest, value) for head, items in kept.items()
+              for rest, value in items]
+    return BoundCall(values, dropped, {h: n for h, n in renamed.items() if h != n})
+
+
+def _value(items: Items) -> Any:
+    """The head's whole value, rebuilt from its leaves (a tuple, a dict, or the leaf)."""
+    if len(items) == 1 and not items[0][0]:
+        return items[0][1]
+    _, kwargs = rebuild_call([("v" + rest, value) for rest, value in items])
+    return kwargs["v"]
+
+
+def _holds(items: Items) -> str:
+    """What an argument holds, in a few words for a message."""
+    value = _value(items)
+    if hasattr(value, "shape"):
+        return "a tensor"
+    if any(hasattr(v, "shape") for _, v in items):
+        return f"a {type(value).__name__} of tensors"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _equals_default(items: Items, param: Parameter | None) -> bool:
+    """Whether the recorded value is the reference's default for ``param``: compared as JSON
+    text, so ``True`` is not ``1``; a tensor is never plain data, so never a default."""
+    if param is None or param.default is None:
+        return False
+    if any(hasattr(v, "shape") for _, v in items):
+        return False
+    return json_text(_value(items)) == param.default
+
+
+def _toml_key(head: str) -> str:
+    return head if head.isidentifier() else f'"{head}"'
+
+
+class _Binder:
+    """Rules (c)-(h) for one call: which port parameter each head fills."""
+
+    def __init__(self, port: Signature, reference: Signature | None, where: str) -> None:
+        self.port, self.reference, self.where = port, reference, where
+        self.bound: dict[str, str] = {}     # port parameter -> head
+        self.extras: list[str] = []         # positional heads for the port's *args
+        self.keywords: list[str] = []       # keyword heads for the port's **kwargs
+        self.unplaced: list[str] = []       # heads without a parameter yet
+
+    def bind(self, heads: dict[str, Items]) -> None:
+        keywords = [h for h in heads if not h.isdigit()]
+        for head in keywords:                                   # (c)
+            if self.port.named(head) is not None:
+                self.bound[head] = head
+        free = [p for p in self.port.positional if p.name not in self.bound]
+        for head in sorted((h for h in heads if h.isdigit()), key=int):  # (d)
+            if free:
+                self.bound[free.pop(0).name] = head
+            elif self.port.var_positional:
+                self.extras.append(head)
+            else:
+                self.unplaced.append(head)
+        for head in keywords:                                   # (e)
+            if head not in self.bound.values():
+                self._bind_keyword(head)
+
+    def _bind_keyword(self, head: str) -> None:
+        if self.port.var_keyword:
+            self.keywords.append(head)
+            return
+        target = self._by_reference_position(head)
+        if target is not None:
+            self.bound[target.name] = head
+        else:
+            self.unplaced.append(head)
+
+    def _by_reference_position(self, head: str) -> Parameter | None:
+        """The port's free positional parameter at the place the reference's signature gives
+        ``head`` among its own positional parameters."""
+        if self.reference is None:
+            return None
+        names = [p.name for p in self.reference.positional]
+        if head not in names:
+            return None
+        position = names.index(head)
+        ports = self.port.positional
+        if position < len(ports) and ports[position].name not in self.bound:
+            return ports[position]
+        return None
+
+    def drop_unplaced(self, heads: dict[str, Items]) -> list[tuple[str, str]]:
+        """Rule (f): heads with no parameter go when they hold None or the reference's
+        default; any other refuses the call."""
+        dropped = []
+        for head in self.unplaced:
+            items = heads[head]
+            param = self._reference_param(head)
+            if all(value is None for _, value in items):
+                dropped.append((head, "None"))
+            elif _equals_default(items, param):
+                dropped.append((head, f"its default {param.default}"))
+            else:
+                raise CannotCall(self._no_parameter(head, items))
+        return dropped
+
+    def _reference_param(self, head: str) -> Parameter | None:
+        if self.reference is None:
+            return None
+        if not head.isdigit():
+            return self.reference.named(head)
+        positional = self.reference.positional
+        return positional[int(head)] if int(head) < len(positional) else None
+
+    def _no_parameter(self, head: str, items: Items) -> str:
+        free = [p.name for p in self.port.params
+                if not p.variadic and p.name not in self.bound]
+        example = free[0] if free else "x"
+        key = _toml_key(head)
+        argument = f"positional argument {head}" if head.isdigit() else f"argument '{head}'"
+        return (f"{self.where}: the reference's {argument} ({_holds(items)}) has no parameter "
+                f"in the port's {self.port.describe()}; map it to one of the port's arguments "
+                f"in the mapping file (args = {{ {key} = \"{example}\" }}) or drop it there "
+                f"(args = {{ {key} = \"\" }})")
+
+    def check_required(self) -> None:
+        """Rule (g): every port parameter without a default gets a value."""
+        for param in self.port.params:
+            if param.variadic or param.has_default or param.name in self.bound:
+                continue
+            raise CannotCall(f"{self.where}: the port's {self.port.describe()} needs "
+                             f"'{param.name}', which the reference's call does not give; map "
+                             "the reference argument that holds its value to it in the mapping "
+                             f"file (args = {{ <reference argument> = \"{param.name}\" }}) or "
+                             "give it a default")
+
+    def call_heads(self) -> dict[str, str]:
+        """Rule (h): each kept head -> its head in the port's call."""
+        renamed: dict[str, str] = {}
+        position, gap = 0, False
+        for param in self.port.positional:
+            head = self.bound.get(param.name)
+            if head is None:
+                gap = True   # later ones can no longer go by position
+            elif not gap:
+                renamed[head] = str(position)
+                position += 1
+            elif param.kind == "positional_only":
+                raise CannotCall(f"{self.where}: the port's {self.port.describe()} takes "
+                                 f"'{param.name}' by position only, but the parameter before "
+                                 "it gets no value from the reference's call; map a reference "
+                                 "argument to that parameter in the mapping file")
+            else:
+                renamed[head] = param.name
+        # (d) sends heads to *args only when every positional parameter is filled: no gap
+        for head in self.extras:
+            renamed[head] = str(position)
+            position += 1
+        for param in self.port.params:
+            if param.kind == "keyword_only" and param.name in self.bound:
+                renamed[self.bound[param.name]] = param.name
+        renamed |= {head: head for head in self.keywords}
+        return renamed
