@@ -171,7 +171,7 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
                  verbose: bool, strict: bool) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
-    from layerdiff.report.progress import ByteProgress
+    from layerdiff.progress import ByteProgress
     from layerdiff.report.terminal import format_diff
 
     with ByteProgress("diff") as bar:

@@ -26,9 +26,9 @@ from torch import nn
 
 from layerdiff.capture.hooks import flatten
 from layerdiff.case import Case
-from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import port_site_for
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
+from layerdiff.mapping import Mapping
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
 from layerdiff.replay.torch_replay import NotReplayable, TorchPort
 from layerdiff.trace import Trace, open_trace, schema
@@ -292,9 +292,7 @@ class _SiteRunner:
 
     def _recorded_outputs(self, site: str) -> dict[str, np.ndarray]:
         if site not in self._expected:
-            index = self.ref.index
-            rows = index[(index["step"] == 0) & (index["site"] == site)
-                         & (index["role"] == "output") & (index["kind"] == "tensor")]
+            rows = self.ref.records(0, site, "output", kind="tensor")
             self._expected[site] = {row["arg"]: read_array(self.ref, row).astype(np.float64)
                                     for _, row in rows.iterrows()}
         return self._expected[site]

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.compare.mapping import Mapping, ParamSource, Slice
-from layerdiff.compare.records import param_name
 from layerdiff.errors import MappingError
+from layerdiff.mapping import Mapping, ParamSource, Slice
 from layerdiff.trace import Trace, open_trace, schema
 
 
@@ -215,12 +214,11 @@ def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
     if trace.summary:
         raise MappingError(f"{trace.path} is a summary trace: it has no tensor data to take "
                            "weights from; capture the reference without --summary")
-    index = trace.index
-    rows = index[(index["role"] == "weight") & (index["step"] == index["step"].min())]
+    rows = trace.records(trace.index["step"].min(), role="weight")
     if rows.empty:
         raise MappingError(f"{trace.path} records no weights (was it captured with "
                            "--no-weights?); capture the reference with weights")
-    weights = {param_name(row["site"], row["arg"]): np.array(trace.read(row))
+    weights = {schema.param_name(row["site"], row["arg"]): np.array(trace.read(row))
                for _, row in rows.iterrows()}
     # a tied tensor is recorded once: every other name it had gives the same values, so that a
     # port that does not tie it (or ties it the other way round) still finds it by name

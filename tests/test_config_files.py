@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import LayerdiffError, MappingError, ToleranceError
+from layerdiff.mapping import Mapping, ParamSource
 
 BUNDLED_MAP = Path(__file__).resolve().parents[1] / "reference_models" / "transformer_port.map.toml"
 

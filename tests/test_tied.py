@@ -14,7 +14,7 @@ from torch import nn
 
 from layerdiff import capture, diff, load_weights, open_trace, run_case
 from layerdiff.capture.hooks import shared_parameters
-from layerdiff.compare.records import param_name
+from layerdiff.trace.schema import param_name
 from tests import gpt_cases
 
 MAP = Path(__file__).parent / "gpt_port.map.toml"

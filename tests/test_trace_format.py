@@ -50,6 +50,20 @@ def test_roundtrip_keeps_values_order_and_sites(trace_path):
         assert trace.meta["case"] == "small"
 
 
+def test_find_and_records_look_records_up(trace_path):
+    _write_small(trace_path)
+    with open_trace(trace_path) as trace:
+        row = trace.find(0, "enc.lin#0", "weight", "weight")
+        np.testing.assert_array_equal(trace.read(row), np.eye(4))
+        assert trace.find(0, "enc#0", "input", "cfg")["kind"] == "value"
+        assert trace.find(0, "enc#0", "input", "cfg", kind="tensor") is None
+        assert trace.find(0, "enc#0", "grad_output", "0", pass_="forward") is None
+        assert trace.find(0, "enc#0", "grad_output", "0", pass_="backward") is not None
+        assert trace.find(1, "enc#0", "input", "0") is None
+        assert list(trace.records(0, "enc#0", "input")["arg"]) == ["0", "cfg"]
+        assert len(trace.records(role="output", kind="tensor")) == 2
+
+
 def test_zero_dimensional_arrays_keep_their_shape(trace_path):
     """A loss recorded from numpy is 0-d, as torch capture records it: the shapes must agree."""
     with TraceWriter(trace_path) as w, w.site("<loss>", "loss") as loss:

@@ -18,8 +18,8 @@ from torch import nn
 from layerdiff import Case, MappingError, capture, diff, load_weights, seed_everything
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.records import sliced_shape
+from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.weights import combine, paired_parts
 
 IN, OUT = 4, 6

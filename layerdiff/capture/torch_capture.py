@@ -13,11 +13,11 @@ import torch
 
 from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
-from layerdiff.capture.progress import StepProgress
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case, ExternalCase, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
 from layerdiff.trace.writer import TraceWriter, base_meta, check_writable

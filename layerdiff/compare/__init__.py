@@ -5,9 +5,9 @@ port in another framework, can use it without torch installed.
 """
 
 from layerdiff.compare.engine import diff, read_pair, save_rows_csv
-from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.tolerances import Tolerance, Tolerances
+from layerdiff.mapping import Mapping
 
 __all__ = ["Diff", "Mapping", "Origin", "Tolerance", "Tolerances", "diff", "read_pair",
            "save_rows_csv"]

@@ -22,7 +22,6 @@ from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import find_origins
@@ -30,6 +29,7 @@ from layerdiff.compare.reading import TensorRef, stream_pairs
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
+from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace, open_trace, schema
 
 GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
@@ -400,12 +400,10 @@ def read_pair(diff_result: R.Diff, row: pd.Series) -> tuple[np.ndarray, np.ndarr
 
 
 def _read_one(trace: Trace, step: int, site: str, role: str, arg: str) -> np.ndarray:
-    index = trace.index
-    hit = index[(index["step"] == step) & (index["site"] == site) & (index["role"] == role)
-                & (index["arg"] == arg)]
-    if hit.empty:
+    row = trace.find(step, site, role, arg)
+    if row is None:
         raise DiffError(f"{trace.path} has no {role} {arg} at {site} in step {step}")
-    return trace.read(hit.iloc[0])
+    return trace.read(row)
 
 
 def save_rows_csv(diff_result: R.Diff, path: str | os.PathLike) -> Path:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from layerdiff.compare.mapping import Mapping
 from layerdiff.errors import MappingError
+from layerdiff.mapping import Mapping
 from layerdiff.trace import schema
 
 

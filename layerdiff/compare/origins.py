@@ -30,7 +30,6 @@ import pandas as pd
 
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING, Status
-from layerdiff.compare.records import param_name
 from layerdiff.trace import schema
 
 # The Jacobian of a site without a weight matrix is estimated from the reference's aggregate
@@ -430,7 +429,7 @@ def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) 
     metrics["batch_ratio"] = None if batch is None else [float(x) for x in batch]
     arg = str(row["arg"])
     if role in ("weight", "weight_grad") and row["site"] != site.name:
-        arg = param_name(row["site"], arg)  # compared through the mapping: name the tensor
+        arg = schema.param_name(row["site"], arg)  # compared through the mapping: name the tensor
     return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, arg,
                     str(row["port_arg"]), reason, metrics)
 

@@ -4,7 +4,8 @@ A prefetch thread reads both sides of each pair into a small pool of reused ~1 M
 while the caller computes metrics on the previous chunks (h5py and numpy both release the GIL),
 so memory is bounded by the pool whatever the traces' size (PERF-NOTES: 1 MiB ``read_direct``
 blocks, a reader thread ahead of the compute). Small tensors packed next to each other are
-served from one window read instead of one h5py call each.
+served from one window read instead of one h5py call each
+(:class:`layerdiff.trace.segments.SegmentReader`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from layerdiff.compare.mapping import Slice
-from layerdiff.errors import TraceError
+from layerdiff.mapping import Slice
 from layerdiff.trace import schema
+from layerdiff.trace.segments import SegmentReader, decode
 
 CHUNK_BYTES = 1 << 20
-WINDOW_BYTES = 4 << 20
 POOL = 6  # chunk buffer pairs in flight
 
 
@@ -31,7 +31,7 @@ POOL = 6  # chunk buffer pairs in flight
 class TensorRef:
     """Where one side's tensor lies, and what to do to it before comparing: cut it to
     ``part``, then transpose it when ``transpose`` (in that order; every transform chain of a
-    mapping comes down to it, see :class:`layerdiff.compare.mapping.PartView`)."""
+    mapping comes down to it, see :class:`layerdiff.mapping.PartView`)."""
 
     segment: int
     offset: int
@@ -64,51 +64,6 @@ class Chunk:
     last: bool
 
 
-class _RangeReader:
-    """Byte ranges of one trace's segments; small ranges through a window read ahead."""
-
-    def __init__(self, h5: h5py.File, path: str) -> None:
-        self.h5, self.path = h5, path
-        self._datasets: dict[int, h5py.Dataset] = {}
-        self._window = np.empty(WINDOW_BYTES, np.uint8)
-        self._window_at = (-1, 0, 0)  # segment, start, length
-
-    def _dataset(self, segment: int) -> h5py.Dataset:
-        if segment not in self._datasets:
-            try:
-                self._datasets[segment] = self.h5[f"{schema.TENSORS_GROUP}/{segment:06d}"]
-            except KeyError:
-                raise TraceError(f"{self.path}: tensor segment {segment} is missing; the file "
-                                 "is damaged, capture it again") from None
-        return self._datasets[segment]
-
-    def read(self, segment: int, offset: int, nbytes: int, out: np.ndarray) -> None:
-        """Fill ``out[:nbytes]`` with bytes ``offset .. offset + nbytes`` of the segment."""
-        dataset = self._dataset(segment)
-        if offset + nbytes > dataset.shape[0]:
-            raise TraceError(f"{self.path}: tensor segment {segment} holds {dataset.shape[0]} "
-                             f"bytes but the index puts a tensor at {offset}..{offset + nbytes};"
-                             " the file is damaged, capture it again")
-        if nbytes > WINDOW_BYTES // 4:
-            dataset.read_direct(out, np.s_[offset:offset + nbytes], np.s_[0:nbytes])
-            return
-        seg, start, length = self._window_at
-        if seg != segment or offset < start or offset + nbytes > start + length:
-            length = min(WINDOW_BYTES, dataset.shape[0] - offset)
-            dataset.read_direct(self._window, np.s_[offset:offset + length], np.s_[0:length])
-            seg, start = segment, offset
-            self._window_at = (segment, offset, length)
-        out[:nbytes] = self._window[offset - start:offset - start + nbytes]
-
-
-def decode(raw: np.ndarray, dtype: str, count: int) -> np.ndarray:
-    """``count`` stored elements as numbers (bfloat16's bits widened to float32)."""
-    values = raw[:count * schema.numpy_dtype(dtype).itemsize].view(schema.numpy_dtype(dtype))
-    if dtype == "bfloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values
-
-
 def stream_pairs(ref_h5: h5py.File, port_h5: h5py.File, pairs: list[tuple[TensorRef, TensorRef]],
                  paths: tuple[str, str]) -> Iterator[Chunk]:
     """Chunks of every pair in order; each chunk's arrays are valid until the next one."""
@@ -117,7 +72,7 @@ def stream_pairs(ref_h5: h5py.File, port_h5: h5py.File, pairs: list[tuple[Tensor
         free.put((np.empty(CHUNK_BYTES, np.uint8), np.empty(CHUNK_BYTES, np.uint8)))
     ready: queue.Queue = queue.Queue(maxsize=POOL)
     stop = threading.Event()
-    readers = (_RangeReader(ref_h5, paths[0]), _RangeReader(port_h5, paths[1]))
+    readers = (SegmentReader(ref_h5, paths[0]), SegmentReader(port_h5, paths[1]))
 
     def produce() -> None:
         try:
@@ -197,7 +152,7 @@ def _produce_whole(number: int, ref: TensorRef, port: TensorRef, readers,
                          stop >= ref_values.size), None))
 
 
-def _whole(tensor: TensorRef, reader: _RangeReader) -> np.ndarray:
+def _whole(tensor: TensorRef, reader: SegmentReader) -> np.ndarray:
     raw = np.empty(tensor.nbytes, np.uint8)
     reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from layerdiff.compare.mapping import Mapping, ParamSource, PartView, Slice
 from layerdiff.compare.matching import SiteMatching
 from layerdiff.errors import MappingError
+from layerdiff.mapping import Mapping, ParamSource, PartView, Slice
 from layerdiff.trace import schema
+from layerdiff.trace.schema import param_name
 
 PARAM_ROLES = ("weight", "weight_grad")
 
@@ -36,12 +37,6 @@ class RecordPair:
 class RecordPairing:
     pairs: list[RecordPair]
     unmatched: list[tuple[str, int, str, str, str, str]]  # side, step, site, role, arg, reason
-
-
-def param_name(site: str, arg: str) -> str:
-    """Full parameter name of a weight record: module path + '.' + argument."""
-    module = schema.split_site(site)[0]
-    return arg if module == schema.ROOT_MODULE else f"{module}.{arg}"
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,

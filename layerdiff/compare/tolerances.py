@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layerdiff.compare.config_file import ConfigFile
+from layerdiff.config_file import ConfigFile
 from layerdiff.errors import ToleranceError
 
 # (rtol, atol) per dtype, as torch.testing.assert_close has them.

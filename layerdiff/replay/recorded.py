@@ -76,6 +76,5 @@ def read_value(ref: Trace, row: pd.Series) -> Any:
 
 def reference_weights(ref: Trace, site: str) -> dict[str, np.ndarray]:
     """The weights the reference recorded at a site in step 0, by parameter name."""
-    index = ref.index
-    rows = index[(index["step"] == 0) & (index["site"] == site) & (index["role"] == "weight")]
+    rows = ref.records(0, site, "weight")
     return {r["arg"]: read_array(ref, r) for _, r in rows.iterrows()}

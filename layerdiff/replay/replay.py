@@ -23,11 +23,11 @@ import pandas as pd
 from layerdiff.case import Case, ExternalCase
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import Status
-from layerdiff.compare.mapping import Mapping
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.result import Diff
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
+from layerdiff.mapping import Mapping
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
 from layerdiff.trace.schema import Pass, Role

@@ -34,10 +34,10 @@ from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
 from layerdiff.compare import judge
 from layerdiff.compare.baseline import FACTOR, Baseline
-from layerdiff.compare.mapping import Mapping, ParamSource
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
+from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
 from layerdiff.signature import Signature
 from layerdiff.trace import schema

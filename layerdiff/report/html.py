@@ -395,14 +395,12 @@ def _origin_tensors(diff: Diff, origin: Origin,
 
 def _read_tensor(trace: Trace, step: int, pass_: str, site: str, role: str,
                  arg: str) -> np.ndarray:
-    index = trace.index
-    hit = index[(index["step"] == step) & (index["pass"] == pass_) & (index["site"] == site)
-                & (index["role"] == role) & (index["arg"] == arg) & (index["kind"] == "tensor")]
-    if hit.empty:
+    row = trace.find(step, site, role, arg, pass_=pass_, kind="tensor")
+    if row is None:
         raise ValueError(f"{trace.path} has no tensor for {site} {role} {arg} at step {step}")
-    if int(hit.iloc[0]["segment"]) < 0:
+    if int(row["segment"]) < 0:
         raise ValueError(f"{trace.path} stores no data for {site} {role} {arg}")
-    return np.asarray(trace.read(hit.iloc[0]), dtype=np.float64)
+    return np.asarray(trace.read(row), dtype=np.float64)
 
 
 def _batch_matrix(values: np.ndarray) -> np.ndarray:

@@ -47,12 +47,12 @@ class TraceFile:
             schema.SITES_GROUP: _ColumnTable(self._h5.create_group(schema.SITES_GROUP),
                                              schema.SITES_COLUMNS),
         }
-        self._tensors = self._h5.create_group(schema.TENSORS_GROUP)
+        self._h5.create_group(schema.TENSORS_GROUP)
 
     def write_segment(self, data: np.ndarray) -> int:
         """Store one contiguous run of packed tensor bytes; returns its segment number."""
         number = self._segments
-        self._tensors.create_dataset(f"{number:06d}", data=data)
+        self._h5.create_dataset(schema.segment_name(number), data=data)
         self._segments += 1
         return number
 

@@ -77,6 +77,26 @@ class Trace:
         return _read_table(self._h5[schema.SITES_GROUP], schema.SITES_COLUMNS, self.path,
                            "enter_seq")
 
+    def records(self, step: int | None = None, site: str | None = None,
+                role: str | None = None, *, pass_: str | None = None,
+                kind: str | None = None) -> pd.DataFrame:
+        """The index rows that match every filter given, in recording order."""
+        index = self.index
+        keep = np.ones(len(index), dtype=bool)
+        for column, wanted in (("step", step), ("site", site), ("role", role),
+                               ("pass", pass_), ("kind", kind)):
+            if wanted is not None:
+                keep &= (index[column] == wanted).to_numpy()
+        return index[keep]
+
+    def find(self, step: int, site: str, role: str, arg: str, *, pass_: str | None = None,
+             kind: str | None = None) -> pd.Series | None:
+        """The index row of one record (the first, should a site record an argument twice),
+        or None when the trace holds no such record. ``pass_`` and ``kind`` narrow it."""
+        rows = self.records(step, site, role, pass_=pass_, kind=kind)
+        rows = rows[rows["arg"] == arg]
+        return None if rows.empty else rows.iloc[0]
+
     def read(self, row: pd.Series | int, *, raw: bool = False) -> np.ndarray:
         """The tensor of one index row (a row, or its position in ``index``).
 
@@ -92,7 +112,7 @@ class Trace:
                 f"{self.path} stores no data for {row['site']} {row['role']} {row['arg']}"
                 + (": it is a summary trace (statistics only); capture without --summary to "
                    "keep tensors" if self.summary else ""))
-        name = f"{schema.TENSORS_GROUP}/{int(row['segment']):06d}"
+        name = schema.segment_name(int(row["segment"]))
         start = int(row["offset"])
         try:
             data = self._h5[name][start:start + int(row["nbytes"])]
@@ -102,7 +122,7 @@ class Trace:
         array = data.view(schema.numpy_dtype(row["dtype"]))
         array = array.reshape(schema.parse_shape(row["shape"]))
         if row["dtype"] == "bfloat16" and not raw:
-            return (array.astype(np.uint32) << 16).view(np.float32)
+            return schema.bfloat16_to_float32(array)
         return array
 
     def close(self) -> None:

@@ -104,6 +104,11 @@ RAW_BITS_DTYPES = {"bfloat16": np.dtype(np.uint16)}
 # float8 and other exotic dtypes are stored as raw bytes under their torch name.
 
 
+def segment_name(number: int) -> str:
+    """The dataset that holds tensor segment ``number``: ``tensors/000042``."""
+    return f"{TENSORS_GROUP}/{number:06d}"
+
+
 def site_name(module_path: str, call: int) -> str:
     return f"{module_path}#{call}"
 
@@ -111,6 +116,12 @@ def site_name(module_path: str, call: int) -> str:
 def split_site(site: str) -> tuple[str, int]:
     module, _, call = site.rpartition("#")
     return module, int(call)
+
+
+def param_name(site: str, arg: str) -> str:
+    """Full parameter name of a weight record: module path + '.' + argument."""
+    module = split_site(site)[0]
+    return arg if module == ROOT_MODULE else f"{module}.{arg}"
 
 
 def format_shape(shape: tuple[int, ...]) -> str:
@@ -129,3 +140,8 @@ def numpy_dtype(name: str) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         return np.dtype(np.uint8)
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 numbers from their stored bits (uint16): the top half of a float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

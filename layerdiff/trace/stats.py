@@ -12,6 +12,8 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from layerdiff.trace import schema
+
 
 class Stats(NamedTuple):
     min: float
@@ -35,7 +37,7 @@ def digest(raw: np.ndarray) -> str:
 def as_float(raw: np.ndarray, dtype_name: str) -> np.ndarray | None:
     """A numpy view (or, for bfloat16 and ints, a copy) of the values in a float type."""
     if dtype_name == "bfloat16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        return schema.bfloat16_to_float32(raw)
     kind = raw.dtype.kind
     if kind == "f":
         return raw if raw.dtype.itemsize >= 4 else raw.astype(np.float32)

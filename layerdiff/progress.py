@@ -1,4 +1,7 @@
-"""Progress bars for long work, on stderr, only when stderr is a terminal."""
+"""Progress bars for long work (captures, diffs), on stderr, only when stderr is a terminal.
+
+A leaf module: it imports rich and nothing of layerdiff, so capture and report can both use it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from rich.progress import (
     DownloadColumn,
     Progress,
     ProgressColumn,
+    SpinnerColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -49,3 +54,16 @@ class ByteProgress(TransientBar):
 
     def progress(self, done: int, total: int) -> None:
         self.update(completed=done, total=total)
+
+
+class StepProgress(TransientBar):
+    """A transient bar over training steps, with the data recorded so far."""
+
+    def __init__(self, steps: int, *, enabled: bool, label: str) -> None:
+        super().__init__([SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+                          TextColumn("{task.fields[data]}"), TimeElapsedColumn()], label,
+                         enabled=enabled, total=steps, data="")
+
+    def advance(self, bytes_recorded: int) -> None:
+        self.update(advance=1, data=f"{bytes_recorded / 2**20:,.0f} MiB recorded")
