@@ -83,7 +83,7 @@ def differences(ref: np.ndarray, port: np.ndarray, out: np.ndarray,
 def ratios(diff: np.ndarray, ref_magnitude: np.ndarray, rtol: float, atol: float,
            out: np.ndarray, *, all_finite: bool) -> np.ndarray:
     """Each element's error over its tolerance, from :func:`differences` and ``|ref|``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         np.multiply(ref_magnitude, rtol, out=out)
         out += atol
         np.divide(diff, out, out=out)

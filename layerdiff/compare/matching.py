@@ -132,9 +132,9 @@ def _named_partner(ref_site: str, module: str, call: int, mapping: Mapping,
             return (f"the mapping pairs it with port site {port_site}, which the port trace "
                     "does not have")
         return SitePair(ref_site, port_site, "pair", 1.0, label=f"{mapping.name} [[pair]]")
-    if ref_site in port_names and ref_site not in claimed:
-        return SitePair(ref_site, ref_site, "exact", 1.0)
     renamed = mapping.rename(module)
+    if ref_site in port_names and ref_site not in claimed:
+        return SitePair(ref_site, ref_site, "exact", 1.0, _same_name_args(module, renamed))
     if renamed is not None:
         port_module, args, label = renamed
         port_site = schema.site_name(port_module, call)
@@ -184,9 +184,15 @@ def port_site_for(ref_site: str, mapping: Mapping,
         port_site = mapping.pairs[ref_site]
         return (port_site, {}) if schema.split_site(port_site)[0] in port_modules else None
     module, call = schema.split_site(ref_site)
-    if module in port_modules:
-        return schema.site_name(module, call), {}
     renamed = mapping.rename(module)
+    if module in port_modules:
+        return schema.site_name(module, call), _same_name_args(module, renamed)
     if renamed is not None and renamed[0] in port_modules:
         return schema.site_name(renamed[0], call), renamed[1]
     return None
+
+
+def _same_name_args(module: str, renamed: tuple | None) -> dict[str, str]:
+    """A [[site]] rule that maps a module to its own name still says how its arguments
+    differ (``args = { attention_mask = "" }``)."""
+    return renamed[1] if renamed is not None and renamed[0] == module else {}

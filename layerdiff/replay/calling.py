@@ -15,7 +15,8 @@ d. Positional arguments, in order, fill the port's positional parameters that (c
 e. Any other keyword goes into the port's ``**kwargs``, if it has one; else, when the
    reference's signature (recorded by capture) puts it at position *i*, it fills the port's
    *i*-th positional parameter if that is free (the reference's ``hidden_states=h`` feeds the
-   port's ``x``).
+   port's ``x``) -- unless it holds None or the reference's default, which (f) drops rather
+   than pass into a parameter of another name.
 f. An argument left without a parameter is dropped when it holds only None, or when it holds
    the reference's own default for that parameter (``output_attentions=False``); a tensor
    never equals a default. Anything else cannot be passed on: the call is refused, saying how
@@ -165,13 +166,18 @@ class _Binder:
                 self.unplaced.append(head)
         for head in keywords:                                   # (e)
             if head not in self.bound.values():
-                self._bind_keyword(head)
+                self._bind_keyword(head, heads[head])
 
-    def _bind_keyword(self, head: str) -> None:
+    def _bind_keyword(self, head: str, items: Items) -> None:
         if self.port.var_keyword:
             self.keywords.append(head)
             return
-        target = self._by_reference_position(head)
+        # by position only what carries a value: a None or a default that happens to sit at
+        # the position of a port parameter with another name (GPT-2's past_key_values=None
+        # where the port takes a mask) would silently fill it
+        droppable = all(value is None for _, value in items) or _equals_default(
+            items, self._reference_param(head))
+        target = None if droppable else self._by_reference_position(head)
         if target is not None:
             self.bound[target.name] = head
         else:

@@ -48,6 +48,7 @@ class ReplayResult:
     skipped: list[tuple[str, str]]               # (reference site, why): not replayable
     dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # site -> args
     propagated: Diff | None = None               # a plain diff of the port's own run
+    notes: list[str] = field(default_factory=list)  # what could not be measured, and why
 
     @property
     def local(self) -> pd.DataFrame:
@@ -78,7 +79,7 @@ class ReplayResult:
                 "replay": {"replayed": len(self.replayed),
                            "cannot_judge": [list(entry) for entry in self.cannot_judge],
                            "skipped": [list(entry) for entry in self.skipped],
-                           "dropped": self.dropped},
+                           "dropped": self.dropped, "notes": self.notes},
                 "propagated": None if self.propagated is None else {
                     "verdict": self.propagated.verdict,
                     "origin": self.propagated.origin.as_json() if self.propagated.origin
@@ -107,7 +108,10 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
             diff(reference, path, mapping=mapping, tolerances=tolerances, independent=True),
             log.replayed, log.failed, log.skipped, log.dropped)
         if propagated:
-            result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
+            try:
+                result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
+            except CaptureError as exc:  # the layers were judged one by one all the same
+                result.notes.append(f"no propagated error: the port's own run failed ({exc})")
     return result
 
 

@@ -477,7 +477,7 @@ def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping
     for name, param in list(layer.layer.named_parameters()):
         source = mapping.param_source(f"{port_module}.{name}", {port_module: module})
         refs = source.reference if source is not None else [f"{module}.{name}"]
-        plain = source is None or not source.transforms
+        plain = source is None or all(step == "copy" for step in source.transforms)
         if len(refs) != 1 or not plain:
             continue
         users = next((names for names in tied.values() if refs[0] in names), None)
