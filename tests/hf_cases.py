@@ -59,6 +59,8 @@ class GPT2Attention(gpt.GPT2Attention):
             attn_weights = attn_weights * head_mask
         return attn_weights
 
+    returns_weights = False  # transformers 5.x's eager attention returns them always
+
     def forward(self, hidden_states: torch.Tensor, past_key_values=None, cache_position=None,
                 attention_mask: torch.Tensor | None = None,
                 head_mask: torch.Tensor | None = None,
@@ -73,7 +75,8 @@ class GPT2Attention(gpt.GPT2Attention):
         attn_weights = self._attn_weights(query, key, attention_mask, head_mask)
         attn_output = torch.matmul(attn_weights, value)
         attn_output = self.resid_dropout(self.c_proj(self._merge_heads(attn_output)))
-        return attn_output, (attn_weights if output_attentions else None)
+        keep = output_attentions or self.returns_weights
+        return attn_output, (attn_weights if keep else None)
 
 
 class GPT2Block(gpt.GPT2Block):
@@ -153,6 +156,15 @@ class GPT2LMHeadModel(gpt.GPT2LMHeadModel):
 def reference_hf() -> Case:
     """``tests.gpt_cases:reference`` with Hugging Face's block and attention call signatures."""
     return gpt._build(GPT2LMHeadModel, "tests.hf_cases:reference_hf")
+
+
+def reference_hf_weights() -> Case:
+    """As :func:`reference_hf`, with attentions that return their weights as a second tensor
+    whether asked or not, as transformers 5.x's eager attention does (its block takes [0])."""
+    case = gpt._build(GPT2LMHeadModel, "tests.hf_cases:reference_hf_weights")
+    for block in case.model.transformer.h:
+        block.attn.returns_weights = True
+    return case
 
 
 def _check_same_as_gpt_cases() -> None:

@@ -167,6 +167,17 @@ def test_an_argument_the_port_cannot_take_refuses_the_call_in_one_sentence(name,
         f"(args = {{ {name} = \"x\" }}) or drop it there (args = {{ {name} = \"\" }})")
 
 
+def test_every_argument_the_port_cannot_take_is_named_at_once():
+    """Real transformers 5.x passes use_cache=False into the attention's **kwargs and a
+    position_ids tensor: one sentence names both, with one mapping line that drops them."""
+    with pytest.raises(CannotCall) as info:
+        bind_call([("hidden_states", 5), ("use_cache", False), ("position_ids", np.ones(3))],
+                  Signature.of(only_x), reference=HF, where="port layer attn")
+    message = str(info.value)
+    assert "arguments 'use_cache' (False), 'position_ids' (a tensor) have no parameter" in message
+    assert message.endswith('(args = { use_cache = "", position_ids = "" })')
+
+
 def test_a_tensor_never_equals_a_default():
     def takes_default(x, scale=1.0):
         return x

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from layerdiff import DiffError, load_case
+from layerdiff.compare.tolerances import Tolerances
 from layerdiff.replay import Swapper, bisect, swap
 from reference_models import mlp, mlp_port
 from reference_models.catalog import CATALOG, find
@@ -140,3 +141,20 @@ def test_a_numpy_layer_whose_module_has_parameters_inside_cannot_be_judged():
     assert result.outcome == "cannot-judge" and not result and not result.breaks
     assert result.not_swapped[0][0] == "cell"
     assert "parameters inside its children" in result.not_swapped[0][1]
+
+
+def _bfloat16_port():
+    case = mlp_port.port()
+    case.model.to(torch.bfloat16)
+    return case
+
+
+def test_a_port_layer_in_another_dtype_is_called_in_its_own():
+    """A bfloat16 port layer inside the float32 reference: inputs are cast to bfloat16 on the
+    way in and outputs back to float32, so it runs (not 'cannot judge'), and the error is
+    bfloat16 rounding: out at float32's tolerance, within at bfloat16's."""
+    strict = swap(mlp.reference, _bfloat16_port, ["fc2"])
+    assert strict.outcome == "breaks" and not strict.not_swapped
+    loose = swap(mlp.reference, _bfloat16_port, ["fc2"],
+                 tolerances=Tolerances(rtol=1.6e-2, atol=1e-2))
+    assert loose.outcome == "within", loose.describe()

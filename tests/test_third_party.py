@@ -408,3 +408,16 @@ def test_cli_swap_and_bisect_take_tolerance_files_and_flags(run, loose_tolerance
     assert flags.exit_code == 0 and flags.output.startswith("WITHIN"), flags.output
     found = run("bisect", REFERENCE, BUGGY, "--map", MAP, "--tolerances", loose_tolerances)
     assert found.exit_code == 0 and "nothing to find" in found.output, found.output
+
+
+def test_a_port_layer_returning_fewer_tensors_stands_in_with_none_for_the_rest():
+    """transformers 5.x's attention returns (output, weights) and its block takes [0]; the
+    nanoGPT attention returns the output alone: the weights become None, said in the result,
+    and the swap is judged (the planted scale bug breaks the reference, the clean port not)."""
+    broken = swap(hf_cases.reference_hf_weights, gpt_cases.port_bug_attn_scale, [ATTN0],
+                  mapping=MAP)
+    assert broken.outcome == SwapOutcome.BREAKS, broken.describe()
+    said = dict(broken.dropped[ATTN0])
+    assert said["output 1"] == "the port layer does not return it: None"
+    clean = swap(hf_cases.reference_hf_weights, gpt_cases.port, [ATTN0], mapping=MAP)
+    assert clean.outcome == SwapOutcome.WITHIN, clean.describe()

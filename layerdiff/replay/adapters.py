@@ -6,8 +6,8 @@ stands between the two:
 - the caller's arguments are renamed by the mapping's ``args`` rules and bound to the layer's
   own signature (:func:`layerdiff.replay.calling.bind_call`: by name, then by position; the
   caller's arguments the layer does not take are dropped when they hold None or their default);
-- floating-point inputs are cast to the layer's parameter dtype, and its outputs back to the
-  caller's dtype (a bfloat16 port layer inside a float32 reference);
+- floating-point inputs are cast to the layer's parameter dtype and moved to its device, and
+  its outputs back (a bfloat16 or CUDA port layer inside a float32 CPU reference);
 - the layer's outputs are put into the structure the replaced layer returned (a Hugging Face
   attention returns ``(output, None)``, a nanoGPT one the output alone).
 
@@ -105,10 +105,12 @@ class LayerAdapter(nn.Module):
             raise LayerCallError(self.name, str(exc)) from exc
         self.dropped = bound.dropped
         call_args, call_kwargs = bound.call()
-        caller_dtype = _first_float_dtype([v for _, v in values])
-        layer_dtype = _first_float_dtype(list(self.layer.parameters()))
-        if layer_dtype is not None and caller_dtype not in (None, layer_dtype):
-            call_args, call_kwargs = _cast((call_args, call_kwargs), caller_dtype, layer_dtype)
+        caller = _placement([v for _, v in values])
+        layer = _placement([*self.layer.parameters(), *self.layer.buffers()])
+        moved = caller is not None and layer is not None and (
+            caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
+        if moved:  # a bfloat16 or CUDA port layer inside a float32 CPU reference
+            call_args, call_kwargs = _moved((call_args, call_kwargs), caller, layer)
         try:
             outputs = self.layer(*call_args, **call_kwargs)
         except LayerCallError:
@@ -116,41 +118,58 @@ class LayerAdapter(nn.Module):
         except Exception as exc:  # the layer's own code failed: it cannot be judged here
             raise LayerCallError(self.name, f"{self._describe()} raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-        if layer_dtype is not None and caller_dtype not in (None, layer_dtype):
-            outputs = _cast(outputs, layer_dtype, caller_dtype)
+        if moved:
+            outputs = _moved(outputs, layer, caller)
         return self._shaped(outputs)
 
     def _describe(self) -> str:
         return self.signature.describe() if self.signature else type(self.layer).__name__
 
     def _shaped(self, outputs: Any) -> Any:
-        """The layer's tensors in the replaced layer's output structure."""
+        """The layer's tensors in the replaced layer's output structure. A layer that returns
+        fewer tensors fills the leading ones, and None stands for the rest (a Hugging Face
+        attention also returns its weights, which its block does not use unless asked): said
+        in ``dropped``, and a caller that does use them fails the run, which says so."""
         if self.expected is None or skeleton(outputs) == self.expected:
             return outputs
         tensors = [v for _, v in flatten(outputs, "") if torch.is_tensor(v)]
         wanted = sum(1 for _, v in flatten(self.expected, "") if v is TENSOR)
-        if len(tensors) != wanted:
+        if len(tensors) > wanted or not tensors:
             raise LayerCallError(self.name, f"{self._describe()} returns {len(tensors)} "
                                  f"tensor(s) where the layer it replaces returns {wanted} "
-                                 f"({self.expected!r}); map its outputs in the mapping file")
-        return _fill(self.expected, tensors)
+                                 f"({self.expected!r}), so its outputs cannot stand in for "
+                                 "that layer's; swap the layer around it instead")
+        if len(tensors) < wanted:
+            self.dropped = [*self.dropped, (f"output {len(tensors)}.." if wanted - len(tensors)
+                                            > 1 else f"output {len(tensors)}",
+                                            "the port layer does not return it: None")]
+        return _fill(self.expected, tensors + [None] * (wanted - len(tensors)))
 
 
-def _first_float_dtype(values: list[Any]) -> torch.dtype | None:
-    for value in values:
-        if torch.is_tensor(value) and value.is_floating_point():
-            return value.dtype
-    return None
+def _placement(values: list[Any]) -> tuple[torch.dtype | None, torch.device] | None:
+    """The dtype of the first floating-point tensor among ``values`` (None when there is
+    none: an embedding's token ids) and the device of the first tensor."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return None
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+    return dtype, tensors[0].device
 
 
-def _cast(value: Any, source: torch.dtype, target: torch.dtype) -> Any:
+def _moved(value: Any, source: tuple[torch.dtype | None, torch.device],
+           target: tuple[torch.dtype | None, torch.device]) -> Any:
+    """Tensors on ``source``'s device moved to ``target``'s, floating ones of ``source``'s
+    dtype cast to ``target``'s (differentiably: gradients flow back the same way)."""
     if torch.is_tensor(value):
-        return value.to(target) if value.dtype == source else value
+        if value.device != source[1]:
+            return value
+        cast = None not in (source[0], target[0]) and value.dtype == source[0]
+        return value.to(device=target[1], dtype=target[0] if cast else value.dtype)
     if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
-        items = [_cast(v, source, target) for v in value]
+        items = [_moved(v, source, target) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return {k: _cast(v, source, target) for k, v in value.items()}
+        return {k: _moved(v, source, target) for k, v in value.items()}
     return value
 
 

@@ -199,8 +199,9 @@ class _Binder:
 
     def drop_unplaced(self, heads: dict[str, Items]) -> list[tuple[str, str]]:
         """Rule (f): heads with no parameter go when they hold None or the reference's
-        default; any other refuses the call."""
-        dropped = []
+        default; any other refuses the call, all of them named in one sentence (so one
+        mapping edit fixes the call)."""
+        dropped, refused = [], []
         for head in self.unplaced:
             items = heads[head]
             param = self._reference_param(head)
@@ -209,7 +210,9 @@ class _Binder:
             elif _equals_default(items, param):
                 dropped.append((head, f"its default {param.default}"))
             else:
-                raise CannotCall(self._no_parameter(head, items))
+                refused.append(head)
+        if refused:
+            raise CannotCall(self._no_parameter(refused, heads))
         return dropped
 
     def _reference_param(self, head: str) -> Parameter | None:
@@ -220,16 +223,21 @@ class _Binder:
         positional = self.reference.positional
         return positional[int(head)] if int(head) < len(positional) else None
 
-    def _no_parameter(self, head: str, items: Items) -> str:
+    def _no_parameter(self, refused: list[str], heads: dict[str, Items]) -> str:
         free = [p.name for p in self.port.params
                 if not p.variadic and p.name not in self.bound]
         example = free[0] if free else "x"
-        key = _toml_key(head)
-        argument = f"positional argument {head}" if head.isdigit() else f"argument '{head}'"
-        return (f"{self.where}: the reference's {argument} ({_holds(items)}) has no parameter "
-                f"in the port's {self.port.describe()}; map it to one of the port's arguments "
-                f"in the mapping file (args = {{ {key} = \"{example}\" }}) or drop it there "
-                f"(args = {{ {key} = \"\" }})")
+        named = ", ".join(
+            f"{'positional argument ' + head if head.isdigit() else repr(head)} "
+            f"({_holds(heads[head])})" for head in refused)
+        has = "has" if len(refused) == 1 else "have"
+        first = _toml_key(refused[0])
+        drops = ", ".join(f'{_toml_key(head)} = ""' for head in refused)
+        return (f"{self.where}: the reference's {'argument' if len(refused) == 1 else 'arguments'}"
+                f" {named} {has} no parameter in the port's {self.port.describe()}; map "
+                f"{'it' if len(refused) == 1 else 'each'} to one of the port's arguments in the "
+                f"mapping file (args = {{ {first} = \"{example}\" }}) or drop "
+                f"{'it' if len(refused) == 1 else 'them'} there (args = {{ {drops} }})")
 
     def check_required(self) -> None:
         """Rule (g): every port parameter without a default gets a value."""

@@ -228,7 +228,7 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
                            ("not passed to", dropped)):
         for site, why in entries[: None if verbose else 5]:
-            lines.append(_clip(f"  {label} {site}: {why}", width))
+            lines += _reason(f"{label} {site}: {why}", width)
         if not verbose and len(entries) > 5:
             lines.append(f"  ... {len(entries) - 5} more {label} (--verbose)")
     shown = table if verbose else table[table["verdict"] != "within"]
@@ -256,7 +256,7 @@ def format_swap(result, width: int = WIDTH) -> str:
         lines.append(_clip(f"  swapped: reference {ref} <- port {port}", width))
     for layer, dropped in result.dropped.items():
         said = ", ".join(f"{arg} ({why})" for arg, why in dropped)
-        lines.append(_clip(f"  not passed to {layer}: {said}", width))
+        lines += _reason(f"not passed to {layer}: {said}", width)
     if result.losses:
         lines += ["", "step  reference loss   swapped loss"]
         for step, (a, b) in enumerate(result.losses):
@@ -290,5 +290,10 @@ def format_bisect(result, width: int = WIDTH) -> str:
                 "layers could not be tried")
     lines = textwrap.wrap(text, width, subsequent_indent="  ")
     for layer, why in result.not_swapped:
-        lines.append(_clip(f"  not tried {layer}: {why}", width))
+        lines += _reason(f"not tried {layer}: {why}", width)
     return "\n".join(lines)
+
+
+def _reason(text: str, width: int) -> list[str]:
+    """A why, whole: it says what to do, so it is wrapped, not clipped."""
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ")
