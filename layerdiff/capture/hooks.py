@@ -256,7 +256,10 @@ class ModuleRecorder:
         for arg, key, _ in opened.inputs:
             targets.setdefault(key, arg)
         boundary: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
-        seen: set[int] = set()
+        # Nodes are keyed by id(), so every node visited is held until the walk ends: a Python
+        # wrapper of an autograd node may be freed once unreferenced and its id given to the
+        # wrapper of another node (torch 2.11 does; the walk then skipped whole branches)
+        seen: dict[int, Any] = {}
         todo = []
         passed_through: set[str] = set()
         for _, tensor in outputs:
@@ -273,7 +276,7 @@ class ModuleRecorder:
             node = todo.pop()
             if id(node) in seen or node._sequence_nr() < opened.first_node:
                 continue  # visited, or made before this call began
-            seen.add(id(node))
+            seen[id(node)] = node
             for slot, (child, output_nr) in enumerate(node.next_functions):
                 if child is None:
                     continue
