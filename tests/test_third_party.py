@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from layerdiff import diff, load_weights
 from layerdiff.capture import capture
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.replay import Swapper, bisect, replay, swap
@@ -349,6 +350,22 @@ def test_a_site_rule_that_drops_the_tensor_argument_lets_replay_run_the_site(
     for layer in ("transformer.h.0.attn#0", "transformer.h.1.attn#0"):
         assert (layer, layer) in result.replayed
         assert dict(result.dropped[layer])["attention_mask"] == "the mapping drops it"
+
+
+def test_the_diff_judges_a_site_whose_dropped_argument_the_port_computes_itself(
+        masked_reference_trace, tmp_path):
+    """Real transformers 5.x hands every attention a float causal mask; the nanoGPT port
+    builds its own. With the mask dropped by the mapping, the attention is judged (not 'cannot
+    judge' for an input without partner) and the planted scale bug is its origin."""
+    mapping = _mapping_dropping_the_mask(tmp_path)
+    port_case = gpt_cases.port_bug_attn_scale()
+    load_weights(port_case.model, masked_reference_trace, mapping)
+    port = capture(port_case, tmp_path / "port.h5", loss_scale=LOSS_SCALE)
+    result = diff(masked_reference_trace, port, mapping=mapping)
+    assert result.origin is not None
+    assert (result.origin.site, result.origin.pass_, result.origin.role) == (
+        f"{ATTN0}#0", "forward", "output")
+    assert "cannot-judge" not in set(result.rows["status"])
 
 
 # ---- tolerance files and flags reach swap and bisect

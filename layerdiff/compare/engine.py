@@ -147,7 +147,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
         columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
-                                       ref_index=ref_index)
+                                       ref_index=ref_index, dropped=set(records.dropped))
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"

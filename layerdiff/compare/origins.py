@@ -64,7 +64,9 @@ class _Site:
 
 
 def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
-                 ref_index: pd.DataFrame | None = None) -> tuple[list[R.Origin], int | None]:
+                 ref_index: pd.DataFrame | None = None,
+                 dropped: set[tuple[int, str, str, str]] | None = None
+                 ) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
     ``independent``: every site ran on the reference's own inputs and gradients (a replay), so
@@ -79,7 +81,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     sites = _collect(rows, in_step)
     norms: dict[int, float] = {}
     if ref_index is not None:
-        _find_missing(sites, rows, ref_index, step)
+        _find_missing(sites, rows, ref_index, step, dropped or set())
         norms = _norms(rows, in_step, ref_index)
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
@@ -160,10 +162,11 @@ def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
 
 
 def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.DataFrame,
-                  step: int) -> None:
+                  step: int, dropped: set[tuple[int, str, str, str]]) -> None:
     """Note, per site, the roles with a floating-point reference tensor that has no partner
     in the port (unmatched, or declared so) and whose values no paired record of the same site
-    and role holds (``attn(x, x, x)`` pairs one of three equal inputs)."""
+    and role holds (``attn(x, x, x)`` pairs one of three equal inputs). An argument the
+    mapping drops (``dropped``: the port computes what it holds itself) is not missing."""
     wanted = ref_index[(ref_index["step"] == step) & (ref_index["kind"] == "tensor")
                        & ref_index["role"].isin(["input", "grad_output", "output"])
                        & ref_index["dtype"].str.contains("float")]
@@ -175,7 +178,7 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
                                        wanted["digest"], strict=True):
         if (site, role, arg) in paired:
             digests.setdefault((site, role), set()).add(digest)
-        else:
+        elif (step, site, role, arg) not in dropped:
             unpaired.append((site, role, digest))
     root = f"{schema.ROOT_MODULE}#0"
     for site, role, digest in unpaired:

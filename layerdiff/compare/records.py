@@ -4,7 +4,7 @@ weights and weight gradients follow the parameter mapping."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -37,12 +37,16 @@ class RecordPair:
 class RecordPairing:
     pairs: list[RecordPair]
     unmatched: list[tuple[str, int, str, str, str, str]]  # side, step, site, role, arg, reason
+    # reference inputs a mapping ``args`` rule drops: the port takes no such argument, and
+    # computes what it holds itself (a causal mask), so the site stays judgeable
+    dropped: list[tuple[int, str, str, str]] = field(default_factory=list)  # step, site, role, arg
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
                  mapping: Mapping) -> RecordPairing:
     pairs: list[RecordPair] = []
     unmatched: list[tuple[str, int, str, str, str, str]] = []
+    dropped: list[tuple[int, str, str, str]] = []
     by_ref = sites.by_reference()
     port_keys = {key: pos for pos, key in enumerate(zip(
         port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
@@ -59,7 +63,8 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue  # the site itself is reported unmatched
         port_arg = _port_argument(arg, pair.args) if role in ("input", "grad_input") else arg
         if port_arg is None:
-            continue  # the mapping drops it: the port takes no such argument
+            dropped.append((int(step), site, role, arg))
+            continue
         port_pos = port_keys.get((step, pair.port, role, port_arg))
         if port_pos is None and role == "input" and value == "null":
             continue  # a None the reference passed and the port does not take carries nothing
@@ -83,7 +88,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             unmatched.append(("port", int(step), site, role, arg,
                               "no reference record pairs with it"))
     pairs.sort(key=lambda p: p.ref)
-    return RecordPairing(pairs, unmatched)
+    return RecordPairing(pairs, unmatched, dropped)
 
 
 def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
