@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +28,7 @@ from layerdiff.compare.matching import port_site_for
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
 from layerdiff.mapping import Mapping
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
-from layerdiff.replay.torch_replay import NotReplayable, TorchPort
+from layerdiff.replay.torch_replay import NotReplayable, TorchPort, restored
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.weights import (
     NO_SOURCE,
@@ -143,7 +141,7 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
                              "--summary")
         reference = trace_weights(ref)
         model = port_case.model
-        with _restored(model):
+        with restored([*model.parameters(), *model.buffers()]):
             assignments = resolve_weights(model, reference, mapping)
             entries = _checked_entries(ref, model, mapping, assignments)
     return MapCheck(str(reference_trace), port_case.name or type(model).__name__,
@@ -151,17 +149,6 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
                     unused_reference(reference, assignments))
 
 
-@contextmanager
-def _restored(model: nn.Module) -> Iterator[None]:
-    """Every parameter and buffer put back as it was, whatever happens in between."""
-    saved = [(tensor, tensor.detach().clone())
-             for tensor in (*model.parameters(), *model.buffers())]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)
 
 
 def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,

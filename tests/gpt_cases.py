@@ -137,12 +137,14 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
+    block_class: type[nn.Module] = GPT2Block  # tests/hf_cases.py puts its own block here
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
         for embedding in (self.wte, self.wpe):
             nn.init.normal_(embedding.weight, std=0.02)
@@ -157,9 +159,11 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
+    model_class: type[nn.Module] = GPT2Model
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.transformer = GPT2Model(cfg)
+        self.transformer = self.model_class(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tie_weights()
 

@@ -113,16 +113,7 @@ class GPT2Block(gpt.GPT2Block):
 class GPT2Model(gpt.GPT2Model):
     """``gpt_cases.GPT2Model`` calling its blocks as transformers 4.5x does; returns a tuple."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
-        nn.Module.__init__(self)
-        # the order of gpt_cases.GPT2Model.__init__
-        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=1e-5)
-        for embedding in (self.wte, self.wpe):
-            nn.init.normal_(embedding.weight, std=0.02)
+    block_class = GPT2Block
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> tuple[torch.Tensor]:
@@ -140,11 +131,7 @@ class GPT2Model(gpt.GPT2Model):
 
 
 class GPT2LMHeadModel(gpt.GPT2LMHeadModel):
-    def __init__(self, cfg: GPTConfig) -> None:
-        nn.Module.__init__(self)
-        self.transformer = GPT2Model(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tie_weights()
+    model_class = GPT2Model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> tuple[torch.Tensor]:

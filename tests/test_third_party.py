@@ -438,3 +438,7 @@ def test_a_port_layer_returning_fewer_tensors_stands_in_with_none_for_the_rest()
     assert said["output 1"] == "the port layer does not return it: None"
     clean = swap(hf_cases.reference_hf_weights, gpt_cases.port, [ATTN0], mapping=MAP)
     assert clean.outcome == SwapOutcome.WITHIN, clean.describe()
+
+
+def test_the_hugging_face_style_reference_computes_what_gpt_cases_reference_does():
+    hf_cases._check_same_as_gpt_cases()  # parameters, logits, loss and gradients, bit for bit

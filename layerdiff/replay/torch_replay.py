@@ -14,7 +14,7 @@ why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -150,7 +150,7 @@ class TorchPort:
             fresh = [(a, leaves[a].clone() if a in leaves else (
                 v.clone() if torch.is_tensor(v) else v)) for a, v in values]
             args, kwargs = bind(fresh).call()
-            with _random_seed(seed, self.device), _buffers_kept(module):
+            with _random_seed(seed, self.device), restored(module.buffers()):
                 return module(*args, **kwargs)
 
         outputs = call(1)
@@ -224,12 +224,13 @@ def _random_seed(seed: int, device: torch.device) -> Iterator[None]:
 
 
 @contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Put buffers (batch-norm running statistics) back as they were after the call."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+def restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Put ``tensors`` back as they were, whatever happens in between (a call's batch-norm
+    running statistics; map-check's trial loads)."""
+    saved = [(tensor, tensor.detach().clone()) for tensor in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+            for tensor, value in saved:
+                tensor.copy_(value)
