@@ -24,6 +24,7 @@ from layerdiff.errors import (
     DiffError,
     LayerdiffError,
     MappingError,
+    OutputError,
     ToleranceError,
     TraceError,
 )
@@ -71,7 +72,8 @@ _CALLABLE_PACKAGES = ("capture", "replay")
 
 __all__ = [  # every name in _LAZY and _CALLABLE_PACKAGES, the errors and __version__
     "BisectResult", "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase",
-    "LayerdiffError", "MapCheck", "Mapping", "MappingError", "Origin", "Pass", "ReplayResult",
+    "LayerdiffError", "MapCheck", "Mapping", "MappingError", "Origin", "OutputError", "Pass",
+    "ReplayResult",
     "Role", "RunResult", "Session", "Status", "SwapResult", "Swapper", "Tolerance",
     "ToleranceError", "Tolerances", "Trace", "TraceError", "TraceWriter", "Verdict",
     "WeightsReport", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",

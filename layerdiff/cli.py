@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from layerdiff.errors import LayerdiffError
+from layerdiff.outputs import refuse_existing, refuse_inputs, write_text
 
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
 
@@ -40,6 +41,13 @@ def _tolerances(path: str | None, rtol: float | None, atol: float | None):
 
     return Tolerances.build(path, rtol=rtol, atol=atol)
 
+
+_no_verify_option = click.option(
+    "--no-verify", is_flag=True,
+    help="Do not check tensor data against the index's digests and statistics (saves reading "
+         "records whose digests agree; a damaged trace may then pass).")
+_force_option = click.option("--force", is_flag=True,
+                             help="Replace the output file if it exists.")
 
 _json_option = click.option(
     "--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
@@ -94,15 +102,20 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "(a baseline: the reference in the port's precision).")
 @click.option("--autocast", type=click.Choice(["bfloat16", "float16"]),
               help="Run the forward and the loss under torch.autocast in this dtype.")
+@_force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
-                    mapping: str | None, dtype: str | None, autocast: str | None) -> None:
+                    mapping: str | None, dtype: str | None, autocast: str | None,
+                    force: bool) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT."""
     from layerdiff.capture import capture
     from layerdiff.capture.precision import cast_case
     from layerdiff.case import ExternalCase, load_case
 
+    refuse_inputs({"-o": output}, {"--weights-from trace": weights_from,
+                                   "mapping file": mapping})
+    refuse_existing(output, "-o", force)
     case = load_case(case_spec)
     if mapping and not weights_from:
         raise click.UsageError("--map is used with --weights-from when capturing")
@@ -165,19 +178,23 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @click.option("-v", "--verbose", is_flag=True, help="Every row, and what has no partner.")
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
+@_no_verify_option
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
-                 verbose: bool, strict: bool) -> None:
+                 verbose: bool, strict: bool, no_verify: bool) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
     from layerdiff.progress import ByteProgress
     from layerdiff.report.terminal import format_diff
 
+    refuse_inputs({"--json": json_path, "--csv": csv_path, "--html": html_path},
+                  {"reference trace": reference, "port trace": port, "mapping file": mapping,
+                   "tolerance file": tolerances, "baseline trace": baseline})
     with ByteProgress("diff") as bar:
         result = diff(reference, port, mapping=mapping,
                       tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline,
-                      progress=bar.progress)
+                      progress=bar.progress, verify=not no_verify)
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
         click.echo(format_diff(result, verbose=verbose))
@@ -195,10 +212,7 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 
     if json_path:
         text = json.dumps(result.as_json(), indent=1)
-        if json_path == "-":
-            click.echo(text)
-        else:
-            Path(json_path).write_text(text + "\n", encoding="utf-8")
+        _echo_or_write(text, json_path)
     if csv_path:
         save_rows_csv(result, csv_path)
     if html_path:
@@ -233,6 +247,9 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
 
     # the HTML report reads the replayed tensors: keep the replay trace beside it
     kept = Path(html_path).with_suffix(".replay.h5") if html_path else None
+    refuse_inputs({"--json": json_path, "--html": html_path, "the kept replay trace": kept},
+                  {"reference trace": reference, "mapping file": mapping,
+                   "tolerance file": tolerances})
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
                     tolerances=_tolerances(tolerances, rtol, atol), output=kept)
     _write_reports(result, json_path, None, None)
@@ -285,6 +302,8 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
     from layerdiff.replay import swap
     from layerdiff.report.terminal import format_swap
 
+    refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
+                                          "baseline trace": baseline})
     result = swap(_case_factory(reference_spec), _case_factory(port_spec), sites,
                   mapping=mapping, steps=steps, into=into,
                   tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
@@ -317,6 +336,8 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
     from layerdiff.replay import Swapper, bisect
     from layerdiff.report.terminal import format_bisect
 
+    refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
+                                          "baseline trace": baseline})
     quiet = json_path == "-"
     swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping,
                       tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
@@ -340,7 +361,7 @@ def _echo_or_write(text: str, path: str) -> None:
     if path == "-":
         click.echo(text)
     else:
-        Path(path).write_text(text + "\n", encoding="utf-8")
+        write_text(path, text + "\n")
 
 
 @main.command("session")
@@ -370,6 +391,7 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
     from layerdiff.case import load_case
     from layerdiff.mapcheck import map_check
 
+    refuse_inputs({"--json": json_path}, {"reference trace": reference, "mapping file": mapping})
     result = map_check(reference, load_case(port_spec), mapping)
     if json_path:
         _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
@@ -392,11 +414,16 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
                    "noise floor times --margin as a tolerance file beside the golden.")
 @click.option("--margin", type=float, default=10.0, show_default=True,
               help="Calibrated tolerance = margin x the noise seen at each site.")
+@_force_option
 def golden_command(case_spec: str, output: str, summary: bool, steps: int | None,
-                   loss_scale: float, runs: int | None, margin: float) -> None:
+                   loss_scale: float, runs: int | None, margin: float, force: bool) -> None:
     """Record the golden trace of CASE, to check against later with `layerdiff check`."""
     from layerdiff.ci import calibrate, golden
 
+    refuse_existing(output, "-o", force)
+    if runs is not None:
+        refuse_existing(Path(output).with_suffix(".tolerances.toml"), "the tolerance file",
+                        force)
     start = time.perf_counter()
     path = golden(case_spec, output, summary=summary, steps=steps, loss_scale=loss_scale)
     _print_capture_result(path, time.perf_counter() - start)
@@ -425,9 +452,11 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
 @_json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the HTML report.")
+@_no_verify_option
 def check_command(case_spec: str, golden_path: str, mapping: str | None,
                   tolerances: str | None, rtol: float | None, atol: float | None,
-                  junit_path: str | None, json_path: str | None, html_path: str | None) -> None:
+                  junit_path: str | None, json_path: str | None, html_path: str | None,
+                  no_verify: bool) -> None:
     """Capture CASE and diff it against GOLDEN: identical, drift within tolerance, or fail.
 
     Exit 0 identical or within tolerance, 1 out of tolerance, 2 bad input.
@@ -435,8 +464,11 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
     from layerdiff.ci import check, write_junit
     from layerdiff.report.terminal import format_diff
 
+    refuse_inputs({"--junit": junit_path, "--json": json_path, "--html": html_path},
+                  {"golden trace": golden_path, "mapping file": mapping,
+                   "tolerance file": tolerances})
     result = check(case_spec, golden_path, mapping=mapping,
-                   tolerances=_tolerances(tolerances, rtol, atol))
+                   tolerances=_tolerances(tolerances, rtol, atol), verify=not no_verify)
     if junit_path:
         write_junit(result.diff, junit_path, suite=f"layerdiff check {case_spec}")
     _write_reports(result.diff, json_path, None, html_path)

@@ -34,3 +34,7 @@ class ToleranceError(LayerdiffError):
 
 class DiffError(LayerdiffError):
     """Two traces that cannot be compared: nothing in common, or no data where data is needed."""
+
+
+class OutputError(LayerdiffError):
+    """An output that would destroy an input, replace a file unasked, or cannot be written."""

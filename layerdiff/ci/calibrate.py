@@ -20,6 +20,7 @@ import pandas as pd
 from layerdiff.compare import diff
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.tolerances import default_tolerance
+from layerdiff.outputs import write_text
 
 
 @dataclass
@@ -114,4 +115,4 @@ def _write(result: Calibration, path: Path, case_spec: str) -> None:
                   f"rtol = {rtol:.3g}", f"atol = {atol:.3g}",
                   f'why = "noise {row.abs_noise:.2g} abs, {row.rel_noise:.2g} rel, x '
                   f'{result.margin:g}"', ""]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text(path, "\n".join(lines) + "\n")

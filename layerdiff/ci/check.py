@@ -78,8 +78,10 @@ def golden(case: CaseLike, path: str | os.PathLike, *, summary: bool = False,
 
 
 def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None,
-          tolerances: Any = None, directory: str | os.PathLike | None = None) -> CheckResult:
-    """Capture ``case`` as its golden was captured and diff the two.
+          tolerances: Any = None, directory: str | os.PathLike | None = None,
+          verify: bool = True) -> CheckResult:
+    """Capture ``case`` as its golden was captured and diff the two (``verify``: check what is
+    read against its digests; see :func:`layerdiff.diff`).
 
     Refuses, with a sentence saying what to do, a golden of an older format version or of
     another case.
@@ -91,7 +93,8 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
     settings = _golden_settings(golden_path, loaded.name)
     with tempfile.TemporaryDirectory(prefix="layerdiff-check-", dir=directory) as tmp:
         fresh = capture(loaded, Path(tmp) / "check.h5", **settings)
-        result = diff(golden_path, fresh, mapping=mapping, tolerances=tolerances)
+        result = diff(golden_path, fresh, mapping=mapping, tolerances=tolerances,
+                      verify=verify)
     structural = _structural_changes(result)
     if structural:
         result.meta["structure"] = structural

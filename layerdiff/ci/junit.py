@@ -12,6 +12,7 @@ from pathlib import Path
 
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.result import Diff
+from layerdiff.outputs import replacing
 
 
 def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdiff") -> Path:
@@ -55,5 +56,6 @@ def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdif
     test_suite.set("failures", str(len(test_suite.findall("testcase/failure"))))
     tree = ET.ElementTree(root)
     ET.indent(tree)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    with replacing(path) as temporary:
+        tree.write(temporary, encoding="utf-8", xml_declaration=True)
     return Path(path)

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,12 @@ from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import find_origins
-from layerdiff.compare.reading import TensorRef, stream_pairs
+from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
+from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
 
 GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
@@ -41,7 +43,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
          mapping: str | os.PathLike | Mapping | None = None,
          tolerances: str | os.PathLike | Tolerances | None = None,
          baseline: str | os.PathLike | Trace | None = None, baseline_factor: float = FACTOR,
-         progress: Progress | None = None, independent: bool = False) -> R.Diff:
+         progress: Progress | None = None, independent: bool = False,
+         verify: bool = True) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
@@ -52,12 +55,15 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     plus a few roundings); a tolerance file's rules still win. ``independent`` says
     that every site of ``port`` ran on the reference's own inputs (a replay), so each site is
     judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
+    ``verify`` checks every tensor the verdict rests on against its index digest and
+    statistics, reading even records whose digests agree (traces given open keep their own
+    setting); a damaged file raises :class:`TraceError`.
     """
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:
         ref_trace, port_trace, base_trace = (
             None if given is None else given if isinstance(given, Trace)
-            else stack.enter_context(open_trace(given))
+            else stack.enter_context(open_trace(given, verify=verify))
             for given in (reference, port, baseline))
         mapping, said = _mapping(mapping, port_trace)
         if base_trace is not None and (
@@ -228,22 +234,31 @@ class _Comparer:
         port_index = self.port.index.to_dict("records")
         rows: list[dict[str, Any]] = []
         streamed: list[tuple[int, TensorRef, TensorRef, PairMetrics, tuple[int, ...]]] = []
+        # records decided from the index (identical digests, statistics) whose data the
+        # verdict still vouches for: read only to check them against their digests
+        unread: tuple[dict[int, TensorRef], dict[int, TensorRef]] = ({}, {})
         for pair in pairs:
             r, p = ref_index[pair.ref], port_index[pair.port]
             row = self._base_row(pair, r, p)
             rows.append(row)
-            if row["verdict"]:
-                continue  # decided from the index alone
+            if row["verdict"]:  # decided from the index alone
+                if row["verdict"] == Verdict.IDENTICAL or min(r["segment"], p["segment"]) < 0:
+                    for side, trace, number, record in ((0, self.ref, pair.ref, r),
+                                                        (1, self.port, pair.port, p)):
+                        if trace.verify and record["kind"] == "tensor" and record["segment"] >= 0:
+                            unread[side][number] = self._tensor(record, None, False, True)
+                continue
             shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
             tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
             metrics = _new_metrics(tolerance, r, p, shape, row["role"])
             metrics.scratch = self.scratch
             if row["role"] in GRAD_ROLES and self.grad_factor != 1.0:
                 metrics.ulp_scale = None  # rescaled values: ULPs of neither side
-            streamed.append((len(rows) - 1, self._tensor(r, pair.ref_slice, False),
-                             self._tensor(p, pair.port_slice, pair.transpose_port), metrics,
-                             shape))
-        self._stream(rows, streamed, progress)
+            streamed.append((len(rows) - 1,
+                             self._tensor(r, pair.ref_slice, False, self.ref.verify),
+                             self._tensor(p, pair.port_slice, pair.transpose_port,
+                                          self.port.verify), metrics, shape))
+        self._stream(rows, streamed, [list(side.values()) for side in unread], progress)
         frame = pd.DataFrame(rows, columns=R.ROW_COLUMNS)
         return frame.sort_values(["step", "seq"], kind="stable", ignore_index=True)
 
@@ -330,26 +345,46 @@ class _Comparer:
         row["verdict"] = judge.verdict(ratio, ref_nan=row["ref_nan"], port_nan=row["port_nan"],
                                        port_inf=row["port_inf"])
 
-    def _tensor(self, row: pd.Series, part, transpose: bool) -> TensorRef:
+    def _tensor(self, row: dict, part, transpose: bool, check: bool) -> TensorRef:
         return TensorRef(int(row["segment"]), int(row["offset"]), int(row["nbytes"]),
-                         row["dtype"], schema.parse_shape(row["shape"]), part, transpose)
+                         row["dtype"], schema.parse_shape(row["shape"]), part, transpose,
+                         row if check else None)
 
-    def _stream(self, rows: list[dict[str, Any]], streamed: list, progress: Progress | None
-                ) -> None:
-        if not streamed:
-            return
+    def _stream(self, rows: list[dict[str, Any]], streamed: list,
+                unread: list[list[TensorRef]], progress: Progress | None) -> None:
+        """Metrics of the streamed pairs; meanwhile, on a second thread, the check of the
+        records nothing else reads."""
+        paths = (str(self.ref.path), str(self.port.path))
         total = sum(ref.byte_range()[1] if ref.streamable else ref.nbytes
                     for _, ref, _, _, _ in streamed)
-        done = 0
+        checked = sum(tensor.nbytes for side in unread for tensor in side)
+        done = [0, 0]  # streamed, checked
+
+        def report() -> None:
+            if progress is not None:
+                progress(min(sum(done), total + checked), total + checked)
+
+        def count_checked(nbytes: int) -> None:
+            done[1] += nbytes
+            report()
+
+        with _Background(verify_tensors, ((h5, path, tensors, count_checked) for h5, path,
+                                          tensors in zip((self.ref.h5, self.port.h5), paths,
+                                                         unread, strict=True) if tensors)):
+            self._metrics(rows, streamed, paths, done, report)
+
+    def _metrics(self, rows: list[dict[str, Any]], streamed: list, paths: tuple[str, str],
+                 done: list[int], report: Callable[[], None]) -> None:
+        if not streamed:
+            return
         tensor_pairs = [(ref, port) for _, ref, port, _, _ in streamed]
-        paths = (str(self.ref.path), str(self.port.path))
         for chunk in stream_pairs(self.ref.h5, self.port.h5, tensor_pairs, paths):
             position, _, _, metrics, shape = streamed[chunk.pair]
             port_values = chunk.port
             if rows[position]["role"] in GRAD_ROLES and self.grad_factor != 1.0:
                 port_values = port_values.astype(np.float64) * self.grad_factor
             metrics.update(chunk.ref, port_values, chunk.start)
-            done += chunk.ref.nbytes
+            done[0] += chunk.ref.nbytes
             if chunk.last:
                 row = rows[position]
                 row.update(metrics.result(shape))
@@ -359,8 +394,35 @@ class _Comparer:
                 row["verdict"] = judge.verdict(
                     row["ratio"], ref_nan=row["ref_nan"], port_nan=row["port_nan"],
                     port_inf=row["port_inf"], finite_ratio=row["finite_ratio"])
-            if progress is not None:
-                progress(min(done, total), total)
+            report()
+
+
+class _Background:
+    """Runs ``function(*arguments)`` for each set of arguments on one daemon thread while the
+    block runs; on leaving, waits for it and raises what it raised."""
+
+    def __init__(self, function: Callable[..., None], calls) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                for arguments in calls:
+                    function(*arguments)
+            except BaseException as exc:  # surfaced in the caller's thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="layerdiff-verify", daemon=True)
+
+    def __enter__(self) -> _Background:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind, *rest) -> None:
+        if kind is not None:
+            return  # the caller's error wins; the thread is a daemon and ends with its reads
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _over(value: float, limit: float) -> float:
@@ -411,5 +473,6 @@ def save_rows_csv(diff_result: R.Diff, path: str | os.PathLike) -> Path:
     frame = diff_result.rows.copy()
     frame["batch_ratio"] = [json.dumps(None if v is None else [float(x) for x in v])
                             for v in frame["batch_ratio"]]
-    frame.to_csv(path, index=False)
+    with replacing(path) as temporary:
+        frame.to_csv(temporary, index=False)
     return Path(path)

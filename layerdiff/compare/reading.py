@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import h5py
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from layerdiff.mapping import Slice
 from layerdiff.trace import schema
 from layerdiff.trace.segments import SegmentReader, decode
+from layerdiff.trace.verify import RecordCheck, check_bytes
 
 CHUNK_BYTES = 1 << 20
 POOL = 6  # chunk buffer pairs in flight
@@ -40,12 +42,14 @@ class TensorRef:
     shape: tuple[int, ...]
     part: Slice | None = None
     transpose: bool = False
+    check: Mapping[str, Any] | None = None  # the index row its bytes are checked against
 
     @property
     def streamable(self) -> bool:
-        """Readable as flat chunks: no transpose, and any slice along axis 0."""
-        return not self.transpose and (self.part is None or self.part.axis in (0, -len(
-            self.shape)))
+        """Readable as flat chunks: no transpose, and any slice along axis 0 (unless the bytes
+        are checked: a digest covers the whole tensor, so it is read whole)."""
+        return not self.transpose and (self.part is None or (
+            self.check is None and self.part.axis in (0, -len(self.shape))))
 
     def byte_range(self) -> tuple[int, int]:
         """(offset, nbytes) of the elements compared, for a streamable tensor."""
@@ -121,6 +125,8 @@ def _produce_streamed(number: int, ref: TensorRef, port: TensorRef, readers, fre
     port_size = schema.numpy_dtype(port.dtype).itemsize
     total = ref_bytes // ref_size
     step = max(1, CHUNK_BYTES // max(ref_size, port_size))
+    checks = [_checker(tensor, reader) for tensor, reader in zip((ref, port), readers,
+                                                                strict=True)]
     start = 0
     while True:
         count = min(step, total - start)
@@ -131,6 +137,11 @@ def _produce_streamed(number: int, ref: TensorRef, port: TensorRef, readers, fre
         readers[0].read(ref.segment, ref_offset + start * ref_size, count * ref_size, ref_buf)
         readers[1].read(port.segment, port_offset + start * port_size, count * port_size,
                         port_buf)
+        for check, buf, size in zip(checks, buffers, (ref_size, port_size), strict=True):
+            if check is not None:
+                check.update(buf[:count * size])
+                if start + count >= total:
+                    check.finish()
         chunk = Chunk(number, start, decode(ref_buf, ref.dtype, count),
                       decode(port_buf, port.dtype, count), start + count >= total)
         ready.put((chunk, buffers))
@@ -152,9 +163,32 @@ def _produce_whole(number: int, ref: TensorRef, port: TensorRef, readers,
                          stop >= ref_values.size), None))
 
 
+def _checker(tensor: TensorRef, reader: SegmentReader) -> RecordCheck | None:
+    return None if tensor.check is None else RecordCheck(tensor.check, reader.path)
+
+
+def verify_tensors(h5: h5py.File, path: str, tensors: list[TensorRef],
+                   done: Callable[[int], None] | None = None) -> None:
+    """Read each tensor whole, in blocks, only to check its bytes against its index row (for
+    records the diff decides from the index: identical digests, summary statistics)."""
+    reader = SegmentReader(h5, path)
+    block = np.empty(4 * CHUNK_BYTES, np.uint8)  # a multiple of every element size
+    for tensor in tensors:
+        check = _checker(tensor, reader)
+        for start in range(0, tensor.nbytes, block.size):
+            count = min(block.size, tensor.nbytes - start)
+            reader.read(tensor.segment, tensor.offset + start, count, block)
+            check.update(block[:count])
+            if done is not None:
+                done(count)
+        check.finish()
+
+
 def _whole(tensor: TensorRef, reader: SegmentReader) -> np.ndarray:
     raw = np.empty(tensor.nbytes, np.uint8)
     reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
+    if tensor.check is not None:
+        check_bytes(raw, tensor.check, reader.path)
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
     values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
     if tensor.part is not None:  # the slice first, on the stored layout; then the transpose

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from functools import cached_property
 from pathlib import Path
@@ -15,13 +16,21 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import partial_path
+from layerdiff.trace.verify import check_bytes, describe
 
 
 class Trace:
-    """A trace opened for reading. Tables are pandas DataFrames read once, on first use."""
+    """A trace opened for reading. Tables are pandas DataFrames read once, on first use.
 
-    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False) -> None:
+    With ``verify`` (the default) every tensor read is checked against its index row (digest
+    and statistics, :mod:`layerdiff.trace.verify`) and every segment the index names must
+    exist; a damaged or edited file raises :class:`TraceError` instead of giving numbers.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False,
+                 verify: bool = True) -> None:
         self.path = Path(path)
+        self.verify = verify
         self._h5 = _open_h5(self.path)
         try:
             self._check(allow_incomplete)
@@ -41,7 +50,9 @@ class Trace:
                              f"v{schema.FORMAT_VERSION} this layerdiff reads; upgrade layerdiff")
         if self.version < 1:
             raise TraceError(f"{self.path} has an invalid trace format version {self.version}")
-        self.complete = bool(attrs.get(schema.ATTR_COMPLETE, False))
+        # exactly True: a string "false" or a NaN is truthy, and a damaged flag is no promise
+        complete = attrs.get(schema.ATTR_COMPLETE, False)
+        self.complete = isinstance(complete, (bool, np.bool_)) and bool(complete)
         if not self.complete and not allow_incomplete:
             raise TraceError(f"{self.path} is incomplete: the capture that wrote it did not "
                              "finish (crash, kill, full disk or an error in the model); capture "
@@ -51,6 +62,13 @@ class Trace:
             self.meta: dict[str, Any] = json.loads(attrs.get(schema.ATTR_META, "{}"))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{self.path}: the meta attribute is not valid JSON ({exc})") from exc
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"{self.path}: the meta attribute is not a JSON object; the file is "
+                             "damaged, capture it again")
+        scale = self.meta.get("loss_scale", 1.0)
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise TraceError(f"{self.path}: its loss scale {scale!r} is not a finite positive "
+                             "number; the file is damaged, capture it again")
         for group in (schema.INDEX_GROUP, schema.SITES_GROUP):
             if group not in self._h5:
                 raise TraceError(f"{self.path} has no /{group} table: it is damaged or was not "
@@ -68,8 +86,29 @@ class Trace:
     @cached_property
     def index(self) -> pd.DataFrame:
         """One row per stored tensor or value, in recording order (see docs/trace-format.md)."""
-        return _read_table(self._h5[schema.INDEX_GROUP], schema.INDEX_COLUMNS, self.path,
-                           "seq")
+        index = _read_table(self._h5[schema.INDEX_GROUP], schema.INDEX_COLUMNS, self.path,
+                            "seq")
+        if self.verify:
+            self._check_segments(index)
+        return index
+
+    def _check_segments(self, index: pd.DataFrame) -> None:
+        """Every segment the index points into exists and is long enough."""
+        stored = index[(index["kind"] == "tensor") & (index["segment"] >= 0)]
+        if stored.empty:
+            return
+        ends = (stored["offset"] + stored["nbytes"]).groupby(stored["segment"]).max()
+        for segment, end in ends.items():
+            dataset = self._h5.get(schema.segment_name(int(segment)))
+            if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
+                row = stored[stored["segment"] == segment].iloc[0]
+                raise TraceError(f"{self.path}: the index puts {describe(row)} in tensor "
+                                 f"segment {int(segment)}, which the file lacks; the file is "
+                                 "damaged, capture it again")
+            if dataset.shape[0] < end:
+                raise TraceError(f"{self.path}: tensor segment {int(segment)} holds "
+                                 f"{dataset.shape[0]} bytes but the index puts data up to byte "
+                                 f"{int(end)}; the file is damaged, capture it again")
 
     @cached_property
     def sites(self) -> pd.DataFrame:
@@ -119,6 +158,8 @@ class Trace:
         except (KeyError, OSError) as exc:
             raise TraceError(f"{self.path}: tensor data of {row['site']} {row['role']} "
                              f"{row['arg']} cannot be read ({exc}); the file is damaged") from exc
+        if self.verify:
+            check_bytes(data, row, str(self.path))
         array = data.view(schema.numpy_dtype(row["dtype"]))
         array = array.reshape(schema.parse_shape(row["shape"]))
         if row["dtype"] == "bfloat16" and not raw:
@@ -135,9 +176,10 @@ class Trace:
         self.close()
 
 
-def open_trace(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Trace:
+def open_trace(path: str | os.PathLike, *, allow_incomplete: bool = False,
+               verify: bool = True) -> Trace:
     """Open a trace for reading; see :class:`Trace`."""
-    return Trace(path, allow_incomplete=allow_incomplete)
+    return Trace(path, allow_incomplete=allow_incomplete, verify=verify)
 
 
 def _open_h5(path: Path) -> h5py.File:

@@ -1,0 +1,267 @@
+"""What is read is verified, and no output destroys an input (issue 17, parts 1 and 3).
+
+A damaged trace must never pass: a flipped byte in tensor data, an edited statistic, a missing
+segment and a complete flag that is not exactly True are each refused with one sentence naming
+the file and the record. And no command may write over a file it reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import h5py
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from layerdiff import TraceError, capture, diff, load_case, open_trace
+from layerdiff.errors import OutputError
+from layerdiff.outputs import replacing, write_text
+from layerdiff.trace import schema
+from layerdiff.trace.stats import compute_stats
+from layerdiff.trace.verify import RecordCheck
+from layerdiff.weights import load_weights
+
+MLP = "reference_models.mlp:reference"
+MLP_PORT = "reference_models.mlp_port:port"
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """A reference trace, a copy of it (every digest agrees) and a port trace (none agrees)."""
+    folder = tmp_path_factory.mktemp("integrity")
+    ref = capture(load_case(MLP), folder / "ref.h5")
+    port_case = load_case(MLP_PORT)
+    load_weights(port_case.model, ref)
+    port = capture(port_case, folder / "port.h5")
+    return folder, ref, port
+
+
+def _copy(source, folder, name):
+    target = folder / name
+    shutil.copyfile(source, target)
+    return target
+
+
+def _stored(path):
+    """Index rows of tensors with data, as plain dicts."""
+    with open_trace(path) as trace:
+        index = trace.index
+        return index[(index["kind"] == "tensor") & (index["segment"] >= 0)].to_dict("records")
+
+
+def _flip(path, row, at: int) -> None:
+    with h5py.File(path, "r+") as h5:
+        data = h5[schema.segment_name(int(row["segment"]))]
+        position = int(row["offset"]) + at
+        data[position] = data[position] ^ 0x40
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("against", ["copy", "port"])
+def test_a_flipped_data_byte_is_refused_naming_file_and_record(traces, tmp_path, against):
+    folder, ref, port = traces
+    # the copy: every digest agrees, so nothing would be read without verification
+    other = _copy(ref if against == "copy" else port, tmp_path, "bad.h5")
+    row = next(r for r in _stored(other) if r["role"] == "output" and r["nbytes"] > 64)
+    _flip(other, row, 8)
+    with pytest.raises(TraceError) as caught:
+        diff(ref, other)
+    message = str(caught.value)
+    assert str(other) in message and row["site"] in message and "digest" in message
+
+
+def test_every_sampled_byte_flip_in_tensor_data_is_caught(traces, tmp_path):
+    """120 single-byte flips at random places inside tensors: none may pass."""
+    folder, ref, _ = traces
+    rows = _stored(ref)
+    rng = np.random.default_rng(17)
+    bad = _copy(ref, tmp_path, "bad.h5")
+    pristine = bad.read_bytes()
+    for _ in range(120):
+        row = rows[rng.integers(len(rows))]
+        bad.write_bytes(pristine)
+        _flip(bad, row, int(rng.integers(row["nbytes"])))
+        with pytest.raises(TraceError, match="digest"):
+            diff(ref, bad)
+
+
+def test_no_verify_skips_the_check_and_says_what_it_risks(traces, tmp_path, run):
+    folder, ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    _flip(bad, _stored(bad)[3], 0)
+    refused = run("diff", ref, bad)
+    assert refused.exit_code == 2
+    assert refused.output.count("\n") == 1 and "digest" in refused.output
+    assert run("diff", ref, bad, "--no-verify").exit_code == 0
+    assert "--no-verify" in run("diff", "--help").output
+
+
+def test_an_edited_statistic_is_refused_naming_the_statistic(traces, tmp_path):
+    folder, ref, port = traces
+    bad = _copy(port, tmp_path, "bad.h5")
+    rows = _stored(bad)
+    target = next(i for i, r in enumerate(rows) if r["role"] == "output")
+    with h5py.File(bad, "r+") as h5:
+        column = h5[f"{schema.INDEX_GROUP}/max"]
+        values = column[:]
+        seq = rows[target]["seq"]
+        position = int(np.flatnonzero(h5[f"{schema.INDEX_GROUP}/seq"][:] == seq)[0])
+        values[position] *= 1.5
+        column[:] = values
+    with pytest.raises(TraceError, match=r"index statistics .*\(max: index says"):
+        diff(ref, bad)
+
+
+def test_trace_read_checks_the_bytes_it_returns(traces, tmp_path):
+    folder, ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    row = _stored(bad)[0]
+    _flip(bad, row, 0)
+    with open_trace(bad) as trace, pytest.raises(TraceError, match="digest"):
+        trace.read(trace.index.iloc[0] if trace.index.iloc[0]["seq"] == row["seq"] else
+                   trace.index[trace.index["seq"] == row["seq"]].iloc[0])
+    with open_trace(bad, verify=False) as trace:  # asked for: the damaged bytes come back
+        assert trace.read(trace.index[trace.index["seq"] == row["seq"]].iloc[0]).size
+
+
+def test_a_segment_the_index_names_but_the_file_lacks_is_refused(traces, tmp_path):
+    folder, ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    with h5py.File(bad, "r+") as h5:
+        del h5[schema.segment_name(0)]
+    with pytest.raises(TraceError, match="segment 0, which the file lacks"):
+        diff(ref, bad)
+
+
+@pytest.mark.parametrize("flag", ["false", "no", np.nan, 1, "True"])
+def test_a_complete_flag_that_is_not_exactly_true_means_incomplete(traces, tmp_path, flag):
+    folder, ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    with h5py.File(bad, "r+") as h5:
+        h5.attrs[schema.ATTR_COMPLETE] = flag
+    with pytest.raises(TraceError, match="incomplete"):
+        open_trace(bad)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), "big"])
+def test_an_impossible_loss_scale_is_refused(traces, tmp_path, scale):
+    folder, ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    with open_trace(ref) as trace:
+        meta = dict(trace.meta, loss_scale=scale)
+    with h5py.File(bad, "r+") as h5:
+        h5.attrs[schema.ATTR_META] = __import__("json").dumps(meta)
+    with pytest.raises(TraceError, match="loss scale"):
+        open_trace(bad)
+
+
+def test_a_summary_diff_still_checks_the_full_side(traces, tmp_path):
+    folder, ref, _ = traces
+    summary = capture(load_case(MLP), tmp_path / "summary.h5", summary=True)
+    assert diff(ref, summary).passed
+    bad = _copy(ref, tmp_path, "bad.h5")
+    _flip(bad, _stored(bad)[5], 1)
+    with pytest.raises(TraceError, match="digest"):
+        diff(bad, summary)
+
+
+# --- outputs never destroy inputs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option,target", [("--json", "ref"), ("--csv", "ref"),
+                                           ("--html", "port")])
+def test_a_report_onto_an_input_trace_is_refused_and_the_input_kept(traces, tmp_path, run,
+                                                                    option, target):
+    folder, ref, port = traces
+    before = {name: _sha(path) for name, path in (("ref", ref), ("port", port))}
+    result = run("diff", ref, port, option, {"ref": ref, "port": port}[target])
+    assert result.exit_code == 2
+    assert "would destroy" in result.output and result.output.count("\n") == 1
+    assert {name: _sha(path) for name, path in (("ref", ref), ("port", port))} == before
+
+
+def test_a_report_through_another_name_of_the_input_is_refused(traces, tmp_path, run):
+    folder, ref, port = traces
+    alias = tmp_path / "alias.h5"
+    alias.symlink_to(ref)
+    before = _sha(ref)
+    assert run("diff", ref, port, "--json", alias).exit_code == 2
+    assert _sha(ref) == before
+
+
+def test_check_refuses_junit_onto_its_golden(traces, run):
+    folder, ref, _ = traces
+    before = _sha(ref)
+    result = run("check", MLP, ref, "--junit", ref)
+    assert result.exit_code == 2 and "golden trace" in result.output
+    assert _sha(ref) == before
+
+
+def test_capture_refuses_to_write_over_the_trace_it_loads_weights_from(traces, run):
+    folder, ref, _ = traces
+    before = _sha(ref)
+    result = run("capture", MLP_PORT, "-o", ref, "--weights-from", ref, "--force")
+    assert result.exit_code == 2 and "--weights-from trace" in result.output
+    assert _sha(ref) == before
+
+
+def test_capture_onto_an_existing_file_needs_force(tmp_path, run):
+    target = tmp_path / "t.h5"
+    target.write_text("precious")
+    refused = run("capture", MLP, "-o", target)
+    assert refused.exit_code == 2 and "--force" in refused.output
+    assert target.read_text() == "precious"
+    assert run("capture", MLP, "-o", target, "--force").exit_code == 0
+    assert open_trace(target).complete
+
+
+def test_a_report_goes_into_a_folder_it_creates(traces, tmp_path, run):
+    folder, ref, port = traces
+    target = tmp_path / "new" / "deeper" / "diff.json"
+    assert run("diff", ref, port, "--json", target).exit_code in (0, 1)
+    assert target.read_text().startswith("{")
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "report.json"
+    write_text(target, "old\n")
+    with pytest.raises(RuntimeError), replacing(target) as temporary:
+        temporary.write_text("half")
+        raise RuntimeError("renderer failed")
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_an_unwritable_folder_is_one_sentence(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OutputError, match="cannot create the folder"):
+        write_text(blocker / "sub" / "x.json", "{}")
+
+
+# --- the check never refuses good data ---------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=hnp.arrays(st.sampled_from([np.float32, np.float64, np.float16]),
+                         st.integers(0, 300),
+                         elements=st.floats(width=16, allow_nan=True, allow_infinity=True)),
+       offset=st.floats(-1e4, 1e4, width=16), pieces=st.integers(1, 7))
+def test_the_check_accepts_what_the_writer_computed_fed_in_any_pieces(values, offset, pieces):
+    """Whatever the values (NaN, Inf, all equal, far from zero) and however the bytes are cut
+    into chunks, the statistics the writer computed pass the reader's check."""
+    values = (values + values.dtype.type(offset)).astype(values.dtype)
+    stats = compute_stats(values, values.dtype.name)
+    row = dict(stats._asdict(), site="s#0", role="output", arg="0", step=0,
+               dtype=values.dtype.name)
+    check = RecordCheck(row, "t.h5")
+    for part in np.array_split(values, pieces):
+        check.update(part.view(np.uint8))
+    check.finish()  # raises when it disagrees
