@@ -11,47 +11,21 @@ from pathlib import Path
 
 import click
 
+from layerdiff.cli_options import (
+    case_factory,
+    echo_or_write,
+    force_option,
+    json_option,
+    map_option,
+    no_verify_option,
+    tolerance_flags,
+    tolerances_from,
+    tolerances_option,
+)
 from layerdiff.errors import LayerdiffError
-from layerdiff.outputs import refuse_existing, refuse_inputs, write_text
+from layerdiff.outputs import refuse_existing, refuse_inputs
 
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
-
-
-# Options several commands share, written once.
-_map_option = click.option(
-    "--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
-    help="Mapping file (TOML or YAML) for names that differ between the two models.")
-_tolerances_option = click.option(
-    "--tolerances", type=click.Path(dir_okay=False), metavar="FILE",
-    help="Tolerance overrides (TOML or YAML) by site, role and dtype globs.")
-
-
-def _tolerance_flags(command):
-    """--rtol and --atol: the default tolerance of every record (a tolerance file's rules still
-    override them)."""
-    command = click.option("--atol", type=click.FloatRange(min=0), default=None,
-                           help="Absolute tolerance for every record (default: per dtype).")(
-        command)
-    return click.option("--rtol", type=click.FloatRange(min=0), default=None,
-                        help="Relative tolerance for every record (default: per dtype).")(command)
-
-
-def _tolerances(path: str | None, rtol: float | None, atol: float | None):
-    from layerdiff.compare.tolerances import Tolerances
-
-    return Tolerances.build(path, rtol=rtol, atol=atol)
-
-
-_no_verify_option = click.option(
-    "--no-verify", is_flag=True,
-    help="Do not check tensor data against the index's digests and statistics (saves reading "
-         "records whose digests agree; a damaged trace may then pass).")
-_force_option = click.option("--force", is_flag=True,
-                             help="Replace the output file if it exists.")
-
-_json_option = click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
-    help="Write the result as JSON ('-' for stdout).")
 
 
 class _Group(click.Group):
@@ -102,7 +76,7 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "(a baseline: the reference in the port's precision).")
 @click.option("--autocast", type=click.Choice(["bfloat16", "float16"]),
               help="Run the forward and the loss under torch.autocast in this dtype.")
-@_force_option
+@force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
@@ -164,13 +138,13 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @main.command("diff")
 @click.argument("reference", type=click.Path(dir_okay=False))
 @click.argument("port", type=click.Path(dir_okay=False))
-@_map_option
-@_tolerances_option
-@_tolerance_flags
+@map_option
+@tolerances_option
+@tolerance_flags
 @click.option("--baseline", type=click.Path(dir_okay=False), metavar="TRACE",
               help="The reference run the way the port runs (its dtype, autocast or device): "
                    "the port may have a few times the error this trace has against REFERENCE.")
-@_json_option
+@json_option
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write every compared row as CSV.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
@@ -178,7 +152,7 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
 @click.option("-v", "--verbose", is_flag=True, help="Every row, and what has no partner.")
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
-@_no_verify_option
+@no_verify_option
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
@@ -193,7 +167,7 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
                    "tolerance file": tolerances, "baseline trace": baseline})
     with ByteProgress("diff") as bar:
         result = diff(reference, port, mapping=mapping,
-                      tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline,
+                      tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
                       progress=bar.progress, verify=not no_verify)
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
@@ -212,7 +186,7 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 
     if json_path:
         text = json.dumps(result.as_json(), indent=1)
-        _echo_or_write(text, json_path)
+        echo_or_write(text, json_path)
     if csv_path:
         save_rows_csv(result, csv_path)
     if html_path:
@@ -224,12 +198,12 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 @main.command("replay")
 @click.argument("reference", type=click.Path(dir_okay=False))
 @click.argument("port_spec", metavar="PORT_CASE")
-@_map_option
+@map_option
 @click.option("--site", "sites", multiple=True, metavar="GLOB",
               help="Replay only these reference sites or modules (repeatable).")
-@_tolerances_option
-@_tolerance_flags
-@_json_option
+@tolerances_option
+@tolerance_flags
+@json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a self-contained HTML report.")
 @click.option("-v", "--verbose", is_flag=True, help="Every site, not only the notable ones.")
@@ -251,7 +225,7 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
                   {"reference trace": reference, "mapping file": mapping,
                    "tolerance file": tolerances})
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
-                    tolerances=_tolerances(tolerances, rtol, atol), output=kept)
+                    tolerances=tolerances_from(tolerances, rtol, atol), output=kept)
     _write_reports(result, json_path, None, None)
     if html_path:
         from layerdiff.report.html import write_html
@@ -262,12 +236,6 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
     sys.exit(0 if result else 1)
 
 
-def _case_factory(spec: str):
-    """A function building the case afresh: swap and bisect train, so every run needs one."""
-    from layerdiff.case import load_case
-
-    load_case(spec)  # fail now, with the case's own message, if it does not load
-    return lambda: load_case(spec)
 
 
 _swap_baseline_option = click.option(
@@ -281,15 +249,15 @@ _swap_baseline_option = click.option(
 @click.argument("port_spec", metavar="PORT_CASE")
 @click.option("--site", "sites", multiple=True, required=True, metavar="NAME",
               help="A layer to swap, by module or site name in either model (repeatable).")
-@_map_option
+@map_option
 @click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
 @click.option("--into", type=click.Choice(["reference", "port"]), default="reference",
               show_default=True, help="Port layers into the reference, or reference layers "
               "into the port (to confirm a fix).")
-@_tolerances_option
-@_tolerance_flags
+@tolerances_option
+@tolerance_flags
 @_swap_baseline_option
-@_json_option
+@json_option
 def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
                  mapping: str | None, steps: int | None, into: str, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
@@ -304,11 +272,11 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
 
     refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
                                           "baseline trace": baseline})
-    result = swap(_case_factory(reference_spec), _case_factory(port_spec), sites,
+    result = swap(case_factory(reference_spec), case_factory(port_spec), sites,
                   mapping=mapping, steps=steps, into=into,
-                  tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
+                  tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline)
     if json_path:
-        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
         click.echo(format_swap(result))
     sys.exit(0 if result else 1)
@@ -317,14 +285,14 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
 @main.command("bisect")
 @click.argument("reference_spec", metavar="REF_CASE")
 @click.argument("port_spec", metavar="PORT_CASE")
-@_map_option
+@map_option
 @click.option("--granularity", type=click.Choice(["auto", "leaves", "all"]), default="auto",
               show_default=True, help="auto: the port's leaf layers, then (when they find "
               "nothing) its containers; leaves: leaf layers only; all: every paired layer.")
-@_tolerances_option
-@_tolerance_flags
+@tolerances_option
+@tolerance_flags
 @_swap_baseline_option
-@_json_option
+@json_option
 def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
                    tolerances: str | None, rtol: float | None, atol: float | None,
                    baseline: str | None, json_path: str | None) -> None:
@@ -339,8 +307,8 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
     refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
                                           "baseline trace": baseline})
     quiet = json_path == "-"
-    swapper = Swapper(_case_factory(reference_spec), _case_factory(port_spec), mapping,
-                      tolerances=_tolerances(tolerances, rtol, atol), baseline=baseline)
+    swapper = Swapper(case_factory(reference_spec), case_factory(port_spec), mapping,
+                      tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline)
 
     def show(number: int, probe) -> None:
         if not quiet:
@@ -350,37 +318,32 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
 
     result = bisect(swapper, granularity=granularity, on_probe=show)
     if json_path:
-        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if not quiet:
         click.echo()
         click.echo(format_bisect(result))
     sys.exit(0 if result else 1)
 
 
-def _echo_or_write(text: str, path: str) -> None:
-    if path == "-":
-        click.echo(text)
-    else:
-        write_text(path, text + "\n")
 
 
 @main.command("session")
 @click.argument("reference_spec", metavar="REF_CASE")
 @click.argument("port_spec", metavar="PORT_CASE")
-@_map_option
+@map_option
 def session_command(reference_spec: str, port_spec: str, mapping: str | None) -> None:
     """An interactive shell: swap port layers into REF_CASE, run, diff, replay, bisect."""
     from layerdiff.replay.session import Session, interact
 
-    _case_factory(reference_spec), _case_factory(port_spec)  # both load, or a clear error now
+    case_factory(reference_spec), case_factory(port_spec)  # both load, or a clear error now
     interact(Session(reference_spec, port_spec, mapping), echo=click.echo)
 
 
 @main.command("map-check")
 @click.argument("reference", metavar="REF_TRACE", type=click.Path(dir_okay=False))
 @click.argument("port_spec", metavar="PORT_CASE")
-@_map_option
-@_json_option
+@map_option
+@json_option
 def map_check_command(reference: str, port_spec: str, mapping: str | None,
                       json_path: str | None) -> None:
     """Dry-run a mapping: what each tensor of PORT_CASE would get from REF_TRACE's weights.
@@ -394,7 +357,7 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
     refuse_inputs({"--json": json_path}, {"reference trace": reference, "mapping file": mapping})
     result = map_check(reference, load_case(port_spec), mapping)
     if json_path:
-        _echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
         click.echo(result.format())
     sys.exit(0 if result.passed else 1)
@@ -414,7 +377,7 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
                    "noise floor times --margin as a tolerance file beside the golden.")
 @click.option("--margin", type=float, default=10.0, show_default=True,
               help="Calibrated tolerance = margin x the noise seen at each site.")
-@_force_option
+@force_option
 def golden_command(case_spec: str, output: str, summary: bool, steps: int | None,
                    loss_scale: float, runs: int | None, margin: float, force: bool) -> None:
     """Record the golden trace of CASE, to check against later with `layerdiff check`."""
@@ -444,15 +407,15 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
 @main.command("check")
 @click.argument("case_spec", metavar="CASE")
 @click.argument("golden_path", metavar="GOLDEN", type=click.Path(dir_okay=False))
-@_map_option
-@_tolerances_option
-@_tolerance_flags
+@map_option
+@tolerances_option
+@tolerance_flags
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write JUnit XML: one test case per site.")
-@_json_option
+@json_option
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the HTML report.")
-@_no_verify_option
+@no_verify_option
 def check_command(case_spec: str, golden_path: str, mapping: str | None,
                   tolerances: str | None, rtol: float | None, atol: float | None,
                   junit_path: str | None, json_path: str | None, html_path: str | None,
@@ -468,7 +431,7 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
                   {"golden trace": golden_path, "mapping file": mapping,
                    "tolerance file": tolerances})
     result = check(case_spec, golden_path, mapping=mapping,
-                   tolerances=_tolerances(tolerances, rtol, atol), verify=not no_verify)
+                   tolerances=tolerances_from(tolerances, rtol, atol), verify=not no_verify)
     if junit_path:
         write_junit(result.diff, junit_path, suite=f"layerdiff check {case_spec}")
     _write_reports(result.diff, json_path, None, html_path)
