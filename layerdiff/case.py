@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import os
+import pkgutil
 import random
 import sys
 from collections.abc import Callable, Iterable
@@ -81,6 +84,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _case_names(module: Any) -> list[str]:
+    """What could be a case in ``module``: its own public functions and Case objects."""
+    return sorted(name for name, value in vars(module).items() if not name.startswith("_") and (
+        isinstance(value, (Case, ExternalCase))
+        or (inspect.isfunction(value) and value.__module__ == module.__name__)))
+
+
+def _close_modules(name: str) -> list[str]:
+    """Modules beside the one that failed whose names are close to it (a typo)."""
+    parent, _, leaf = name.rpartition(".")
+    try:
+        where = importlib.import_module(parent).__path__ if parent else None
+    except (ImportError, AttributeError):
+        return []
+    siblings = [info.name for info in pkgutil.iter_modules(where)]
+    close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
+    return [f"{parent}.{found}" if parent else found for found in close]
+
+
 def load_case(spec: str) -> Case | ExternalCase:
     """Import ``package.module:attr`` and return the Case it names.
 
@@ -95,17 +117,25 @@ def load_case(spec: str) -> Case | ExternalCase:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        close = _close_modules(module_name) if exc.name == module_name else []
         raise CaseError(f"case spec {spec!r}: module {module_name!r} does not import "
-                        f"({exc}); check the spelling and that it is on PYTHONPATH") from exc
+                        f"({exc}); "
+                        + (f"did you mean {' or '.join(close)}?" if close else
+                           "check the spelling and that it is on PYTHONPATH")) from exc
     except Exception as exc:
         raise CaseError(f"case spec {spec!r}: importing {module_name!r} raised "
                         f"{type(exc).__name__}: {exc}") from exc
     try:
         target = getattr(module, attr)
     except AttributeError:
-        names = sorted(n for n in vars(module) if not n.startswith("_"))
-        raise CaseError(f"case spec {spec!r}: module {module_name!r} has no attribute "
-                        f"{attr!r}; it has {', '.join(names[:12]) or 'no public names'}") from None
+        names = _case_names(module)
+        close = difflib.get_close_matches(attr, names, n=3, cutoff=0.5)
+        ordered = close + [name for name in names if name not in close]
+        raise CaseError(f"case spec {spec!r}: module {module_name!r} has no case {attr!r}; "
+                        + (f"did you mean {' or '.join(close)}? " if close else "")
+                        + (f"its cases: {', '.join(ordered[:12])}"
+                           + (" ..." if len(ordered) > 12 else "")
+                           if ordered else "it defines no case")) from None
     if isinstance(target, (Case, ExternalCase)):
         case = target
     elif callable(target):

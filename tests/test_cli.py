@@ -41,7 +41,9 @@ def test_show_by_site_counts_roles(run, tmp_path):
 @pytest.mark.parametrize("spec, message", [
     ("no_colon_here", "not of the form package.module:name"),
     ("tests.no_such_module:tiny", "does not import"),
-    ("tests.tiny_cases:missing", "has no attribute 'missing'"),
+    ("tests.tiny_cases:missing", "has no case 'missing'"),
+    ("tests.tiny_cases:tinny", "did you mean tiny"),
+    ("tests.tiny_casez:tiny", "did you mean tests.tiny_cases"),
     ("tests.tiny_cases:not_a_case", "not a layerdiff.Case"),
 ])
 def test_bad_case_spec(run, tmp_path, spec, message):
