@@ -69,3 +69,17 @@ def test_the_session_object_for_notebooks():
         assert not session.show("fc2").empty
     finally:
         session.close()
+
+
+def test_help_lists_the_commands_to_type_and_not_eof():
+    import cmd
+    import io
+
+    from layerdiff.replay.session import SessionShell
+
+    shell = SessionShell.__new__(SessionShell)  # help needs no session
+    cmd.Cmd.__init__(shell, stdout=io.StringIO())
+    shell.do_help("")
+    listed = shell.stdout.getvalue().split()
+    assert {"swap", "unswap", "run", "diff", "bisect", "quit"} <= set(listed)
+    assert "EOF" not in listed

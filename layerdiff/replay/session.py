@@ -189,6 +189,10 @@ class SessionShell(cmd.Cmd):
         self.echo("")
         return True
 
+    def get_names(self) -> list[str]:
+        """What ``help`` lists and Tab completes: not EOF (Ctrl-D, not a command to type)."""
+        return [name for name in super().get_names() if name != "do_EOF"]
+
     # ---- completion and errors
     def completenames_for_layers(self, text: str) -> list[str]:
         names = {n for pair in self.session.sites() for n in pair}
