@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from layerdiff.cli_debug import COMMANDS as DEBUG_COMMANDS
 from layerdiff.cli_options import (
     case_factory,
     echo_or_write,
@@ -504,8 +505,34 @@ def demo_command(output_dir: str, port_spec: str) -> None:
     click.echo()
     click.echo(f"report    {report} (open it in a browser)")
     click.echo(f"took      {time.perf_counter() - start:.1f} s in all")
+    if len(result.unmatched):
+        click.echo(textwrap.fill(
+            "unpaired  means a site or record one model has and the other does not, or "
+            "whose names no mapping pairs (a fused or split layer); it is not compared and "
+            "does not fail the diff; --verbose lists each with why", 100,
+            subsequent_indent=" " * 10))
+    click.echo()
+    for comment, command in _demo_next(info, port_spec, reference, port, result.origin):
+        click.echo(f"# {comment}\n{command}")
+
+
+for _command in DEBUG_COMMANDS:
+    main.add_command(_command)
+
+
+def _demo_next(info, port_spec: str, reference: Path, port: Path, origin) -> list[tuple[str, str]]:
+    """The commands a user runs after the demo, with what each answers."""
     mapping = f" \\\n    --map {info.mapping_path}" if info.mapping_path else ""
-    click.echo(f"next: layerdiff diff {reference} {port}{mapping} --verbose")
+    steps = [("every row, and every unpaired site with why",
+              f"layerdiff diff {reference} {port}{mapping} --verbose")]
+    if origin is not None:
+        layer = origin.site.split("#")[0]
+        steps += [("each port layer on the reference's recorded inputs: its own error, not "
+                   "what it inherits",
+                   f"layerdiff replay {reference} {port_spec}{mapping}"),
+                  (f"the port's {layer} alone inside the reference: does it break training?",
+                   f"layerdiff swap {info.reference} \\\n    {port_spec} --site {layer}{mapping}")]
+    return steps
 
 
 def _load_reference_weights(case, trace: str, mapping: str | None) -> dict:

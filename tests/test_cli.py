@@ -110,3 +110,11 @@ def test_demo_finds_the_planted_bug_and_writes_the_report(run, tmp_path):
     assert "in the port: enc.0.self_attn#0" in result.output
     table = [line for line in result.output.splitlines() if str(tmp_path) not in line]
     assert max(len(line) for line in table) <= 100
+    # it ends with the next commands, aimed at the origin, and says what "unpaired" means
+    assert "unpaired  means" in result.output
+    lines = result.output.splitlines()
+    replay = next(i for i, line in enumerate(lines) if line.startswith("layerdiff replay "))
+    assert "transformer_port:bug_softmax_axis" in lines[replay]
+    swap = " ".join(lines[next(i for i, line in enumerate(lines)
+                               if line.startswith("layerdiff swap ")):])
+    assert "--site encoder.layers.0.self_attn " in swap
