@@ -65,7 +65,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--steps", type=int, default=None, help="Training steps (default: the case's).")
 @click.option("--summary", is_flag=True, help="Record statistics only, no tensor data.")
 @click.option("--no-weights", is_flag=True, help="Do not record weights and weight gradients.")
-@click.option("--queue-mib", type=int, default=256, show_default=True,
+@click.option("--queue-mib", type=click.IntRange(min=1), default=256, show_default=True,
               help="Memory cap for tensors waiting to be written.")
 @click.option("--weights-from", type=click.Path(dir_okay=False), metavar="TRACE",
               help="Load the model's weights from this reference trace first.")
@@ -376,7 +376,8 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
 @click.option("--calibrate", "runs", type=click.IntRange(min=2), default=None, metavar="K",
               help="Also run the case K times and once in float64, and write the measured "
                    "noise floor times --margin as a tolerance file beside the golden.")
-@click.option("--margin", type=float, default=10.0, show_default=True,
+@click.option("--margin", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True,
               help="Calibrated tolerance = margin x the noise seen at each site.")
 @force_option
 def golden_command(case_spec: str, output: str, summary: bool, steps: int | None,

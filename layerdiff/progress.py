@@ -67,3 +67,16 @@ class StepProgress(TransientBar):
 
     def advance(self, bytes_recorded: int) -> None:
         self.update(advance=1, data=f"{bytes_recorded / 2**20:,.0f} MiB recorded")
+
+
+class CountProgress(TransientBar):
+    """A transient bar over counted work (steps, runs, sites): ``progress(done, total)``."""
+
+    def __init__(self, label: str, unit: str, *, enabled: bool = True) -> None:
+        super().__init__([SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed:.0f}/{task.total:.0f} " + unit),
+                          TimeElapsedColumn(), TimeRemainingColumn()], label,
+                         enabled=enabled, total=None)
+
+    def progress(self, done: int, total: int) -> None:
+        self.update(completed=done, total=total)

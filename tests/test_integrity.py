@@ -265,3 +265,25 @@ def test_the_check_accepts_what_the_writer_computed_fed_in_any_pieces(values, of
     for part in np.array_split(values, pieces):
         check.update(part.view(np.uint8))
     check.finish()  # raises when it disagrees
+
+
+# --- failures are sentences ---------------------------------------------------------------------
+
+
+def test_a_trace_path_the_system_refuses_is_one_sentence(run):
+    result = run("capture", MLP, "-o", "/proc/layerdiff-test.h5")
+    assert result.exit_code == 2
+    assert result.output.startswith("error: cannot write trace /proc/layerdiff-test.h5")
+    assert "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def test_a_queue_larger_than_memory_is_refused_before_anything_is_written(run, tmp_path):
+    target = tmp_path / "t.h5"
+    result = run("capture", MLP, "-o", target, "--queue-mib", 10**8)
+    assert result.exit_code == 2 and "--queue-mib" in result.output
+    assert list(tmp_path.iterdir()) == []  # no .partial left behind
+
+
+def test_a_negative_margin_is_refused(run, tmp_path):
+    result = run("golden", MLP, "-o", tmp_path / "g.h5", "--calibrate", 2, "--margin", -1)
+    assert result.exit_code == 2 and "--margin" in result.output

@@ -14,12 +14,18 @@ from typing import Any
 import h5py
 import numpy as np
 
+from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 
 _STRING = h5py.string_dtype("utf-8")
 # Tables are written once per step, so compressing them costs little and keeps summary traces
 # (index only) small enough to commit as CI goldens.
 _CHUNK_ROWS = 1024
+
+
+def _reason(exc: OSError) -> str:
+    """The operating system's words for an h5py error (its message is long and technical)."""
+    return os.strerror(exc.errno) if exc.errno else str(exc).split("(")[0].strip()
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -34,7 +40,11 @@ class TraceFile:
         self.partial = partial_path(path)
         self.summary = summary
         self._segments = 0
-        self._h5 = h5py.File(self.partial, "w")
+        try:
+            self._h5 = h5py.File(self.partial, "w")
+        except OSError as exc:  # /proc, a full or read-only disk, a name the file system refuses
+            raise CaptureError(f"cannot write trace {self.path}: creating {self.partial} "
+                               f"failed ({_reason(exc)}); choose another -o path") from exc
         attrs = self._h5.attrs
         attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
         attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION

@@ -121,6 +121,11 @@ class Recorder:
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         if queue_bytes < 4 * schema.ALIGN:
             raise CaptureError(f"the writer queue cap of {queue_bytes} bytes is too small")
+        memory = _physical_memory()
+        if memory and queue_bytes > memory // 2:
+            raise CaptureError(f"the writer queue cap of {queue_bytes / 2**20:,.0f} MiB is more "
+                               f"than half of this machine's {memory / 2**20:,.0f} MiB of memory;"
+                               " give --queue-mib a smaller value (the default is 256)")
         self.summary = summary
         self.file = TraceFile(path, meta, summary)
         self.ring = StagingRing(queue_bytes)
@@ -420,3 +425,11 @@ class _IOStage:
 
 def _has_stop(batch: list) -> bool:
     return any(item is _STOP for item in batch)
+
+
+def _physical_memory() -> int | None:
+    """This machine's memory in bytes, where the platform says (not on Windows)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
