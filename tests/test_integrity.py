@@ -8,7 +8,10 @@ the file and the record. And no command may write over a file it reads.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import hypothesis.extra.numpy as hnp
@@ -287,3 +290,42 @@ def test_a_queue_larger_than_memory_is_refused_before_anything_is_written(run, t
 def test_a_negative_margin_is_refused(run, tmp_path):
     result = run("golden", MLP, "-o", tmp_path / "g.h5", "--calibrate", 2, "--margin", -1)
     assert result.exit_code == 2 and "--margin" in result.output
+
+
+# --- one writer per path ------------------------------------------------------------------------
+
+
+def test_a_second_writer_to_the_same_path_is_refused_and_the_first_publishes(tmp_path):
+    from layerdiff import CaptureError, TraceWriter
+
+    target = tmp_path / "t.h5"
+    first = TraceWriter(target, meta={"case": "first"})
+    first.record("a#0", "output", np.ones(4, np.float32))
+    with pytest.raises(CaptureError, match=rf"another capture \(process {os.getpid()}\) is "
+                                           "writing"):
+        TraceWriter(target, meta={"case": "second"})
+    first.close()
+    with open_trace(target) as trace:  # the first writer's file, whole
+        assert trace.meta["case"] == "first" and len(trace.index) == 1
+    assert not (tmp_path / "t.h5.lock").exists()
+    with TraceWriter(target, meta={"case": "third"}) as again:  # the lock was let go
+        again.record("a#0", "output", np.ones(4, np.float32))
+
+
+def test_a_capture_to_a_path_another_process_writes_names_that_process(tmp_path, run):
+    target = tmp_path / "t.h5"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from layerdiff.trace.lock import WriterLock\n"
+         f"lock = WriterLock({str(target)!r}); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = run("capture", MLP, "-o", target)
+        assert result.exit_code == 2
+        assert f"another capture (process {holder.pid}) is writing {target}" in result.output
+        assert not target.exists() and not (tmp_path / "t.h5.partial").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run("capture", MLP, "-o", target).exit_code == 0  # a killed holder blocks nothing

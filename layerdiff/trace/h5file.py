@@ -16,6 +16,7 @@ import numpy as np
 
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
+from layerdiff.trace.lock import WriterLock
 
 _STRING = h5py.string_dtype("utf-8")
 # Tables are written once per step, so compressing them costs little and keeps summary traces
@@ -40,9 +41,11 @@ class TraceFile:
         self.partial = partial_path(path)
         self.summary = summary
         self._segments = 0
+        self._lock = WriterLock(self.path)  # before the .partial: one writer per path
         try:
             self._h5 = h5py.File(self.partial, "w")
         except OSError as exc:  # /proc, a full or read-only disk, a name the file system refuses
+            self._lock.release()
             raise CaptureError(f"cannot write trace {self.path}: creating {self.partial} "
                                f"failed ({_reason(exc)}); choose another -o path") from exc
         attrs = self._h5.attrs
@@ -74,18 +77,22 @@ class TraceFile:
 
     def close(self, complete: bool) -> Path:
         """Close the file; publish it under its final name only when complete."""
-        if complete:
-            self._h5.attrs[schema.ATTR_COMPLETE] = True
-        self._h5.close()
-        if not complete:
-            return self.partial
-        os.replace(self.partial, self.path)
-        return self.path
+        try:
+            if complete:
+                self._h5.attrs[schema.ATTR_COMPLETE] = True
+            self._h5.close()
+            if not complete:
+                return self.partial
+            os.replace(self.partial, self.path)
+            return self.path
+        finally:
+            self._lock.release()
 
     def abandon(self) -> None:
         """Close without marking complete, ignoring errors (the disk may be full)."""
         with contextlib.suppress(Exception):  # the original error is what the user needs
             self._h5.close()
+        self._lock.release()
 
 
 class _ColumnTable:
