@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ from layerdiff.cli_options import (
     tolerances_from,
     tolerances_option,
 )
-from layerdiff.errors import LayerdiffError
+from layerdiff.errors import Interrupted, LayerdiffError
 from layerdiff.outputs import refuse_existing, refuse_inputs
 
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
@@ -35,10 +36,15 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo("interrupted: nothing was published", err=True)
+            ctx.exit(Interrupted.exit_code)
         except LayerdiffError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{exc}", err=True)
             ctx.exit(exc.exit_code)
 
 
@@ -98,11 +104,26 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         cast_case(case, dtype)  # before the weights, so that loading says what it cast
     extra_meta = _load_reference_weights(case, weights_from, mapping) if weights_from else {}
     start = time.perf_counter()
-    path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
-                   steps=steps, summary=summary, weights=not no_weights,
-                   queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
-                   autocast=autocast, extra_meta=extra_meta)
+    with _interrupt_names_partial(output):
+        path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
+                       steps=steps, summary=summary, weights=not no_weights,
+                       queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
+                       autocast=autocast, extra_meta=extra_meta)
     _print_capture_result(path, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _interrupt_names_partial(output: str):
+    """Ctrl-C during a capture: say where what was recorded is, and how to look at it."""
+    from layerdiff.trace.h5file import partial_path
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        partial = partial_path(output)
+        left = (f"{partial} holds what was recorded up to there (layerdiff show {partial} "
+                "--allow-incomplete)" if partial.exists() else "nothing was recorded yet")
+        raise Interrupted(f"interrupted: no trace was published at {output}; {left}") from None
 
 
 @main.command("show")
@@ -131,7 +152,10 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
         if by_site:
             click.echo(show.format_sites(show.site_summary(trace, step or 0)))
         elif records.empty:
-            click.echo("no records match" + (f" --site {site!r}" if site else ""))
+            click.echo("no records yet: the capture stopped before the end of its first step, "
+                       "when the tables are first written" if trace.index.empty
+                       and not trace.complete else
+                       "no records match" + (f" --site {site!r}" if site else ""))
         else:
             click.echo(show.format_records(records))
 

@@ -38,3 +38,9 @@ class DiffError(LayerdiffError):
 
 class OutputError(LayerdiffError):
     """An output that would destroy an input, replace a file unasked, or cannot be written."""
+
+
+class Interrupted(LayerdiffError):
+    """Ctrl-C: the work stopped; the message says what was left and where."""
+
+    exit_code = 130  # the shell's code for a process ended by SIGINT

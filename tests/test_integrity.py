@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import h5py
 import hypothesis.extra.numpy as hnp
@@ -40,7 +41,7 @@ def traces(tmp_path_factory):
     port_case = load_case(MLP_PORT)
     load_weights(port_case.model, ref)
     port = capture(port_case, folder / "port.h5")
-    return folder, ref, port
+    return ref, port
 
 
 def _copy(source, folder, name):
@@ -69,7 +70,7 @@ def _sha(path) -> str:
 
 @pytest.mark.parametrize("against", ["copy", "port"])
 def test_a_flipped_data_byte_is_refused_naming_file_and_record(traces, tmp_path, against):
-    folder, ref, port = traces
+    ref, port = traces
     # the copy: every digest agrees, so nothing would be read without verification
     other = _copy(ref if against == "copy" else port, tmp_path, "bad.h5")
     row = next(r for r in _stored(other) if r["role"] == "output" and r["nbytes"] > 64)
@@ -82,7 +83,7 @@ def test_a_flipped_data_byte_is_refused_naming_file_and_record(traces, tmp_path,
 
 def test_every_sampled_byte_flip_in_tensor_data_is_caught(traces, tmp_path):
     """120 single-byte flips at random places inside tensors: none may pass."""
-    folder, ref, _ = traces
+    ref, _ = traces
     rows = _stored(ref)
     rng = np.random.default_rng(17)
     bad = _copy(ref, tmp_path, "bad.h5")
@@ -96,7 +97,7 @@ def test_every_sampled_byte_flip_in_tensor_data_is_caught(traces, tmp_path):
 
 
 def test_no_verify_skips_the_check_and_says_what_it_risks(traces, tmp_path, run):
-    folder, ref, _ = traces
+    ref, _ = traces
     bad = _copy(ref, tmp_path, "bad.h5")
     _flip(bad, _stored(bad)[3], 0)
     refused = run("diff", ref, bad)
@@ -107,7 +108,7 @@ def test_no_verify_skips_the_check_and_says_what_it_risks(traces, tmp_path, run)
 
 
 def test_an_edited_statistic_is_refused_naming_the_statistic(traces, tmp_path):
-    folder, ref, port = traces
+    ref, port = traces
     bad = _copy(port, tmp_path, "bad.h5")
     rows = _stored(bad)
     target = next(i for i, r in enumerate(rows) if r["role"] == "output")
@@ -123,7 +124,7 @@ def test_an_edited_statistic_is_refused_naming_the_statistic(traces, tmp_path):
 
 
 def test_trace_read_checks_the_bytes_it_returns(traces, tmp_path):
-    folder, ref, _ = traces
+    ref, _ = traces
     bad = _copy(ref, tmp_path, "bad.h5")
     row = _stored(bad)[0]
     _flip(bad, row, 0)
@@ -135,7 +136,7 @@ def test_trace_read_checks_the_bytes_it_returns(traces, tmp_path):
 
 
 def test_a_segment_the_index_names_but_the_file_lacks_is_refused(traces, tmp_path):
-    folder, ref, _ = traces
+    ref, _ = traces
     bad = _copy(ref, tmp_path, "bad.h5")
     with h5py.File(bad, "r+") as h5:
         del h5[schema.segment_name(0)]
@@ -145,7 +146,7 @@ def test_a_segment_the_index_names_but_the_file_lacks_is_refused(traces, tmp_pat
 
 @pytest.mark.parametrize("flag", ["false", "no", np.nan, 1, "True"])
 def test_a_complete_flag_that_is_not_exactly_true_means_incomplete(traces, tmp_path, flag):
-    folder, ref, _ = traces
+    ref, _ = traces
     bad = _copy(ref, tmp_path, "bad.h5")
     with h5py.File(bad, "r+") as h5:
         h5.attrs[schema.ATTR_COMPLETE] = flag
@@ -155,7 +156,7 @@ def test_a_complete_flag_that_is_not_exactly_true_means_incomplete(traces, tmp_p
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), "big"])
 def test_an_impossible_loss_scale_is_refused(traces, tmp_path, scale):
-    folder, ref, _ = traces
+    ref, _ = traces
     bad = _copy(ref, tmp_path, "bad.h5")
     with open_trace(ref) as trace:
         meta = dict(trace.meta, loss_scale=scale)
@@ -166,7 +167,7 @@ def test_an_impossible_loss_scale_is_refused(traces, tmp_path, scale):
 
 
 def test_a_summary_diff_still_checks_the_full_side(traces, tmp_path):
-    folder, ref, _ = traces
+    ref, _ = traces
     summary = capture(load_case(MLP), tmp_path / "summary.h5", summary=True)
     assert diff(ref, summary).passed
     bad = _copy(ref, tmp_path, "bad.h5")
@@ -182,7 +183,7 @@ def test_a_summary_diff_still_checks_the_full_side(traces, tmp_path):
                                            ("--html", "port")])
 def test_a_report_onto_an_input_trace_is_refused_and_the_input_kept(traces, tmp_path, run,
                                                                     option, target):
-    folder, ref, port = traces
+    ref, port = traces
     before = {name: _sha(path) for name, path in (("ref", ref), ("port", port))}
     result = run("diff", ref, port, option, {"ref": ref, "port": port}[target])
     assert result.exit_code == 2
@@ -191,7 +192,7 @@ def test_a_report_onto_an_input_trace_is_refused_and_the_input_kept(traces, tmp_
 
 
 def test_a_report_through_another_name_of_the_input_is_refused(traces, tmp_path, run):
-    folder, ref, port = traces
+    ref, port = traces
     alias = tmp_path / "alias.h5"
     alias.symlink_to(ref)
     before = _sha(ref)
@@ -200,7 +201,7 @@ def test_a_report_through_another_name_of_the_input_is_refused(traces, tmp_path,
 
 
 def test_check_refuses_junit_onto_its_golden(traces, run):
-    folder, ref, _ = traces
+    ref, _ = traces
     before = _sha(ref)
     result = run("check", MLP, ref, "--junit", ref)
     assert result.exit_code == 2 and "golden trace" in result.output
@@ -208,7 +209,7 @@ def test_check_refuses_junit_onto_its_golden(traces, run):
 
 
 def test_capture_refuses_to_write_over_the_trace_it_loads_weights_from(traces, run):
-    folder, ref, _ = traces
+    ref, _ = traces
     before = _sha(ref)
     result = run("capture", MLP_PORT, "-o", ref, "--weights-from", ref, "--force")
     assert result.exit_code == 2 and "--weights-from trace" in result.output
@@ -226,7 +227,7 @@ def test_capture_onto_an_existing_file_needs_force(tmp_path, run):
 
 
 def test_a_report_goes_into_a_folder_it_creates(traces, tmp_path, run):
-    folder, ref, port = traces
+    ref, port = traces
     target = tmp_path / "new" / "deeper" / "diff.json"
     assert run("diff", ref, port, "--json", target).exit_code in (0, 1)
     assert target.read_text().startswith("{")
@@ -329,3 +330,69 @@ def test_a_capture_to_a_path_another_process_writes_names_that_process(tmp_path,
         holder.kill()
         holder.wait()
     assert run("capture", MLP, "-o", target).exit_code == 0  # a killed holder blocks nothing
+
+
+# --- interrupted and killed captures -------------------------------------------------------------
+
+_SLOW_CASE = "reference_models.transformer:reference_large"
+
+
+def _start_capture(target, **popen):
+    return subprocess.Popen([sys.executable, "-m", "layerdiff", "capture", _SLOW_CASE, "-o",
+                             str(target), "--steps", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _wait_for(path, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.001)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_naming_the_partial_and_how_to_open_it(tmp_path):
+    import signal
+
+    target = tmp_path / "t.h5"
+    # SIGINT as a terminal sends it (a background test runner may have it ignored)
+    capture_process = _start_capture(
+        target, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(tmp_path / "t.h5.partial")
+    time.sleep(1.0)  # into the run (an interrupt within the file's first microseconds is
+    capture_process.send_signal(signal.SIGINT)  # the next test's case)
+    output, _ = capture_process.communicate(timeout=120)
+    assert capture_process.returncode == 130, output
+    partial = tmp_path / "t.h5.partial"
+    assert (f"interrupted: no trace was published at {target}; {partial} holds what was "
+            f"recorded up to there (layerdiff show {partial} --allow-incomplete)") in output
+    assert "Aborted" not in output and "Traceback" not in output
+    assert not target.exists() and not (tmp_path / "t.h5.lock").exists()
+    with open_trace(partial, allow_incomplete=True) as trace:
+        assert not trace.complete
+
+
+def test_a_partial_killed_before_it_wrote_anything_says_so(tmp_path, run):
+    partial = tmp_path / "t.h5.partial"
+    for content in (b"", b"\x89HDF\r\n\x1a\n" + bytes(88), None):  # empty, a bare superblock,
+        if content is None:                                          # no attributes yet
+            partial.unlink()
+            h5py.File(partial, "w").close()
+        else:
+            partial.write_bytes(content)
+        result = run("show", partial, "--allow-incomplete")
+        assert result.exit_code == 2
+        assert "holds nothing yet" in result.output and "capture again" in result.output
+
+
+def test_a_partial_is_readable_from_its_first_moment(tmp_path):
+    """The writer puts the skeleton on disk before any record: a SIGKILL right after the
+    .partial appears still leaves a file that opens and lists nothing."""
+    from layerdiff import TraceWriter
+
+    writer = TraceWriter(tmp_path / "t.h5", meta={"case": "x"})
+    try:
+        with open_trace(tmp_path / "t.h5.partial", allow_incomplete=True) as trace:
+            assert not trace.complete and trace.index.empty
+    finally:
+        writer.close()

@@ -29,6 +29,14 @@ def _reason(exc: OSError) -> str:
     return os.strerror(exc.errno) if exc.errno else str(exc).split("(")[0].strip()
 
 
+def _create(path: Path, partial: Path) -> h5py.File:
+    try:
+        return h5py.File(partial, "w")
+    except OSError as exc:  # /proc, a full or read-only disk, a name the file system refuses
+        raise CaptureError(f"cannot write trace {path}: creating {partial} failed "
+                           f"({_reason(exc)}); choose another -o path") from exc
+
+
 def partial_path(path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(path)}{schema.PARTIAL_SUFFIX}")
 
@@ -43,11 +51,17 @@ class TraceFile:
         self._segments = 0
         self._lock = WriterLock(self.path)  # before the .partial: one writer per path
         try:
-            self._h5 = h5py.File(self.partial, "w")
-        except OSError as exc:  # /proc, a full or read-only disk, a name the file system refuses
+            self._h5 = _create(self.path, self.partial)
+            try:
+                self._skeleton(meta, summary)
+            except BaseException:
+                self._h5.close()
+                raise
+        except BaseException:  # Ctrl-C or a full disk at the very start: let the path go
             self._lock.release()
-            raise CaptureError(f"cannot write trace {self.path}: creating {self.partial} "
-                               f"failed ({_reason(exc)}); choose another -o path") from exc
+            raise
+
+    def _skeleton(self, meta: dict[str, Any], summary: bool) -> None:
         attrs = self._h5.attrs
         attrs[schema.ATTR_FORMAT] = schema.FORMAT_NAME
         attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
@@ -61,6 +75,9 @@ class TraceFile:
                                              schema.SITES_COLUMNS),
         }
         self._h5.create_group(schema.TENSORS_GROUP)
+        # on disk now: a capture killed before its first step's flush leaves a .partial that
+        # opens (and shows it holds nothing yet), not 96 bytes of superblock
+        self._h5.flush()
 
     def write_segment(self, data: np.ndarray) -> int:
         """Store one contiguous run of packed tensor bytes; returns its segment number."""

@@ -36,7 +36,12 @@ class WriterLock:
         if fcntl is None:
             return
         while self._fd is None:
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:  # /proc, a read-only or full disk
+                raise CaptureError(f"cannot write trace {self.path}: creating {self.file} "
+                                   f"failed ({os.strerror(exc.errno or 0)}); choose another -o "
+                                   "path") from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

@@ -41,6 +41,8 @@ class Trace:
     def _check(self, allow_incomplete: bool) -> None:
         attrs = self._h5.attrs
         if attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME:
+            if self.path.name.endswith(schema.PARTIAL_SUFFIX) and not len(attrs):
+                raise TraceError(_nothing_yet(self.path))
             raise TraceError(f"{self.path} is an HDF5 file but not a layerdiff trace (it has no "
                              f"{schema.ATTR_FORMAT}={schema.FORMAT_NAME!r} attribute); pass a "
                              "file written by `layerdiff capture` or layerdiff.TraceWriter")
@@ -182,6 +184,11 @@ def open_trace(path: str | os.PathLike, *, allow_incomplete: bool = False,
     return Trace(path, allow_incomplete=allow_incomplete, verify=verify)
 
 
+def _nothing_yet(path: Path) -> str:
+    return (f"{path} holds nothing yet: the capture that was writing it stopped (killed or "
+            "crashed) before it wrote its first records; capture again")
+
+
 def _open_h5(path: Path) -> h5py.File:
     if not path.exists():
         partial = partial_path(path)
@@ -192,11 +199,16 @@ def _open_h5(path: Path) -> h5py.File:
         raise TraceError(f"trace {path} does not exist; check the path")
     if path.is_dir():
         raise TraceError(f"{path} is a directory, not a trace file")
+    empty_partial = _nothing_yet(path)
     if not h5py.is_hdf5(path):
+        if path.name.endswith(schema.PARTIAL_SUFFIX):
+            raise TraceError(empty_partial)
         raise TraceError(f"{path} is not an HDF5 file, so not a layerdiff trace")
     try:
         return h5py.File(path, "r")
     except OSError as exc:
+        if path.name.endswith(schema.PARTIAL_SUFFIX):
+            raise TraceError(empty_partial) from exc
         if "truncated" in str(exc).lower():
             raise TraceError(f"{path} is cut off: the file is shorter than its own header says "
                              "(an interrupted copy or write); capture or copy it again") from exc
