@@ -22,6 +22,7 @@ from layerdiff.errors import (
     CaptureError,
     CaseError,
     DiffError,
+    Interrupted,
     LayerdiffError,
     MappingError,
     OutputError,
@@ -72,8 +73,8 @@ _CALLABLE_PACKAGES = ("capture", "replay")
 
 __all__ = [  # every name in _LAZY and _CALLABLE_PACKAGES, the errors and __version__
     "BisectResult", "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase",
-    "LayerdiffError", "MapCheck", "Mapping", "MappingError", "Origin", "OutputError", "Pass",
-    "ReplayResult",
+    "Interrupted", "LayerdiffError", "MapCheck", "Mapping", "MappingError", "Origin",
+    "OutputError", "Pass", "ReplayResult",
     "Role", "RunResult", "Session", "Status", "SwapResult", "Swapper", "Tolerance",
     "ToleranceError", "Tolerances", "Trace", "TraceError", "TraceWriter", "Verdict",
     "WeightsReport", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",
