@@ -136,12 +136,31 @@ def _interrupt_names_partial(output: str):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Open a trace whose capture did not finish, to see what it holds.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write a browser page instead: value and gradient ranges per site, norms, "
+                   "histograms (for --site, or every site of a small trace), NaN/Inf.")
+@click.option("--against", type=click.Path(dir_okay=False), metavar="PORT",
+              help="With --html: a port trace to diff against TRACE; the page shows which "
+                   "batch elements are wrong.")
+@map_option
+@tolerances_option
 def show_command(trace_path: str, site: str | None, role: str | None, step: int | None,
-                 by_site: bool, as_json: bool, allow_incomplete: bool) -> None:
-    """List what TRACE recorded, in execution order (reads the index only)."""
+                 by_site: bool, as_json: bool, allow_incomplete: bool, html_path: str | None,
+                 against: str | None, mapping: str | None, tolerances: str | None) -> None:
+    """List what TRACE recorded, in execution order (reads the index only).
+
+    With --html, write a page to look at instead; its exit code is 1 when a NaN or Inf was
+    recorded or the pair is out of tolerance, 0 otherwise.
+    """
     from layerdiff import show
     from layerdiff.trace import open_trace
 
+    if html_path:
+        _show_html(trace_path, html_path, against=against, site=site, step=step,
+                   mapping=mapping, tolerances=tolerances, allow_incomplete=allow_incomplete,
+                   as_json=as_json)
+    if against or mapping or tolerances:
+        raise click.UsageError("--against, --map and --tolerances go with --html")
     with open_trace(trace_path, allow_incomplete=allow_incomplete) as trace:
         records = show.select_records(trace, site=site, role=role, step=step)
         if as_json:
@@ -158,6 +177,24 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
                        "no records match" + (f" --site {site!r}" if site else ""))
         else:
             click.echo(show.format_records(records))
+
+
+def _show_html(trace_path: str, html_path: str, *, against: str | None, site: str | None,
+               step: int | None, mapping: str | None, tolerances: str | None,
+               allow_incomplete: bool, as_json: bool) -> None:
+    from layerdiff.progress import ByteProgress
+    from layerdiff.report.browser import browse
+
+    refuse_inputs({"--html": html_path}, {"trace": trace_path, "--against trace": against,
+                                          "mapping file": mapping, "tolerance file": tolerances})
+    with ByteProgress("browse", enabled=not as_json) as bar:
+        page = browse(trace_path, against=against, sites=[site] if site else [], step=step,
+                      mapping=mapping, tolerances=tolerances, progress=bar.progress,
+                      allow_incomplete=allow_incomplete)
+    written = page.write(html_path)
+    click.echo(json.dumps(page.as_json(), indent=1) if as_json
+               else f"{page.format()}\npage      {written} (open it in a browser)")
+    sys.exit(1 if page.found else 0)
 
 
 @main.command("diff")
