@@ -515,7 +515,7 @@ def cases_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([info.as_json() for info in CATALOG], indent=1))
         return
-    for kind in ("reference", "port", "bug"):
+    for kind in ("reference", "port", "bug", "diagnostic"):
         entries = [info for info in CATALOG if info.kind == kind]
         if not entries:
             continue

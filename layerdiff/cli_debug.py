@@ -69,9 +69,14 @@ def nan_command(case_spec: str, steps: int | None, output: str | None, force: bo
               help="Training steps per run (default: the case's).")
 @tolerances_option
 @tolerance_flags
+@click.option("--keep", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Keep each run's trace in DIR (run0.h5, run1.h5, ...).")
+@click.option("--parallel", is_flag=True,
+              help="Start the runs at once instead of one after another (needs the cores).")
 @json_option
 def determinism_command(case_spec: str, runs: int, steps: int | None, tolerances: str | None,
-                        rtol: float | None, atol: float | None, json_path: str | None) -> None:
+                        rtol: float | None, atol: float | None, keep: str | None,
+                        parallel: bool, json_path: str | None) -> None:
     """Capture CASE --runs times, each in a fresh process, and compare the traces bit for bit.
 
     Exit 0 when every run recorded the same bits, 1 when a record differs (the first is named,
@@ -84,7 +89,7 @@ def determinism_command(case_spec: str, runs: int, steps: int | None, tolerances
     with CountProgress("determinism", "runs", enabled=json_path != "-") as bar:
         result = check_determinism(case_spec, runs=runs, steps=steps,
                                    tolerances=tolerances_from(tolerances, rtol, atol),
-                                   progress=bar.progress)
+                                   progress=bar.progress, keep=keep, parallel=parallel)
     _finish(result, json_path)
 
 

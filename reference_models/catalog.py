@@ -12,8 +12,8 @@ HERE = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class CaseInfo:
     spec: str                      # package.module:name, for `layerdiff capture`
-    model: str                     # mlp | cnn | transformer | convlstm | bench
-    kind: str                      # reference | port | bug
+    model: str                     # mlp | cnn | transformer | convlstm | bench | numerics
+    kind: str                      # reference | port | bug | diagnostic (for a debug command)
     description: str
     reference: str | None = None   # for a port or a bug: the case it should match
     mapping: str | None = None     # the mapping file it needs (beside this file), if any
@@ -107,4 +107,17 @@ CATALOG: list[CaseInfo] = [
     _bug("convlstm_numpy", "bug_accumulator_not_zeroed", "convlstm", "cell.conv#4", "backward",
          "numpy col2im accumulator reused without zeroing (np.empty semantics): wrong from "
          "the second frame of the backward on", "cell.conv#*"),
+
+    # cases for the debugging commands: not ports of a reference, each with the fault the
+    # command finds (site and pass in the case's own names)
+    CaseInfo("reference_models.numerics:nan_log_softmax", "numerics", "diagnostic",
+             "raw 0-255 pixels into log(softmax(x)): softmax underflows to 0, -inf in the "
+             "forward (layerdiff nan)", site="log_probs#0", pass_="forward"),
+    CaseInfo("reference_models.numerics:nan_sqrt_backward", "numerics", "diagnostic",
+             "where(x > 0, sqrt(x), 0): a finite forward, a NaN gradient (layerdiff nan)",
+             site="features.sqrt#0", pass_="backward"),
+    CaseInfo("reference_models.numerics:convlstm_uninitialised_bias", "convlstm", "diagnostic",
+             "numpy ConvLSTM whose bias-gradient accumulator is never zeroed, its first contents "
+             "from os.urandom: differs from run to run (layerdiff determinism)",
+             site="cell.conv#0", pass_="backward"),
 ]

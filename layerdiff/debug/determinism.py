@@ -1,0 +1,407 @@
+"""``check_determinism``: run a case several times, each in a fresh process, and compare the
+traces bit for bit.
+
+A fresh process per run, as between real runs: Python's hash seed (unless ``PYTHONHASHSEED`` is
+set in the environment), the memory allocator's state, addresses and thread pools all start
+anew, so an order that follows a ``set`` of strings, a buffer that is read before it is written,
+or a reduction whose order follows thread timing shows up as a difference. Each run is captured
+into its own trace (``layerdiff.capture`` in a child Python); the traces are then compared
+record by record in recording order, by the digest every record carries in the index (tensor
+data is read only where a record has no digest). The first record that differs is ``first``;
+the whole diff of the two traces (:func:`layerdiff.diff`) then says whether that difference is
+within tolerance (the rounding of another reduction order) or not, and where the runs first
+differ by more than that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff import errors
+from layerdiff.compare import Tolerances, diff
+from layerdiff.compare.judge import PASSING
+from layerdiff.errors import CaptureError, CaseError, LayerdiffError
+from layerdiff.trace import Trace, open_trace
+
+Progress = Callable[[int, int], None]  # (runs done, runs in all)
+WIDTH = 100
+# What must agree for two records to be the same record (before their bytes are compared).
+LAYOUT = ["step", "pass", "site", "role", "arg", "kind", "dtype", "shape"]
+_CHILD = ("import sys; from layerdiff.debug.determinism import run_child; "
+          "sys.exit(run_child(sys.argv[1:]))")
+
+
+class DeterminismVerdict(StrEnum):
+    DETERMINISTIC = "deterministic"
+    NONDETERMINISTIC = "nondeterministic"
+
+
+class DifferenceKind(StrEnum):
+    VALUES = "values"    # same record, other bytes
+    LAYOUT = "layout"    # another record at that place: another site, shape or dtype, or none
+
+
+@dataclass(frozen=True)
+class RecordKey:
+    """Which record: ``site``, ``step``, ``pass``, ``role`` (and the argument)."""
+
+    site: str
+    step: int
+    pass_: str
+    role: str
+    arg: str
+
+    @classmethod
+    def of(cls, row: pd.Series | dict) -> RecordKey:
+        return cls(str(row["site"]), int(row["step"]), str(row["pass"]), str(row["role"]),
+                   str(row["arg"]))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"site": self.site, "step": self.step, "pass": self.pass_, "role": self.role,
+                "arg": self.arg}
+
+    def describe(self) -> str:
+        arg = "" if self.arg == "0" else f" '{self.arg}'"
+        return f"step {self.step}, {self.pass_} {self.role}{arg} of {self.site}"
+
+
+@dataclass
+class RunComparison:
+    """One run against the first: where they first differ and by how much."""
+
+    run: int                              # 2, 3, ... (the first run is 1)
+    first: RecordKey | None
+    position: int | None                  # the first's place in the first run's recording order
+    how: str | None = None                # a DifferenceKind
+    within_tolerance: bool | None = None  # of the first difference
+    verdict: str | None = None            # the diff's verdict of that record
+    max_abs: float | None = None
+    ratio: float | None = None            # max |d| / (atol + rtol |ref|)
+    tolerance: str = ""
+    differing: int = 0                    # records whose bytes differ
+    first_out: RecordKey | None = None    # the first record out of tolerance, if any
+    note: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"run": self.run, "first": self.first.as_json() if self.first else None,
+                "how": self.how, "within_tolerance": self.within_tolerance,
+                "verdict": self.verdict, "max_abs": _number(self.max_abs),
+                "ratio": _number(self.ratio), "tolerance": self.tolerance,
+                "differing": self.differing,
+                "first_out": self.first_out.as_json() if self.first_out else None,
+                "note": self.note}
+
+
+@dataclass
+class DeterminismResult:
+    """Whether K runs of a case agree bit for bit; ``found`` when they do not."""
+
+    case: str
+    runs: int
+    steps: int | None          # steps each run ran (the case's own unless asked)
+    records: int               # records in the first run's trace
+    comparisons: list[RunComparison]
+    seconds: float
+    hash_seed: str             # "random" (a new one per process) or the fixed value
+    traces: list[str] = field(default_factory=list)   # kept traces, when a directory was given
+
+    @property
+    def _first(self) -> RunComparison | None:
+        differing = [c for c in self.comparisons if c.first is not None]
+        return min(differing, key=lambda c: c.position) if differing else None
+
+    @property
+    def found(self) -> bool:
+        return self._first is not None
+
+    @property
+    def verdict(self) -> str:
+        return (DeterminismVerdict.NONDETERMINISTIC if self.found
+                else DeterminismVerdict.DETERMINISTIC)
+
+    @property
+    def first(self) -> RecordKey | None:
+        first = self._first
+        return first.first if first else None
+
+    @property
+    def within_tolerance(self) -> bool | None:
+        first = self._first
+        return first.within_tolerance if first else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"case": self.case, "verdict": str(self.verdict), "found": self.found,
+                "first": self.first.as_json() if self.first else None,
+                "within_tolerance": self.within_tolerance, "runs": self.runs,
+                "steps": self.steps, "records": self.records, "hash_seed": self.hash_seed,
+                "comparisons": [c.as_json() for c in self.comparisons],
+                "seconds": round(self.seconds, 3), "traces": list(self.traces)}
+
+    def format(self) -> str:
+        steps = "its own steps" if self.steps is None else f"{self.steps} step" + (
+            "s" if self.steps != 1 else "")  # None: a trace that did not say
+        head = (f"{self.runs} runs of {self.case} ({steps}), each in a fresh process, "
+                f"{self.records:,} records each, {self.seconds:.1f} s")
+        lines: list[str] = []
+        if not self.found:
+            lines.append(f"deterministic: {head}: identical bit for bit")
+        else:
+            lines.append(f"nondeterministic: {head}")
+            for c in self.comparisons:
+                if c.first is None:
+                    lines.append(f"run {c.run} is identical to run 1")
+                    continue
+                lines.append(f"run {c.run} differs from run 1 first at {c.first.describe()}"
+                             + (f" ({c.note})" if c.note else ""))
+                if c.how == DifferenceKind.VALUES:
+                    size = (f"max |diff| {c.max_abs:.3g}, {c.ratio:.3g}x tolerance"
+                            if c.max_abs is not None and c.ratio is not None
+                            and math.isfinite(c.ratio) else f"verdict {c.verdict}")
+                    lines.append(f"  {'within' if c.within_tolerance else 'OUT OF'} tolerance "
+                                 f"there: {size} ({c.tolerance})")
+                lines.append(f"  {c.differing:,} of {self.records:,} records differ; "
+                             + (f"first out of tolerance: {c.first_out.describe()}"
+                                if c.first_out else "none out of tolerance"))
+        if self.hash_seed != "random":
+            lines.append(f"PYTHONHASHSEED={self.hash_seed} in this environment: every run had "
+                         "the same hash seed")
+        if self.traces:
+            lines.append("traces: " + " ".join(self.traces))
+        out = []
+        for line in lines:
+            indent = " " * (len(line) - len(line.lstrip()))
+            out.extend(textwrap.wrap(line, WIDTH, initial_indent="", subsequent_indent=indent
+                                     + "  ") or [""])
+        return "\n".join(out)
+
+
+def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
+                      tolerances: str | os.PathLike | Tolerances | None = None,
+                      progress: Progress | None = None, *,
+                      keep: str | os.PathLike | None = None,
+                      parallel: bool = False) -> DeterminismResult:
+    """Capture ``case_spec`` (``package.module:name``) ``runs`` times, each in a fresh Python
+    process, and compare the traces bit for bit; see :class:`DeterminismResult`.
+
+    ``steps`` overrides the case's step count; ``tolerances`` (a file or
+    :class:`layerdiff.Tolerances`) judges whether a difference is within tolerance; ``progress``
+    is called as ``progress(runs_done, runs)``. The traces go to a temporary directory, deleted
+    afterwards, unless ``keep`` names a directory to write them to (``run1.h5``, ...).
+    ``parallel`` starts every run at once (faster for small cases; each run needs the case's
+    memory, on the GPU too), instead of one after the other.
+    """
+    if runs < 2:
+        raise CaptureError(f"--runs must be at least 2 to compare runs of {case_spec} "
+                           f"(got {runs})")
+    if steps is not None and steps < 1:
+        raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case_spec}")
+    tolerances = Tolerances.build(tolerances)  # a bad tolerance file fails before any run
+    root = _import_root(case_spec)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if keep is None:
+            directory = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="layerdiff-determinism-")))
+        else:
+            directory = Path(keep)
+            directory.mkdir(parents=True, exist_ok=True)
+        paths = [directory / f"run{run + 1}.h5" for run in range(runs)]
+        if parallel:
+            children = [_start(case_spec, path, steps, root) for path in paths]
+            for run, child in enumerate(children):
+                _finish(child, case_spec, run, runs)
+                if progress is not None:
+                    progress(run + 1, runs)
+        else:
+            for run, path in enumerate(paths):
+                _finish(_start(case_spec, path, steps, root), case_spec, run, runs)
+                if progress is not None:
+                    progress(run + 1, runs)
+        traces = [stack.enter_context(open_trace(path)) for path in paths]
+        comparisons = [compare_runs(traces[0], trace, run + 2, tolerances)
+                       for run, trace in enumerate(traces[1:])]
+        records = len(traces[0].index)
+        ran = traces[0].meta.get("steps", steps)
+    return DeterminismResult(case_spec, runs, ran, records, comparisons,
+                             time.perf_counter() - started,
+                             os.environ.get("PYTHONHASHSEED", "random") or "random",
+                             [str(p) for p in paths] if keep is not None else [])
+
+
+def compare_runs(first: Trace, other: Trace, run: int,
+                 tolerances: Tolerances | None = None) -> RunComparison:
+    """Where ``other`` first differs from ``first``, in recording order, and by how much."""
+    a, b = first.index, other.index
+    common = min(len(a), len(b))
+    layout = np.ones(common, dtype=bool)
+    for column in LAYOUT:
+        layout &= a[column].to_numpy()[:common] == b[column].to_numpy()[:common]
+    layout_at = _first_false(layout)
+    if layout_at is None and len(a) != len(b):
+        layout_at = common
+    same = _same_bytes(first, other, a.iloc[:common], b.iloc[:common]) & layout
+    differing = int((~same).sum()) + abs(len(a) - len(b))
+    values_at = _first_false(same)
+    if layout_at is not None and (values_at is None or layout_at <= values_at):
+        row = a.iloc[layout_at] if layout_at < len(a) else b.iloc[layout_at]
+        other_row = b.iloc[layout_at] if layout_at < len(b) else None
+        note = ("run 1 has no record there" if layout_at >= len(a) else
+                f"run {run} has no record there" if other_row is None else
+                f"run {run} records {RecordKey.of(other_row).describe()} "
+                f"({other_row['dtype']} {other_row['shape']}) there")
+        return RunComparison(run, RecordKey.of(row), layout_at, DifferenceKind.LAYOUT, False,
+                             "layout", differing=differing, note=note)
+    if values_at is None:
+        return RunComparison(run, None, None)
+    key = RecordKey.of(a.iloc[values_at])
+    comparison = RunComparison(run, key, values_at, DifferenceKind.VALUES,
+                               differing=differing)
+    _judge(comparison, first, other, key, tolerances)
+    return comparison
+
+
+def _judge(comparison: RunComparison, first: Trace, other: Trace, key: RecordKey,
+           tolerances: Tolerances | None) -> None:
+    """The diff of the two runs: the verdict of the first difference, the first out."""
+    rows = diff(first, other, tolerances=tolerances).rows
+    match = rows[(rows["step"] == key.step) & (rows["site"] == key.site)
+                 & (rows["role"] == key.role) & (rows["arg"] == key.arg)
+                 & (rows["pass"] == key.pass_)]
+    if not match.empty:
+        row = match.iloc[0]
+        comparison.verdict = str(row["verdict"])
+        comparison.within_tolerance = row["verdict"] in PASSING
+        comparison.max_abs = _float(row["max_abs"])
+        comparison.ratio = _float(row["ratio"])
+        comparison.tolerance = f"rtol={row['rtol']:g} atol={row['atol']:g}, {row['tol_source']}"
+    out = rows[~rows["verdict"].isin(PASSING)]
+    if not out.empty:
+        comparison.first_out = RecordKey.of(out.iloc[0])
+
+
+def _same_bytes(first: Trace, other: Trace, a: pd.DataFrame, b: pd.DataFrame) -> np.ndarray:
+    """Per record: the same digest (or, for a plain value, the same JSON). A record without a
+    digest on either side is compared by its data."""
+    digest_a, digest_b = a["digest"].to_numpy(), b["digest"].to_numpy()
+    same = (digest_a == digest_b) & (a["value"].to_numpy() == b["value"].to_numpy())
+    tensor = (a["kind"] == "tensor").to_numpy() & (b["kind"] == "tensor").to_numpy()
+    for i in np.flatnonzero(tensor & ((digest_a == "") | (digest_b == ""))):
+        same[i] = _read_bytes(first, a.iloc[i]) == _read_bytes(other, b.iloc[i])
+    return same
+
+
+def _read_bytes(trace: Trace, row: pd.Series) -> bytes:
+    if row["segment"] < 0:  # no data (a summary trace): its statistics are all there is
+        return repr([row[c] for c in ("min", "max", "mean", "std", "l2", "nan", "inf")]).encode()
+    return trace.read(row, raw=True).tobytes()
+
+
+def _first_false(flags: np.ndarray) -> int | None:
+    where = np.flatnonzero(~flags)
+    return int(where[0]) if where.size else None
+
+
+# ---- the runs ----
+
+def _import_root(spec: str) -> str | None:
+    """The directory the child must import the case's module from, found without running it;
+    a spec that cannot import is refused here, before any run."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise CaseError(f"case spec {spec!r} is not of the form package.module:name; for "
+                        "example reference_models.transformer:reference")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as load_case does
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        found, reason = None, f" ({exc})"
+    else:
+        reason = ""
+    if found is None or found.origin is None:
+        raise CaseError(f"case spec {spec!r}: module {module!r} does not import{reason}; check "
+                        "the spelling and that it is on PYTHONPATH")
+    origin = Path(found.origin).resolve()
+    depth = module.count(".") + (1 if origin.name == "__init__.py" else 0)
+    return str(origin.parents[depth])
+
+
+def _start(spec: str, path: Path, steps: int | None, root: str | None) -> subprocess.Popen:
+    """A fresh Python that captures the case into ``path``."""
+    env = dict(os.environ)
+    if root:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-c", _CHILD, spec, str(path), "" if steps is None else str(steps)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _finish(child: subprocess.Popen, spec: str, run: int, runs: int) -> None:
+    """Wait for a run; its error, if any, as the error it was (a CaseError stays one)."""
+    _, stderr = child.communicate()
+    if child.returncode == 0:
+        return
+    lines = stderr.strip().splitlines()
+    try:
+        error = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        error = {}
+    if isinstance(error, dict) and "message" in error:
+        kind = getattr(errors, str(error.get("error")), CaptureError)
+        kind = kind if isinstance(kind, type) and issubclass(kind, LayerdiffError) else (
+            CaptureError)
+        raise kind(f"run {run + 1} of {runs} (a fresh process): {error['message']}")
+    last = lines[-1] if lines else "no message"
+    raise CaptureError(f"case {spec}: run {run + 1} of {runs} (a fresh Python process) "
+                       f"failed with exit code {child.returncode}: {last}; run `layerdiff "
+                       f"capture {spec} -o run.h5` to see the whole error")
+
+
+def run_child(argv: list[str]) -> int:
+    """The fresh process: capture the case; a LayerdiffError comes back as one JSON line."""
+    spec, output, steps = argv
+    try:
+        from layerdiff.capture import capture
+        from layerdiff.case import load_case
+
+        capture(load_case(spec), output, steps=int(steps) if steps else None)
+    except LayerdiffError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), file=sys.stderr)
+        return 2
+    return 0
+
+
+def _float(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def _number(value: float | None) -> float | str | None:
+    if value is None or math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+__all__ = ["DeterminismResult", "DeterminismVerdict", "DifferenceKind", "RecordKey",
+           "RunComparison", "check_determinism", "compare_runs"]
