@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class CaseInfo:
     spec: str                      # package.module:name, for `layerdiff capture`
-    model: str                     # mlp | cnn | transformer | convlstm | bench | numerics
+    model: str                     # mlp | cnn | transformer | convlstm | causal_lm | bench | ...
     kind: str                      # reference | port | bug | diagnostic (for a debug command)
     description: str
     reference: str | None = None   # for a port or a bug: the case it should match
@@ -52,6 +52,17 @@ def _bug(module: str, name: str, model: str, site: str, pass_: str, description:
          runs_in: str | None = None) -> CaseInfo:
     return CaseInfo(f"reference_models.{module}:{name}", model, "bug", description,
                     reference=f"reference_models.{model}:reference", mapping=_mapping(module),
+                    site=site, pass_=pass_, runs_in=runs_in or site)
+
+
+_HINTS = "reference_models.hint_bugs"
+
+
+def _hint_bug(name: str, model: str, site: str, pass_: str, description: str, *,
+              runs_in: str | None = None, mapping: str | None = None,
+              reference: str | None = None) -> CaseInfo:
+    return CaseInfo(f"{_HINTS}:{name}", model, "bug", description,
+                    reference=reference or f"reference_models.{model}:reference", mapping=mapping,
                     site=site, pass_=pass_, runs_in=runs_in or site)
 
 
@@ -107,6 +118,37 @@ CATALOG: list[CaseInfo] = [
     _bug("convlstm_numpy", "bug_accumulator_not_zeroed", "convlstm", "cell.conv#4", "backward",
          "numpy col2im accumulator reused without zeroing (np.empty semantics): wrong from "
          "the second frame of the backward on", "cell.conv#*"),
+
+    # planted bugs for the likely-cause hints the zoo lacked (reference_models/hint_bugs.py)
+    CaseInfo(f"{_HINTS}:causal_reference", "causal_lm", "reference",
+             "small causal language model: embedding, one pre-norm block with GPT-style "
+             "attention whose kernel is a module of its own (attn.core), linear head"),
+    CaseInfo(f"{_HINTS}:causal_port", "causal_lm", "port",
+             "the causal language model with its attention kernel from "
+             "scaled_dot_product_attention(is_causal=True)",
+             reference=f"{_HINTS}:causal_reference"),
+    _hint_bug("mlp_sign_backward", "mlp", "act1#0", "backward",
+              "ReLU with a hand-written backward whose sign is flipped"),
+    _hint_bug("mlp_bias_twice", "mlp", "fc2#0", "forward",
+              "a Linear layer that adds its bias twice (in F.linear and by hand)"),
+    _hint_bug("mlp_bf16_layer", "mlp", "fc1#0", "forward",
+              "one Linear layer computed in bfloat16 and cast back to float32"),
+    _hint_bug("cnn_sum_pool", "cnn", "gap#0", "forward",
+              "global pooling sums where the reference averages"),
+    _hint_bug("cnn_batchnorm_eps", "cnn", "block.bn1#0", "forward",
+              "a batch norm with epsilon 1e-3 instead of 1e-5"),
+    _hint_bug("convlstm_gate_order", "convlstm", "cell.conv#0", "forward",
+              "numpy ConvLSTM whose gate convolution writes the gates in (i, f, o, g) order "
+              "while the cell splits them as (i, f, g, o)", runs_in="cell*"),
+    _hint_bug("transformer_mask_ignored", "transformer", "enc.0.self_attn#0", "forward",
+              "the attention kernel is never given the padding mask", runs_in="*_attn#0",
+              mapping="transformer_port.map.toml"),
+    _hint_bug("causal_mask_off_by_one", "causal_lm", "attn.core#0", "forward",
+              "causal mask made with tril(diagonal=1): each position sees the next token",
+              reference=f"{_HINTS}:causal_reference"),
+    _hint_bug("causal_heads_merged_by_reshape", "causal_lm", "attn.core#0", "forward",
+              "attention heads merged with a reshape where transpose + reshape belonged",
+              reference=f"{_HINTS}:causal_reference"),
 
     # cases for the debugging commands: not ports of a reference, each with the fault the
     # command finds (site and pass in the case's own names)

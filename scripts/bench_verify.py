@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_diff import generate  # noqa: E402
+from bench_diff import generate
 
 CHILD = """
 import sys, time

@@ -11,7 +11,8 @@ from layerdiff import capture, load_case, open_trace, run_case
 from reference_models import convlstm, convlstm_numpy, transformer
 from reference_models.catalog import CATALOG
 
-SMALL = [info for info in CATALOG if info.model != "bench" and not info.spec.endswith("_large")]
+SMALL = [info for info in CATALOG if info.model != "bench" and not info.spec.endswith("_large")
+         and info.kind != "diagnostic"]  # those have their own tests (test_nan, ...)
 PORTS = [info for info in CATALOG if info.kind == "port"]
 BUGS = [info for info in CATALOG if info.kind == "bug"]
 # The correct port each bug was planted in: the same code but for the bug's one line.
@@ -19,6 +20,15 @@ PLANTED_IN = {
     "reference_models.transformer_port:bug_softmax_axis": "transformer_port:port_manual",
     "reference_models.transformer_port:bug_missing_scale": "transformer_port:port_manual",
     "reference_models.transformer_port:bug_inverted_mask": "transformer_port:port_manual",
+    "reference_models.hint_bugs:mlp_sign_backward": "mlp_port:port",
+    "reference_models.hint_bugs:mlp_bias_twice": "mlp_port:port",
+    "reference_models.hint_bugs:mlp_bf16_layer": "mlp_port:port",
+    "reference_models.hint_bugs:cnn_sum_pool": "cnn_port:port",
+    "reference_models.hint_bugs:cnn_batchnorm_eps": "cnn_port:port",
+    "reference_models.hint_bugs:convlstm_gate_order": "convlstm_numpy:port",
+    "reference_models.hint_bugs:transformer_mask_ignored": "transformer_port:port",
+    "reference_models.hint_bugs:causal_mask_off_by_one": "hint_bugs:causal_reference",
+    "reference_models.hint_bugs:causal_heads_merged_by_reshape": "hint_bugs:causal_reference",
 }
 
 
@@ -49,15 +59,16 @@ def test_the_catalog_is_consistent():
     assert len(specs) == len(set(specs))
     references = {info.spec for info in CATALOG if info.kind == "reference"}
     for info in CATALOG:
-        if info.kind == "reference":
-            assert info.reference is None and info.site is None
+        if info.kind in ("reference", "diagnostic"):  # a diagnostic case has no reference
+            assert info.reference is None, info.spec
         else:
             assert info.reference in references, info.spec
-        assert (info.site is not None) == (info.kind == "bug") == (info.pass_ is not None)
+        assert (info.site is not None) == (info.kind in ("bug", "diagnostic")) == (
+            info.pass_ is not None), info.spec
         assert info.pass_ in (None, "forward", "backward")
     for model in ("mlp", "cnn", "transformer", "convlstm"):
         kinds = {info.kind for info in CATALOG if info.model == model}
-        assert kinds == {"reference", "port", "bug"}, model
+        assert {"reference", "port", "bug"} <= kinds, model
 
 
 # ---- correct ports against their references

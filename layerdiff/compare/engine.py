@@ -25,7 +25,7 @@ from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
-from layerdiff.compare.origins import find_origins
+from layerdiff.compare.origins import attach_hints, find_origins
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
@@ -154,6 +154,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
                                        ref_index=ref_index, dropped=set(records.dropped))
+    attach_hints(origins, ref, port, grad_factor=grad_factor)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"

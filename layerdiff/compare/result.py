@@ -46,6 +46,8 @@ class Origin:
     reason: str                 # one sentence: why this is an origin
     metrics: dict[str, Any] = field(default_factory=dict)   # the row's metrics and tolerance
     holders: list[str] = field(default_factory=list)        # containers around it that qualify
+    # the likely cause, {"kind", "evidence"} (see layerdiff.compare.hints), or None
+    hint: dict[str, str] | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)

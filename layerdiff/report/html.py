@@ -29,6 +29,7 @@ from layerdiff.compare import judge
 from layerdiff.compare.judge import PASSING, Status, Verdict
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
+from layerdiff.outputs import write_text
 from layerdiff.trace import open_trace
 from layerdiff.trace.reader import Trace
 
@@ -110,6 +111,7 @@ tr.origin td:first-child { border-left: 4px solid #d62728; }
 tr.propagated td:first-child { border-left: 4px solid #ff7f0e; }
 tr.holds-origin td:first-child { border-left: 4px solid #9467bd; }
 ol.origins li { margin-bottom: 6px; }
+.hint { color: #1f4e79; }
 details { margin-top: 8px; }
 pre { background: var(--soft); padding: 10px; border-radius: 6px; overflow-x: auto;
       font-size: 12px; }
@@ -118,9 +120,7 @@ pre { background: var(--soft); padding: 10px; border-radius: 6px; overflow-x: au
 
 def write_html(diff: Diff, path: str | os.PathLike[str]) -> Path:
     """Write ``diff`` as one self-contained HTML file at ``path``; returns the path."""
-    target = Path(path)
-    target.write_text(render_html(diff), encoding="utf-8")
-    return target
+    return write_text(path, render_html(diff))
 
 
 def render_html(diff: Diff) -> str:
@@ -149,7 +149,8 @@ def _header(diff: Diff) -> str:
     verdict = diff.verdict
     origin = diff.origin
     if origin is not None:
-        summary = f"First origin: {origin.describe()}."
+        summary = f"First origin: {origin.describe()}." + (
+            f" Likely cause: {origin.hint['kind']}." if origin.hint else "")
     elif verdict == "fail":
         summary = "Rows are out of tolerance, but no origin was found."
     else:
@@ -346,6 +347,9 @@ def _origin_section(diff: Diff) -> str:
     source = row.get("tol_source", "") if row is not None else ""
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if _present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
+    if origin.hint:
+        parts.append(f"<p class=\"hint\">Likely cause: <b>{escape(origin.hint['kind'])}</b>: "
+                     f"{escape(origin.hint['evidence'])}</p>")
     if ref.size == 0 or port.size == 0:
         return "\n".join([*parts, "<p class=\"note\">The tensor is empty: nothing to draw.</p>"])
     if ref.shape == port.shape:
@@ -575,8 +579,11 @@ def _origins_section(diff: Diff) -> str:
     for origin in diff.origins:
         holders = (f"<br><span class=\"note\">inside: {escape(', '.join(origin.holders))}"
                    "</span>" if origin.holders else "")
+        hint = origin.hint
+        cause = (f"<br><span class=\"hint\">likely cause: <b>{escape(hint['kind'])}</b>: "
+                 f"{escape(hint['evidence'])}</span>" if hint else "")
         items.append(f"<li><b>{escape(origin.describe())}</b><br>{escape(origin.reason)}"
-                     f"{holders}</li>")
+                     f"{cause}{holders}</li>")
     return head + "<ol class=\"origins\">" + "".join(items) + "</ol>"
 
 

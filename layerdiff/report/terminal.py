@@ -63,7 +63,7 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
     in_port = [] if origin.port_site in ("", origin.site) else [
         f"in the port: {origin.port_site}" + (
             "" if origin.port_arg == origin.arg else f", argument '{origin.port_arg}'")]
-    lines = [*in_port, origin.reason,
+    lines = [*in_port, origin.reason, *hint_lines(origin),
              f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
              f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
              f"{_number((m.get('frac_out') or 0) * 100)}% of elements out"]
@@ -122,9 +122,21 @@ def _summary(diff: Diff, width: int) -> list[str]:
                                width, subsequent_indent=" " * 10)
     if len(diff.origins) > 1:
         lines.append(f"origins   {len(diff.origins)}:")
-        lines += [_clip(f"  {i}. {o.describe(port_name=False)}", width)
-                  for i, o in enumerate(diff.origins, start=1)]
+        for i, origin in enumerate(diff.origins, start=1):
+            lines.append(_clip(f"  {i}. {origin.describe(port_name=False)}", width))
+            lines += [_clip_end(f"       {text}", width) for text in hint_lines(origin)]
     return lines
+
+
+def _clip_end(text: str, width: int) -> str:
+    """A sentence cut at the width: its start says what it is (--json has it whole)."""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def hint_lines(origin: Origin) -> list[str]:
+    """'likely cause: KIND: evidence' when the origin's error matches a known kind of mistake."""
+    hint = origin.hint
+    return [f"likely cause: {hint['kind']}: {hint['evidence']}"] if hint else []
 
 
 def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:
