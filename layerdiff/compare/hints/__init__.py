@@ -1,0 +1,78 @@
+"""Likely-cause hints: what kind of porting mistake makes an origin's error look like it does.
+
+Pure numpy. Each kind is a model of the port's tensor built from the reference's own tensors at
+the origin (its output, inputs, weights, incoming gradient), with at most a few fitted numbers.
+A model is accepted only when both hold (see :class:`~._common.Judge`):
+
+- it removes at least 99% of the error energy: ``|port - model|^2 <= 0.01 |port - ref|^2``;
+- what it leaves is noise at the tolerance's scale: ``|port - model| <= 4 (atol + rtol |ref|)``
+  element by element (4: the fitted numbers and a float64 recomputation of the port's float32
+  arithmetic have errors of their own).
+
+Models with structure of their own (a linear layer, a softmax, attention, a normalization) are
+first checked to reproduce the *reference* from the same tensors; only then is a variant of it
+fitted to the port. Where no model passes, there is no hint: a random error gets none.
+
+The kinds are tried in a fixed order (:data:`TESTS`), from the models with the fewest free
+numbers to the structural descriptions (which positions or batch elements are wrong) and,
+last, precision. One module per family:
+
+- ``_common``: the vocabulary (Kind, Hint, Attention), the acceptance rule, the site's tensors;
+- ``elementwise``: sign, scale, missing-term, approximation, precision;
+- ``layout``: transpose (axes, reshapes, a weight applied transposed), permutation;
+- ``normalization``: axis (a softmax over another axis), epsilon;
+- ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
+- ``positions``: mask and batch, told by where the error is; two boolean masks compared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import attention, elementwise, layout, normalization, positions
+from ._common import Attention, Hint, Judge, Kind, Site, Test
+
+__all__ = ["Attention", "Hint", "Kind", "hint"]
+
+MIN_VALUES = 8         # fewer values than this: no hint
+
+# The order the kinds are tried in: the first that accepts names the hint.
+TESTS: list[Test] = [
+    elementwise.sign, elementwise.scale, elementwise.missing_term,
+    layout.transpose, layout.permutation, layout.linear_transposed,
+    normalization.axis, attention.attention, normalization.epsilon,
+    elementwise.approximation,
+    positions.mask_input, positions.batch, positions.positions,
+    elementwise.precision,
+]
+
+
+def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: float,
+         inputs: dict[str, np.ndarray] | None = None,
+         weights: dict[str, np.ndarray] | None = None,
+         grad_output: np.ndarray | None = None,
+         attention: Attention | None = None) -> Hint | None:
+    """The likely cause of the difference between ``ref`` and ``port`` at an origin, or None.
+
+    ``role`` is the origin's (output, grad_input, weight_grad, weight); ``rtol`` and ``atol``
+    its tolerance. The reference's tensors of the same site make more kinds testable:
+    ``inputs`` (argument -> tensor, masks included), ``weights`` (parameter -> tensor),
+    ``grad_output`` (for a backward origin) and ``attention`` (see :class:`Attention`).
+    """
+    if np.asarray(ref).dtype == bool and np.asarray(port).dtype == bool:
+        return positions.boolean(np.asarray(ref), np.asarray(port))
+    ref = np.asarray(ref, dtype=np.float64)
+    port64 = np.asarray(port, dtype=np.float64)
+    if ref.shape != port64.shape or ref.size < MIN_VALUES:
+        return None  # a scalar (a loss) fits any one-number model: no evidence either way
+    if not (np.isfinite(ref).all() and np.isfinite(port64).all()):
+        return None  # a NaN origin: where the first non-finite came from is another question
+    judge = Judge(ref, port64, rtol, atol)
+    if judge.energy == 0:
+        return None
+    site = Site(role, inputs or {}, weights or {}, grad_output, attention)
+    for test in TESTS:
+        found = test(judge, site)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,136 @@
+"""Kinds of a normalization done differently: ``axis`` (a softmax or log-softmax site taken over
+another axis) and ``epsilon`` (a layer, RMS or batch norm whose epsilon differs: each group of
+the output rescaled by sqrt((var + eps_ref) / (var + eps_port)), most where the variance is
+small)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ._common import Hint, Judge, Kind, Site, left_text, softmax
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+NORMALIZERS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
+    "softmax": softmax, "log_softmax": _log_softmax}
+
+
+def axis(judge: Judge, site: Site) -> Hint | None:
+    if site.role != "output":
+        return None
+    x = site.elementwise_input(judge.ref.shape)
+    if x is None or x.ndim < 2:
+        return None
+    for name, function in NORMALIZERS.items():
+        used = next((a for a in range(x.ndim) if x.shape[a] > 1
+                     and judge.close(function(x, a), judge.ref)), None)
+        if used is None:
+            continue
+        # the site is this normalizer over axis ``used``: only its other axes are tried
+        for other in range(x.ndim):
+            if other == used or x.shape[other] == 1:
+                continue
+            left = judge.accepts(function(x, other))
+            if left is not None:
+                return Hint(Kind.AXIS, f"port = {name}(input) over axis {other} where the "
+                            f"reference takes axis {used} ({left_text(left)})")
+        return None
+    return None
+
+
+def epsilon(judge: Judge, site: Site) -> Hint | None:
+    if site.role != "output":
+        return None
+    x = next((v for _, v in site.float_inputs() if v.shape == judge.ref.shape), None)
+    if x is None or x.ndim < 1:
+        return None
+    gamma = site.weights.get("weight")
+    beta = np.asarray(site.weights.get("bias", 0.0), np.float64)
+    for groups, text in _norm_groups(x.shape, gamma):
+        shift = np.broadcast_to(_along(beta, x.shape, groups), x.shape) if beta.ndim else beta
+        y = _groups_of(judge.ref - shift, groups)
+        z = _groups_of(judge.port - shift, groups)
+        xs = _groups_of(x, groups)
+        yy = np.sum(y * y, axis=1)
+        if xs.shape[0] < 2 or xs.shape[1] < 4 or np.any(yy == 0):
+            continue  # a rescaling of each group needs groups, and members to rescale
+        c = np.sum(y * z, axis=1) / yy
+        for variance, what in ((np.var(xs, axis=1), "variance"),
+                               (np.mean(xs * xs, axis=1), "mean square")):
+            fitted = _fit_epsilons(c, variance)
+            if fitted is None:
+                continue
+            eps_ref, eps_port = fitted
+            factor = np.sqrt((variance + eps_ref) / (variance + eps_port))
+            model = _ungroup(factor[:, None] * y, groups, x.shape) + shift
+            left = judge.accepts(model)
+            if left is None:
+                continue
+            small = np.argsort(variance)[: max(1, len(variance) // 10)]
+            share = float(np.sum((1 - factor[small]) ** 2 * yy[small])
+                          / max(np.sum((1 - factor) ** 2 * yy), 1e-300))
+            reference = (f"{eps_ref:.2g}" if eps_ref > 0
+                         else "one too small to measure")
+            return Hint(Kind.EPSILON, f"a normalization's epsilon: {eps_port:.2g} where the "
+                        f"reference's is {reference}, fitted from each {text}'s {what} of the "
+                        f"input ({left_text(left)}); the 10% of {text}s with the smallest {what} "
+                        f"hold {share:.0%} of the error")
+    return None
+
+
+def _norm_groups(shape: tuple[int, ...], gamma) -> Iterator[tuple[tuple[int, ...], str]]:
+    """The axes a normalization reduces over: its trailing axes (layer and RMS norms, sized
+    by the weight), or all but axis 1 (batch norm)."""
+    trailing = max(np.ndim(gamma), 1) if gamma is not None else 1
+    if trailing <= len(shape):
+        yield tuple(range(len(shape) - trailing, len(shape))), "row"
+    if len(shape) >= 2 and (gamma is None or np.size(gamma) == shape[1]):
+        yield tuple(a for a in range(len(shape)) if a != 1), "channel"
+
+
+def _along(beta: np.ndarray, shape: tuple[int, ...], reduced: tuple[int, ...]) -> np.ndarray:
+    """A per-feature parameter broadcast to ``shape``: along the reduced trailing axes, or
+    along axis 1 when axis 1 is the one kept."""
+    if 1 not in reduced and len(shape) >= 2 and beta.size == shape[1]:
+        view = [1] * len(shape)
+        view[1] = shape[1]
+        return beta.reshape(view)
+    return beta
+
+
+def _groups_of(values: np.ndarray, reduced: tuple[int, ...]) -> np.ndarray:
+    """(groups, members): the reduced axes last, flattened."""
+    kept = [a for a in range(values.ndim) if a not in reduced]
+    moved = np.transpose(values, kept + list(reduced))
+    size = int(np.prod([values.shape[a] for a in reduced]))
+    return moved.reshape(-1, size)
+
+
+def _ungroup(values: np.ndarray, reduced: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    kept = [a for a in range(len(shape)) if a not in reduced]
+    order = kept + list(reduced)
+    moved = values.reshape([shape[a] for a in order])
+    return np.transpose(moved, np.argsort(order))
+
+
+def _fit_epsilons(c: np.ndarray, variance: np.ndarray) -> tuple[float, float] | None:
+    """(eps_ref, eps_port) from the per-group factors: c^2 (v + eps_port) = v + eps_ref is
+    linear in both, fitted by least squares; eps_ref is clipped at 0 (it is the poorly
+    determined one when it is much smaller than every variance)."""
+    c2 = c * c
+    a = np.stack([c2, -np.ones_like(c2)], axis=1)
+    b = variance * (1 - c2)
+    (eps_port, eps_ref), *_ = np.linalg.lstsq(a, b, rcond=None)
+    if eps_ref < 0:
+        eps_ref = 0.0
+        eps_port = float(np.sum(c2 * b) / np.sum(c2 * c2))
+    if not (eps_port > 0 and np.isfinite(eps_port)) or abs(eps_port - eps_ref) <= 1e-3 * max(
+            eps_port, eps_ref):
+        return None
+    return float(eps_ref), float(eps_port)

@@ -1,0 +1,166 @@
+"""Kinds told by *where* the error is rather than by a model of its values: ``mask`` (the error
+exactly where the site's mask input masks, or at a run of whole positions from one end; or two
+boolean mask tensors that differ) and ``batch`` (the error only in some batch elements).
+
+A pattern counts only when it is clear-cut and could not come from scattered errors by chance
+(see :func:`_separated`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from ._common import NOISE, Hint, Judge, Kind, Site, shift_mask
+
+CHANCE = 1e-6          # a pattern of where the error is must be this unlikely by chance
+
+
+# ---------------------------------------------------------------------------------------------
+# Two boolean tensors (masks as buffers or inputs)
+
+
+def boolean(ref: np.ndarray, port: np.ndarray) -> Hint | None:
+    """Two boolean tensors (masks, as buffers or inputs) that differ: how."""
+    if ref.shape != port.shape or np.array_equal(ref, port):
+        return None
+    if np.array_equal(port, ~ref):
+        return Hint(Kind.MASK, "the port's mask is the reference's inverted")
+    if ref.ndim >= 2:
+        ref_diagonal, port_diagonal = _triangle(ref), _triangle(port)
+        if ref_diagonal is not None and port_diagonal is not None:
+            side, ref_k = ref_diagonal
+            return Hint(Kind.MASK, f"the port's mask is {port_diagonal[0]}(diagonal="
+                        f"{port_diagonal[1]}) where the reference's is {side}(diagonal={ref_k})"
+                        f": a causal mask off by {abs(port_diagonal[1] - ref_k)}")
+        for shift in (1, -1):
+            if np.array_equal(port, shift_mask(ref, shift)):
+                return Hint(Kind.MASK, f"the port's mask is the reference's shifted by {shift} "
+                            "along its last axis: off by one")
+    differ = int(np.sum(ref != port))
+    return Hint(Kind.MASK, f"the port's mask differs from the reference's at {differ} of "
+                f"{ref.size} positions")
+
+
+def _triangle(mask: np.ndarray) -> tuple[str, int] | None:
+    """('tril' | 'triu', k) when every matrix of the mask is that triangle."""
+    rows, cols = mask.shape[-2:]
+    for side, make in (("tril", np.tril), ("triu", np.triu)):
+        for k in range(-rows, cols + 1):
+            if np.array_equal(mask, np.broadcast_to(make(np.ones((rows, cols), bool), k),
+                                                    mask.shape)):
+                return side, k
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the error is: positions a mask selects, batch elements, a run of positions
+
+
+def _slices(judge: Judge, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per index of ``axes``: the worst ratio, and the fraction of values out of tolerance."""
+    reduce = tuple(a for a in range(judge.ratio.ndim) if a not in axes)
+    return judge.ratio.max(axis=reduce), (judge.ratio > 1).mean(axis=reduce)
+
+
+def mask_input(judge: Judge, site: Site) -> Hint | None:
+    ref = judge.ref
+    if site.role not in ("output", "grad_input") or ref.ndim < 2:
+        return None
+    for name, mask in site.masks():
+        for pattern, what in _mask_patterns(mask, ref.shape):
+            worst, _ = _slices(judge, tuple(range(pattern.ndim)))
+            bad = worst > 1
+            if not np.array_equal(bad, pattern) or not _separated(judge, worst, bad):
+                continue
+            where = ("batch elements" if pattern.ndim == 1 else "(batch, position) rows")
+            return Hint(Kind.MASK, f"the error is exactly at the {int(pattern.sum())} {where} "
+                        f"{what} of input '{name}' and nowhere else (up to "
+                        f"{_x(worst[pattern].max())} there, {_x(worst[~pattern].max())} "
+                        "elsewhere)")
+    return None
+
+
+def _mask_patterns(mask: np.ndarray, shape: tuple[int, ...]
+                   ) -> Iterator[tuple[np.ndarray, str]]:
+    """Per (batch, position) and per batch element: where the mask masks something."""
+    batch = shape[0]
+    if mask.ndim < 2 or mask.shape[0] != batch:
+        return
+    squeezed = mask.reshape(batch, *[s for s in mask.shape[1:] if s != 1])
+    masked = squeezed == 0
+    if masked.ndim == 3:  # (batch, Lq, Lk): a query row with some key masked
+        masked = masked.any(axis=-1)
+    if masked.ndim != 2:
+        return
+    if len(shape) >= 2 and masked.shape[1] == shape[1]:
+        yield from ((masked, "where the mask is 0 (masked)"),
+                    (~masked, "where the mask is nonzero"))
+    per_batch = masked.any(axis=1)
+    yield per_batch, "whose mask masks some position"
+
+
+def batch(judge: Judge, site: Site) -> Hint | None:
+    if site.role in ("weight", "weight_grad") or judge.ref.ndim < 2 or judge.ref.shape[0] < 2:
+        return None
+    worst, _ = _slices(judge, (0,))
+    bad = worst > 1
+    if not _separated(judge, worst, bad):
+        return None
+    within = np.flatnonzero(~bad)
+    return Hint(Kind.BATCH, f"the error is only in batch elements {_ranges(np.flatnonzero(bad))}"
+                f" ({int(bad.sum())} of {bad.size}, {worst[bad].min():.3g}x to "
+                f"{_x(worst[bad].max())}); element(s) {_ranges(within)} within tolerance (at "
+                f"most {_x(worst[within].max())})")
+
+
+def positions(judge: Judge, site: Site) -> Hint | None:
+    """Whole positions of one axis (not the batch axis nor the last, feature axis) wrong, in
+    one run from either end, the rest within tolerance: a mask or a boundary off by one."""
+    ref = judge.ref
+    if site.role in ("weight", "weight_grad") or ref.ndim < 3:
+        return None
+    for axis in range(1, ref.ndim - 1):
+        worst, out = _slices(judge, (axis,))
+        bad = worst > 1
+        if not _separated(judge, worst, bad) or out[bad].min() < 0.25:
+            continue
+        where = np.flatnonzero(bad)
+        contiguous = where[-1] - where[0] + 1 == where.size
+        if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
+            continue
+        within = np.flatnonzero(~bad)
+        return Hint(Kind.MASK, f"a mask or a boundary off: the error is only at positions "
+                    f"{_ranges(where)} of axis {axis} (of {bad.size}), whole; positions "
+                    f"{_ranges(within)} within tolerance")
+    return None
+
+
+def _separated(judge: Judge, worst: np.ndarray, bad: np.ndarray) -> bool:
+    """Some slices within tolerance and the others clearly out, and not by chance:
+    - each bad slice beyond what tolerance-scale noise reaches (NOISE, as a model's residual
+      must stay within it): an error that hovers about the tolerance falls either side;
+    - were the out values scattered at random at the rate seen, the clean slices would all
+      miss them with probability under 1e-6: a few wrong values among many are not a pattern.
+    """
+    if not bad.any() or bad.all() or worst[bad].min() <= NOISE:
+        return False
+    rate = float(np.mean(judge.ratio > 1))
+    clean_values = judge.ratio.size * float(np.mean(~bad))
+    return rate >= 1 or clean_values * math.log1p(-rate) <= math.log(CHANCE)
+
+
+def _ranges(indices: np.ndarray) -> str:
+    """'0, 2-5, 9'."""
+    parts: list[str] = []
+    for _, run in itertools.groupby(enumerate(indices.tolist()), lambda p: p[1] - p[0]):
+        run = [v for _, v in run]
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    text = ", ".join(parts[:8])
+    return text + (" ..." if len(parts) > 8 else "")
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.3g}x tolerance"
