@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
@@ -143,13 +143,19 @@ def select_modules(model: nn.Module, include: Sequence[str],
 
 
 class ModuleRecorder:
-    """Hooks on the selected modules of one model, recording into one Stager."""
+    """Hooks on the selected modules of one model, recording into one Stager.
+
+    ``record_steps``, when given, are the only steps recorded: in the others the hooks return
+    at once (``layerdiff.debug.diverge`` runs up to a step and records that one alone).
+    """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], stager: Stager, *,
-                 weights: bool = True) -> None:
+                 weights: bool = True, record_steps: Collection[int] | None = None) -> None:
         self.modules = modules
         self.stager = stager
         self.weights = weights
+        self.record_steps = None if record_steps is None else frozenset(record_steps)
+        self.recording = True
         self.step = 0
         self.open: list[_OpenCall] = []           # calls whose forward has not returned
         self._calls: Counter[str] = Counter()
@@ -173,17 +179,22 @@ class ModuleRecorder:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        self.recording = self.record_steps is None or step in self.record_steps
         self._calls.clear()
         self._weight_sites.clear()
         self.open.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
+        if not self.recording:
+            return
         seq = self.stager.recorder.seq
         self.stager.tensor(self.step, "forward", schema.LOSS_SITE, "output", "0", loss)
         self._site_row(schema.LOSS_SITE, "<loss>", 0, "loss", "", seq)
 
     def after_backward(self) -> None:
         """Emit grad_input sums still waiting for a contribution, then weight gradients."""
+        if not self.recording:
+            return
         for (site, arg), (_, total) in self._partial_grads.items():
             if total is not None:
                 self.stager.tensor(self.step, "backward", site, "grad_input", arg, total)
@@ -198,6 +209,8 @@ class ModuleRecorder:
     # ---- forward hooks ----
     def _before(self, path: str, owned: _Owned | None, module: nn.Module, args: tuple,
                 kwargs: dict) -> None:
+        if not self.recording:
+            return
         call = self._calls[path]
         self._calls[path] = call + 1
         site = schema.site_name(path, call)
@@ -220,6 +233,8 @@ class ModuleRecorder:
 
     def _after(self, path: str, module: nn.Module, args: tuple, kwargs: dict,
                output: Any) -> None:
+        if not self.recording:
+            return
         opened = self.open.pop()
         stager, step, site = self.stager, self.step, opened.site
         outputs = list(flatten(output, ""))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
             summary: bool = False, weights: bool = True,
             queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
             dtype: str | None = None, autocast: str | None = None,
-            extra_meta: dict[str, Any] | None = None) -> Path:
+            extra_meta: dict[str, Any] | None = None,
+            record_steps: Collection[int] | None = None) -> Path:
     """Run ``case`` with every selected module call recorded into the trace at ``path``.
 
     Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
@@ -65,6 +66,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     first; ``autocast`` runs the forward under ``torch.autocast`` in that dtype: both are how a
     baseline is made (the reference run the way a port runs). ``extra_meta`` is recorded in the
     trace's meta as given (``weights``: where the weights came from and the mapping used).
+    ``record_steps``, when given, are the only steps recorded (the others run unrecorded); the
+    meta lists them as ``recorded_steps``.
 
     Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
@@ -74,6 +77,9 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
         if dtype or autocast:
             raise CaptureError(f"case {case.name} records itself, so --dtype and --autocast do "
                                "not apply to it; run the port in that precision in its own code")
+        if record_steps is not None:
+            raise CaptureError(f"case {case.name} records itself, so layerdiff cannot record "
+                               "only some of its steps; capture all of them")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
                                  queue_bytes=queue_bytes)
@@ -82,7 +88,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     prepared = PreparedCapture(case, path, include=include, exclude=exclude,
                                loss_scale=loss_scale, steps=steps, summary=summary,
                                weights=weights, queue_bytes=queue_bytes, autocast=autocast,
-                               extra_meta={"dtype": dtype, **(extra_meta or {})})
+                               extra_meta={"dtype": dtype, **(extra_meta or {})},
+                               record_steps=record_steps)
     return prepared.run(progress=progress)
 
 
@@ -96,7 +103,8 @@ class PreparedCapture:
                  exclude: Sequence[str] = (), loss_scale: float = 1.0,
                  steps: int | None = None, summary: bool = False, weights: bool = True,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True,
-                 autocast: str | None = None, extra_meta: dict[str, Any] | None = None) -> None:
+                 autocast: str | None = None, extra_meta: dict[str, Any] | None = None,
+                 record_steps: Collection[int] | None = None) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
@@ -107,9 +115,12 @@ class PreparedCapture:
         modules = select_modules(case.model, include, exclude)
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
         meta.update(extra_meta or {}, autocast=autocast, model_dtype=model_dtype(case))
+        if record_steps is not None:
+            meta["recorded_steps"] = sorted(int(step) for step in record_steps)
         self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes)
         self.stager = Stager(self.recorder, async_device=async_device)
-        self.hooks = ModuleRecorder(modules, self.stager, weights=weights)
+        self.hooks = ModuleRecorder(modules, self.stager, weights=weights,
+                                    record_steps=record_steps)
 
     def run(self, progress: bool = False) -> Path:
         """Run the steps with the hooks attached, then publish the trace."""

@@ -1,0 +1,552 @@
+"""``diverge``: train reference and port side by side from the same weights, find the first step
+where anything differs, and diff that step in full.
+
+Why two phases: a bug that shows only after some steps (a learning-rate schedule, a clipping
+rule, an optimizer detail, drift) needs many steps to appear, and recording every tensor of
+every step costs memory and disk in proportion. So:
+
+1. Both cases run ``steps`` optimizer steps under a *summary* capture (statistics only: min,
+   max, mean, std, L2 norm and NaN/Inf counts of every record, the loss among them, no tensor
+   data), the port starting from the reference's weights. The summary diff of the two finds
+   ``first_step``, the first step with any record out of tolerance.
+2. Both run again from the same starting point up to ``first_step``, recording that step alone
+   in full (``capture(..., record_steps={k})``), and the full diff of that step names the
+   origin. Weights are recorded at the start of each step, so an origin that is a weight at
+   step k > 0 while every record of step k-1 (its gradients included) agreed is the optimizer
+   update that ended step k-1: a learning rate, its schedule, momentum, weight decay, clipping.
+
+What "out of tolerance" means over many steps: two correct float32 implementations do not stay
+within float32 rounding of each other for long. Training amplifies rounding: Adam turns a
+gradient element that is zero up to rounding into a full step of +-lr whose sign is the
+rounding's, and every later step compounds it. So by default (``golden``) the reference also
+runs in float64 from the same weights, and each record of the port may differ from the
+reference by up to ``FACTOR`` (4) times what float32 rounding alone moved the reference there
+(the float64 run used as the diff's *baseline*, :mod:`layerdiff.compare.baseline`), or by
+its per-dtype tolerance where that is looser: a correct port stays inside, a bug leaves it.
+``golden=False`` judges every step by the per-dtype tolerances alone (right for a few steps of
+SGD; too strict for long Adam runs).
+
+The port gets the reference's weights through ``mapping`` (:func:`layerdiff.weights.
+load_weights_from`), as ``capture --weights-from`` does. A port that records itself
+(:class:`layerdiff.ExternalCase`) sets its own weights; its step k is captured with the steps
+before it (it cannot record only some), and those earlier records are left out of the pairing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from layerdiff.capture import capture
+from layerdiff.capture.torch_capture import weights_meta
+from layerdiff.case import Case, ExternalCase, load_case
+from layerdiff.compare import diff
+from layerdiff.compare.judge import PASSING
+from layerdiff.compare.origins import attach_hints, find_origins
+from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.tolerances import Tolerances
+from layerdiff.errors import CaptureError, CaseError
+from layerdiff.mapping import Mapping
+from layerdiff.trace import open_trace, schema
+from layerdiff.weights import load_weights_from
+
+WIDTH = 100
+TABLE_STEPS = 24  # the terminal table shows every step up to this many, else a window
+# Measured: the planted optimizer bugs (a schedule one step early, Adam's L2 for AdamW's decay)
+# move 37-100% of a weight's elements out of tolerance; Adam amplifying near-zero gradients of
+# a correct port (the large transformer, step 1) moved 0.03%.
+SPARSE_UPDATE = 0.01
+
+
+class Cause(StrEnum):
+    """Where the first difference was made, from the kind of record its origin is."""
+
+    LOAD = "load"              # weights differ at step 0: the port did not get the reference's
+    OPTIMIZER = "optimizer"    # weights differ after an update made from gradients that agreed
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UNKNOWN = "unknown"        # records out of tolerance, but no origin among them
+
+
+@dataclass
+class StepRow:
+    """One step of the side-by-side run: the two losses and how far the statistics are apart."""
+
+    step: int
+    loss_reference: float | None
+    loss_port: float | None
+    out: int               # records out of tolerance (judged by their statistics)
+    worst: float | None    # the largest error over tolerance among the step's records
+    loss_golden: float | None = None   # the reference's loss in float64
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "loss_reference": _finite(self.loss_reference),
+                "loss_port": _finite(self.loss_port),
+                "loss_golden": _finite(self.loss_golden), "out": self.out,
+                "worst": _finite(self.worst)}
+
+
+@dataclass
+class DivergeResult:
+    """What :func:`diverge` found. ``found`` is true when some step differs."""
+
+    reference: str
+    port: str
+    steps: int
+    first_step: int | None
+    per_step: list[StepRow]
+    cause: Cause | None
+    explanation: str
+    summary_diff: Diff
+    step_diff: Diff | None
+    traces: dict[str, Path]
+    seconds: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.first_step is not None
+
+    @property
+    def origin(self) -> Origin | None:
+        return self.step_diff.origin if self.step_diff is not None else None
+
+    @property
+    def origins(self) -> list[Origin]:
+        return list(self.step_diff.origins) if self.step_diff is not None else []
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """The step whose optimizer update made the first wrong weights, when that is the cause."""
+        return self.first_step - 1 if self.cause == Cause.OPTIMIZER else None
+
+    @property
+    def golden(self) -> bool:
+        """Whether the port was judged against the band of a float64 run of the reference."""
+        return "golden_summary" in self.traces
+
+    @property
+    def losses(self) -> dict[str, list[float | None]]:
+        losses = {"reference": [row.loss_reference for row in self.per_step],
+                  "port": [row.loss_port for row in self.per_step]}
+        if self.golden:
+            losses["golden"] = [row.loss_golden for row in self.per_step]
+        return losses
+
+    def as_json(self) -> dict[str, Any]:
+        step = self.step_diff
+        return {
+            "found": self.found,
+            "reference": self.reference,
+            "port": self.port,
+            "steps": self.steps,
+            "golden": self.golden,
+            "first_step": self.first_step,
+            "cause": None if self.cause is None else str(self.cause),
+            "optimizer_step": self.optimizer_step,
+            "explanation": self.explanation,
+            "origin": self.origin.as_json() if self.origin else None,
+            "origins": [origin.as_json() for origin in self.origins],
+            "per_step": [row.as_json() for row in self.per_step],
+            "losses": {side: [_finite(v) for v in values]
+                       for side, values in self.losses.items()},
+            "step_diff": None if step is None else {
+                "verdict": step.verdict, "first_failing_step": step.first_failing_step,
+                "rows": len(step.rows), "failing": len(step.failing())},
+            "traces": {name: str(path) for name, path in self.traces.items()},
+            "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
+            "warnings": list(self.warnings),
+        }
+
+    def format(self) -> str:
+        judged = ("by the looser of the per-dtype tolerance and 4x the drift float32 rounding "
+                  "alone gives the reference (its float64 run)" if self.golden
+                  else "by the per-dtype tolerances")
+        lines = [_clip(f"diverge: {self.port}"), _clip(f"against: {self.reference}")]
+        lines += _wrap(f"{self.steps} optimizer steps from the same weights; the statistics of "
+                       f"every record judged {judged}", "")
+        lines += self._table()
+        if not self.found:
+            lines.append("no step differs: every record of every step is within tolerance")
+        else:
+            lines.append(f"first diverging step: {self.first_step}")
+            origin = self.origin
+            if origin is not None:
+                lines.append(_clip(f"origin: {origin.describe()}"))
+                if origin.hint:
+                    lines += _wrap(f"likely cause: {origin.hint.get('kind')} "
+                                   f"({origin.hint.get('evidence')})", "  ")
+            lines += _wrap(self.explanation, "  ")
+            others = self.origins[1:]
+            if others:
+                shown = "; ".join(o.describe() for o in others[:4])
+                more = f" and {len(others) - 4} more" if len(others) > 4 else ""
+                lines += _wrap(f"also: {shown}{more}", "  ")
+            if "reference_step" in self.traces:
+                lines.append("see every record of that step:")
+                lines.append(_clip(f"  layerdiff diff {self.traces['reference_step']} "
+                                   f"{self.traces['port_step']} --verbose"))
+        lines += [line for text in self.warnings for line in _wrap(f"warning: {text}", "")]
+        took = ", ".join(f"{name} {value:.1f} s" for name, value in self.seconds.items())
+        lines.append(_clip(f"took {took}"))
+        return "\n".join(lines)
+
+    def _table(self) -> list[str]:
+        rows = self.per_step
+        if len(rows) > TABLE_STEPS:  # a window around the first diverging step, and the last
+            centre = self.first_step if self.first_step is not None else 0
+            keep = {0, len(rows) - 1} | set(range(max(0, centre - 3), centre + 4))
+            rows = [row for row in rows if row.step in keep]
+        lines = [f"{'step':>6}  {'loss (reference)':>16}  {'loss (port)':>16}  "
+                 f"{'records out':>11}  {'worst/tol':>9}"]
+        previous = -1
+        for row in rows:
+            if row.step != previous + 1:
+                lines.append(f"{'...':>6}")
+            previous = row.step
+            mark = "  <- first" if row.step == self.first_step else ""
+            lines.append(f"{row.step:>6}  {_number(row.loss_reference):>16}  "
+                         f"{_number(row.loss_port):>16}  {row.out:>11}  "
+                         f"{_number(row.worst, 3):>9}{mark}")
+        return lines
+
+
+def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
+            mapping: str | os.PathLike | Mapping | None = None, steps: int,
+            tolerances: str | os.PathLike | Tolerances | None = None,
+            output_dir: str | os.PathLike | None = None, golden: bool = True,
+            progress: bool = False) -> DivergeResult:
+    """Run ``reference`` and ``port`` (cases or ``package.module:name`` specs) for ``steps``
+    optimizer steps from the reference's weights, find the first step where any record differs
+    beyond tolerance, and diff that step in full; see the module docstring.
+
+    ``mapping`` pairs names that differ (used to load the weights and to pair records);
+    ``tolerances`` overrides the per-dtype defaults (a rule in it wins over the golden band).
+    ``golden`` runs the reference in float64 too and allows each record the rounding drift it
+    shows (see the module docstring). The traces are written to ``output_dir`` (a new temporary
+    folder when None, kept so that the step can be examined). ``progress`` shows each
+    capture's progress bar. The cases' models are trained in place and restored to their
+    starting weights before each later run.
+    """
+    started = time.perf_counter()
+    ref_case = _as_case(reference)
+    port_case = _as_case(port)
+    if isinstance(ref_case, ExternalCase):
+        raise CaseError(f"reference {ref_case.name} records itself; diverge runs the reference "
+                        "as a torch module: give a torch reference case")
+    if steps < 1:
+        raise CaseError(f"--steps must be at least 1 (got {steps}) to diverge {port_case.name} "
+                        f"from {ref_case.name}")
+    out = Path(output_dir) if output_dir is not None else Path(
+        tempfile.mkdtemp(prefix="layerdiff-diverge-"))
+    out.mkdir(parents=True, exist_ok=True)
+    warnings: list[str] = []
+    extra_meta = _load_port_weights(ref_case, port_case, mapping, warnings)
+    starts = {side: _snapshot(case) for side, case in (("reference", ref_case),
+                                                        ("port", port_case))}
+    seconds: dict[str, float] = {}
+
+    # Phase 1: statistics of every record of every step.
+    traces = {"reference_summary": out / "reference.summary.h5",
+              "port_summary": out / "port.summary.h5"}
+    capture(ref_case, traces["reference_summary"], steps=steps, summary=True,
+            progress=progress)
+    if golden:
+        traces["golden_summary"] = out / "golden.summary.h5"
+        golden = _golden(ref_case, starts["reference"], traces, "golden_summary", warnings,
+                         steps=steps, summary=True, progress=progress)
+    capture(port_case, traces["port_summary"], steps=steps, summary=True, progress=progress,
+            extra_meta=extra_meta)
+    summary = _diff(traces, "reference_summary", "port_summary", "golden_summary", mapping,
+                    tolerances, warnings)
+    per_step = _per_step(summary, traces, steps)
+    first = summary.first_failing_step
+    seconds["statistics"] = time.perf_counter() - started
+    if first is None:
+        return DivergeResult(ref_case.name, port_case.name, steps, None, per_step, None, "",
+                             summary, None, traces, seconds, warnings)
+
+    # Phase 2: the first diverging step, in full, from the same start.
+    phase2 = time.perf_counter()
+    for side, case in (("reference", ref_case), ("port", port_case)):
+        _restore(case, starts[side])
+    traces["reference_step"] = out / f"reference.step{first}.h5"
+    traces["port_step"] = out / f"port.step{first}.h5"
+    capture(ref_case, traces["reference_step"], steps=first + 1, record_steps={first},
+            progress=progress)
+    if golden:
+        traces["golden_step"] = out / f"golden.step{first}.h5"
+        _golden(ref_case, starts["reference"], traces, "golden_step", warnings,
+                steps=first + 1, record_steps={first}, progress=progress)
+    if isinstance(port_case, ExternalCase):
+        capture(port_case, traces["port_step"], steps=first + 1, progress=progress)
+    else:
+        capture(port_case, traces["port_step"], steps=first + 1, record_steps={first},
+                progress=progress, extra_meta=extra_meta)
+    step_diff = _diff(traces, "reference_step", "port_step", "golden_step", mapping,
+                      tolerances, warnings)
+    _drop_earlier_steps(step_diff, first)
+    seconds["first step in full"] = time.perf_counter() - phase2
+    cause, explanation = _explain(step_diff, first)
+    if step_diff.first_failing_step is None:
+        warnings.append(f"the statistics of step {first} are out of tolerance but its full "
+                        "records are not: a reduction-order difference at the edge of "
+                        "tolerance, or a run that is not deterministic")
+    return DivergeResult(ref_case.name, port_case.name, steps, first, per_step, cause,
+                         explanation, summary, step_diff, traces, seconds, warnings)
+
+
+# ---- the cases and their weights
+
+
+def _as_case(given: Case | ExternalCase | str) -> Case | ExternalCase:
+    if isinstance(given, str):
+        return load_case(given)
+    if not isinstance(given, (Case, ExternalCase)):
+        raise CaseError(f"diverge takes cases or package.module:name specs, got "
+                        f"{type(given).__name__}")
+    return given
+
+
+def _load_port_weights(ref: Case, port: Case | ExternalCase,
+                       mapping: str | os.PathLike | Mapping | None,
+                       warnings: list[str]) -> dict[str, Any]:
+    """Give the port the reference's starting weights; what its traces' meta records of it."""
+    if isinstance(port, ExternalCase):
+        warnings.append(f"port {port.name} records itself, so it sets its own weights: they "
+                        "are compared at step 0 like every other record")
+        return {}
+    state = {name: tensor.detach().cpu().float().numpy().copy()
+             if tensor.dtype == torch.bfloat16 else tensor.detach().cpu().numpy().copy()
+             for name, tensor in ref.model.state_dict().items()}
+    report = load_weights_from(port.model, state, mapping, source=f"reference {ref.name}")
+    if report.unused:
+        warnings.append(report.summary())
+    if mapping is None or isinstance(mapping, Mapping):
+        return {"weights": {"from": f"case {ref.name}", "mapping": None}}
+    return weights_meta(f"case {ref.name}", mapping)
+
+
+def _golden(case: Case, start: dict[str, torch.Tensor], traces: dict[str, Path], key: str,
+            warnings: list[str], **options: Any) -> bool:
+    """Capture ``case`` from ``start`` in float64 into ``traces[key]``; False (with a warning,
+    and ``key`` taken out of ``traces``) when the model cannot run in float64."""
+    _restore(case, start)
+    try:
+        with _float64(case):
+            capture(case, traces[key], extra_meta={"dtype": "float64", "golden": True},
+                    **options)
+    except CaptureError as exc:
+        warnings.append(f"the reference cannot run in float64 ({exc}); every record is judged "
+                        "by the per-dtype tolerances instead (golden=False)")
+        traces.pop(key).unlink(missing_ok=True)
+        return False
+    finally:
+        _restore(case, start)
+    return True
+
+
+@contextlib.contextmanager
+def _float64(case: Case):
+    """The case's floating parameters, buffers and inputs in float64, put back afterwards
+    (the same tensor objects, so that nothing holding them is left behind)."""
+    model = case.model
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    inputs = case.inputs
+    try:
+        for tensor in tensors:
+            tensor.data = tensor.data.to(torch.float64)
+        case.inputs = _inputs_as(inputs, torch.float64)
+        yield
+    finally:
+        for tensor, dtype in zip(tensors, dtypes, strict=True):
+            tensor.data = tensor.data.to(dtype)
+            tensor.grad = None
+        case.inputs = inputs
+
+
+def _inputs_as(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_inputs_as(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {key: _inputs_as(v, dtype) for key, v in value.items()}
+    return value
+
+
+def _snapshot(case: Case | ExternalCase) -> dict[str, torch.Tensor] | None:
+    """The model's parameters and buffers before training, to start phase 2 from them."""
+    if isinstance(case, ExternalCase):
+        return None  # it builds its model afresh on every run
+    return {name: tensor.detach().clone() for name, tensor in case.model.state_dict().items()}
+
+
+def _restore(case: Case | ExternalCase, state: dict[str, torch.Tensor] | None) -> None:
+    if state is not None:
+        case.model.load_state_dict(state, strict=True)
+
+
+# ---- judging: the looser of the per-dtype tolerance and the golden band
+
+# The columns of a diff row that follow from its tolerance (the rest is the data's).
+TOLERANCE_COLUMNS = ("ratio", "verdict", "rtol", "atol", "tol_source", "rms_tol", "frac_out",
+                     "worst_index", "batch_ratio")
+ROW_KEY = ["step", "seq", "site", "role", "arg", "port_site", "port_arg"]
+
+
+def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
+          mapping: str | os.PathLike | Mapping | None,
+          tolerances: str | os.PathLike | Tolerances | None, warnings: list[str]) -> Diff:
+    """The port's trace against the reference's, each record by the looser of its per-dtype
+    tolerance and the golden band (when there is a golden trace).
+
+    Looser, not the band alone: the band is 4x the float64 run's error plus a few roundings and
+    no absolute term, tighter than the per-dtype tolerance where the float64 run computes
+    exactly what the float32 one does (a buffer such as a positional table is only cast); a
+    record that ``layerdiff diff`` passes at step 0 must not diverge here."""
+    plain = diff(traces[reference], traces[port], mapping=mapping, tolerances=tolerances)
+    if golden not in traces:
+        return plain
+    banded = diff(traces[reference], traces[port], mapping=mapping, tolerances=tolerances,
+                  baseline=traces[golden])
+    rows, other = banded.rows.copy(), plain.rows
+    if len(rows) != len(other) or not rows[ROW_KEY].equals(other[ROW_KEY]):
+        warnings.append("the diffs with and without the golden band paired different records; "
+                        "judged by the golden band alone")
+        return banded
+    passes, passes_plain = rows["verdict"].isin(PASSING), other["verdict"].isin(PASSING)
+    ratio = pd.to_numeric(rows["ratio"], errors="coerce").to_numpy(dtype=float)
+    ratio_plain = pd.to_numeric(other["ratio"], errors="coerce").to_numpy(dtype=float)
+    looser = (ratio_plain < ratio) | (~passes & passes_plain)
+    for position in np.flatnonzero(looser.to_numpy()):
+        for column in TOLERANCE_COLUMNS:
+            rows.at[position, column] = other.at[position, column]
+    rows["status"], rows["cause"] = "", ""
+    with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
+        origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index)
+        attach_hints(origins, ref_trace, port_trace,
+                     grad_factor=ref_trace.loss_scale / port_trace.loss_scale)
+    meta = dict(banded.meta)
+    meta["judged"] = ("each record by the looser of its per-dtype tolerance and the golden "
+                      "band (4x the float64 run's error)")
+    return Diff(banded.reference, banded.port, rows, origins, banded.unmatched, first, meta)
+
+
+# ---- reading the results
+
+
+def _per_step(summary: Diff, traces: dict[str, Path], steps: int) -> list[StepRow]:
+    rows = summary.rows
+    ratios = rows["ratio"].to_numpy(dtype=float)
+    bad = ~rows["verdict"].isin(PASSING).to_numpy()
+    step_of = rows["step"].to_numpy()
+    ref_loss, port_loss = _losses(traces["reference_summary"]), _losses(traces["port_summary"])
+    golden = _losses(traces["golden_summary"]) if "golden_summary" in traces else {}
+    table = []
+    for step in range(steps):
+        here = step_of == step
+        finite = ratios[here & np.isfinite(ratios)]
+        worst = float(finite.max()) if finite.size else None
+        if (here & bad & ~np.isfinite(ratios)).any():
+            worst = math.inf
+        table.append(StepRow(step, ref_loss.get(step), port_loss.get(step),
+                             int((here & bad).sum()), worst, golden.get(step)))
+    return table
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Each step's loss, from the trace's loss record (a scalar: its mean is its value)."""
+    with open_trace(path) as trace:
+        rows = trace.records(site=schema.LOSS_SITE, role="output")
+        return {int(step): float(mean) for step, mean in zip(rows["step"], rows["mean"],
+                                                             strict=True)}
+
+
+def _drop_earlier_steps(step_diff: Diff, first: int) -> None:
+    """A port that records itself captured the steps before ``first`` too: those records have
+    no partner by design, not by mistake."""
+    unmatched = step_diff.unmatched
+    if not unmatched.empty:
+        earlier = unmatched["step"].notna() & (unmatched["step"].fillna(first) < first)
+        step_diff.unmatched = unmatched[~earlier].reset_index(drop=True)
+
+
+def _explain(step_diff: Diff, first: int) -> tuple[Cause, str]:
+    origin = step_diff.origin
+    if origin is None:
+        if step_diff.first_failing_step is None:
+            return Cause.UNKNOWN, (f"step {first} differs in its statistics only; see the "
+                                   "warning below")
+        return Cause.UNKNOWN, (f"records of step {first} are out of tolerance but no origin "
+                               "was found among them; see `layerdiff diff` of the step's traces")
+    if origin.role == "weight" and first > 0:
+        text = (f"the weights at the start of step {first} differ while every record of steps "
+                f"0 to {first - 1} agreed, the weight gradients of step {first - 1} among them: "
+                f"the optimizer update that ended step {first - 1} differs (its learning rate "
+                "or schedule, momentum, weight decay, gradient clipping or unscaling)")
+        out = max((o.metrics.get("frac_out") or 0.0) for o in step_diff.origins
+                  if o.role == "weight")
+        if out < SPARSE_UPDATE:
+            text += (f"; but at most {out:.2%} of any weight's elements differ: an optimizer "
+                     "that normalizes each element (Adam, RMSprop) turns gradients that agreed "
+                     "within tolerance but are near zero into whole steps of opposite sign, so "
+                     "check that before suspecting the optimizer (a bug in it moves most "
+                     "elements)")
+        return Cause.OPTIMIZER, text
+    if origin.role == "weight":
+        return Cause.LOAD, ("the weights differ before anything ran: the port did not get the "
+                            "reference's weights; check the mapping (layerdiff map-check)")
+    if origin.pass_ == "forward":
+        return Cause.FORWARD, (
+            f"{origin.site} computes a different forward value at step {first}"
+            + (f" from the same weights and inputs, while steps 0 to {first - 1} agreed: a "
+               "difference that shows only on the weights or data of this step"
+               if first > 0 else " from the same weights and inputs"))
+    return Cause.BACKWARD, (
+        f"{origin.site} computes a different gradient at step {first} from the same values"
+        + (f", while steps 0 to {first - 1} agreed" if first > 0 else ""))
+
+
+# ---- text
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _number(value: float | None, digits: int = 6) -> str:
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent,
+                         subsequent_indent=indent or "  ") or []
+
+
+__all__ = ["Cause", "DivergeResult", "StepRow", "diverge"]

@@ -1,0 +1,170 @@
+"""A diverge result as one self-contained HTML page: the two loss curves, how far apart each
+step's statistics are, and the first diverging step's full diff (the diff report's own sections).
+
+Plots are inline PNG drawn with matplotlib's ``Figure`` (no pyplot state), as in
+:mod:`layerdiff.report.html`, whose styles and sections this page reuses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from html import escape
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from layerdiff.debug.diverge import DivergeResult
+from layerdiff.outputs import write_text
+from layerdiff.report.html import (
+    COLOURS,
+    CSS,
+    DPI,
+    _error_section,
+    _failing_section,
+    _figure,
+    _origin_section,
+    _origins_section,
+    _png,
+    _table,
+)
+
+REFERENCE_COLOUR = "#1f77b4"
+PORT_COLOUR = "#d62728"
+GOLDEN_COLOUR = "#7f7f7f"
+
+
+def write_diverge_html(result: DivergeResult, path: str | os.PathLike[str]) -> Path:
+    """Write ``result`` as one self-contained HTML file at ``path``; returns the path."""
+    return write_text(path, render_diverge_html(result))
+
+
+def render_diverge_html(result: DivergeResult) -> str:
+    sections = [_header(result), _curves_section(result), _steps_section(result)]
+    step = result.step_diff
+    if step is not None:
+        sections += [f"<h2>Step {result.first_step} in full</h2>"
+                     "<p class=\"note\">Both runs again from the same start, this step recorded "
+                     "whole (every tensor), and compared record by record.</p>",
+                     _error_section(step), _origin_section(step), _origins_section(step),
+                     _failing_section(step)]
+    verdict = "DIVERGES" if result.found else "AGREES"
+    title = f"layerdiff diverge {verdict}: {result.port}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
+            + "\n".join(s for s in sections if s) + "\n</main></body></html>\n")
+
+
+def _header(result: DivergeResult) -> str:
+    if result.found:
+        origin = result.origin
+        summary = (f"First diverging step: {result.first_step}"
+                   + (f"; origin {origin.describe()}." if origin else ".")
+                   + (f" {result.explanation[:1].upper()}{result.explanation[1:]}."
+                      if result.explanation else ""))
+    else:
+        summary = (f"Every record of all {result.steps} steps is within tolerance of the "
+                   "reference.")
+    facts = [("reference", result.reference), ("port", result.port),
+             ("steps", str(result.steps)),
+             ("first diverging step", "none" if result.first_step is None
+              else str(result.first_step)),
+             ("cause", "none" if result.cause is None else str(result.cause))]
+    facts += [(name.replace("_", " ") + " trace", str(path))
+              for name, path in result.traces.items()]
+    warnings = "".join(f"<p class=\"note\">warning: {escape(text)}</p>"
+                       for text in result.warnings)
+    verdict = "fail" if result.found else "pass"
+    return ("<header>"
+            f"<div class=\"banner {verdict}\"><span class=\"verdict\">"
+            f"{'DIVERGES' if result.found else 'AGREES'}</span><p>{escape(summary)}</p></div>"
+            "<dl class=\"facts\">"
+            + "".join(f"<dt>{escape(name)}</dt><dd><code>{escape(value)}</code></dd>"
+                      for name, value in facts)
+            + "</dl>" + warnings + "</header>")
+
+
+def _curves_section(result: DivergeResult) -> str:
+    head = "<h2>Loss curves</h2>"
+    if not result.per_step:
+        return head + "<p class=\"note\">No steps ran.</p>"
+    tolerance = ("the looser of the per-dtype tolerance and 4 times the drift float32 "
+                 "rounding alone gives the reference there (its float64 run)" if result.golden
+                 else "the per-dtype tolerance")
+    caption = ("Top: the loss of each step, reference and port, from the same weights. Bottom: "
+               "each step's largest error over its tolerance among the statistics (min, max, "
+               f"mean, std, rms) of every record, the tolerance being {tolerance}; the dashed "
+               "line is the tolerance (ratio 1). "
+               + (f"The vertical line marks step {result.first_step}, the first out of "
+                  "tolerance." if result.found else ""))
+    return head + _figure(_png(_curves_figure(result)), "loss curves of reference and port",
+                          caption)
+
+
+def _curves_figure(result: DivergeResult) -> Figure:
+    steps = np.array([row.step for row in result.per_step])
+    ref = np.array([_nan(row.loss_reference) for row in result.per_step])
+    port = np.array([_nan(row.loss_port) for row in result.per_step])
+    worst = np.array([_nan(row.worst) for row in result.per_step])
+    fig = Figure(figsize=(10, 6), dpi=DPI, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    marker = "o" if len(steps) <= 60 else None
+    top.plot(steps, ref, color=REFERENCE_COLOUR, marker=marker, ms=4, label="reference")
+    top.plot(steps, port, color=PORT_COLOUR, marker=marker, ms=3, ls="--", label="port")
+    if result.golden:
+        golden = np.array([_nan(row.loss_golden) for row in result.per_step])
+        top.plot(steps, golden, color=GOLDEN_COLOUR, lw=1, ls=":",
+                 label="reference in float64")
+    top.set_ylabel("loss")
+    top.legend(frameon=False)
+    top.grid(alpha=0.3)
+    shown = np.where(np.isfinite(worst) & (worst > 0), worst, np.nan)
+    out = np.array([row.out > 0 for row in result.per_step])
+    bottom.plot(steps, shown, color="#555555", lw=1)
+    bottom.scatter(steps[~out], shown[~out], s=14, color=COLOURS["within"], label="within",
+                   zorder=3)
+    bottom.scatter(steps[out], shown[out], s=18, color=COLOURS["origin"], label="out",
+                   zorder=3)
+    infinite = out & ~np.isfinite(worst)
+    if infinite.any():  # not finite: drawn on the top edge
+        bottom.scatter(steps[infinite], np.full(infinite.sum(), _top(shown)), marker="^",
+                       color=COLOURS["origin"], zorder=3)
+    bottom.axhline(1.0, color="#333333", ls="--", lw=1)
+    bottom.set_yscale("log")
+    bottom.set_ylabel("worst error / tolerance")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    if result.first_step is not None:
+        for ax in (top, bottom):
+            ax.axvline(result.first_step, color=COLOURS["origin"], lw=1, alpha=0.6)
+    if len(steps) <= 30:
+        bottom.set_xticks(steps)
+    return fig
+
+
+def _steps_section(result: DivergeResult) -> str:
+    frame = pd.DataFrame(
+        [{"step": row.step, "loss (reference)": row.loss_reference,
+          "loss (port)": row.loss_port,
+          **({"loss (float64)": row.loss_golden} if result.golden else {}),
+          "loss difference": (None if row.loss_reference is None or row.loss_port is None
+                              else abs(row.loss_port - row.loss_reference)),
+          "records out": row.out, "worst error / tolerance": row.worst,
+          "status": "origin" if row.step == result.first_step else ""}
+         for row in result.per_step])
+    if frame.empty:
+        return ""
+    return ("<h2>Per step</h2>" + _table(frame, [c for c in frame.columns if c != "status"],
+                                         row_class="status"))
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _top(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.max()) * 10 if finite.size else 10.0
