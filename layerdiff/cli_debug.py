@@ -127,13 +127,17 @@ def batch_command(case_spec: str, allow: tuple[str, ...], batch_axis: int,
 @tolerance_flags
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the traces here (the per-step summaries and the first diverging "
-                   "step in full).")
+                   "step in full); default: a new temporary folder, kept.")
+@click.option("--no-golden", is_flag=True,
+              help="Judge by the per-dtype tolerances alone, without the reference's float64 "
+                   "run (half the cost; rounding that compounds over many steps may then be "
+                   "reported as divergence).")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write an HTML report: both loss curves and the diverging step's diff.")
 @json_option
 def diverge_command(reference_spec: str, port_spec: str, mapping: str | None, steps: int,
                     tolerances: str | None, rtol: float | None, atol: float | None,
-                    output_dir: str | None, html_path: str | None,
+                    output_dir: str | None, no_golden: bool, html_path: str | None,
                     json_path: str | None) -> None:
     """Train REF_CASE and PORT_CASE from the same weights for --steps; find the first step
     where anything differs, capture that step in full and name its origin.
@@ -146,7 +150,7 @@ def diverge_command(reference_spec: str, port_spec: str, mapping: str | None, st
                   {"mapping file": mapping, "tolerance file": tolerances})
     result = diverge(reference_spec, port_spec, mapping=mapping, steps=steps,
                      tolerances=tolerances_from(tolerances, rtol, atol), output_dir=output_dir,
-                     progress=json_path != "-")
+                     golden=not no_golden, progress=json_path != "-")
     if html_path:
         from layerdiff.report.diverge_html import write_diverge_html
 

@@ -150,6 +150,15 @@ CATALOG: list[CaseInfo] = [
               "attention heads merged with a reshape where transpose + reshape belonged",
               reference=f"{_HINTS}:causal_reference"),
 
+    CaseInfo("reference_models.batch_mixing:reference", "attention", "reference",
+             "attention classifier: batch-first data through a sequence-first "
+             "nn.MultiheadAttention (transpose); batch 6"),
+    CaseInfo("reference_models.schedule_port:reference", "schedule", "reference",
+             "the MLP over 6 SGD steps, learning rate 0.1 then 0.01 from step 3"),
+    CaseInfo("reference_models.schedule_port:port", "schedule", "port",
+             "the MLP port with the same schedule",
+             reference="reference_models.schedule_port:reference"),
+
     # cases for the debugging commands: not ports of a reference, each with the fault the
     # command finds (site and pass in the case's own names)
     CaseInfo("reference_models.numerics:nan_log_softmax", "numerics", "diagnostic",
@@ -162,4 +171,13 @@ CATALOG: list[CaseInfo] = [
              "numpy ConvLSTM whose bias-gradient accumulator is never zeroed, its first contents "
              "from os.urandom: differs from run to run (layerdiff determinism)",
              site="cell.conv#0", pass_="backward"),
+    CaseInfo("reference_models.batch_mixing:bug_reshape_seq_first", "attention", "diagnostic",
+             "batch-first to sequence-first with reshape instead of transpose: mixes samples "
+             "(layerdiff batch-independence)", reference="reference_models.batch_mixing:reference",
+             site="blocks.0.attn#0", pass_="forward"),
+    CaseInfo("reference_models.schedule_port:bug_schedule_early", "schedule", "diagnostic",
+             "learning-rate schedule one step early (scheduler stepped before the optimizer): "
+             "weights differ from step 3 (layerdiff diverge)",
+             reference="reference_models.schedule_port:reference", site="fc1#0",
+             pass_="forward"),
 ]

@@ -42,3 +42,28 @@ def test_determinism_finds_the_uninitialised_accumulator(run, tmp_path):
     assert report["verdict"] == "nondeterministic"
     assert report["first"]["pass"] == "backward" and report["first"]["site"].startswith(
         "cell.conv#")
+
+
+def test_batch_independence_names_the_reshape_that_mixes_samples(run, tmp_path):
+    result = run("batch-independence", "reference_models.batch_mixing:bug_reshape_seq_first",
+                 "--json", tmp_path / "batch.json")
+    assert result.exit_code == 1, result.output
+    report = _json(tmp_path / "batch.json")
+    assert report["first"]["site"] == "blocks.0.attn#0"
+    clean = run("batch-independence", "reference_models.batch_mixing:reference")
+    assert clean.exit_code == 0, clean.output
+
+
+def test_diverge_finds_the_early_schedule_switch_and_plots_the_losses(run, tmp_path):
+    result = run("diverge", "reference_models.schedule_port:reference",
+                 "reference_models.schedule_port:bug_schedule_early", "--steps", 5,
+                 "-o", tmp_path / "traces", "--html", tmp_path / "diverge.html",
+                 "--json", tmp_path / "diverge.json")
+    assert result.exit_code == 1, result.output
+    report = _json(tmp_path / "diverge.json")
+    assert report["first_step"] == 3
+    assert report["origin"]["role"] == "weight" and report["origin"]["step"] == 3
+    page = (tmp_path / "diverge.html").read_text(encoding="utf-8")
+    assert "<svg" in page or "data:image/png" in page
+    assert max(len(line) for line in result.output.splitlines()  # paths may run longer
+               if str(tmp_path) not in line) <= 100

@@ -196,8 +196,9 @@ class DivergeResult:
                 lines += _wrap(f"also: {shown}{more}", "  ")
             if "reference_step" in self.traces:
                 lines.append("see every record of that step:")
-                lines.append(_clip(f"  layerdiff diff {self.traces['reference_step']} "
-                                   f"{self.traces['port_step']} --verbose"))
+                # a command to copy: broken at its arguments, never clipped
+                lines += [f"  layerdiff diff {self.traces['reference_step']} \\",
+                          f"    {self.traces['port_step']} --verbose"]
         lines += [line for text in self.warnings for line in _wrap(f"warning: {text}", "")]
         took = ", ".join(f"{name} {value:.1f} s" for name, value in self.seconds.items())
         lines.append(_clip(f"took {took}"))
