@@ -396,3 +396,12 @@ def test_a_partial_is_readable_from_its_first_moment(tmp_path):
             assert not trace.complete and trace.index.empty
     finally:
         writer.close()
+
+
+def test_traces_of_different_models_are_exit_2_saying_what_differs(reference_traces, run):
+    mlp = reference_traces(MLP)
+    cnn = reference_traces("reference_models.cnn:reference")
+    result = run("diff", mlp, cnn)
+    assert result.exit_code == 2
+    assert "traces of different models or inputs" in result.output
+    assert "(16,32) in the reference and (8,3,16,16) in the port" in result.output

@@ -148,6 +148,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
     rows = comparer.run(records.pairs, progress)
     _refuse_guessed_names(ref, port, sites, rows, mapping)
+    _refuse_other_models(ref, port, rows)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
@@ -192,6 +193,35 @@ def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,
         + ("; `layerdiff map-check` checks it" if mapping.path is None else "") + ")"
         + (f"; sites it could not pair: {', '.join(lost[:6])}"
            + (" ..." if len(lost) > 6 else "") if lost else ""))
+
+
+def _refuse_other_models(ref: Trace, port: Trace, rows: pd.DataFrame) -> None:
+    """A port computes the reference's function on the reference's data: when the model's own
+    inputs differ in size, or most paired records clash in shape, the traces are of different
+    models (or cases), and no verdict on them means anything."""
+    tensors = rows[rows["numel"] > 0]
+    clashes = tensors[tensors["verdict"] == Verdict.SHAPE_MISMATCH]
+    inputs = clashes[(clashes["site"] == "<root>#0") & (clashes["role"] == "input")]
+    sizes = [(row, int(np.prod(schema.parse_shape(row["port_shape"]))))
+             for _, row in inputs.iterrows()]
+    wrong = [(row, size) for row, size in sizes if size != row["numel"]]
+    if not wrong and (clashes.empty or len(clashes) * 2 <= len(tensors)):
+        return
+    cases = (ref.meta.get("case"), port.meta.get("case"))
+    what = (f" (cases {cases[0]} and {cases[1]})" if all(cases) and cases[0] != cases[1]
+            else "")
+    if wrong:
+        row = wrong[0][0]
+        evidence = (f"the model's input {row['arg']} is ({row['shape']}) in the reference and "
+                    f"({row['port_shape']}) in the port")
+    else:
+        example = clashes.iloc[0]
+        evidence = (f"{len(clashes)} of {len(tensors)} paired records differ in shape (e.g. "
+                    f"{example['site']} {example['role']} {example['arg']}: ({example['shape']}) "
+                    f"and ({example['port_shape']}))")
+    raise DiffError(f"{ref.path} and {port.path} are traces of different models or inputs"
+                    f"{what}: {evidence}; capture the port on the reference's case inputs, with "
+                    "its weights (--weights-from), or pass --map where names differ")
 
 
 def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
