@@ -405,3 +405,16 @@ def test_traces_of_different_models_are_exit_2_saying_what_differs(reference_tra
     assert result.exit_code == 2
     assert "traces of different models or inputs" in result.output
     assert "(16,32) in the reference and (8,3,16,16) in the port" in result.output
+
+
+def test_a_tolerance_rule_that_matches_nothing_gets_a_warning(reference_traces, tmp_path, run):
+    ref = reference_traces(MLP)
+    rules = tmp_path / "tol.toml"
+    rules.write_text('version = 1\n[[rule]]\nsite = "fc1*"\nrtol = 1e-3\n'
+                     '[[rule]]\nsite = "fcc9*"\natol = 1\n', encoding="utf-8")
+    result = diff(ref, ref, tolerances=rules)
+    assert result.passed
+    assert result.meta["warnings"] == [
+        "tol.toml rule 2 (line 5) matched no compared record (site 'fcc9*', role '*', arg '*', "
+        "dtype '*'): check its globs"]
+    assert "matched no compared record" in run("diff", ref, ref, "--tolerances", rules).output

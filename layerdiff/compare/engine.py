@@ -167,7 +167,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "summary": ref.summary or port.summary,
         "baseline": None if baseline is None else {"trace": baseline.name,
                                                    "factor": baseline.factor},
-        "warnings": [] if baseline is None else list(baseline.warnings),
+        "warnings": ([] if baseline is None else list(baseline.warnings))
+        + tolerances.unmatched(rows),
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
     }

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from layerdiff.config_file import ConfigFile
 from layerdiff.errors import ToleranceError
 
@@ -162,6 +164,16 @@ class Tolerances:
                                       tolerance.atol if rule.atol is None else rule.atol,
                                       rule.label, "rule")
         return tolerance
+
+    def unmatched(self, records: pd.DataFrame) -> list[str]:
+        """A warning for each rule that matches none of ``records`` (a diff's rows, looked up
+        as the diff does): a typo in a glob would otherwise loosen or tighten nothing, silently."""
+        keys = {(site, role, arg, looser_dtype(dtype, port_dtype) if port_dtype else dtype)
+                for site, role, arg, dtype, port_dtype in records[
+                    ["site", "role", "arg", "dtype", "port_dtype"]].itertuples(index=False)}
+        return [f"{rule.label.split(':')[0]} matched no compared record (site {rule.site!r}, "
+                f"role {rule.role!r}, arg {rule.arg!r}, dtype {rule.dtype!r}): check its globs"
+                for rule in self.rules if not any(rule.matches(*key) for key in keys)]
 
     def as_json(self) -> dict[str, Any]:
         return {"file": str(self.path) if self.path else None, "defaults": DEFAULTS,
