@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from layerdiff import TraceError, capture, diff, load_case, open_trace
+from layerdiff import Tolerances, TraceError, capture, diff, load_case, open_trace
 from layerdiff.errors import OutputError
 from layerdiff.outputs import replacing, write_text
 from layerdiff.trace import schema
@@ -418,3 +418,14 @@ def test_a_tolerance_rule_that_matches_nothing_gets_a_warning(reference_traces, 
         "tol.toml rule 2 (line 5) matched no compared record (site 'fcc9*', role '*', arg '*', "
         "dtype '*'): check its globs"]
     assert "matched no compared record" in run("diff", ref, ref, "--tolerances", rules).output
+
+
+def test_a_diff_renders_as_html_in_a_notebook(traces):
+    ref, port = traces
+    shown = diff(ref, ref)._repr_html_()
+    assert ">PASS<" in shown and "0 out of tolerance" in shown
+    # the port differs from the reference by rounding: zero tolerance puts those rows out
+    bad = diff(ref, port, tolerances=Tolerances(rtol=0, atol=0))
+    html = bad._repr_html_()
+    assert ">FAIL<" in html and "<table" in html and "origins:" in html
+    assert bad.failing().iloc[0]["site"] in html

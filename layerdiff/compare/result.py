@@ -7,6 +7,7 @@ the manner of Polygraphy's comparator results.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,31 @@ class Diff:
     def failing(self) -> pd.DataFrame:
         """Rows out of tolerance, in order."""
         return self.rows[~self.rows["verdict"].isin(PASSING)]
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the verdict, the origins (with their likely causes) and the
+        first failing rows as a table."""
+        colour = "#1a7f37" if self.passed else "#c62828"
+        parts = [f'<p><b style="color:{colour}">{self.verdict.upper()}</b> '
+                 f"{escape(str(self.port))} against {escape(str(self.reference))}: "
+                 f"{len(self.rows)} records compared, {len(self.failing())} out of tolerance</p>"]
+        if self.origins:
+            items = "".join(
+                f"<li>{escape(origin.describe())}"
+                + (f"<br><i>likely cause: {escape(origin.hint['kind'])}: "
+                   f"{escape(origin.hint['evidence'])}</i>" if origin.hint else "")
+                + "</li>" for origin in self.origins[:10])
+            parts.append(f"<p>origins:</p><ol>{items}</ol>")
+        failing = self.failing()
+        if not failing.empty:
+            columns = ["step", "pass", "site", "role", "arg", "ratio", "max_abs", "cosine",
+                       "status"]
+            table = failing[[c for c in columns if c in failing.columns]].head(20)
+            parts.append(table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
+            if len(failing) > 20:
+                parts.append(f"<p>... {len(failing) - 20} more: <code>.failing()</code> has them "
+                             "all, <code>.rows</code> every record</p>")
+        return "\n".join(parts)
 
     def as_json(self) -> dict[str, Any]:
         """Everything, as plain JSON types: the JSON report."""
