@@ -158,3 +158,18 @@ def test_a_port_layer_in_another_dtype_is_called_in_its_own():
     loose = swap(mlp.reference, _bfloat16_port, ["fc2"],
                  tolerances=Tolerances(rtol=1.6e-2, atol=1e-2))
     assert loose.outcome == "within", loose.describe()
+
+
+def test_a_swap_report_leads_with_what_was_judged(run):
+    within = run("swap", "reference_models.mlp:reference", "reference_models.mlp_port:port",
+                 "--site", "fc1")
+    assert within.exit_code == 0, within.output
+    assert "every judged record (8: loss, outputs, weight gradients) is identical" in (
+        within.output)
+    assert "(reported" not in within.output  # no weight moved: nothing unjudged to show
+    broken = run("swap", "reference_models.mlp:reference",
+                 "reference_models.mlp_port:bug_gelu_tanh", "--site", "act2")
+    lines = broken.output.splitlines()
+    judged = lines.index("largest differences (x tolerance):")
+    reported = next(i for i, line in enumerate(lines) if line.startswith("weights after"))
+    assert judged < reported and "weight_grad" in lines[judged + 2]

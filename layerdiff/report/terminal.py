@@ -273,14 +273,24 @@ def format_swap(result, width: int = WIDTH) -> str:
         lines += ["", "step  reference loss   swapped loss"]
         for step, (a, b) in enumerate(result.losses):
             lines.append(f"{step:>4}  {a:>14.7g}  {b:>13.7g}")
-    worst = sorted(result.rows, key=lambda r: -(r.ratio if r.ratio == r.ratio
-                                                 else math.inf))[:8]
-    if worst:
-        lines += ["", "largest differences (x tolerance; weights after the steps are reported, "
-                      "not judged):"]
-        for row in worst:
-            note = "" if row.judged else " (reported)"
-            lines.append(_clip(f"  {_number(row.ratio):>9}  {row.what}{note}", width))
+    def largest(rows: list) -> list:
+        return sorted(rows, key=lambda r: -(r.ratio if r.ratio == r.ratio else math.inf))
+
+    # what the verdict rests on first; the weights after the steps only after it, and only when
+    # they moved: a pass must not open with numbers nobody judged
+    judged = largest([row for row in result.rows if row.judged])
+    if judged and all(row.ratio == 0 for row in judged):
+        lines += ["", f"every judged record ({len(judged)}: loss, outputs, weight gradients) "
+                      "is identical to the reference's"]
+    elif judged:
+        lines += ["", "largest differences (x tolerance):"]
+        lines += [_clip(f"  {_number(row.ratio):>9}  {row.what}", width) for row in judged[:8]]
+    moved = [row for row in largest([row for row in result.rows if not row.judged])
+             if row.ratio != 0][:3]
+    if moved:
+        lines += ["", "weights after the steps (reported, not judged: the steps amplify what "
+                      "the gradients carry):"]
+        lines += [_clip(f"  {_number(row.ratio):>9}  {row.what}", width) for row in moved]
     return "\n".join(lines)
 
 
