@@ -429,3 +429,21 @@ def test_a_diff_renders_as_html_in_a_notebook(traces):
     html = bad._repr_html_()
     assert ">FAIL<" in html and "<table" in html and "origins:" in html
     assert bad.failing().iloc[0]["site"] in html
+
+
+def test_a_full_disk_is_one_sentence_and_exit_2(tmp_path):
+    """A file size limit stands in for a full disk: the same failed write, at a known size."""
+    import resource
+
+    target = tmp_path / "t.h5"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    result = subprocess.run([sys.executable, "-m", "layerdiff", "capture",
+                             "reference_models.transformer:reference", "-o", str(target)],
+                            preexec_fn=limit, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "File too large" in lines[0] and "Traceback" not in lines[0]
+    assert not target.exists() and (tmp_path / "t.h5.partial").exists()

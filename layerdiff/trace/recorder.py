@@ -199,8 +199,8 @@ class Recorder:
         if self.error is not None:
             error = self.error
             raise CaptureError(
-                f"writing trace {self.file.partial} failed: {error}; nothing was published as "
-                f"complete ({self.file.partial} holds what was written before the failure, "
+                f"writing trace {self.file.partial} failed ({_said(error)}); nothing was "
+                f"published ({self.file.partial} holds what was written before the failure, "
                 "delete it to free the space)") from error
 
     def close(self, complete: bool) -> Path:
@@ -433,3 +433,14 @@ def _physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def _said(error: BaseException) -> str:
+    """An error in a few words: the system's for an OSError (h5py's own message runs to several
+    lines of buffer addresses), the first line of anything else."""
+    errno = getattr(error, "errno", None)
+    if isinstance(error, OSError) and errno:
+        hint = {28: ": the disk is full", 27: ": a file size limit (ulimit -f) was reached",
+                30: ": the file system is read-only"}.get(errno, "")
+        return f"{os.strerror(errno)}{hint}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
