@@ -10,6 +10,7 @@ anything; ``load_weights`` and ``map_check`` both stand on it.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,17 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     """
     with open_trace(trace_path) as trace:
         reference = trace_weights(trace)
-    return load_weights_from(model, reference, mapping, source=str(trace_path))
+        called = set(trace.sites["module"]) if _drops_uncalled(trace.meta) else None
+    return load_weights_from(model, reference, mapping, source=str(trace_path),
+                             called_modules=called)
+
+
+def _drops_uncalled(meta: dict[str, Any]) -> bool:
+    """A torch capture from before the tensors of modules that are never called were recorded
+    at their caller, of every module (a narrowed one leaves modules out for its own reason)."""
+    return (str(meta.get("producer", "")).startswith("layerdiff.capture (torch)")
+            and "uncalled_weights" not in meta
+            and not meta.get("include") and not meta.get("exclude"))
 
 
 def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
@@ -57,21 +68,35 @@ def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
 
 def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                       mapping: str | os.PathLike | Mapping | None = None, *,
-                      source: str = "the reference") -> WeightsReport:
+                      source: str = "the reference",
+                      called_modules: Collection[str] | None = None) -> WeightsReport:
     """Set ``model``'s parameters and buffers from ``reference`` (name -> array) through
-    ``mapping``; see :func:`load_weights`."""
+    ``mapping``; see :func:`load_weights`. ``called_modules``, the modules with sites in a
+    reference trace captured before the tensors of modules that are never called were
+    recorded, lets a tensor missing from it be explained."""
     mapping = as_mapping(mapping)
     assignments = resolve_weights(model, reference, mapping)
     for found in assignments:
         if found.problem == SHAPE_MISMATCH:
-            raise MappingError(f"weights from {source}: {found.note}; fix the [[param]] rule "
-                               f"in {mapping.name}")
+            fix = (f"fix the [[param]] rule in {mapping.name}" if mapping.path else
+                   "give it a [[param]] rule in a mapping file (--map)")
+            raise MappingError(f"weights from {source}: {found.note}; {fix}")
     missing = [found.port for found in assignments if found.problem == NO_SOURCE]
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        uncalled = _never_called(assignments, reference, called_modules)
+        rules = (f"add [[site]] or [[param]] rules to "
+                 f"{mapping.name if mapping.path else 'a mapping file (--map)'}")
+        if uncalled:
+            modules = ("module " if len(uncalled) == 1 else "modules ") + ", ".join(
+                uncalled[:3]) + (" ..." if len(uncalled) > 3 else "")
+            raise MappingError(
+                f"weights from {source}: nothing in the reference gives port {shown} "
+                f"({len(missing)} tensors), and the reference never called {modules} (a "
+                "trace captured before layerdiff recorded the parameters of such modules at "
+                f"their caller lacks them): capture the reference again (or {rules})")
         raise MappingError(f"weights from {source}: nothing in the reference gives port "
-                           f"{shown} ({len(missing)} tensors); add [[site]] or [[param]] rules "
-                           f"to {mapping.name if mapping.path else 'a mapping file (--map)'}")
+                           f"{shown} ({len(missing)} tensors); {rules}")
     targets = port_tensors(model)
     report = WeightsReport({found.port: found.source.reference for found in assignments},
                            unused_reference(reference, assignments))
@@ -227,6 +252,27 @@ def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
             for alias in shared.get("users") or []:
                 weights.setdefault(alias, weights[shared["name"]])
     return weights
+
+
+def _never_called(assignments: list[Assignment], reference: dict[str, np.ndarray],
+                  called: Collection[str] | None) -> list[str]:
+    """Reference modules holding a missing tensor that have no call in the trace, under one
+    that has: a module the reference used without calling (nn.MultiheadAttention's
+    out_proj), whose tensors a trace captured before they were recorded at the caller lacks."""
+    if not called:
+        return []
+    modules = {name.rpartition(".")[0] for found in assignments if found.problem == NO_SOURCE
+               for name in found.source.reference if name not in reference}
+    return sorted(m for m in modules
+                  if m and m not in called and _called_ancestor(m, called))
+
+
+def _called_ancestor(module: str, called: Collection[str]) -> bool:
+    while module:
+        module = module.rpartition(".")[0]
+        if (module or schema.ROOT_MODULE) in called:
+            return True
+    return False
 
 
 def _module_partners(model: nn.Module, reference: dict[str, np.ndarray],

@@ -12,10 +12,18 @@ How the backward records are taken without perturbing the run:
 
 Weights: a parameter or buffer object is recorded once per step however many modules hold it
 (a tied embedding and output head), as ``weight`` and ``weight_grad`` of the first selected
-module that holds it in registration order (``model.named_modules()``), see
+module that holds it in registration order (``model.named_modules()``), its *owner*, see
 :func:`owned_tensors`. Tied weights are registered with the embedding first in the common
 models, so that module is also the first user in forward and the last in backward, where the
 gradient is complete: an error upstream in the backward is not blamed on the head.
+
+An owner that is never called (``nn.MultiheadAttention`` hands ``out_proj.weight`` to
+``F.multi_head_attention_forward`` without calling ``out_proj``) has no site of its own: its
+tensors are recorded at the end of the first call of its nearest selected ancestor that was
+called, under their names relative to that ancestor (``blocks.0.mha#0``, ``out_proj.weight``),
+so that site + argument still spell the full name. Which owners those are is learnt once, in the
+first recorded step (an owner not yet called when its ancestor's first call returns), and kept
+for every later step: the hot path of a model without them only checks an empty tuple.
 """
 
 from __future__ import annotations
@@ -85,6 +93,16 @@ class _Owned:
 
     tensors: tuple[tuple[dict, str], ...]    # (module._parameters or _buffers, name)
     params: tuple[tuple[dict, str], ...]     # the parameters among them: their .grad is recorded
+
+
+@dataclass(slots=True)
+class _Slot:
+    """What one hooked module records of the weights. Mutable: the first recorded step settles
+    which owners are never called, and moves their tensors to an ancestor's slot."""
+
+    owned: _Owned | None                             # its own tensors (None: none, or adopted)
+    adopted: tuple[tuple[str, _Owned], ...] = ()     # (name prefix, tensors) of uncalled owners
+    below: tuple[tuple[str, str], ...] = ()          # (owner path, name prefix): owners under it
 
 
 def owned_tensors(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, _Owned]:
@@ -159,18 +177,26 @@ class ModuleRecorder:
         self.step = 0
         self.open: list[_OpenCall] = []           # calls whose forward has not returned
         self._calls: Counter[str] = Counter()
-        self._weight_sites: list[tuple[str, _Owned]] = []
+        # (site, name prefix, tensors) in recording order: their gradients follow the backward
+        self._weight_sites: list[tuple[str, str, _Owned]] = []
         self._partial_grads: dict[tuple[str, str], list] = {}  # (site, arg) -> [left, sum]
         self._handles: list[Any] = []
+        self._slots: dict[str, _Slot] = {}
+        # until the first recorded step has run: which owners are never called is being learnt
+        self._learning = False
+        self._recorded: set[str] = set()           # owners recorded in the learning step
+        self._adoptions: list[tuple[str, str, str]] = []  # (ancestor, prefix, owner) learnt
 
     # ---- lifecycle ----
     def attach(self) -> None:
-        owned = owned_tensors(self.modules) if self.weights else {}
+        self._slots = _slots(self.modules, owned_tensors(self.modules) if self.weights else {})
+        self._learning = any(slot.below for slot in self._slots.values())
         for path, module in self.modules:
+            slot = self._slots[path]
             self._handles.append(module.register_forward_pre_hook(
-                partial(self._before, path, owned.get(path)), with_kwargs=True))
+                partial(self._before, path, slot), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                partial(self._after, path), with_kwargs=True))
+                partial(self._after, path, slot), with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -178,6 +204,8 @@ class ModuleRecorder:
         self._handles.clear()
 
     def begin_step(self, step: int) -> None:
+        if self._learning and self._calls:  # the first recorded step ran: what it learnt holds
+            self._settle()
         self.step = step
         self.recording = self.record_steps is None or step in self.record_steps
         self._calls.clear()
@@ -199,15 +227,28 @@ class ModuleRecorder:
             if total is not None:
                 self.stager.tensor(self.step, "backward", site, "grad_input", arg, total)
         self._partial_grads.clear()
-        for site, owned in reversed(self._weight_sites):
+        for site, prefix, owned in reversed(self._weight_sites):
             for store, name in owned.params:
                 param = store.get(name)
                 grad = param.grad if param is not None else None
                 if grad is not None:
-                    self.stager.tensor(self.step, "backward", site, "weight_grad", name, grad)
+                    self.stager.tensor(self.step, "backward", site, "weight_grad",
+                                       prefix + name, grad)
+
+    def weight_records(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(site, arg, tensor)`` of every parameter and buffer the current (or last) recorded
+        step recorded, in recording order; empty before one has run. Each tensor is the object
+        the module holds now (read it after the optimizer step to see the updated weights)."""
+        found = []
+        for site, prefix, owned in self._weight_sites:
+            for store, name in owned.tensors:
+                tensor = store.get(name)
+                if tensor is not None:
+                    found.append((site, prefix + name, tensor))
+        return found
 
     # ---- forward hooks ----
-    def _before(self, path: str, owned: _Owned | None, module: nn.Module, args: tuple,
+    def _before(self, path: str, slot: _Slot, module: nn.Module, args: tuple,
                 kwargs: dict) -> None:
         if not self.recording:
             return
@@ -223,20 +264,35 @@ class ModuleRecorder:
             stager.any(step, "forward", site, "input", arg, value)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
+        owned = slot.owned
         if owned is not None and call == 0:
-            # read from the module's dicts now: a tensor replaced since attach is recorded as is
-            for store, name in owned.tensors:
-                tensor = store.get(name)
-                if tensor is not None:
-                    stager.tensor(step, "forward", site, "weight", name, tensor)
-            self._weight_sites.append((site, owned))
+            if not self._learning:
+                self._record_weights(site, "", owned)
+            elif path not in self._recorded:  # else called after an ancestor took its tensors
+                self._recorded.add(path)
+                self._record_weights(site, "", owned)
 
-    def _after(self, path: str, module: nn.Module, args: tuple, kwargs: dict,
+    def _record_weights(self, site: str, prefix: str, owned: _Owned) -> None:
+        # read from the module's dicts now: a tensor replaced since attach is recorded as is
+        stager, step = self.stager, self.step
+        for store, name in owned.tensors:
+            tensor = store.get(name)
+            if tensor is not None:
+                stager.tensor(step, "forward", site, "weight", prefix + name, tensor)
+        self._weight_sites.append((site, prefix, owned))
+
+    def _after(self, path: str, slot: _Slot, module: nn.Module, args: tuple, kwargs: dict,
                output: Any) -> None:
         if not self.recording:
             return
         opened = self.open.pop()
         stager, step, site = self.stager, self.step, opened.site
+        if opened.call == 0:
+            if self._learning:
+                self._adopt_uncalled(path, site, slot)
+            else:
+                for prefix, owned in slot.adopted:
+                    self._record_weights(site, prefix, owned)
         outputs = list(flatten(output, ""))
         for arg, value in outputs:
             stager.any(step, "forward", site, "output", arg, value)
@@ -249,6 +305,31 @@ class ModuleRecorder:
                     partial(self._on_grad_output, site, "grad_output", arg, tensor.output_nr))
             if opened.inputs and grads:
                 self._hook_grad_inputs(opened, grads)
+
+    # ---- owners that are never called: learnt in the first recorded step ----
+    def _adopt_uncalled(self, path: str, site: str, slot: _Slot) -> None:
+        """At the end of a module's first call, the tensors of the owners under it that have
+        not been called yet: the innermost ancestor's call ends first, so it takes them."""
+        for owner, prefix in slot.below:
+            if owner not in self._recorded:
+                self._recorded.add(owner)
+                self._adoptions.append((path, prefix, owner))
+                self._record_weights(site, prefix, self._slots[owner].owned)
+
+    def _settle(self) -> None:
+        """Keep what the first recorded step learnt: an adopted owner records nothing at its own
+        calls, and its ancestor records its tensors at every step."""
+        adopted: dict[str, list[tuple[str, _Owned]]] = {}
+        for ancestor, prefix, owner in self._adoptions:
+            adopted.setdefault(ancestor, []).append((prefix, self._slots[owner].owned))
+        for _, _, owner in self._adoptions:
+            self._slots[owner].owned = None
+        for ancestor, tensors in adopted.items():
+            self._slots[ancestor].adopted = tuple(tensors)
+        for slot in self._slots.values():
+            slot.below = ()
+        self._learning = False
+        self._recorded.clear()
 
     def _site_row(self, site: str, module: str, call: int, type_name: str, parent: str,
                   enter_seq: int) -> None:
@@ -322,6 +403,24 @@ class ModuleRecorder:
                 del self._partial_grads[(site, arg)]
                 if entry[1] is not None:
                     self.stager.tensor(self.step, "backward", site, "grad_input", arg, entry[1])
+
+
+def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -> dict[str, _Slot]:
+    """Each hooked module's slot: its own tensors, and the owners under it with their names
+    relative to it (whichever called ancestor's first call ends first takes them)."""
+    slots = {path: _Slot(owned.get(path)) for path, _ in modules}
+    below: dict[str, list[tuple[str, str]]] = {}
+    for owner in owned:
+        if owner == schema.ROOT_MODULE:
+            continue
+        parts = owner.split(".")
+        for depth in range(len(parts) - 1, -1, -1):  # its ancestors, nearest first
+            ancestor = ".".join(parts[:depth]) or schema.ROOT_MODULE
+            if ancestor in slots:
+                below.setdefault(ancestor, []).append((owner, ".".join(parts[depth:]) + "."))
+    for ancestor, owners in below.items():
+        slots[ancestor].below = tuple(owners)
+    return slots
 
 
 def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:

@@ -227,6 +227,9 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         "machine": platform.machine(),
         # tied weights: recorded once, under "name"; "users" are all the names they go by
         "shared_parameters": shared_parameters(case.model, include, exclude),
+        # the tensors of modules never called are recorded at their nearest called ancestor
+        # (traces without this key predate that and lack them)
+        "uncalled_weights": "ancestor",
         # what replay and swap bind the recorded calls against (layerdiff.replay.calling)
         "signatures": _signatures(case.model),
     })
