@@ -288,3 +288,30 @@ def test_a_model_that_raises_before_any_nan_is_a_capture_error():
     with pytest.raises(CaptureError, match="raised ValueError: shapes do not fit during the "
                                            "forward of step 0, before any NaN"):
         find_nan(case)
+
+
+def test_a_nan_in_a_weight_of_a_module_never_called_is_caught_after_the_step():
+    """nn.MultiheadAttention uses out_proj's weight without calling out_proj: the weight is
+    still checked after the optimizer step, under the attention's site."""
+
+    class Attend(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    model = Attend()
+
+    class Spoiling(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            with torch.no_grad():
+                model.mha.out_proj.weight[0, 0] = float("nan")
+
+    case = Case(model, (torch.randn(5, 3, 8),), lambda out: out.square().mean(),
+                          steps=2, optimizer=lambda params: Spoiling(params, lr=0.1))
+    first = find_nan(case).first
+    assert (first.site, first.pass_, first.role, first.arg, first.step) == (
+        "mha#0", "optimizer", "weight", "out_proj.weight", 0)

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from layerdiff.capture.hooks import ModuleRecorder, owned_tensors, select_modules
+from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import dtype_name
 from layerdiff.case import Case, ExternalCase, load_case
@@ -415,10 +415,6 @@ class _TorchWatch(_Watch):
         self.checker = _Checker()
         modules = select_modules(case.model, (), ())
         self.hooks = ModuleRecorder(modules, self.checker)  # type: ignore[arg-type]
-        # every parameter once, under the site that records it (the capture's rule)
-        self.params = [(schema.site_name(path, 0), name, store[name])
-                       for path, owned in owned_tensors(modules).items()
-                       for store, name in owned.params]
         self.optimizers: list[torch.optim.Optimizer] = []
         self.start = _snapshot(case.model) if keep_start else None
 
@@ -439,9 +435,11 @@ class _TorchWatch(_Watch):
 
     def end_step(self, step: int) -> None:
         checker = self.checker
-        for site, name, param in self.params:
-            if param is not None:
-                checker.tensor(step, NanPass.OPTIMIZER, site, "weight", name, param)
+        # every parameter once, under the site the capture records it at (that of a module
+        # never called, such as nn.MultiheadAttention's out_proj, at its called ancestor)
+        for site, name, tensor in self.hooks.weight_records():
+            if isinstance(tensor, torch.nn.Parameter):
+                checker.tensor(step, NanPass.OPTIMIZER, site, "weight", name, tensor)
         self.steps_run = step + 1
         self._check()
         if self.progress is not None:
