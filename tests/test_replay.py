@@ -129,3 +129,16 @@ def test_weight_gradients_are_compared_only_when_every_call_was_replayed(referen
     assert result.passed
     assert "weight_grad" not in set(result.diff.rows["role"])
     assert any("1 of 6 calls replayed" in why for _, why in result.skipped)
+
+
+def test_self_attention_called_as_attn_x_x_x_replays_into_itself_cleanly(reference_traces):
+    """nn.MultiheadAttention(x, x, x): the reference records x's whole gradient once (all three
+    uses); replay must give the three arguments one leaf, or it measures the query's part."""
+    from layerdiff import load_case, replay
+
+    ref = reference_traces("reference_models.batch_mixing:reference")
+    result = replay(ref, load_case("reference_models.batch_mixing:reference"))
+    assert result, result.local
+    judged = result.diff.rows
+    grads = judged[(judged["site"] == "blocks.0.attn.mha#0") & (judged["role"] == "grad_input")]
+    assert len(grads) == 1 and grads.iloc[0]["ratio"] <= 1

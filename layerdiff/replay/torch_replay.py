@@ -82,6 +82,7 @@ class TorchPort:
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
+        leaves |= _shared_leaves(call, args_map, values, leaves)
         outputs = self._run_twice(module, values, leaves, bind)
         flat = list(flatten(outputs, ""))
         for arg, value in flat:
@@ -185,8 +186,9 @@ class TorchPort:
         if not targets:
             return
         results = torch.autograd.grad([v for _, v in pairs], targets, grads, allow_unused=True)
-        for arg, grad in zip(leaves, results[:len(leaves)], strict=True):
-            if grad is not None:
+        for (arg, leaf), grad in zip(leaves.items(), results[:len(leaves)], strict=True):
+            # an argument sharing an earlier one's leaf (attn(x, x, x)) has its gradient there
+            if grad is not None and _first_with(leaves, leaf) == arg:
                 writer.record(site, "grad_input", _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
         for (_, param), grad in zip(params, results[len(leaves):], strict=True):
@@ -204,6 +206,32 @@ class TorchPort:
             if all(module in complete for module, _ in holders):
                 module, name = holders[0]
                 writer.record(self._first_site[module], "weight_grad", _numpy(grad), arg=name)
+
+
+def _shared_leaves(call: RecordedCall, args_map: dict[str, str],
+                   values: list[tuple[str, Any]], leaves: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """Arguments that were one tensor in the reference's call (``attn(x, x, x)``): the capture
+    records that tensor's whole gradient once, under the first of them, and the same bytes again
+    as the others' inputs with no gradient of their own. Those get the first one's leaf, so the
+    replayed gradient sums over every use, as the recorded one does."""
+    rows = {map_argument(arg, args_map): row for arg, row in call.inputs}
+    shared = {}
+    for arg, value in values:
+        row = rows.get(arg)
+        if arg in leaves or not torch.is_tensor(value) or row is None or not row["digest"]:
+            continue
+        first = next((other for other in leaves if rows.get(other) is not None
+                      and rows[other]["digest"] == row["digest"]
+                      and rows[other]["shape"] == row["shape"]
+                      and rows[other]["dtype"] == row["dtype"]), None)
+        if first is not None:
+            shared[arg] = leaves[first]
+    return shared
+
+
+def _first_with(leaves: dict[str, torch.Tensor], leaf: torch.Tensor) -> str:
+    return next(arg for arg, other in leaves.items() if other is leaf)
 
 
 def _numpy(value: Any) -> Any:
