@@ -332,3 +332,15 @@ def test_a_trace_from_before_says_to_capture_the_reference_again(tmp_path, monke
         load_weights(renamed, mha_trace)
     assert "capture the reference again" not in str(raised.value)
     assert "add [[site]] or [[param]] rules" in str(raised.value)
+
+
+def test_the_diff_table_shows_a_long_argument_name_whole():
+    import pandas as pd
+
+    from layerdiff.report.terminal import format_rows
+
+    rows = pd.DataFrame([{"step": 0, "pass": "forward", "site": "blocks.1.attn.mha#0",
+                          "role": "weight", "arg": "out_proj.weight", "ratio": 12.0,
+                          "max_abs": 0.05, "cosine": 0.99, "status": "origin", "verdict": "out"}])
+    table = format_rows(rows)
+    assert "out_proj.weight" in table and max(len(line) for line in table.splitlines()) <= 100

@@ -151,9 +151,13 @@ def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
-    fixed = sum(w for _, w, _ in COLUMNS) + len(COLUMNS) - 1
-    widths = [(c, w or max(16, width - fixed), a) for c, w, a in COLUMNS]
-    out = [_row(widths, {c: c for c, _, _ in COLUMNS})]
+    # the arg column grows to the longest argument shown (out_proj.weight), up to 20, out of
+    # the site column's share
+    arg = min(20, max([6, *(len(str(a)) for a in rows["arg"])])) if len(rows) else 6
+    columns = [(c, arg if c == "arg" else w, a) for c, w, a in COLUMNS]
+    fixed = sum(w for _, w, _ in columns) + len(columns) - 1
+    widths = [(c, w or max(16, width - fixed), a) for c, w, a in columns]
+    out = [_row(widths, {c: c for c, _, _ in columns})]
     for row in rows.rename(columns={"pass": "pass_"}).itertuples(index=False):
         status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated",
                   Status.CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
