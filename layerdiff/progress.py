@@ -5,6 +5,8 @@ A leaf module: it imports rich and nothing of layerdiff, so capture and report c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -17,6 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 
 class TransientBar:
@@ -56,17 +59,37 @@ class ByteProgress(TransientBar):
         self.update(completed=done, total=total)
 
 
-class StepProgress(TransientBar):
-    """A transient bar over training steps, with the data recorded so far."""
+class _Live(ProgressColumn):
+    """Text read from a callable each time the bar is drawn (10 times a second, on rich's own
+    thread): a counter the work keeps anyway shows progress within a step at no cost to it."""
 
-    def __init__(self, steps: int, *, enabled: bool, label: str) -> None:
+    def __init__(self, read: Callable[[], str]) -> None:
+        super().__init__()
+        self._read = read
+
+    def render(self, task) -> Text:
+        return Text(self._read())
+
+
+class StepProgress(TransientBar):
+    """A transient bar over training steps; within a step, the records and MiB recorded so far
+    (``recorded()`` gives them, read as the bar is drawn)."""
+
+    def __init__(self, steps: int, *, enabled: bool, label: str,
+                 recorded: Callable[[], tuple[int, int]] | None = None) -> None:
+        def live() -> str:
+            if recorded is None:
+                return ""
+            records, nbytes = recorded()
+            return f"{records:,} records, {nbytes / 2**20:,.0f} MiB"
+
         super().__init__([SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                           TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
-                          TextColumn("{task.fields[data]}"), TimeElapsedColumn()], label,
-                         enabled=enabled, total=steps, data="")
+                          _Live(live), TimeElapsedColumn()], label,
+                         enabled=enabled, total=steps)
 
-    def advance(self, bytes_recorded: int) -> None:
-        self.update(advance=1, data=f"{bytes_recorded / 2**20:,.0f} MiB recorded")
+    def advance(self) -> None:
+        self.update(advance=1)
 
 
 class CountProgress(TransientBar):

@@ -305,3 +305,26 @@ def test_an_input_returned_unchanged_gets_one_grad_input_record(trace_path):
         rows = trace.index.query("site == '1#0' and role == 'grad_input'")
         assert len(rows) == 1
         np.testing.assert_allclose(trace.read(rows.iloc[0]), pre.grad.numpy(), rtol=1e-6)
+
+
+def test_the_capture_bar_moves_within_a_step(monkeypatch):
+    """The bar reads the records and bytes recorded so far each time it is drawn, so it moves
+    during a long step, not once per step."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    import layerdiff.progress as progress
+
+    screen = Console(file=io.StringIO(), force_terminal=True, width=100)
+    monkeypatch.setattr(progress, "Console", lambda stderr=True: screen)
+    recorded = [0]
+    with progress.StepProgress(1, enabled=True, label="capture my_cases:port",
+                               recorded=lambda: (recorded[0], recorded[0] << 20)):
+        for _ in range(4):  # one step, never advanced: only the live column can move
+            recorded[0] += 7
+            time.sleep(0.15)
+    drawn = screen.file.getvalue()
+    assert "capture my_cases:port" in drawn
+    assert "7 records, 7 MiB" in drawn and "28 records, 28 MiB" in drawn

@@ -45,7 +45,7 @@ class _Observer:
 
     def end_step(self, step: int) -> None:
         self.recorder.checkpoint()  # a crash in a later step keeps this one on disk
-        self.progress.advance(self.recorder.bytes_submitted)
+        self.progress.advance()
 
 
 def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequence[str] = (),
@@ -131,7 +131,8 @@ class PreparedCapture:
 
     def _run(self, progress: bool) -> Path:
         case, recorder, hooks = self.case, self.recorder, self.hooks
-        with StepProgress(self.steps, enabled=progress, label=f"capture {case.name}") as bar:
+        with StepProgress(self.steps, enabled=progress, label=f"capture {case.name}",
+                          recorded=lambda: (recorder.seq, recorder.bytes_submitted)) as bar:
             observer = _Observer(hooks, recorder, bar)
             hooks.attach()
             try:
