@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from layerdiff.report.browser_data import BatchErrors
+from layerdiff.report.html import max_pool
 
 DPI = 110
 BAD = "#d62728"
@@ -122,14 +122,4 @@ def batch_image(errors: BatchErrors, max_rows: int, max_columns: int) -> tuple[s
 
 def _pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
     """Max-pool ``axis`` down to at most ``limit`` entries (NaN counted as the worst)."""
-    n = matrix.shape[axis]
-    if n <= limit:
-        return matrix, 1
-    factor = math.ceil(n / limit)
-    pad = [(0, 0), (0, 0)]
-    pad[axis] = (0, factor * math.ceil(n / factor) - n)
-    work = np.where(np.isnan(matrix), np.inf, matrix)
-    padded = np.pad(work, pad, constant_values=0.0)
-    if axis == 1:
-        return padded.reshape(padded.shape[0], -1, factor).max(axis=2), factor
-    return padded.reshape(-1, factor, padded.shape[1]).max(axis=1), factor
+    return max_pool(np.where(np.isnan(matrix), np.inf, matrix), axis, limit)

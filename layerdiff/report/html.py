@@ -414,7 +414,7 @@ def _batch_matrix(values: np.ndarray) -> np.ndarray:
     return values.reshape(values.shape[0], -1)
 
 
-def _max_pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
+def max_pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
     """Max-pool ``axis`` down to at most ``limit`` entries: a single bad element stays visible."""
     n = matrix.shape[axis]
     if n <= limit:
@@ -432,9 +432,9 @@ def _heatmap_html(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -
     errors = _batch_matrix(judge.element_ratios(ref, port, rtol, atol))
     batch, width = errors.shape
     per_row = errors.max(axis=1) if errors.size else np.zeros(batch)
-    pooled, col_factor = _max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
-    pooled, row_factor = _max_pool(pooled, 0, MAX_HEATMAP_ROWS)
-    per_row_pooled, _ = _max_pool(per_row[:, None], 0, MAX_HEATMAP_ROWS)
+    pooled, col_factor = max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
+    pooled, row_factor = max_pool(pooled, 0, MAX_HEATMAP_ROWS)
+    per_row_pooled, _ = max_pool(per_row[:, None], 0, MAX_HEATMAP_ROWS)
     png = _png(_heatmap(pooled, per_row_pooled[:, 0], row_factor))
     bad = int(np.count_nonzero(per_row > 1))
     notes = [f"Tensor shape {tuple(ref.shape)}: {batch} batch element(s) × {width} value(s) "
