@@ -17,6 +17,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.lock import WriterLock
+from layerdiff.trace.stats import table_digest
 
 _STRING = h5py.string_dtype("utf-8")
 # Tables are written once per step, so compressing them costs little and keeps summary traces
@@ -96,6 +97,8 @@ class TraceFile:
         """Close the file; publish it under its final name only when complete."""
         try:
             if complete:
+                for name, table in self._tables.items():  # what a reader checks the tables by
+                    self._h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=name)] = table.digest()
                 self._h5.attrs[schema.ATTR_COMPLETE] = True
             self._h5.close()
             if not complete:
@@ -117,6 +120,7 @@ class _ColumnTable:
 
     def __init__(self, group: h5py.Group, columns: dict[str, Any]) -> None:
         self.rows = 0
+        self._kinds = columns
         self._datasets = {
             name: group.create_dataset(
                 name, shape=(0,), maxshape=(None,), chunks=(_CHUNK_ROWS,),
@@ -124,6 +128,12 @@ class _ColumnTable:
                 compression_opts=4, shuffle=kind != schema.STR)
             for name, kind in columns.items()
         }
+
+    def digest(self) -> str:
+        """The table's values as written, read back: :func:`table_digest`."""
+        values = {name: (dataset.asstr()[:] if dataset.dtype == _STRING else dataset[:])
+                  for name, dataset in self._datasets.items()}
+        return table_digest(values, self._kinds)
 
     def append(self, columns: dict[str, list]) -> None:
         count = len(next(iter(columns.values())))

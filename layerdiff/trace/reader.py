@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,9 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import partial_path
-from layerdiff.trace.verify import check_bytes, describe
+from layerdiff.trace.segments import segment_dataset
+from layerdiff.trace.stats import table_digest
+from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
 
 
 class Trace:
@@ -39,19 +43,32 @@ class Trace:
             raise
 
     def _check(self, allow_incomplete: bool) -> None:
-        attrs = self._h5.attrs
-        if attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME:
-            if self.path.name.endswith(schema.PARTIAL_SUFFIX) and not len(attrs):
+        guard_global_heaps(self._h5, self.path)
+        attrs = _root_attributes(self._h5, self.path)
+        name = attrs.get(schema.ATTR_FORMAT)
+        if not (isinstance(name, str) and name == schema.FORMAT_NAME):
+            if self.path.name.endswith(schema.PARTIAL_SUFFIX) and not attrs:
                 raise TraceError(_nothing_yet(self.path))
             raise TraceError(f"{self.path} is an HDF5 file but not a layerdiff trace (it has no "
                              f"{schema.ATTR_FORMAT}={schema.FORMAT_NAME!r} attribute); pass a "
                              "file written by `layerdiff capture` or layerdiff.TraceWriter")
-        self.version = int(attrs.get(schema.ATTR_VERSION, 0))
+        self._table_digests: dict[str, str | None] = {}
+        for table in (schema.INDEX_GROUP, schema.SITES_GROUP):
+            claimed = attrs.get(schema.ATTR_TABLE_DIGEST.format(table=table))
+            if claimed is not None and not (isinstance(claimed, str)
+                                            and re.fullmatch(r"[0-9a-f]{16}", claimed)):
+                raise TraceError(f"{self.path}: the digest of table /{table} is not 16 hex "
+                                 "digits; the file is damaged, capture it again")
+            # checked with the tables when verifying (an unverified reader trusts them)
+            self._table_digests[table] = claimed if self.verify else None
+        version = attrs.get(schema.ATTR_VERSION)
+        if not _is_int(version) or version < 1:
+            raise TraceError(f"{self.path} has an invalid trace format version {version!r:.40} "
+                             "(an integer from 1 is written); the file is damaged")
+        self.version = int(version)
         if self.version > schema.FORMAT_VERSION:
             raise TraceError(f"{self.path} is trace format v{self.version}, newer than the "
                              f"v{schema.FORMAT_VERSION} this layerdiff reads; upgrade layerdiff")
-        if self.version < 1:
-            raise TraceError(f"{self.path} has an invalid trace format version {self.version}")
         # exactly True: a string "false" or a NaN is truthy, and a damaged flag is no promise
         complete = attrs.get(schema.ATTR_COMPLETE, False)
         self.complete = isinstance(complete, (bool, np.bool_)) and bool(complete)
@@ -59,22 +76,16 @@ class Trace:
             raise TraceError(f"{self.path} is incomplete: the capture that wrote it did not "
                              "finish (crash, kill, full disk or an error in the model); capture "
                              "again, or open it with --allow-incomplete to see what it holds")
-        self.summary = bool(attrs.get(schema.ATTR_SUMMARY, False))
-        try:
-            self.meta: dict[str, Any] = json.loads(attrs.get(schema.ATTR_META, "{}"))
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{self.path}: the meta attribute is not valid JSON ({exc})") from exc
-        if not isinstance(self.meta, dict):
-            raise TraceError(f"{self.path}: the meta attribute is not a JSON object; the file is "
-                             "damaged, capture it again")
-        scale = self.meta.get("loss_scale", 1.0)
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise TraceError(f"{self.path}: its loss scale {scale!r} is not a finite positive "
-                             "number; the file is damaged, capture it again")
+        summary = attrs.get(schema.ATTR_SUMMARY)
+        if not isinstance(summary, (bool, np.bool_)):
+            raise TraceError(f"{self.path}: its {schema.ATTR_SUMMARY} attribute is "
+                             f"{summary!r:.40}, not true or false; the file is damaged")
+        self.summary = bool(summary)
+        self.meta: dict[str, Any] = parse_meta(attrs.get(schema.ATTR_META), self.path)
         for group in (schema.INDEX_GROUP, schema.SITES_GROUP):
-            if group not in self._h5:
-                raise TraceError(f"{self.path} has no /{group} table: it is damaged or was not "
-                                 "written by a layerdiff trace writer; capture it again")
+            _member(self._h5, group, h5py.Group, self.path)
+        if schema.TENSORS_GROUP in self._h5 or not self.summary:
+            _member(self._h5, schema.TENSORS_GROUP, h5py.Group, self.path)
 
     @property
     def h5(self) -> h5py.File:
@@ -88,8 +99,12 @@ class Trace:
     @cached_property
     def index(self) -> pd.DataFrame:
         """One row per stored tensor or value, in recording order (see docs/trace-format.md)."""
-        index = _read_table(self._h5[schema.INDEX_GROUP], schema.INDEX_COLUMNS, self.path,
-                            "seq")
+        index = _read_table(self._h5, schema.INDEX_GROUP, schema.INDEX_COLUMNS, self.path,
+                            "seq", self._table_digests[schema.INDEX_GROUP])
+        check_index(index, str(self.path))
+        if self.summary and (index["segment"] >= 0).any():
+            raise TraceError(f"{self.path} says it is a summary trace (no tensor data) but its "
+                             "index points into tensor segments; the file is damaged")
         if self.verify:
             self._check_segments(index)
         return index
@@ -101,12 +116,8 @@ class Trace:
             return
         ends = (stored["offset"] + stored["nbytes"]).groupby(stored["segment"]).max()
         for segment, end in ends.items():
-            dataset = self._h5.get(schema.segment_name(int(segment)))
-            if not isinstance(dataset, h5py.Dataset) or dataset.ndim != 1:
-                row = stored[stored["segment"] == segment].iloc[0]
-                raise TraceError(f"{self.path}: the index puts {describe(row)} in tensor "
-                                 f"segment {int(segment)}, which the file lacks; the file is "
-                                 "damaged, capture it again")
+            row = stored[stored["segment"] == segment].iloc[0]
+            dataset = segment_dataset(self._h5, int(segment), str(self.path), describe(row))
             if dataset.shape[0] < end:
                 raise TraceError(f"{self.path}: tensor segment {int(segment)} holds "
                                  f"{dataset.shape[0]} bytes but the index puts data up to byte "
@@ -115,8 +126,10 @@ class Trace:
     @cached_property
     def sites(self) -> pd.DataFrame:
         """One row per module call per step, in call order."""
-        return _read_table(self._h5[schema.SITES_GROUP], schema.SITES_COLUMNS, self.path,
-                           "enter_seq")
+        sites = _read_table(self._h5, schema.SITES_GROUP, schema.SITES_COLUMNS, self.path,
+                            "enter_seq", self._table_digests[schema.SITES_GROUP])
+        check_sites(sites, str(self.path))
+        return sites
 
     def records(self, step: int | None = None, site: str | None = None,
                 role: str | None = None, *, pass_: str | None = None,
@@ -153,13 +166,17 @@ class Trace:
                 f"{self.path} stores no data for {row['site']} {row['role']} {row['arg']}"
                 + (": it is a summary trace (statistics only); capture without --summary to "
                    "keep tensors" if self.summary else ""))
-        name = schema.segment_name(int(row["segment"]))
-        start = int(row["offset"])
+        dataset = segment_dataset(self._h5, int(row["segment"]), str(self.path), describe(row))
+        start, nbytes = int(row["offset"]), int(row["nbytes"])
+        if start + nbytes > dataset.shape[0]:
+            raise TraceError(f"{self.path}: the index puts {describe(row)} at bytes {start}.."
+                             f"{start + nbytes} of tensor segment {int(row['segment'])}, which "
+                             f"holds {dataset.shape[0]}; the file is damaged, capture it again")
         try:
-            data = self._h5[name][start:start + int(row["nbytes"])]
-        except (KeyError, OSError) as exc:
-            raise TraceError(f"{self.path}: tensor data of {row['site']} {row['role']} "
-                             f"{row['arg']} cannot be read ({exc}); the file is damaged") from exc
+            data = dataset[start:start + nbytes]
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise TraceError(f"{self.path}: tensor data of {describe(row)} cannot be read "
+                             f"({_short(exc)}); the file is damaged") from exc
         if self.verify:
             check_bytes(data, row, str(self.path))
         array = data.view(schema.numpy_dtype(row["dtype"]))
@@ -206,24 +223,277 @@ def _open_h5(path: Path) -> h5py.File:
         raise TraceError(f"{path} is not an HDF5 file, so not a layerdiff trace")
     try:
         return h5py.File(path, "r")
-    except OSError as exc:
+    except _H5_ERRORS as exc:
         if path.name.endswith(schema.PARTIAL_SUFFIX):
             raise TraceError(empty_partial) from exc
         if "truncated" in str(exc).lower():
             raise TraceError(f"{path} is cut off: the file is shorter than its own header says "
                              "(an interrupted copy or write); capture or copy it again") from exc
-        raise TraceError(f"{path} cannot be opened as HDF5 ({exc})") from exc
+        raise TraceError(f"{path} cannot be opened as HDF5 ({_short(exc)}); the file is "
+                         "damaged, capture or copy it again") from exc
 
 
-def _read_table(group: h5py.Group, columns: dict[str, Any], path: Path,
-                order: str) -> pd.DataFrame:
-    data = {}
+def _short(exc: BaseException) -> str:
+    """An h5py error in a few words: its first line, without HDF5's error stack."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:160]
+
+
+# h5py and libhdf5 say what is wrong with a damaged file by any of these
+_H5_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, AttributeError,
+              UnicodeDecodeError, SystemError)
+
+
+def _root_attributes(h5: h5py.File, path: Path) -> dict[str, Any]:
+    """The root attributes read once, as plain values; a damaged one is a TraceError."""
+    values: dict[str, Any] = {}
     try:
-        for name in columns:
-            dataset = group[name]
-            data[name] = dataset.asstr()[:] if dataset.dtype.kind == "O" else dataset[:]
-    except (KeyError, OSError) as exc:
-        raise TraceError(f"{path}: table /{group.name.strip('/')} cannot be read ({exc}); "
-                         "the file is damaged or cut off; capture it again") from exc
+        names = list(h5.attrs)[:64]  # a trace has five; a damaged file may claim any number
+        for name in names:
+            values[name] = h5.attrs[name]
+    except _H5_ERRORS as exc:
+        raise TraceError(f"{path}: its root attributes cannot be read ({_short(exc)}); the file "
+                         "is damaged, capture it again") from exc
+    return values
+
+
+# libhdf5 (1.14) walks a global heap collection (where variable-length strings live: the meta
+# attribute, the tables' text columns) object by object, each step as long as the object's
+# size field says; a free-space object of size 0, which a zeroed block makes, never advances
+# and the reader spins forever. The walk is repeated here, in Python, before libhdf5 does it.
+_HEAP_SIGNATURE = b"GCOL"
+_HEAP_HEADER = 16   # signature, version, 3 reserved bytes, collection size (8-byte lengths)
+_HEAP_OBJECT = 16   # index, reference count, 4 reserved bytes, object size
+
+
+def guard_global_heaps(h5: h5py.File, path: Path) -> None:
+    """Refuse (TraceError) a file holding a global heap collection that would make libhdf5
+    loop. Tensor segments are skipped (their bytes are data, not structure), so the cost is
+    a scan of the file's small structural part."""
+    skip = []
+    try:
+        tensors = h5.get(schema.TENSORS_GROUP, getlink=True)
+        if isinstance(tensors, h5py.HardLink) and isinstance(h5[schema.TENSORS_GROUP],
+                                                             h5py.Group):
+            for name in h5[schema.TENSORS_GROUP]:
+                dataset = h5[schema.TENSORS_GROUP].get(name)
+                if isinstance(dataset, h5py.Dataset):
+                    offset = dataset.id.get_offset()
+                    if offset is not None:
+                        skip.append((offset, offset + dataset.id.get_storage_size()))
+    except _H5_ERRORS as exc:
+        raise TraceError(f"{path}: its tensor segments cannot be listed ({_short(exc)}); the "
+                         "file is damaged, capture it again") from exc
+    with open(path, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        start = 0
+        for begin, end in [*sorted(skip), (len(data), len(data))]:
+            _check_heaps_in(data, start, begin, path)
+            start = max(start, end)
+    finally:
+        data.close()
+
+
+def _check_heaps_in(data: mmap.mmap, start: int, stop: int, path: Path) -> None:
+    at = data.find(_HEAP_SIGNATURE, start, stop)
+    while at >= 0:
+        header = data[at:at + _HEAP_HEADER]
+        if len(header) == _HEAP_HEADER and header[4] == 1:
+            size = int.from_bytes(header[8:16], "little")
+            if size < _HEAP_HEADER or at + size > len(data):
+                raise TraceError(f"{path}: the HDF5 global heap at byte {at} claims {size} "
+                                 "bytes, past the end of the file; the file is damaged or cut "
+                                 "off, capture it again")
+            _walk_heap(data, at, size, path)
+        at = data.find(_HEAP_SIGNATURE, at + 1, stop)
+
+
+def _walk_heap(data: mmap.mmap, at: int, size: int, path: Path) -> None:
+    position, end = at + _HEAP_HEADER, at + size
+    while position < end:
+        if position + _HEAP_OBJECT > end:
+            return  # too small for an object: libhdf5 takes it as free space
+        index = int.from_bytes(data[position:position + 2], "little")
+        length = int.from_bytes(data[position + 8:position + 16], "little")
+        need = _HEAP_OBJECT + (length + 7) // 8 * 8 if index else length
+        if need <= 0 or position + need > end:
+            raise TraceError(f"{path}: the HDF5 global heap at byte {at} is damaged (an object "
+                             f"at byte {position} is {length} bytes long), and HDF5 would "
+                             "never finish reading it; the file is damaged, capture it again")
+        position += need
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+# meta is small (a few KiB): bounds that no writer reaches and that keep json.loads bounded
+_META_BYTES = 1 << 20
+_META_DEPTH = 32
+# meta keys readers use, and the types they may have (other keys are free)
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "producer": (str,), "case": (str,), "device": (str,), "created": (str,), "host": (str,),
+    "versions": (dict,), "seed": (int, type(None)), "steps": (int,),
+    "dtype": (str, type(None)), "autocast": (str, type(None)), "model_dtype": (str, type(None)),
+    "default_dtype": (str, type(None)), "weights": (dict, type(None)),
+    "signatures": (dict,), "shared_parameters": (list, type(None)), "include": (list,),
+    "exclude": (list,), "summary": (bool,),
+}
+# a loss scale multiplies gradients; beyond these, float32 gradients under- or overflow
+LOSS_SCALE_RANGE = (1e-30, 1e30)
+
+
+def parse_meta(text: Any, path: Path) -> dict[str, Any]:
+    """The meta attribute as a dict, refused (TraceError) when it is not JSON text of bounded
+    size and depth, or a key readers use has the wrong type."""
+    def refuse(what: str) -> TraceError:
+        return TraceError(f"{path}: its meta attribute {what}; the file is damaged, capture "
+                          "it again")
+
+    if text is None:
+        raise refuse("is missing (every writer records one)")
+    if not isinstance(text, str):
+        raise refuse(f"is {type(text).__name__}, not JSON text")
+    if len(text) > _META_BYTES:
+        raise refuse(f"is {len(text):,} characters long, far beyond any writer's")
+    if _json_depth(text) > _META_DEPTH:
+        raise refuse(f"nests deeper than {_META_DEPTH} levels")
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON, an integer of 5,000 digits
+        raise refuse(f"is not valid JSON ({str(exc)[:80]})") from exc
+    if not isinstance(meta, dict):
+        raise refuse("is not a JSON object")
+    for key, types in _META_TYPES.items():
+        if key in meta and (not isinstance(meta[key], types)
+                            or (isinstance(meta[key], bool) and bool not in types)):
+            raise refuse(f"has {key} {meta[key]!r:.40}, of the wrong type")
+    scale = meta.get("loss_scale", 1.0)
+    number = (float(scale) if isinstance(scale, float) or (
+        isinstance(scale, int) and not isinstance(scale, bool) and abs(scale) < 1 << 128)
+        else math.nan)  # an integer of 400 digits does not convert
+    if not (math.isfinite(number) and LOSS_SCALE_RANGE[0] <= number <= LOSS_SCALE_RANGE[1]):
+        raise TraceError(f"{path}: its loss scale {scale!r:.40} is not a finite number between "
+                         f"{LOSS_SCALE_RANGE[0]:g} and {LOSS_SCALE_RANGE[1]:g}; the file is "
+                         "damaged, capture it again")
+    versions = meta.get("versions", {})
+    if not all(isinstance(v, str) for v in versions.values()):
+        raise refuse("has versions that are not text")
+    weights = meta.get("weights") or {}
+    mapping = weights.get("mapping")
+    if mapping is not None and not (isinstance(mapping, dict) and all(
+            isinstance(mapping.get(k), str) for k in ("name", "text"))):
+        raise refuse("records a mapping that is not {name, text}")
+    return meta
+
+
+def _json_depth(text: str) -> int:
+    """How deep JSON text nests (brackets outside strings), without recursion."""
+    if text.count("[") + text.count("{") <= _META_DEPTH:
+        return 0  # cannot nest deeper than it has brackets
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > _META_DEPTH:
+                return deepest
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _member(parent: h5py.Group, name: str, kind: type, path: Path) -> Any:
+    """``parent[name]`` when it is a plain member of this file of the right kind: external
+    links, soft links, external storage and virtual datasets read other files (or loop), and
+    no writer makes them, so they are refused before anything is read through them."""
+    where = f"{parent.name.rstrip('/')}/{name}"
+    what = "table" if kind is h5py.Group else "dataset"
+    try:
+        link = parent.get(name, getlink=True)
+        if link is None:
+            raise TraceError(f"{path} has no {where} {what}: it is damaged or was not written "
+                             "by a layerdiff trace writer; capture it again")
+        if not isinstance(link, h5py.HardLink):
+            raise TraceError(f"{path}: {where} is a {type(link).__name__}, which a trace never "
+                             "holds (it would read another file); refused, capture it again")
+        item = parent[name]
+        if not isinstance(item, kind):
+            raise TraceError(f"{path}: {where} is not a {what}; the file is damaged, capture "
+                             "it again")
+        if isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
+            raise TraceError(f"{path}: {where} keeps its data in other files (HDF5 "
+                             f"{'virtual dataset' if item.is_virtual else 'external storage'}),"
+                             " which a trace never does; refused, capture it again")
+    except _H5_ERRORS as exc:
+        raise TraceError(f"{path}: {where} cannot be read ({_short(exc)}); the file is "
+                         "damaged, capture it again") from exc
+    return item
+
+
+# A table's column cannot hold more rows than this many per byte of file: the best gzip ratio
+# is about 1,000 to 1 and the narrowest column has 4-byte rows.
+_ROWS_PER_FILE_BYTE = 300
+
+
+def _read_table(h5: h5py.File, group_name: str, columns: dict[str, Any], path: Path,
+                order: str, claimed: str | None) -> pd.DataFrame:
+    """The table's columns, checked for type and length, and against ``claimed`` (the digest
+    its writer left) when there is one."""
+    group = _member(h5, group_name, h5py.Group, path)
+    limit = max(path.stat().st_size, 1) * _ROWS_PER_FILE_BYTE
+    data: dict[str, Any] = {}
+    length = None
+    for name, kind in columns.items():
+        dataset = _member(group, name, h5py.Dataset, path)
+        where = f"/{group_name}/{name}"
+        try:
+            wanted = ("O" if kind == schema.STR else kind.kind)
+            actual = dataset.dtype.kind
+            fits = (h5py.check_string_dtype(dataset.dtype) is not None if wanted == "O"
+                    else actual == wanted or (wanted == "i" and actual == "u"))
+            if not fits or dataset.ndim != 1:
+                raise TraceError(f"{path}: column {where} holds {dataset.dtype} of shape "
+                                 f"{dataset.shape}, not the 1-D {kind} column of the format; "
+                                 "the file is damaged, capture it again")
+            if length is None:
+                length = dataset.shape[0]
+                if length > limit:
+                    raise TraceError(f"{path}: table /{group_name} claims {length:,} rows, "
+                                     "more than the file could hold; the file is damaged")
+            elif dataset.shape[0] != length:
+                raise TraceError(f"{path}: column {where} has {dataset.shape[0]} rows where "
+                                 f"the table's other columns have {length}; the file is "
+                                 "damaged or cut off, capture it again")
+            values = dataset.asstr()[:] if wanted == "O" else dataset[:]
+            if wanted != "O" and values.dtype != kind:
+                if wanted in "iu" and len(values) and (
+                        values.max() > np.iinfo(kind).max or values.min() < np.iinfo(kind).min):
+                    raise TraceError(f"{path}: column {where} holds values beyond {kind}; the "
+                                     "file is damaged, capture it again")
+                values = values.astype(kind)
+            data[name] = values
+        except TraceError:
+            raise
+        except MemoryError as exc:
+            raise TraceError(f"{path}: column {where} is too large to read into memory; the "
+                             "file is damaged or not a trace") from exc
+        except _H5_ERRORS as exc:
+            raise TraceError(f"{path}: column {where} cannot be read ({_short(exc)}); the file "
+                             "is damaged or cut off; capture it again") from exc
+    if claimed is not None and table_digest(data, columns) != claimed:
+        raise TraceError(f"{path}: table /{group_name} does not match the digest its writer "
+                         "left: the file was damaged or edited after capture; capture it again")
     frame = pd.DataFrame(data)
     return frame.sort_values(order, kind="stable", ignore_index=True)

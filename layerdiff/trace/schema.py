@@ -18,6 +18,9 @@ ATTR_VERSION = "layerdiff_version"
 ATTR_COMPLETE = "complete"
 ATTR_SUMMARY = "summary"
 ATTR_META = "meta"  # one JSON string: producer, case, versions, options
+# xxh3-64 of each table's values (trace.stats.table_digest), set at close; optional: traces
+# written before them, or by other writers, have none
+ATTR_TABLE_DIGEST = "{table}_digest"
 
 INDEX_GROUP = "index"
 SITES_GROUP = "sites"
@@ -118,6 +121,29 @@ def split_site(site: str) -> tuple[str, int]:
     return module, int(call)
 
 
+# What a reader accepts before it trusts a table (see layerdiff.trace.verify): a site is
+# ``module#call``, a shape is comma-separated sizes, and no tensor is larger than this.
+SITE_PATTERN = r"^.+#[0-9]{1,9}$"
+SHAPE_PATTERN = r"^([0-9]{1,15}(,[0-9]{1,15}){0,63})?$"
+MAX_NUMEL = 1 << 48        # elements of one tensor (256 Ti): beyond, a shape is damage
+# torch dtypes numpy lacks, stored as raw bytes of this width (float8 and kin)
+RAW_BYTE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                             "float8_e5m2fnuz", "float8_e8m0fnu"})
+_NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: what a tensor can hold
+
+
+def known_dtype(name: str) -> bool:
+    """Whether ``name`` is a tensor dtype a trace may hold (numeric numpy names in their
+    canonical spelling, bfloat16 and the float8 family)."""
+    if name in RAW_BITS_DTYPES or name in RAW_BYTE_DTYPES:
+        return True
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError):
+        return False
+    return dtype.kind in _NUMPY_KINDS and dtype.name == name
+
+
 def param_name(site: str, arg: str) -> str:
     """Full parameter name of a weight record: module path + '.' + argument."""
     module = split_site(site)[0]
@@ -133,12 +159,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype that holds a stored tensor's bytes (raw bits for bfloat16)."""
+    """The numpy dtype that holds a stored tensor's bytes (raw bits for bfloat16, raw bytes
+    for dtypes numpy lacks). Readers check names with :func:`known_dtype` first."""
     if name in RAW_BITS_DTYPES:
         return RAW_BITS_DTYPES[name]
     try:
         return np.dtype(name)
-    except TypeError:
+    except (TypeError, ValueError):
         return np.dtype(np.uint8)
 
 

@@ -34,6 +34,23 @@ def digest(raw: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(raw).data)
 
 
+def table_digest(columns: dict[str, np.ndarray], kinds: dict[str, object]) -> str:
+    """xxh3-64 of a table's values, column by column in ``kinds``' order: numbers as their
+    format dtype's bytes, text as length-prefixed UTF-8. It covers what the values are, not how
+    HDF5 stores them, so a reader checks an edited column whatever its chunks or compression."""
+    hasher = xxhash.xxh3_64()
+    for name, kind in kinds.items():
+        values = columns[name]
+        if kind == schema.STR:
+            for text in values:
+                data = str(text).encode("utf-8", "surrogateescape")
+                hasher.update(len(data).to_bytes(8, "little"))
+                hasher.update(data)
+        else:
+            hasher.update(np.ascontiguousarray(np.asarray(values, dtype=kind)).data)
+    return hasher.hexdigest()
+
+
 def as_float(raw: np.ndarray, dtype_name: str) -> np.ndarray | None:
     """A numpy view (or, for bfloat16 and ints, a copy) of the values in a float type."""
     if dtype_name == "bfloat16":

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import xxhash
 
 from layerdiff.errors import TraceError
@@ -124,3 +125,158 @@ def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str) -> None:
     check = RecordCheck(row, path)
     check.update(raw.reshape(-1).view(np.uint8))
     check.finish()
+
+
+# ---------------------------------------------------------------------------- the tables
+
+def _first(frame: pd.DataFrame, bad: np.ndarray | pd.Series) -> pd.Series | None:
+    bad = np.asarray(bad, dtype=bool)
+    return frame.iloc[int(np.argmax(bad))] if bad.any() else None
+
+
+def _where(row: pd.Series) -> str:
+    return f"row {int(row.name)} ({str(row.get('site', '?'))[:60]})"
+
+
+def check_index(index: pd.DataFrame, path: str) -> None:
+    """Refuse an index whose rows cannot describe a tensor (raises TraceError): unknown kinds,
+    roles, passes or dtypes; shapes and site names that do not parse; sizes that disagree
+    with the shape or are absurd; negative counts; statistics that contradict each other.
+
+    Every later reader (show, the diff, replay) trusts these: a row that passes here cannot
+    make them allocate without bound, divide by zero or index out of range.
+    """
+    def refuse(row: pd.Series, what: str) -> None:
+        raise TraceError(f"{path}: index {_where(row)} {what}; the file is damaged or was "
+                         "not written by a layerdiff trace writer; capture it again")
+
+    for column, allowed in (("kind", schema.KINDS), ("role", schema.ROLES),
+                            ("pass", schema.PASSES)):
+        row = _first(index, ~index[column].isin(allowed))
+        if row is not None:
+            refuse(row, f"has {column} {str(row[column])[:40]!r}, not one of "
+                        f"{', '.join(map(str, allowed))}")
+    expected_pass = index["role"].map(schema.ROLE_PASS).astype(str)
+    row = _first(index, expected_pass.to_numpy() != index["pass"].to_numpy())
+    if row is not None:
+        refuse(row, f"puts role {row['role']} in the {row['pass']} pass")
+    row = _first(index, ~index["site"].str.fullmatch(schema.SITE_PATTERN, na=False))
+    if row is not None:
+        refuse(row, f"has site {str(row['site'])[:40]!r}, not module#call")
+    for column in ("seq", "step"):
+        row = _first(index, index[column].to_numpy() < 0)
+        if row is not None:
+            refuse(row, f"has a negative {column} ({int(row[column])})")
+    row = _first(index, index["seq"].duplicated().to_numpy())
+    if row is not None:
+        refuse(row, f"repeats seq {int(row['seq'])}")
+    values = index[index["kind"] == "value"]  # a value's JSON text, never empty; no data
+    row = _first(values, (values["value"].to_numpy() == "") | (values["segment"].to_numpy() != -1))
+    if row is not None:
+        refuse(row, "is a value record with no value text or with tensor data")
+    tensors = index[index["kind"] == "tensor"]
+    row = _first(tensors, tensors["value"].to_numpy() != "")
+    if row is not None:
+        refuse(row, "is a tensor with a value in the value column")
+    if not tensors.empty:
+        _check_tensor_rows(tensors, refuse)
+
+
+def _check_tensor_rows(tensors: pd.DataFrame, refuse) -> None:
+    row = _first(tensors, ~tensors["dtype"].map(schema.known_dtype).astype(bool))
+    if row is not None:
+        refuse(row, f"has dtype {str(row['dtype'])[:40]!r}, which no tensor has")
+    row = _first(tensors, ~tensors["shape"].str.fullmatch(schema.SHAPE_PATTERN, na=False))
+    if row is not None:
+        refuse(row, f"has shape {str(row['shape'])[:40]!r}, not comma-separated sizes")
+    # sizes in Python integers: a product of 64 sizes overflows int64 silently
+    numel = [math.prod(schema.parse_shape(s)) for s in tensors["shape"]]
+    too_big = np.array([n > schema.MAX_NUMEL for n in numel], dtype=bool)
+    row = _first(tensors, too_big)
+    if row is not None:
+        refuse(row, f"claims shape ({row['shape']}), {numel[int(np.argmax(too_big))]:.3g} "
+                    "elements, more than any tensor a trace can hold")
+    numel = np.array(numel, dtype=np.int64)
+    row = _first(tensors, tensors["numel"].to_numpy() != numel)
+    if row is not None:
+        refuse(row, f"says numel {int(row['numel'])} for shape ({row['shape']})")
+    sizes = np.array([schema.numpy_dtype(d).itemsize for d in tensors["dtype"]], np.int64)
+    stored = tensors["segment"].to_numpy() >= 0
+    wrong = stored & (tensors["nbytes"].to_numpy() != numel * sizes)
+    row = _first(tensors, wrong)
+    if row is not None:
+        refuse(row, f"says {int(row['nbytes'])} bytes for {int(row['numel'])} "
+                    f"{row['dtype']} elements")
+    row = _first(tensors, (tensors["segment"].to_numpy() < -1)
+                 | (stored & (tensors["offset"].to_numpy() < 0)))
+    if row is not None:
+        refuse(row, f"points at segment {int(row['segment'])} offset {int(row['offset'])}")
+    for column in ("nan", "inf"):
+        counts = tensors[column].to_numpy()
+        row = _first(tensors, (counts < 0) | (counts > numel))
+        if row is not None:
+            refuse(row, f"counts {int(row[column])} {column} values in {int(row['numel'])} "
+                        "elements")
+    digests = tensors["digest"]
+    row = _first(tensors, ~(digests.eq("") | digests.str.fullmatch("[0-9a-f]{16}", na=False)))
+    if row is not None:
+        refuse(row, f"has digest {str(row['digest'])[:20]!r}, not 16 hex digits")
+    _check_statistics(tensors, refuse)
+
+
+def _check_statistics(tensors: pd.DataFrame, refuse) -> None:
+    """Statistics that contradict each other (min above max, a negative norm, a non-finite
+    value where every element is finite, a NaN where none is): checked here because a summary
+    trace has no data to check them against."""
+    lo, hi = tensors["min"].to_numpy(), tensors["max"].to_numpy()
+    mean, std, l2 = (tensors[c].to_numpy() for c in ("mean", "std", "l2"))
+    finite_data = ((tensors["nan"].to_numpy() == 0) & (tensors["inf"].to_numpy() == 0)
+                   & (tensors["numel"].to_numpy() > 0))
+    floating = tensors["dtype"].map(_is_float).to_numpy(dtype=bool)
+    judged = finite_data & floating
+    stats = np.stack([lo, hi, mean, std, l2])
+    with np.errstate(invalid="ignore"):
+        broken = judged & ~np.isfinite(stats).all(axis=0)
+        row = _first(tensors, broken)
+        if row is not None:
+            refuse(row, "has a non-finite statistic although it counts no NaN or Inf")
+        slack = 1e-6 * np.maximum(np.abs(lo), np.abs(hi)) + 1e-30
+        wrong = judged & ((lo > hi) | (mean < lo - slack) | (mean > hi + slack) | (std < 0)
+                          | (l2 < 0))
+    row = _first(tensors, wrong)
+    if row is not None:
+        refuse(row, f"has statistics that contradict each other (min {row['min']:.6g}, max "
+                    f"{row['max']:.6g}, mean {row['mean']:.6g}, std {row['std']:.6g})")
+
+
+def _is_float(name: str) -> bool:
+    return name == "bfloat16" or schema.numpy_dtype(name).kind == "f"
+
+
+def check_sites(sites: pd.DataFrame, path: str) -> None:
+    """Refuse a sites table whose rows do not parse (raises TraceError)."""
+    def refuse(row: pd.Series, what: str) -> None:
+        raise TraceError(f"{path}: sites {_where(row)} {what}; the file is damaged or was "
+                         "not written by a layerdiff trace writer; capture it again")
+
+    row = _first(sites, ~sites["site"].str.fullmatch(schema.SITE_PATTERN, na=False))
+    if row is not None:
+        refuse(row, f"has site {str(row['site'])[:40]!r}, not module#call")
+    named = sites["module"] + "#" + sites["call"].astype(str)
+    row = _first(sites, (named != sites["site"]).to_numpy())
+    if row is not None:
+        refuse(row, f"names site {row['site']} but module {str(row['module'])[:40]!r} call "
+                    f"{int(row['call'])}")
+    for column in ("step", "call", "enter_seq"):
+        row = _first(sites, sites[column].to_numpy() < 0)
+        if row is not None:
+            refuse(row, f"has a negative {column} ({int(row[column])})")
+    exits = sites["exit_seq"].to_numpy()
+    row = _first(sites, (exits < -1) | ((exits >= 0) & (exits < sites["enter_seq"].to_numpy())))
+    if row is not None:
+        refuse(row, f"has exit_seq {int(row['exit_seq'])} for enter_seq "
+                    f"{int(row['enter_seq'])}")
+    # enter_seq may repeat: a site that records nothing before the next one enters
+    row = _first(sites, sites.duplicated(["step", "site"]).to_numpy())
+    if row is not None:
+        refuse(row, f"repeats site {row['site']} in step {int(row['step'])}")
