@@ -469,3 +469,13 @@ def test_an_edited_table_cell_is_refused_by_the_table_digest(traces, tmp_path, t
         diff(ref, bad)
     with open_trace(bad, verify=False) as trace:  # asked not to verify: read as it is
         assert len(trace.index)
+
+
+def test_a_mapping_site_rule_that_matches_nothing_gets_a_warning(reference_traces, tmp_path):
+    ref = reference_traces(MLP)
+    mapping = tmp_path / "m.toml"
+    mapping.write_text('version = 1\n[[site]]\nreference = "fc*"\nport = "fc*"\n'
+                       '[[site]]\nreference = "encoder.*"\nport = "enc.*"\n', encoding="utf-8")
+    warnings = diff(ref, ref, mapping=mapping).meta["warnings"]
+    assert warnings == ["m.toml site rule 2 (line 5) matched no reference module (reference "
+                        "'encoder.*'): check its pattern"]

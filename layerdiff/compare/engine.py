@@ -168,6 +168,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "baseline": None if baseline is None else {"trace": baseline.name,
                                                    "factor": baseline.factor},
         "warnings": ([] if baseline is None else list(baseline.warnings))
+        + mapping.unused_site_rules(ref.sites["module"].unique())
         + tolerances.unmatched(rows),
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,16 @@ class Mapping:
                 label = f"{self.path.name if self.path else 'mapping'} site rule {number}"
                 return rule.reference.fill(rule.port, groups), rule.args, label
         return None
+
+    def unused_site_rules(self, ref_modules: Iterable[str]) -> list[str]:
+        """A warning for each [[site]] rule whose reference pattern names none of
+        ``ref_modules``: a typo would otherwise leave its sites unpaired, silently."""
+        modules = list(ref_modules)
+        name = self.path.name if self.path else "mapping"
+        return [f"{name} site rule {number} (line {rule.line}) matched no reference module "
+                f"(reference {rule.reference.text!r}): check its pattern"
+                for number, rule in enumerate(self.site_rules, start=1)
+                if not any(rule.reference.match(module) is not None for module in modules)]
 
     def why_unmatched(self, side: str, site: str) -> str | None:
         """The file's reason when it declares ``site`` (module#call) to have no partner."""
