@@ -165,6 +165,7 @@ def test_an_impossible_loss_scale_is_refused(traces, tmp_path, scale):
         meta = dict(trace.meta, loss_scale=scale)
     with h5py.File(bad, "r+") as h5:
         h5.attrs[schema.ATTR_META] = __import__("json").dumps(meta)
+        del h5.attrs[schema.ATTR_META_DIGEST]  # as from another writer: the value is refused
     with pytest.raises(TraceError, match="loss scale"):
         open_trace(bad)
 
@@ -479,3 +480,14 @@ def test_a_mapping_site_rule_that_matches_nothing_gets_a_warning(reference_trace
     warnings = diff(ref, ref, mapping=mapping).meta["warnings"]
     assert warnings == ["m.toml site rule 2 (line 5) matched no reference module (reference "
                         "'encoder.*'): check its pattern"]
+
+
+def test_an_edited_meta_is_refused_by_its_digest(traces, tmp_path):
+    ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    with open_trace(ref) as trace:
+        meta = dict(trace.meta, case="someone_else:case")
+    with h5py.File(bad, "r+") as h5:
+        h5.attrs[schema.ATTR_META] = __import__("json").dumps(meta)
+    with pytest.raises(TraceError, match="meta attribute does not match the digest"):
+        open_trace(bad)

@@ -17,7 +17,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.lock import WriterLock
-from layerdiff.trace.stats import table_digest
+from layerdiff.trace.stats import table_digest, text_digest
 
 _STRING = h5py.string_dtype("utf-8")
 # Tables are written once per step, so compressing them costs little and keeps summary traces
@@ -68,7 +68,8 @@ class TraceFile:
         attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION
         attrs[schema.ATTR_COMPLETE] = False
         attrs[schema.ATTR_SUMMARY] = summary
-        attrs[schema.ATTR_META] = json.dumps(meta, default=str)
+        self._meta = json.dumps(meta, default=str)
+        attrs[schema.ATTR_META] = self._meta
         self._tables = {
             schema.INDEX_GROUP: _ColumnTable(self._h5.create_group(schema.INDEX_GROUP),
                                              schema.INDEX_COLUMNS),
@@ -99,6 +100,7 @@ class TraceFile:
             if complete:
                 for name, table in self._tables.items():  # what a reader checks the tables by
                     self._h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=name)] = table.digest()
+                self._h5.attrs[schema.ATTR_META_DIGEST] = text_digest(self._meta)
                 self._h5.attrs[schema.ATTR_COMPLETE] = True
             self._h5.close()
             if not complete:

@@ -19,7 +19,7 @@ from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.segments import segment_dataset
-from layerdiff.trace.stats import table_digest
+from layerdiff.trace.stats import table_digest, text_digest
 from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
 
 
@@ -81,6 +81,12 @@ class Trace:
             raise TraceError(f"{self.path}: its {schema.ATTR_SUMMARY} attribute is "
                              f"{summary!r:.40}, not true or false; the file is damaged")
         self.summary = bool(summary)
+        claimed = attrs.get(schema.ATTR_META_DIGEST)
+        if (self.verify and claimed is not None and isinstance(attrs.get(schema.ATTR_META), str)
+                and claimed != text_digest(attrs[schema.ATTR_META])):
+            raise TraceError(f"{self.path}: its meta attribute does not match the digest its "
+                             "writer left: the file was damaged or edited after capture; "
+                             "capture it again")
         self.meta: dict[str, Any] = parse_meta(attrs.get(schema.ATTR_META), self.path)
         for group in (schema.INDEX_GROUP, schema.SITES_GROUP):
             _member(self._h5, group, h5py.Group, self.path)

@@ -21,6 +21,7 @@ ATTR_META = "meta"  # one JSON string: producer, case, versions, options
 # xxh3-64 of each table's values (trace.stats.table_digest), set at close; optional: traces
 # written before them, or by other writers, have none
 ATTR_TABLE_DIGEST = "{table}_digest"
+ATTR_META_DIGEST = "meta_digest"  # xxh3-64 of the meta attribute's UTF-8 text, set at close
 
 INDEX_GROUP = "index"
 SITES_GROUP = "sites"

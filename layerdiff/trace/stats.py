@@ -34,6 +34,11 @@ def digest(raw: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(raw).data)
 
 
+def text_digest(text: str) -> str:
+    """xxh3-64 of a text's UTF-8 bytes (the meta attribute's digest)."""
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogateescape"))
+
+
 def table_digest(columns: dict[str, np.ndarray], kinds: dict[str, object]) -> str:
     """xxh3-64 of a table's values, column by column in ``kinds``' order: numbers as their
     format dtype's bytes, text as length-prefixed UTF-8. It covers what the values are, not how
