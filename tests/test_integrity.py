@@ -366,7 +366,9 @@ def test_ctrl_c_exits_130_naming_the_partial_and_how_to_open_it(tmp_path):
     time.sleep(1.0)  # into the run (an interrupt within the file's first microseconds is
     capture_process.send_signal(signal.SIGINT)  # the next test's case)
     output, _ = capture_process.communicate(timeout=120)
-    assert capture_process.returncode == 130, output
+    # 130, or ended by the SIGINT itself (Python re-raises it when an interrupt reaches the
+    # top): a shell reports both as 130
+    assert capture_process.returncode in (130, -signal.SIGINT), output
     partial = tmp_path / "t.h5.partial"
     assert (f"interrupted: no trace was published at {target}; {partial} holds what was "
             f"recorded up to there (layerdiff show {partial} --allow-incomplete)") in output
