@@ -43,3 +43,39 @@ def reference_traces(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def screenshot(tmp_path):
+    """``screenshot(page, height)``: a headless Chromium's picture of an HTML file, as RGB floats
+    in [0, 1] (1200 pixels wide); skips when Chromium is not installed (.ci/run installs it)."""
+    import shutil
+    import subprocess
+    import time
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed: .ci/run installs it with apt-get; install it "
+                    "with `apt-get install chromium` to run this test")
+
+    def take(page: Path, height: int):
+        from matplotlib.image import imread
+
+        shot = tmp_path / "shot.png"
+        # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start. The other
+        # flags keep a headless run from reaching for the network or a GPU, or from filling a
+        # container's small /dev/shm.
+        command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                   "--no-first-run", "--disable-background-networking",
+                   "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                   f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                   f"--window-size=1200,{height}", Path(page).resolve().as_uri()]
+        started = time.monotonic()
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                check=False)
+        assert shot.exists(), (f"chromium wrote no screenshot (exit {result.returncode}, "
+                               f"{time.monotonic() - started:.1f} s):\n{result.stderr[-2000:]}")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        return imread(shot)[..., :3]  # drop alpha
+
+    return take

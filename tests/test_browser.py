@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import time
 
 import h5py
 import numpy as np
@@ -263,30 +260,10 @@ def test_bad_input_gives_one_sentence(tmp_path):
         browse(tmp_path / "absent.h5")
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def test_a_real_browser_draws_the_page(cnn_pair, tmp_path):
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed: .ci/run installs it with apt-get; install it "
-                    "with `apt-get install chromium` to run this test")
+def test_a_real_browser_draws_the_page(cnn_pair, tmp_path, screenshot):
     ref, port = cnn_pair
     page = write_browser(ref, tmp_path / "browser.html", against=port)
-    shot = tmp_path / "shot.png"
-    # the same flags as the diff report's test: no sandbox as root, no network, no GPU
-    command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", "--disable-dev-shm-usage",
-               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
-               "--window-size=1200,2400", page.resolve().as_uri()]
-    started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-    assert shot.exists(), (f"chromium wrote no screenshot (exit {result.returncode}, "
-                           f"{time.monotonic() - started:.1f} s):\n{result.stderr[-2000:]}")
-    from matplotlib.image import imread
-    pixels = imread(shot)[..., :3]
+    pixels = screenshot(page, 2400)
     assert pixels.shape[:2] == (2400, 1200)
     not_white = (pixels < 0.95).any(axis=2).mean()
     assert not_white > 0.05, f"the page looks blank: {not_white:.2%} of pixels are not white"

@@ -8,14 +8,10 @@ elements 1..3.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pytest
 
 from layerdiff.compare.result import ROW_COLUMNS, UNMATCHED_COLUMNS, Diff, Origin
 from layerdiff.report.html import write_html
@@ -146,33 +142,9 @@ def test_missing_trace_still_gives_a_page(tmp_path):
     assert "FAIL" in page and "No tensor plots" in page and "does not exist" in page
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def test_a_real_browser_draws_the_page(tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("chromium is not installed: .ci/run installs it with apt-get; install it "
-                    "with `apt-get install chromium` to run this test")
+def test_a_real_browser_draws_the_page(tmp_path, screenshot):
     report = write_html(_failing_diff(tmp_path), tmp_path / "report.html")
-    shot = tmp_path / "shot.png"
-    # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start. The other flags
-    # keep a headless run from reaching for the network or a GPU, or from filling a container's
-    # small /dev/shm.
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", "--disable-dev-shm-usage",
-               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
-               "--window-size=1200,1600", report.resolve().as_uri()]
-    started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
-    assert shot.exists(), (f"chromium wrote no screenshot (exit {result.returncode}, "
-                           f"{time.monotonic() - started:.1f} s):\n{result.stderr[-2000:]}")
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    from matplotlib.image import imread
-    pixels = imread(shot)[..., :3]          # floats in [0, 1]; drop alpha
+    pixels = screenshot(report, 1600)
     assert pixels.shape[:2] == (1600, 1200)
     not_white = (pixels < 0.95).any(axis=2).mean()
     assert not_white > 0.01, f"the page looks blank: {not_white:.2%} of pixels are not white"
