@@ -353,7 +353,9 @@ def layers(model: NumpyConvLSTM) -> dict[str, Any]:
     return {"cell": _CellLayer(model), "cell.conv": _ConvLayer(model), "head": _HeadLayer()}
 
 
-def _external(model_class: type[NumpyConvLSTM], name: str) -> ExternalCase:
+def external_case(model_class: type[NumpyConvLSTM], spec: str) -> ExternalCase:
+    """The case of a numpy ConvLSTM (this port or a variant of it) on the torch reference's
+    weights and data, named ``spec``."""
     from reference_models import convlstm  # torch, only to take the reference's weights and data
 
     cfg = convlstm.Config()
@@ -366,14 +368,15 @@ def _external(model_class: type[NumpyConvLSTM], name: str) -> ExternalCase:
               clip=cfg.clip, lr=cfg.lr, writer=writer)
 
     return ExternalCase(run=run, seed=convlstm.SEED, steps=cfg.steps,
-                        name=f"reference_models.convlstm_numpy:{name}",
+                        name=spec,
                         layers=layers(model_class(params)))
 
 
 def port() -> ExternalCase:
-    return _external(NumpyConvLSTM, "port")
+    return external_case(NumpyConvLSTM, "reference_models.convlstm_numpy:port")
 
 
 def bug_accumulator_not_zeroed() -> ExternalCase:
-    return _external(NumpyConvLSTMAccumulatorBug, "bug_accumulator_not_zeroed")
+    return external_case(NumpyConvLSTMAccumulatorBug,
+                         "reference_models.convlstm_numpy:bug_accumulator_not_zeroed")
 

@@ -39,8 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, ExternalCase, seed_everything
-from reference_models import cnn, cnn_port, convlstm, mlp, mlp_port, transformer, transformer_port
-from reference_models.convlstm_numpy import NumpyConvLSTM, layers, train
+from reference_models import cnn, cnn_port, mlp, mlp_port, transformer, transformer_port
+from reference_models.convlstm_numpy import NumpyConvLSTM, external_case
 from reference_models.porting import copy_state, port_case
 
 MODULE = "reference_models.hint_bugs"
@@ -61,17 +61,10 @@ class PlantedHint:
 
 # ---- the MLP
 
-class SignFlippedReLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        out = x.clamp_min(0)
-        ctx.save_for_backward(out > 0)
-        return out
-
+class SignFlippedReLU(cnn_port.ReLUFunction):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (mask,) = ctx.saved_tensors
-        return -grad * mask  # BUG: the sign of a hand-written derivative
+        return -cnn_port.ReLUFunction.backward(ctx, grad)  # BUG: the sign of the derivative
 
 
 class SignFlippedReLUModule(nn.Module):
@@ -154,18 +147,7 @@ class GateOrderConvLSTM(NumpyConvLSTM):
 
 
 def convlstm_gate_order() -> ExternalCase:
-    cfg = convlstm.Config()
-    model, frames, targets = convlstm.setup(cfg)
-    params = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    frames, targets = frames.numpy(), targets.numpy()
-
-    def run(writer, steps: int, loss_scale: float) -> None:
-        train(GateOrderConvLSTM(params), frames, targets, steps=steps, loss_scale=loss_scale,
-              clip=cfg.clip, lr=cfg.lr, writer=writer)
-
-    return ExternalCase(run=run, seed=convlstm.SEED, steps=cfg.steps,
-                        name=f"{MODULE}:convlstm_gate_order",
-                        layers=layers(GateOrderConvLSTM(params)))
+    return external_case(GateOrderConvLSTM, f"{MODULE}:convlstm_gate_order")
 
 
 # ---- the translation transformer

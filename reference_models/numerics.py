@@ -137,17 +137,5 @@ class NumpyConvLSTMUninitialisedBias(convlstm_numpy.NumpyConvLSTM):
 def convlstm_uninitialised_bias() -> ExternalCase:
     """The numpy ConvLSTM whose bias-gradient accumulator holds garbage that differs between
     runs: not deterministic from cell.conv#0's bias gradient at step 0 on."""
-    from reference_models import convlstm  # torch, only for the reference's weights and data
-
-    cfg = convlstm.Config()
-    model, frames, targets = convlstm.setup(cfg)
-    params = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    frames, targets = frames.numpy(), targets.numpy()
-
-    def run(writer, steps: int, loss_scale: float) -> None:
-        convlstm_numpy.train(NumpyConvLSTMUninitialisedBias(params), frames, targets,
-                             steps=steps, loss_scale=loss_scale, clip=cfg.clip, lr=cfg.lr,
-                             writer=writer)
-
-    return ExternalCase(run=run, seed=convlstm.SEED, steps=cfg.steps,
-                        name="reference_models.numerics:convlstm_uninitialised_bias")
+    return convlstm_numpy.external_case(NumpyConvLSTMUninitialisedBias,
+                                        "reference_models.numerics:convlstm_uninitialised_bias")

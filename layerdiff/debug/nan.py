@@ -33,8 +33,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -49,6 +48,7 @@ from layerdiff.capture.stage import dtype_name
 from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.trace import schema
+from layerdiff.trace.writer import site_scope
 
 Progress = Callable[[int, int], None]  # (steps done, steps to run)
 WIDTH = 100
@@ -598,13 +598,7 @@ class _CheckingWriter:
         if self._stack and self._stack[-1] == site:
             self._stack.pop()
 
-    @contextmanager
-    def site(self, module: str, type_name: str = "") -> Iterator[str]:
-        site = self.enter(module, type_name)
-        try:
-            yield site
-        finally:
-            self.exit(site)
+    site = site_scope  # the writer's own, over enter and exit above
 
     def record(self, site: str, role: str, value: Any, *, arg: str = "0",
                pass_: str | None = None) -> None:

@@ -40,6 +40,17 @@ def value_json(value: Any) -> str:
         return json.dumps({"repr": repr(value), "type": type(value).__name__})
 
 
+@contextmanager
+def site_scope(writer, module: str, type_name: str = "") -> Iterator[str]:
+    """``with writer.site(module) as site:``, for any writer with ``enter`` and ``exit``:
+    the site is exited whatever the block does."""
+    site = writer.enter(module, type_name)
+    try:
+        yield site
+    finally:
+        writer.exit(site)
+
+
 class TraceWriter:
     """Write a layerdiff trace from numpy arrays.
 
@@ -99,13 +110,7 @@ class TraceWriter:
             "type": type_name, "parent": self._stack[-1][0] if self._stack else "",
             "enter_seq": enter_seq, "exit_seq": self._recorder.seq})
 
-    @contextmanager
-    def site(self, module: str, type_name: str = "") -> Iterator[str]:
-        site = self.enter(module, type_name)
-        try:
-            yield site
-        finally:
-            self.exit(site)
+    site = site_scope
 
     def record(self, site: str, role: str, value: Any, *, arg: str = "0",
                pass_: str | None = None) -> None:
