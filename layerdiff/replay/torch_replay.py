@@ -255,10 +255,13 @@ def _random_seed(seed: int, device: torch.device) -> Iterator[None]:
 def restored(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     """Put ``tensors`` back as they were, whatever happens in between (a call's batch-norm
     running statistics; map-check's trial loads)."""
-    saved = [(tensor, tensor.detach().clone()) for tensor in tensors]
+    saved = [(tensor, tensor._version, tensor.detach().clone()) for tensor in tensors]
     try:
         yield
     finally:
         with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)
+            for tensor, version, value in saved:
+                # only what changed: a write bumps the version counter, and a buffer that
+                # autograd saved for backward (a causal mask a masked_fill took) must keep it
+                if tensor._version != version:
+                    tensor.copy_(value)
