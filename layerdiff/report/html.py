@@ -30,6 +30,7 @@ from layerdiff.compare.judge import PASSING, Status, Verdict
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
+from layerdiff.report.tree import TREE_CSS, module_tree_section
 from layerdiff.trace import open_trace
 from layerdiff.trace.reader import Trace
 
@@ -127,6 +128,7 @@ def render_html(diff: Diff) -> str:
     """The report page as a string (for notebooks, or to embed elsewhere)."""
     sections = [
         _header(diff),
+        module_tree_section(diff),
         _error_section(diff),
         _origin_section(diff),
         _failing_section(diff),
@@ -137,7 +139,7 @@ def render_html(diff: Diff) -> str:
     title = f"layerdiff {diff.verdict.upper()}: {Path(diff.port).name}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
+            f"<title>{escape(title)}</title><style>{CSS}{TREE_CSS}</style></head>\n<body><main>\n"
             + "\n".join(s for s in sections if s) + "\n</main></body></html>\n")
 
 
