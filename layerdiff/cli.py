@@ -83,12 +83,18 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "(a baseline: the reference in the port's precision).")
 @click.option("--autocast", type=click.Choice(["bfloat16", "float16"]),
               help="Run the forward and the loss under torch.autocast in this dtype.")
+@click.option("--ops", multiple=True, metavar="GLOB",
+              help="Also record each tensor op that the own code of modules matching GLOB "
+                   "runs, as sites <module site>/<op>#<k> (repeatable; '*' for every module).")
+@click.option("--ops-all", is_flag=True,
+              help="With --ops, keep the views and metadata ops (view, transpose, indexing) "
+                   "that are skipped by default.")
 @force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
                     mapping: str | None, dtype: str | None, autocast: str | None,
-                    force: bool) -> None:
+                    ops: tuple[str, ...], ops_all: bool, force: bool) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT."""
     from layerdiff.capture import capture
     from layerdiff.capture.precision import cast_case
@@ -100,6 +106,9 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     case = load_case(case_spec)
     if mapping and not weights_from:
         raise click.UsageError("--map is used with --weights-from when capturing")
+    if ops_all and not ops:
+        raise click.UsageError("--ops-all keeps more of the ops that --ops records; give --ops "
+                               "GLOB too")
     if dtype and not isinstance(case, ExternalCase):
         cast_case(case, dtype)  # before the weights, so that loading says what it cast
     extra_meta = _load_reference_weights(case, weights_from, mapping) if weights_from else {}
@@ -108,7 +117,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
                        steps=steps, summary=summary, weights=not no_weights,
                        queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
-                       autocast=autocast, extra_meta=extra_meta)
+                       autocast=autocast, extra_meta=extra_meta, ops=ops, ops_all=ops_all)
     _print_capture_result(path, time.perf_counter() - start)
 
 

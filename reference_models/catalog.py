@@ -21,6 +21,8 @@ class CaseInfo:
     pass_: str | None = None       # for a bug: forward | backward
     # for a bug: the port sites whose code holds it (a glob), where replay finds local error
     runs_in: str | None = None
+    # for a bug in a module's own code: the op site where a capture with --ops names it
+    op_site: str | None = None
 
     @property
     def mapping_path(self) -> Path | None:
@@ -56,6 +58,7 @@ def _bug(module: str, name: str, model: str, site: str, pass_: str, description:
 
 
 _HINTS = "reference_models.hint_bugs"
+_OPS = "reference_models.op_bugs"
 
 
 def _hint_bug(name: str, model: str, site: str, pass_: str, description: str, *,
@@ -149,6 +152,29 @@ CATALOG: list[CaseInfo] = [
     _hint_bug("causal_heads_merged_by_reshape", "causal_lm", "attn.core#0", "forward",
               "attention heads merged with a reshape where transpose + reshape belonged",
               reference=f"{_HINTS}:causal_reference"),
+
+    CaseInfo(f"{_OPS}:reference", "op_lm", "reference",
+             "small GPT-style language model whose attention (explicit ops: matmul, scale, "
+             "masked_fill with a causal buffer, softmax) and squared-ReLU MLP (a custom autograd "
+             "function) compute in their modules' own code; 2 blocks, 2 SGD steps"),
+    CaseInfo(f"{_OPS}:port", "op_lm", "port",
+             "the op-level language model with attention from scaled_dot_product_attention "
+             "(is_causal=True) and its own SquaredReLU function; same names",
+             reference=f"{_OPS}:reference"),
+    CaseInfo(f"{_OPS}:bug_softmax_axis", "op_lm", "bug",
+             "block 0's attention softmax over the query axis, in the attention module's own "
+             "code", reference=f"{_OPS}:reference", site="blocks.0.attn#0", pass_="forward",
+             runs_in="blocks.0.attn#0", op_site="blocks.0.attn#0/softmax#0"),
+    CaseInfo(f"{_OPS}:bug_scale_1_over_d", "op_lm", "bug",
+             "block 0's attention scores scaled by 1/d_head instead of 1/sqrt(d_head), in the "
+             "attention module's own code", reference=f"{_OPS}:reference",
+             site="blocks.0.attn#0", pass_="forward", runs_in="blocks.0.attn#0",
+             op_site="blocks.0.attn#0/mul#0"),
+    CaseInfo(f"{_OPS}:bug_custom_backward", "op_lm", "bug",
+             "block 1's custom autograd SquaredReLU whose backward drops the factor 2 for every "
+             "batch element but the first", reference=f"{_OPS}:reference",
+             site="blocks.1.mlp#0", pass_="backward", runs_in="blocks.1.mlp#0",
+             op_site="blocks.1.mlp#0/SquaredReLU#0"),
 
     CaseInfo("reference_models.batch_mixing:reference", "attention", "reference",
              "attention classifier: batch-first data through a sequence-first "

@@ -52,7 +52,10 @@ def test_bundled_port_passes_and_planted_bug_is_found_at_its_site(info, referenc
     # every failing row before the origin's would be an earlier origin: there is none
     failing = result.failing()
     first_seq = failing.loc[failing["status"] == Status.ORIGIN, "seq"].min()
-    assert (failing.loc[failing["pass"] == info.pass_, "seq"] >= first_seq).all()
+    # a bug in a container's own code reaches the child that runs next (its input, or its
+    # grad_output) before the container's own output is recorded: those rows are inside it
+    inside = failing["port_site"].str.startswith(info.site.rpartition("#")[0] + ".")
+    assert (failing.loc[(failing["pass"] == info.pass_) & ~inside, "seq"] >= first_seq).all()
 
 
 def test_backward_bug_is_reported_per_batch_element(reference_traces, tmp_path):

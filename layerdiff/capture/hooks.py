@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
@@ -255,15 +255,10 @@ class ModuleRecorder:
         call = self._calls[path]
         self._calls[path] = call + 1
         site = schema.site_name(path, call)
-        stager, step = self.stager, self.step
-        opened = _OpenCall(site, path, call, type(module).__name__,
-                           self.open[-1].site if self.open else "", stager.recorder.seq,
-                           _next_sequence_nr())
+        opened = self.open_call(site, path, call, type(module).__name__,
+                                self.open[-1].site if self.open else "")
         self.open.append(opened)
-        for arg, value in _arguments(args, kwargs):
-            stager.any(step, "forward", site, "input", arg, value)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
+        self.record_inputs(opened, _arguments(args, kwargs))
         owned = slot.owned
         if owned is not None and call == 0:
             if not self._learning:
@@ -286,17 +281,36 @@ class ModuleRecorder:
         if not self.recording:
             return
         opened = self.open.pop()
-        stager, step, site = self.stager, self.step, opened.site
         if opened.call == 0:
             if self._learning:
-                self._adopt_uncalled(path, site, slot)
+                self._adopt_uncalled(path, opened.site, slot)
             else:
                 for prefix, owned in slot.adopted:
-                    self._record_weights(site, prefix, owned)
-        outputs = list(flatten(output, ""))
+                    self._record_weights(opened.site, prefix, owned)
+        self.finish_call(opened, list(flatten(output, "")))
+
+    # ---- one call's records: shared by module calls and the op calls inside them ----
+    def open_call(self, site: str, module: str, call: int, type_name: str,
+                  parent: str) -> _OpenCall:
+        """A call about to run: what its records will be keyed by, and where the autograd
+        graph stood before it (its backward nodes are the ones created from here on)."""
+        return _OpenCall(site, module, call, type_name, parent, self.stager.recorder.seq,
+                         _next_sequence_nr())
+
+    def record_inputs(self, opened: _OpenCall, arguments: Iterable[tuple[str, Any]]) -> None:
+        stager, step, site = self.stager, self.step, opened.site
+        for arg, value in arguments:
+            stager.any(step, "forward", site, "input", arg, value)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
+
+    def finish_call(self, opened: _OpenCall, outputs: list[tuple[str, Any]]) -> None:
+        """Record a call's outputs and its site row, and hook its backward."""
+        stager, step, site = self.stager, self.step, opened.site
         for arg, value in outputs:
             stager.any(step, "forward", site, "output", arg, value)
-        self._site_row(site, path, opened.call, opened.type, opened.parent, opened.enter_seq)
+        self._site_row(site, opened.module, opened.call, opened.type, opened.parent,
+                       opened.enter_seq)
         if torch.is_grad_enabled():
             grads = [(arg, t) for arg, t in outputs
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from layerdiff.capture.hooks import ModuleRecorder, select_modules
+from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
@@ -26,8 +27,10 @@ from layerdiff.trace.writer import TraceWriter, base_meta, check_writable
 class _Observer:
     """Connects the step loop to the module hooks, the recorder and the progress display."""
 
-    def __init__(self, hooks: ModuleRecorder, recorder: Recorder, progress: StepProgress) -> None:
+    def __init__(self, hooks: ModuleRecorder, recorder: Recorder, progress: StepProgress,
+                 ops: OpRecorder | None = None) -> None:
         self.hooks = hooks
+        self.ops = ops
         self.recorder = recorder
         self.progress = progress
         self.phase = "setup"
@@ -36,6 +39,8 @@ class _Observer:
     def begin_step(self, step: int) -> None:
         self.step = step
         self.hooks.begin_step(step)
+        if self.ops is not None:
+            self.ops.begin_step()
 
     def record_loss(self, loss: torch.Tensor) -> None:
         self.hooks.record_loss(loss)
@@ -54,7 +59,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
             queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
             dtype: str | None = None, autocast: str | None = None,
             extra_meta: dict[str, Any] | None = None,
-            record_steps: Collection[int] | None = None) -> Path:
+            record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
+            ops_all: bool = False) -> Path:
     """Run ``case`` with every selected module call recorded into the trace at ``path``.
 
     Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
@@ -67,7 +73,9 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     baseline is made (the reference run the way a port runs). ``extra_meta`` is recorded in the
     trace's meta as given (``weights``: where the weights came from and the mapping used).
     ``record_steps``, when given, are the only steps recorded (the others run unrecorded); the
-    meta lists them as ``recorded_steps``.
+    meta lists them as ``recorded_steps``. ``ops`` are globs over module paths whose own code is
+    recorded op by op (op sites ``<module site>/<op>#<k>``, see :mod:`layerdiff.capture.ops`);
+    ``ops_all`` keeps the views and metadata ops that are skipped by default.
 
     Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
@@ -80,6 +88,9 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
         if record_steps is not None:
             raise CaptureError(f"case {case.name} records itself, so layerdiff cannot record "
                                "only some of its steps; capture all of them")
+        if ops:
+            raise CaptureError(f"case {case.name} records itself, so --ops does not apply to "
+                               "it; record op sites (<module site>/<op>#<k>) in its own code")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
                                  queue_bytes=queue_bytes)
@@ -89,7 +100,7 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
                                loss_scale=loss_scale, steps=steps, summary=summary,
                                weights=weights, queue_bytes=queue_bytes, autocast=autocast,
                                extra_meta={"dtype": dtype, **(extra_meta or {})},
-                               record_steps=record_steps)
+                               record_steps=record_steps, ops=ops, ops_all=ops_all)
     return prepared.run(progress=progress)
 
 
@@ -104,7 +115,8 @@ class PreparedCapture:
                  steps: int | None = None, summary: bool = False, weights: bool = True,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True,
                  autocast: str | None = None, extra_meta: dict[str, Any] | None = None,
-                 record_steps: Collection[int] | None = None) -> None:
+                 record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
+                 ops_all: bool = False) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
@@ -113,7 +125,10 @@ class PreparedCapture:
         autocast_context(case, autocast)  # an unknown autocast dtype fails before any file
         check_writable(path)
         modules = select_modules(case.model, include, exclude)
+        # checked before the file exists: a glob that matches nothing is a typo
+        op_modules = select_op_modules(case.model, ops, modules) if ops else set()
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
+        meta["ops"] = {"globs": list(ops), "modules": sorted(op_modules), "all": ops_all}
         meta.update(extra_meta or {}, autocast=autocast, model_dtype=model_dtype(case))
         if record_steps is not None:
             meta["recorded_steps"] = sorted(int(step) for step in record_steps)
@@ -121,6 +136,8 @@ class PreparedCapture:
         self.stager = Stager(self.recorder, async_device=async_device)
         self.hooks = ModuleRecorder(modules, self.stager, weights=weights,
                                     record_steps=record_steps)
+        self.ops = (OpRecorder(case.model, self.hooks, ops, all_ops=ops_all) if ops
+                    else None)
 
     def run(self, progress: bool = False) -> Path:
         """Run the steps with the hooks attached, then publish the trace."""
@@ -133,8 +150,10 @@ class PreparedCapture:
         case, recorder, hooks = self.case, self.recorder, self.hooks
         with StepProgress(self.steps, enabled=progress, label=f"capture {case.name}",
                           recorded=lambda: (recorder.seq, recorder.bytes_submitted)) as bar:
-            observer = _Observer(hooks, recorder, bar)
+            observer = _Observer(hooks, recorder, bar, self.ops)
             hooks.attach()
+            if self.ops is not None:
+                self.ops.attach()  # after the module hooks: its frames wrap theirs
             try:
                 run_case(case, steps=self.steps, loss_scale=self.loss_scale, observer=observer,
                          autocast=self.autocast)
@@ -153,6 +172,8 @@ class PreparedCapture:
                 _close_incomplete(recorder)
                 raise
             finally:
+                if self.ops is not None:
+                    self.ops.detach()
                 hooks.detach()
         return recorder.close(complete=True)
 
@@ -233,6 +254,10 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         "uncalled_weights": "ancestor",
         # what replay and swap bind the recorded calls against (layerdiff.replay.calling)
         "signatures": _signatures(case.model),
+        # torch's own module types: a leaf of these runs one op (the diff suggests --ops
+        # only where a module's own code can hold more)
+        "builtin_types": sorted({type(m).__name__ for m in case.model.modules()
+                                 if type(m).__module__.startswith("torch.nn.")}),
     })
     meta["versions"]["torch"] = torch.__version__
     return meta

@@ -28,6 +28,7 @@ from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import attach_hints, find_origins
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
+from layerdiff.compare.suggest import ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
@@ -172,6 +173,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         + tolerances.unmatched(rows),
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
+        "ops_commands": ops_commands(ref, port, origins, first_step),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
 

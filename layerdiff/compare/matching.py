@@ -7,6 +7,10 @@ Order of trust, per reference site:
 4. a structural fallback for what is left on both sides: the two lists of sites, in execution
    order, aligned on their output shapes (difflib's longest matching blocks); confidence is
    higher where input shapes and module types agree too.
+Op sites (``<module site>/<op>#<k>``, captured with ``--ops``) pair only inside a pair of module
+sites, after those: by the mapping's ``[[pair]]`` entries, then the two calls' op lists aligned
+on op name and output shapes in execution order, so that ops one side has and the other lacks
+(a fused attention call against matmul, softmax, matmul) stay unpaired, each with its reason.
 What stays unpaired is reported with the reason.
 """
 
@@ -64,6 +68,23 @@ def _signatures(index: pd.DataFrame, sites: list[str]) -> dict[str, tuple[str, s
 def match_sites(ref_sites: pd.DataFrame, port_sites: pd.DataFrame, ref_index: pd.DataFrame,
                 port_index: pd.DataFrame, mapping: Mapping) -> SiteMatching:
     refs, ports = _site_list(ref_sites), _site_list(port_sites)
+    ref_is_op, port_is_op = _op_rows(refs), _op_rows(ports)
+    matching = _match_modules(refs[~ref_is_op], ports[~port_is_op], ref_index, port_index,
+                              mapping)
+    if ref_is_op.any() or port_is_op.any():
+        _match_ops(matching, refs[ref_is_op], ports[port_is_op], ref_index, port_index, mapping)
+        order = {site: i for i, site in enumerate(refs["site"])}
+        matching.pairs.sort(key=lambda p: order[p.reference])
+    return matching
+
+
+def _op_rows(sites: pd.DataFrame) -> pd.Series:
+    return pd.Series([schema.is_op_site(s) for s in sites["site"]], index=sites.index,
+                     dtype=bool)
+
+
+def _match_modules(refs: pd.DataFrame, ports: pd.DataFrame, ref_index: pd.DataFrame,
+                   port_index: pd.DataFrame, mapping: Mapping) -> SiteMatching:
     port_names = set(ports["site"])
     claimed: set[str] = set()
     paired_targets: dict[str, str] = {}
@@ -131,7 +152,8 @@ def _named_partner(ref_site: str, module: str, call: int, mapping: Mapping,
         if port_site not in port_names:
             return (f"the mapping pairs it with port site {port_site}, which the port trace "
                     "does not have")
-        return SitePair(ref_site, port_site, "pair", 1.0, label=f"{mapping.name} [[pair]]")
+        return SitePair(ref_site, port_site, "pair", 1.0, mapping.pair_args.get(ref_site, {}),
+                        label=f"{mapping.name} [[pair]]")
     renamed = mapping.rename(module)
     if ref_site in port_names and ref_site not in claimed:
         return SitePair(ref_site, ref_site, "exact", 1.0, _same_name_args(module, renamed))
@@ -196,3 +218,85 @@ def _same_name_args(module: str, renamed: tuple | None) -> dict[str, str]:
     """A [[site]] rule that maps a module to its own name still says how its arguments
     differ (``args = { attention_mask = "" }``)."""
     return renamed[1] if renamed is not None and renamed[0] == module else {}
+
+
+def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataFrame,
+               ref_index: pd.DataFrame, port_index: pd.DataFrame, mapping: Mapping) -> None:
+    """Pair the op sites inside each pair of module sites (see the module docstring); adds to
+    ``matching`` in place."""
+    port_names = set(port_ops["site"])
+    explicit = {ref: port for ref, port in mapping.pairs.items()
+                if schema.is_op_site(ref) and port in port_names}
+    claimed = set(explicit.values())
+    ref_by_call = _ops_by_call(ref_ops, "reference", mapping, matching)
+    port_by_call = _ops_by_call(port_ops, "port", mapping, matching)
+    paired_calls = {pair.reference: pair.port for pair in matching.pairs}
+    ref_sig = _signatures(ref_index, list(ref_ops["site"]))
+    port_sig = _signatures(port_index, list(port_ops["site"]))
+    found_ref: set[str] = set()
+    for ref_site, port_site in explicit.items():
+        matching.pairs.append(SitePair(ref_site, port_site, "pair", 1.0,
+                                       mapping.pair_args.get(ref_site, {}),
+                                       label=f"{mapping.name} [[pair]]"))
+        found_ref.add(ref_site)
+    for ref_call, refs in ref_by_call.items():
+        port_call = paired_calls.get(ref_call)
+        if port_call is None:
+            for site in refs:
+                matching.unmatched.append(("reference", site, f"its module site {ref_call} "
+                                           "has no partner in the port", False))
+            continue
+        ports = [s for s in port_by_call.get(port_call, []) if s not in claimed]
+        left = [s for s in refs if s not in found_ref]
+        a = [(_op(s), ref_sig.get(s, ("", ""))[0]) for s in left]
+        b = [(_op(s), port_sig.get(s, ("", ""))[0]) for s in ports]
+        matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+        for block in matcher.get_matching_blocks():
+            for k in range(block.size):
+                ref_site, port_site = left[block.a + k], ports[block.b + k]
+                exact = ref_site == port_site
+                matching.pairs.append(SitePair(
+                    ref_site, port_site, "exact" if exact else "op", 1.0,
+                    label="" if exact else f"same op and output shapes, in order, inside "
+                                           f"{ref_call} and {port_call}"))
+                found_ref.add(ref_site)
+                claimed.add(port_site)
+        lone_ports = [s for s in ports if s not in claimed]
+        for site in left:
+            if site not in found_ref:
+                matching.unmatched.append(("reference", site, _lone_op_reason(
+                    site, port_call, lone_ports), False))
+    for port_call, ports in port_by_call.items():
+        for site in ports:
+            if site not in claimed:
+                matching.unmatched.append(("port", site, "no reference op of the same name "
+                                           "and output shapes lines up with it in "
+                                           f"{port_call}'s partner", False))
+
+
+def _ops_by_call(ops: pd.DataFrame, side: str, mapping: Mapping,
+                 matching: SiteMatching) -> dict[str, list[str]]:
+    """Module site -> its op sites in execution order; those the mapping declares without
+    partner go to ``matching.unmatched`` instead."""
+    by_call: dict[str, list[str]] = {}
+    for site, parent in zip(ops["site"], ops["parent"], strict=True):
+        why = mapping.why_unmatched(side, site)
+        if why is not None:
+            matching.unmatched.append((side, site, why, True))
+        else:
+            by_call.setdefault(parent, []).append(site)
+    return by_call
+
+
+def _op(site: str) -> str:
+    parts = schema.split_op_site(site)
+    return parts[1] if parts else site
+
+
+def _lone_op_reason(site: str, port_call: str, lone_ports: list[str]) -> str:
+    if not lone_ports:
+        return (f"the port's {port_call} runs no {_op(site)} with the same output shapes at "
+                "that point")
+    others = ", ".join(dict.fromkeys(_op(s) for s in lone_ports[:6]))
+    return (f"no {_op(site)} with the same output shapes at that point in the port's "
+            f"{port_call}, which computes that part with other ops ({others})")

@@ -397,11 +397,26 @@ def _has_children(name: str, parents: dict[str, str], sites: dict[str, _Site]) -
     return any(parent == name for child, parent in parents.items() if child in sites)
 
 
+def _has_ops(name: str, parents: dict[str, str], sites: dict[str, _Site]) -> bool:
+    """Whether op sites of this call's own code were compared (captured with --ops)."""
+    return any(parent == name and schema.is_op_site(child)
+               for child, parent in parents.items() if child in sites)
+
+
+# Said of a call whose own code holds the fault when its ops were captured and none is out on
+# its own: what --ops skips (views, indexing) is where it can be.
+_NO_OP_OUT = ("; no op of its own code is out on its own either, so the fault is in a view or "
+              "indexing op that --ops skips (capture with --ops-all to record them) or in an op "
+              "whose arguments have no partner")
+
+
 def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
     if site.new_non_finite.get("output"):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
     text = "its output is out of tolerance while all its inputs and weights are within"
-    if _has_children(site.name, parents, sites):
+    if _has_ops(site.name, parents, sites):
+        text += _NO_OP_OUT
+    elif _has_children(site.name, parents, sites):
         text += ("; no site inside it is out on its own, so the fault is in its own code "
                  "between its children")
     return text
@@ -411,7 +426,9 @@ def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Sit
     role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
     text = (f"its {role} is out of tolerance while the gradient arriving at its outputs and "
             "its forward are within")
-    if _has_children(site.name, parents, sites):
+    if _has_ops(site.name, parents, sites):
+        text += _NO_OP_OUT.replace("view or indexing op", "view or indexing op's backward")
+    elif _has_children(site.name, parents, sites):
         text += ("; no site inside it is out on its own, so the fault is in its own backward "
                  "code between its children")
     return text
@@ -515,7 +532,8 @@ def attach_hints(origins: list[R.Origin], ref: Trace, port: Trace, *, grad_facto
         return
     for origin in origins[:max_origins]:
         try:
-            found = _hint(origin, ref, port, grad_factor, max_elements)
+            with np.errstate(all="ignore"):  # -inf from a mask in the inputs: no warnings
+                found = _hint(origin, ref, port, grad_factor, max_elements)
         except (TraceError, ValueError, np.linalg.LinAlgError):
             # a record that cannot be read, or tensors no model fits the shapes of: a hint is
             # a help, never a reason for the diff to fail

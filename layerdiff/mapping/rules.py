@@ -78,6 +78,7 @@ class Mapping:
     path: Path | None = None
     site_rules: list[SiteRule] = field(default_factory=list)
     pairs: dict[str, str] = field(default_factory=dict)           # reference site -> port site
+    pair_args: dict[str, dict[str, str]] = field(default_factory=dict)  # [[pair]] args rules
     unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
     unmatched_port: list[tuple[str, str]] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
@@ -179,24 +180,19 @@ def _load(config: ConfigFile) -> Mapping:
             if holes and holes != stars:
                 config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
                             f"'{pattern.text}' has {stars}", line)
-        args = entry.get("args", {})
-        if not isinstance(args, dict) or not all(isinstance(v, (str, int)) for v in args.values()):
-            config.fail(f"{where}: args must be a table of reference argument = port argument "
-                        "strings, e.g. args = { \"1\" = \"2\" }, or \"\" for an argument the "
-                        "port does not take, e.g. args = { past_key_values = \"\" }", line)
-        # YAML reads unquoted argument numbers as integers; arguments are names (strings).
-        # An empty port name is allowed: the port has no such argument (replay drops it).
-        args = {str(key): str(value) for key, value in args.items()}
-        mapping.site_rules.append(SiteRule(pattern, port, args, line))
+        mapping.site_rules.append(SiteRule(pattern, port, _args(config, entry, where, line),
+                                           line))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):
         where = f"pair {number}"
-        config.check_keys(entry, {"reference", "port"}, where, line)
+        config.check_keys(entry, {"reference", "port", "args"}, where, line)
         ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
         for name in (ref, port):
             if not re.fullmatch(r".+#\d+", name):
                 config.fail(f"{where}: '{name}' is not a site; write module#call, e.g. "
-                            "'decoder.pos#1'", line)
+                            "'decoder.pos#1', or an op site, e.g. 'blocks.0.attn#0/softmax#0'",
+                            line)
         mapping.pairs[ref] = port
+        mapping.pair_args[ref] = _args(config, entry, where, line)
     for number, (entry, line) in enumerate(config.tables("unmatched"), start=1):
         where = f"unmatched entry {number}"
         config.check_keys(entry, {"reference", "port", "why"}, where, line)
@@ -271,3 +267,15 @@ def _names(config: ConfigFile, entry: dict, key: str, where: str,
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         config.fail(f"{where} needs '{key}' as a name or a list of names", line)
     return names
+
+
+def _args(config, entry: dict, where: str, line: int) -> dict[str, str]:
+    """A rule's ``args`` table: reference argument -> port argument ("" when the port takes no
+    such argument: it is not compared, and replay drops it)."""
+    args = entry.get("args", {})
+    if not isinstance(args, dict) or not all(isinstance(v, (str, int)) for v in args.values()):
+        config.fail(f"{where}: args must be a table of reference argument = port argument "
+                    "strings, e.g. args = { \"1\" = \"2\" }, or \"\" for an argument the "
+                    "port does not take, e.g. args = { past_key_values = \"\" }", line)
+    # YAML reads unquoted argument numbers as integers; arguments are names (strings).
+    return {str(key): str(value) for key, value in args.items()}

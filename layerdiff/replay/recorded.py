@@ -44,7 +44,8 @@ def recorded_calls(ref: Trace, sites: Sequence[str] = ()) -> list[RecordedCall]:
     groups = {site: rows for site, rows in index.groupby("site", sort=False)}
     calls = []
     for row in table.itertuples(index=False):
-        if row.site == schema.LOSS_SITE or row.site not in groups:
+        if (row.site == schema.LOSS_SITE or row.site not in groups
+                or schema.is_op_site(row.site)):  # an op is not a layer to replay
             continue
         if sites and not any(fnmatch.fnmatchcase(row.site, glob) or fnmatch.fnmatchcase(
                 row.module, glob) for glob in sites):

@@ -9,6 +9,8 @@ import pandas as pd
 
 from layerdiff.compare.judge import Status
 from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.suggest import wrap_command
+from layerdiff.trace import schema
 
 WIDTH = 100
 MAX_SITES = 40
@@ -40,7 +42,20 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
         if len(failing) > len(shown):
             lines.append(f"... {len(failing) - len(shown)} more (--verbose, or --json FILE, "
                          "for every row)")
+    lines += ops_lines(diff, width)
     return "\n".join(lines)
+
+
+def ops_lines(diff: Diff, width: int = WIDTH) -> list[str]:
+    """The captures that would name the op inside an origin that is a module's own code."""
+    commands = diff.meta.get("ops_commands") or []
+    if not commands:
+        return []
+    lines = ["", "the fault is in a module's own code, whose ops were not captured; these",
+             "commands capture them on both sides and name the op:"]
+    for command in commands:
+        lines += [f"  {line}" for line in wrap_command(command, width - 2)]
+    return lines
 
 
 def verdict_line(diff: Diff, width: int = WIDTH) -> str:
@@ -157,16 +172,33 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
     columns = [(c, arg if c == "arg" else w, a) for c, w, a in COLUMNS]
     fixed = sum(w for _, w, _ in columns) + len(columns) - 1
     widths = [(c, w or max(16, width - fixed), a) for c, w, a in columns]
+    site_width = next(w for c, w, _ in widths if c == "site")
     out = [_row(widths, {c: c for c, _, _ in columns})]
+    above = ""   # the module site of the row above: its op rows nest under it
     for row in rows.rename(columns={"pass": "pass_"}).itertuples(index=False):
         status = {"origin": "ORIGIN", "holds-origin": "holds", "propagated": "propagated",
                   Status.CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
+        site, above = _site_cell(row.site, above, site_width)
         out.append(_row(widths, {
             "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
-            "site": row.site, "role": row.role, "arg": row.arg,
+            "site": site, "role": row.role, "arg": row.arg,
             "ratio": _number(row.ratio), "max_abs": _number(row.max_abs),
             "cosine": _number(row.cosine, digits=6), "status": status}))
     return "\n".join(out)
+
+
+def _site_cell(site: str, above: str, width: int) -> tuple[str, str]:
+    """How a site shows in the table, and its module site. An op site under a row of its own
+    module (or of another of its ops) shows as ``  └ softmax#0``; elsewhere in full, clipped in
+    its module's part so that the op stays readable."""
+    parts = schema.split_op_site(site)
+    if parts is None:
+        return site, site
+    module, op, k = parts
+    if module == above:
+        return f"  └ {op}#{k}", module
+    tail = f"/{op}#{k}"
+    return _clip(module, max(1, width - len(tail))) + tail, module
 
 
 def _format_unmatched(unmatched: pd.DataFrame, width: int) -> str:

@@ -5,6 +5,7 @@ No torch here: a writer in any framework, and a reader in CI, need h5py and nump
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 import numpy as np
@@ -120,6 +121,26 @@ def site_name(module_path: str, call: int) -> str:
 def split_site(site: str) -> tuple[str, int]:
     module, _, call = site.rpartition("#")
     return module, int(call)
+
+
+# An op site is one tensor operation inside a module call's own code: <module site>/<op>#<k>,
+# the k-th call of that op name in that call (blocks.0.attn#0/softmax#0). Its sites-table row
+# has the module site as parent and the op name as type.
+_OP_SITE = re.compile(r"^(.+#[0-9]+)/([^/#]+)#([0-9]+)$")
+
+
+def op_site_name(module_site: str, op: str, k: int) -> str:
+    return f"{module_site}/{op}#{k}"
+
+
+def split_op_site(site: str) -> tuple[str, str, int] | None:
+    """(module site, op name, k) of an op site; None for a module site."""
+    found = _OP_SITE.match(site)
+    return None if found is None else (found[1], found[2], int(found[3]))
+
+
+def is_op_site(site: str) -> bool:
+    return _OP_SITE.match(site) is not None
 
 
 # What a reader accepts before it trusts a table (see layerdiff.trace.verify): a site is

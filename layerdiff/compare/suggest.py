@@ -1,0 +1,111 @@
+"""The next commands a diff suggests: where an origin is in a module's own code (its output or
+input gradient is out while everything inside it that was compared is within) and its ops were
+not captured, the two captures (reference, port) and the diff that would name the op."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from layerdiff.compare import result as R
+from layerdiff.trace import Trace, schema
+
+TORCH_PRODUCER = "layerdiff.capture (torch)"
+
+
+def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
+                 first_step: int | None) -> list[str]:
+    """Shell commands that capture both sides again with ``--ops`` on the modules whose own code
+    holds an origin, then diff them; empty when there is no such origin, when those ops were
+    captured already, or when a side was not captured by layerdiff's torch hooks from a case
+    spec (a port that records itself names its own op sites; a Case built in a notebook has no
+    spec to capture it again by)."""
+    # an origin is innermost: with its output or input gradient out, the fault is in the
+    # module's own code (a weight gradient is not an op's: ops do not record parameters)
+    wanted = [o for o in origins if o.role in ("output", "grad_input")
+              and not schema.is_op_site(o.site) and o.site != schema.LOSS_SITE
+              and not _one_op(ref, o.site)]
+    if not wanted or first_step is None:
+        return []
+    if any(trace.meta.get("producer") != TORCH_PRODUCER
+           or ":" not in str(trace.meta.get("case") or "")   # a spec to capture it again by
+           for trace in (ref, port)):
+        return []
+    ref_modules, port_modules = [], []
+    for origin in wanted:
+        ref_module = schema.split_site(origin.site)[0]
+        port_module = schema.split_site(origin.port_site or origin.site)[0]
+        if ref_module in _captured_ops(ref) and port_module in _captured_ops(port):
+            continue
+        if ref_module not in ref_modules:
+            ref_modules.append(ref_module)
+            port_modules.append(port_module)
+    if not ref_modules:
+        return []
+    ref_out = _renamed(ref.path, "ops")
+    port_out = _renamed(port.path, "ops")
+    steps = first_step + 1  # the captures need to reach the failing step, no further
+    ref_cmd = _capture(ref.meta, ref_out, ref_modules, steps)
+    port_cmd = _capture(port.meta, port_out, port_modules, steps)
+    weights = port.meta.get("weights") or {}
+    if weights.get("from"):
+        port_cmd += ["--weights-from", str(ref_out)]
+        mapping = weights.get("mapping") or {}
+        if mapping.get("path"):
+            port_cmd += ["--map", str(mapping["path"])]
+    return [shlex.join(ref_cmd), shlex.join(port_cmd),
+            shlex.join(["layerdiff", "diff", str(ref_out), str(port_out)])]
+
+
+def wrap_command(command: str, width: int) -> list[str]:
+    """A shell command over several lines of at most ``width`` columns, continued with
+    backslashes, so that it can still be pasted into a shell whole."""
+    lines, line = [], ""
+    for word in shlex.split(command):
+        word = shlex.quote(word)
+        if line and len(line) + 1 + len(word) + 2 > width:
+            lines.append(line + " \\")
+            line = "    " + word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line]
+
+
+def _one_op(ref: Trace, site: str) -> bool:
+    """A leaf of one of torch's own module types (Linear, LayerNorm, GELU): its own code is
+    one functional call, which op capture would only name again."""
+    sites = ref.sites
+    rows = sites[sites["site"] == site]
+    if rows.empty or (sites["parent"] == site).any():
+        return False
+    return str(rows["type"].iloc[0]) in set(ref.meta.get("builtin_types") or [])
+
+
+def _captured_ops(trace: Trace) -> set[str]:
+    ops = trace.meta.get("ops") or {}
+    return set(ops.get("modules") or [])
+
+
+def _renamed(path: Path, tag: str) -> Path:
+    return path.with_name(f"{path.stem}.{tag}{path.suffix}")
+
+
+def _capture(meta: dict[str, Any], output: Path, modules: list[str], steps: int) -> list[str]:
+    """``layerdiff capture`` with the options the trace was captured with, plus --ops."""
+    command = ["layerdiff", "capture", str(meta["case"]), "-o", str(output)]
+    for module in modules:
+        command += ["--ops", module]
+    if steps != meta.get("steps"):
+        command += ["--steps", str(steps)]
+    if meta.get("loss_scale", 1.0) != 1.0:
+        command += ["--loss-scale", repr(float(meta["loss_scale"]))]
+    for option in ("include", "exclude"):
+        for glob in meta.get(option) or []:
+            command += [f"--{option}", glob]
+    for option in ("dtype", "autocast"):
+        if meta.get(option):
+            command += [f"--{option}", str(meta[option])]
+    if meta.get("summary"):
+        command.append("--summary")
+    return command
