@@ -160,6 +160,22 @@ def test_bug_in_a_modules_own_code_is_found_at_the_op(info, reference, tmp_path)
     assert diff(narrow_ref, narrow).origin.site == info.op_site
 
 
+def test_terminal_report_nests_op_rows_under_their_module(reference, tmp_path):
+    from layerdiff.report.terminal import format_diff
+
+    port = _port(f"{op_bugs.MODULE}:bug_softmax_axis", reference, tmp_path / "p.h5",
+                 ops=["*"])
+    lines = format_diff(diff(reference, port), verbose=True).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    table = [line for line in lines if line.startswith("   0 fwd")]
+    # after a child's rows an op shows in full; the rows after it, of the same call's ops, nest
+    first = next(i for i, line in enumerate(table) if " blocks.0.attn#0/matmul#0 " in line)
+    rows = table[first + 1:first + 10]
+    assert all("  └ " in line for line in rows)
+    assert list(dict.fromkeys(line.split()[3] for line in rows)) == [
+        "matmul#0", "mul#0", "masked_fill#0", "softmax#0"]
+
+
 def test_sdpa_port_passes_with_ops_and_says_which_ops_have_no_partner(reference, tmp_path):
     port = _port(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5", ops=["*"])
     result = diff(reference, port)
@@ -194,9 +210,12 @@ def test_module_origin_suggests_the_captures_that_name_the_op(run, tmp_path):
     assert run("capture", REFERENCE, "-o", ref).exit_code == 0
     assert run("capture", f"{op_bugs.MODULE}:bug_softmax_axis", "-o", port,
                "--weights-from", ref).exit_code == 0
-    result = run("diff", ref, port)
+    result = run("diff", ref, port, "--html", tmp_path / "d.html")
     assert result.exit_code == 1
     assert "FAIL  origin: blocks.0.attn#0, forward output" in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 100
+    page = (tmp_path / "d.html").read_text()
+    assert "Look inside the module" in page and "--ops blocks.0.attn" in page
     text = result.output.split("name the op:\n", 1)[1]
     commands = [shlex.split(c) for c in text.replace("\\\n", " ").splitlines() if c.strip()]
     assert [c[:2] for c in commands] == [["layerdiff", "capture"]] * 2 + [["layerdiff", "diff"]]

@@ -191,7 +191,11 @@ class Swapper:
         return pairs
 
     def resolve(self, name: str) -> str:
-        """A reference module for a name given in either model's terms (module or site)."""
+        """A reference module for a name given in either model's terms (module or site; an op
+        site stands for the module whose code runs it: an op is not a layer of its own)."""
+        op = schema.split_op_site(name)
+        if op is not None:
+            name = op[0]
         module = name.rpartition("#")[0] if "#" in name else name
         if module in self.pairs:
             return module

@@ -129,6 +129,7 @@ def render_html(diff: Diff) -> str:
     sections = [
         _header(diff),
         module_tree_section(diff),
+        _ops_section(diff),
         _error_section(diff),
         _origin_section(diff),
         _failing_section(diff),
@@ -330,6 +331,16 @@ def _legend_entries(axes: Iterable[Any]) -> tuple[list[Any], list[str]]:
 
 # ---------------------------------------------------------------------------------------------
 # The first origin's tensors
+
+
+def _ops_section(diff: Diff) -> str:
+    """The captures that would name the op inside an origin in a module's own code."""
+    commands = diff.meta.get("ops_commands") or []
+    if not commands:
+        return ""
+    return ("<h2 id=\"look-inside\">Look inside the module</h2><p>The fault is in a module's "
+            "own code, whose ops were not captured. These commands capture them on both sides "
+            "and name the op:</p><pre>" + escape("\n".join(commands)) + "</pre>")
 
 
 def _origin_section(diff: Diff) -> str:
