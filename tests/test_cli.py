@@ -83,7 +83,8 @@ def test_cases_lists_every_bundled_case_as_json(run):
     result = run("cases", "--json")
     assert result.exit_code == 0
     cases = json.loads(result.output)
-    keys = {"spec", "model", "kind", "reference", "mapping", "site", "pass", "description"}
+    keys = {"spec", "model", "kind", "reference", "mapping", "site", "pass", "op_site",
+            "description"}
     assert cases and all(set(c) == keys for c in cases)
     assert "reference_models.transformer:reference" in {c["spec"] for c in cases}
     for case in cases:

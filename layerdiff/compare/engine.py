@@ -150,6 +150,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     rows = comparer.run(records.pairs, progress)
     _refuse_guessed_names(ref, port, sites, rows, mapping)
     _refuse_other_models(ref, port, rows)
+    _excuse_inner_ops(rows)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
@@ -176,6 +177,28 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "ops_commands": ops_commands(ref, port, origins, first_step),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+
+
+def _excuse_inner_ops(rows: pd.DataFrame) -> None:
+    """An op site's failing rows, in a pass where every record of the module call that runs it
+    is within, are marked ``module-within``: op sites pair by name and shapes, and a port that
+    computes the module through other intermediate values (a scale moved before a matmul) is
+    not wrong where the module is right."""
+    failing = rows.index[~rows["verdict"].isin(judge.PASSING)]
+    ops = [pos for pos in failing if schema.is_op_site(rows.at[pos, "site"])]
+    if not ops:
+        return
+    module_ok: dict[tuple[int, str, str], bool] = {}
+    own = rows[~rows["role"].isin(["weight", "weight_grad"])]
+    for key, verdicts in own.groupby(["step", "pass", "site"], sort=False)["verdict"]:
+        module_ok[key] = bool(verdicts.isin(judge.PASSING).all())
+    for pos in ops:
+        module = schema.split_op_site(rows.at[pos, "site"])[0]
+        if module_ok.get((rows.at[pos, "step"], rows.at[pos, "pass"], module), False):
+            rows.at[pos, "verdict"] = Verdict.MODULE_WITHIN
+            rows.at[pos, "note"] = "; ".join(filter(None, [
+                rows.at[pos, "note"], f"out, but every {rows.at[pos, 'pass']} record of "
+                f"{module} is within: the port computes it through other intermediate values"]))
 
 
 def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,

@@ -35,9 +35,14 @@ class Verdict(StrEnum):
     SHAPE_MISMATCH = "shape-mismatch"
     REF_NAN = "ref-nan"            # the reference has NaN where the port is finite: reported,
                                    # not the port's fault, when the rest is within
+    # an op site's record is out, but every record of the module call that runs it is within
+    # in that pass: the port reaches the module's values through other intermediate ones
+    # (scaling q before q @ k^T rather than after), so the difference is not an error
+    MODULE_WITHIN = "module-within"
 
 
-PASSING = frozenset({Verdict.IDENTICAL, Verdict.WITHIN, Verdict.REF_NAN})
+PASSING = frozenset({Verdict.IDENTICAL, Verdict.WITHIN, Verdict.REF_NAN,
+                     Verdict.MODULE_WITHIN})
 
 
 class Status(StrEnum):

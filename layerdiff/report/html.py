@@ -49,6 +49,7 @@ COLOURS = {
     "out": "#8c564b",            # out of tolerance but not attributed to an origin
     Verdict.REF_NAN: "#17becf",
     Verdict.WITHIN: "#2ca02c",
+    Verdict.MODULE_WITHIN: "#98df8a",
     Verdict.IDENTICAL: "#9a9a9a",
 }
 LABELS = {
@@ -58,6 +59,7 @@ LABELS = {
     "out": "out (no origin found)",
     Verdict.REF_NAN: "reference not finite",
     Verdict.WITHIN: "within tolerance",
+    Verdict.MODULE_WITHIN: "op differs, its module within",
     Verdict.IDENTICAL: "identical",
 }
 
