@@ -6,9 +6,17 @@ every other repeat, so machine drift hits all modes alike), medians: the bare tr
 module-level capture (full and --summary); --ops on one attention module; --ops '*' (full and
 --summary); --ops '*' --ops-all. Per mode: time per step as a ratio to the bare step, records
 and staged bytes per step, file bytes per step, op sites per step, and the cost of each record
-a mode adds over its base (modules over the bare step; --ops over modules of the same kind).
+a mode adds over its base (modules over the bare step; --ops over modules of the same kind),
+and the time from the last step's end to the published file (writer drained, file closed).
 
-    python scripts/bench_ops.py                        # the default cases (~4 minutes)
+--peers times TorchLens (every op's output forward, and with save_grads=True the gradient at
+every op's output backward, in RAM) in its own process against a bare step timed there.
+--profile runs ablations of one case (the recorder's classes patched in this process only: no
+op recorded, writer stubbed, the recorder's own torch calls outside the mode), counts the
+__torch_function__ calls of one step, and splits a cProfile of the capturing thread and of the
+two writer threads.
+
+    python scripts/bench_ops.py                        # the default cases (~3 minutes)
     python scripts/bench_ops.py --cases reference_models.transformer:reference --repeats 3
     python scripts/bench_ops.py --cases 'pkg.mod:case=blocks.0.attn'   # SPEC=GLOB: one module
     python scripts/bench_ops.py --peers                # torchlens, every op, fwd (+ bwd)
@@ -28,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -44,7 +53,7 @@ from bench_capture import _quiet_gc, time_bare
 
 # spec -> (the one module for --ops, steps, repeats). Small cases run 10 steps: publishing the
 # file costs ~50 ms per capture, which 3 steps of a 5 ms model would not amortize. The large
-# case writes ~3 GB per step under --ops '*', so 1 step x 3 repeats keeps the run near 4 min.
+# case writes ~3 GB per step under --ops '*', so 1 step x 3 repeats keeps the run near 3 min.
 DEFAULT_CASES: dict[str, tuple[str, int, int]] = {
     "reference_models.op_bugs:reference": ("blocks.0.attn", 10, 5),
     "reference_models.transformer:reference": ("encoder.layers.0.self_attn", 10, 5),
@@ -167,7 +176,7 @@ def bench_case(spec: str, glob: str, steps: int, repeats: int, directory: Path) 
 
 
 def format_case(result: dict) -> str:
-    lines = [f"{result['case']}: bare step {result['bare_ms']:.1f} ms; "
+    lines = [f"{result['case']}: bare step {result['bare_ms']:.1f} ms",
              f"{result['steps']} steps x {result['repeats']} repeats; ONE = {result['ops_glob']}",
              "",
              "| mode | ms/step | x bare | records | staged MiB | file MiB | op sites "
@@ -261,8 +270,8 @@ def _torchlens_child(spec: str, steps: int, repeats: int) -> None:
 
 
 def format_peers(results: list[dict], peers: dict[str, dict | None]) -> str:
-    lines = ["| case | ld --ops '*' x | ld --ops-all x | tl fwd x | tl fwd+bwd x | tl ops "
-             "| tl grads | tl MiB kept |",
+    lines = ["| case | ld '*' x | ld --ops-all x | tl fwd x | tl fwd+bwd x | tl ops | tl grads "
+             "| tl MiB kept |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for result in results:
         peer = peers.get(result["case"])
@@ -304,36 +313,26 @@ def _without_mode(method: Callable) -> Callable:
     return wrapper
 
 
-def _variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """Ablations of one --ops '*' capture, each a context that patches the recorder classes."""
-    from layerdiff.capture.hooks import ModuleRecorder
+def _passthrough() -> contextlib.AbstractContextManager:
+    """Mode and frames in place, no op recorded: what the dispatch alone costs."""
     from layerdiff.capture.ops import OpRecorder
+    return _patched(OpRecorder, op=lambda self, func, args, kwargs: func(*args, **kwargs),
+                    custom_function=lambda self, cls, args, kwargs:
+                    _original_apply()(cls, *args, **kwargs))
+
+
+def _recorder_out_of_mode() -> contextlib.AbstractContextManager:
+    """The recorder's own torch calls (staging, module hooks, backward hooks) skip the mode."""
+    from layerdiff.capture.hooks import ModuleRecorder
     from layerdiff.capture.stage import Stager
-
-    def passthrough() -> contextlib.AbstractContextManager:
-        # mode and frames in place, no op recorded: what the dispatch alone costs
-        return _patched(OpRecorder,
-                        op=lambda self, func, args, kwargs: func(*args, **kwargs),
-                        custom_function=lambda self, cls, args, kwargs:
-                        _original_apply()(cls, *args, **kwargs))
-
-    def recorder_out_of_mode() -> contextlib.AbstractContextManager:
-        # the recorder's own torch calls (staging, module hooks, backward hooks) skip the mode
-        stack = contextlib.ExitStack()
-        stack.enter_context(_patched(Stager, tensor=_without_mode(Stager.tensor),
-                                     value=_without_mode(Stager.value)))
-        stack.enter_context(_patched(
-            ModuleRecorder, _before=_without_mode(ModuleRecorder._before),
-            _after=_without_mode(ModuleRecorder._after),
-            _on_grad_output=_without_mode(ModuleRecorder._on_grad_output),
-            _on_grad_input=_without_mode(ModuleRecorder._on_grad_input),
-            after_backward=_without_mode(ModuleRecorder.after_backward)))
-        return stack
-
-    return {"ops '*', no op recorded (mode + frames only)": passthrough,
-            "ops '*', writer stubbed (main thread only)": writer_stubbed,
-            "modules, writer stubbed (main thread only)": writer_stubbed,
-            "ops '*', recorder's own calls outside the mode": recorder_out_of_mode}
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(Stager, tensor=_without_mode(Stager.tensor),
+                                 value=_without_mode(Stager.value)))
+    stack.enter_context(_patched(ModuleRecorder, **{
+        name: _without_mode(ModuleRecorder.__dict__[name])
+        for name in ("_before", "_after", "_on_grad_output", "_on_grad_input",
+                     "after_backward")}))
+    return stack
 
 
 def writer_stubbed() -> contextlib.AbstractContextManager:
@@ -348,6 +347,23 @@ def writer_stubbed() -> contextlib.AbstractContextManager:
 
     return _patched(Recorder, reserve=lambda self, nbytes: 0, submit=submit,
                     submit_site=lambda self, row: None)
+
+
+def _ablations(glob: str) -> list[tuple[str, dict[str, Any] | None, Callable]]:
+    """(name, capture options or None for the bare step, context that patches the classes)."""
+    plain, every = contextlib.nullcontext, {"ops": ["*"]}
+    return [
+        ("bare", None, plain),
+        ("modules", {}, plain),
+        ("modules, writer stubbed (capturing thread only)", {}, writer_stubbed),
+        ("--ops ONE", {"ops": [glob]}, plain),
+        ("--ops ONE, no op recorded (mode + frames only)", {"ops": [glob]}, _passthrough),
+        ("--ops '*'", every, plain),
+        ("--ops '*', no op recorded (mode + frames only)", every, _passthrough),
+        ("--ops '*', writer stubbed (capturing thread only)", every, writer_stubbed),
+        ("--ops '*', the recorder's own torch calls skip the mode", every,
+         _recorder_out_of_mode),
+    ]
 
 
 def _original_apply() -> Callable:
@@ -453,46 +469,89 @@ def profile_step(spec: str, steps: int, directory: Path) -> dict[str, Any]:
             "parts": rows}
 
 
-def profile(spec: str, steps: int, repeats: int, directory: Path) -> dict[str, Any]:
-    """Ablations (interleaved medians) of one --ops '*' capture, the mode's call counts, and a
+def profile_writer(spec: str, steps: int, directory: Path) -> dict[str, Any]:
+    """cProfile of the two writer threads (statistics, I/O) during ``steps`` --ops '*' steps:
+    their busiest functions by own time. Time waiting for work (a lock) is idle, not listed;
+    time waiting for the GIL is charged to whatever call released it."""
+    from layerdiff import load_case
+    from layerdiff.capture.torch_capture import PreparedCapture
+    from layerdiff.trace.recorder import Recorder
+    profilers: dict[str, cProfile.Profile] = {}
+
+    def profiled(name: str, method: Callable) -> Callable:
+        def run(self: Recorder) -> None:
+            profiler = profilers[name] = cProfile.Profile()
+            profiler.enable()
+            try:
+                method(self)
+            finally:
+                profiler.disable()
+        return run
+
+    path = directory / "writer.h5"
+    with _patched(Recorder, _run_stats=profiled("stats", Recorder._run_stats),
+                  _run_io=profiled("io", Recorder._run_io)):
+        prepared = PreparedCapture(load_case(spec), path, steps=steps, ops=["*"])
+        start = time.perf_counter()
+        prepared.run()
+        wall = time.perf_counter() - start
+    path.unlink()
+    threads = {}
+    for name, profiler in profilers.items():
+        stats = pstats.Stats(profiler).stats
+        idle = sum(tt for (_, _, fn), (_, _, tt, _, _) in stats.items()
+                   if fn == "<method 'acquire' of '_thread.lock' objects>")
+        total = max(ct for (_, _, _, ct, _) in stats.values())
+        top = sorted(((tt, nc, f"{Path(file).name}:{fn}" if file != "~" else fn)
+                      for (file, _, fn), (_, nc, tt, _, _) in stats.items()
+                      if fn != "<method 'acquire' of '_thread.lock' objects>"), reverse=True)
+        threads[name] = {"busy_ms_per_step": 1000 * (total - idle) / steps,
+                         "top": [{"function": fn, "calls_per_step": nc / steps,
+                                  "ms_per_step": 1000 * tt / steps} for tt, nc, fn in top[:5]]}
+    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "threads": threads}
+
+
+def profile(spec: str, glob: str, steps: int, repeats: int,
+            directory: Path) -> dict[str, Any]:
+    """Ablations (interleaved medians) of --ops captures, the mode's call counts, and a
     cProfile split of one profiled run."""
     time_bare(spec, 1)
     time_mode(spec, 1, {"ops": ["*"]}, directory, False)
-    plain = {"bare": None, "modules": {}, "ops '*'": {"ops": ["*"]}}
-    options_of = {"modules, writer stubbed (main thread only)": {}}
-    variants = _variants()
-    names = [*plain, *variants]
-    times: dict[str, list[float]] = {name: [] for name in names}
+    runs = _ablations(glob)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     records: dict[str, int] = {}
     for repeat in range(repeats):
-        for name in names if repeat % 2 == 0 else list(reversed(names)):
-            if name in plain and plain[name] is None:
+        for name, options, context in runs if repeat % 2 == 0 else list(reversed(runs)):
+            if options is None:
                 times[name].append(time_bare(spec, steps))
                 continue
-            context = variants[name]() if name in variants else contextlib.nullcontext()
-            with context:
-                options = plain.get(name, options_of.get(name, {"ops": ["*"]}))
+            with context():
                 seconds, sample = time_mode(spec, steps, options, directory, False)
             times[name].append(seconds)
             records[name] = sample.records
     median = {name: statistics.median(values) / steps for name, values in times.items()}
     ablation = [{"run": name, "ms_per_step": 1000 * median[name],
                  "x_bare": median[name] / median["bare"],
-                 "records_per_step": records.get(name, 0) / steps} for name in names]
-    return {"ablation": ablation, "mode_calls": mode_calls(spec, directory),
-            "cprofile": profile_step(spec, steps, directory)}
+                 "records_per_step": records.get(name, 0) / steps} for name, _, _ in runs]
+    return {"case": spec, "ops_glob": glob, "steps": steps, "repeats": repeats,
+            "ablation": ablation, "mode_calls": mode_calls(spec, directory),
+            "cprofile": profile_step(spec, steps, directory),
+            "writer": profile_writer(spec, steps, directory)}
 
 
 def format_profile(result: dict[str, Any]) -> str:
-    lines = ["| run (one torch thread) | ms/step | x bare | records/step |",
+    lines = [f"{result['case']}: {result['steps']} steps x {result['repeats']} repeats; "
+             f"ONE = {result['ops_glob']}", "",
+             "| run (one torch thread) | ms/step | x bare | records/step |",
              "| --- | ---: | ---: | ---: |"]
     for r in result["ablation"]:
         lines.append(f"| {r['run']} | {r['ms_per_step']:.1f} | {r['x_bare']:.2f} | "
                      f"{r['records_per_step']:.0f} |")
     calls = result["mode_calls"]
     top = ", ".join(f"{name} {count}" for name, count in calls["elsewhere_top"])
-    lines += ["", f"__torch_function__ calls in one step: {calls['in_recorded_code']} in "
-              f"recorded code, {calls['elsewhere']} elsewhere (top: {top})", ""]
+    lines += ["", *textwrap.wrap(
+        f"__torch_function__ calls in one --ops '*' step: {calls['in_recorded_code']} in "
+        f"recorded code, {calls['elsewhere']} elsewhere (top: {top})", 100), ""]
     prof = result["cprofile"]
     lines += [f"cProfile of --ops '*' with the writer stubbed, {prof['steps']} steps, "
               f"{prof['profiled_ms_per_step']:.1f} ms/step profiled (run_case only):", "",
@@ -501,6 +560,17 @@ def format_profile(result: dict[str, Any]) -> str:
         label = ("  of which: " if r["nested"] else "") + r["part"]
         lines.append(f"| {label} | {r['calls_per_step']:.0f} | {r['ms_per_step']:.1f} | "
                      f"{100 * r['share']:.0f}% |")
+    writer = result["writer"]
+    lines += ["", f"Writer threads under cProfile, --ops '*', {writer['steps']} steps, "
+              f"{writer['wall_ms_per_step']:.1f} ms/step wall:", "",
+              "| thread | function (own time) | calls/step | ms/step |",
+              "| --- | --- | ---: | ---: |"]
+    for name, thread in writer["threads"].items():
+        lines.append(f"| {name} | busy (all but waiting for work) | | "
+                     f"{thread['busy_ms_per_step']:.1f} |")
+        for top in thread["top"]:
+            lines.append(f"| {name} | {top['function'][:60]} | {top['calls_per_step']:.0f} | "
+                         f"{top['ms_per_step']:.1f} |")
     return "\n".join(lines)
 
 
@@ -538,8 +608,9 @@ def main() -> None:
     output: dict[str, Any] = {"num_threads": 1}
     try:
         if args.profile:
-            output["profile"] = profile(args.profile, args.steps or 3, args.repeats or 5,
-                                        directory)
+            glob = DEFAULT_CASES.get(args.profile, ("*",))[0]
+            output["profile"] = profile(args.profile, glob, args.steps or 10,
+                                        args.repeats or 5, directory)
             print(format_profile(output["profile"]))
         else:
             results = []
