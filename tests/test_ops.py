@@ -216,6 +216,14 @@ def test_a_correct_port_with_other_intermediate_values_passes(reference, tmp_pat
     assert excused["note"].str.contains("other intermediate values").all()
 
 
+def test_ops_captured_on_one_side_only_say_so(reference, tmp_path):
+    port = _port(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5")
+    result = diff(reference, port)
+    assert result.passed
+    lone = result.unmatched.set_index("site")["reason"]
+    assert "capture the port with --ops 'blocks.0.attn' too" in lone["blocks.0.attn#0/softmax#0"]
+
+
 def test_mapping_pairs_op_sites_explicitly(reference, tmp_path):
     port = _port(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5", ops=["*"])
     mapping = tmp_path / "m.toml"

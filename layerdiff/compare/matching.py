@@ -263,9 +263,12 @@ def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataF
                 claimed.add(port_site)
         lone_ports = [s for s in ports if s not in claimed]
         for site in left:
-            if site not in found_ref:
-                matching.unmatched.append(("reference", site, _lone_op_reason(
-                    site, port_call, lone_ports), False))
+            if site in found_ref:
+                continue
+            why = (_lone_op_reason(site, port_call, lone_ports) if port_call in port_by_call
+                   else f"the port trace records no ops of {port_call} (capture the port with "
+                        f"--ops '{schema.split_site(port_call)[0]}' too)")
+            matching.unmatched.append(("reference", site, why, False))
     for port_call, ports in port_by_call.items():
         for site in ports:
             if site not in claimed:
