@@ -89,12 +89,19 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--ops-all", is_flag=True,
               help="With --ops, keep the views and metadata ops (view, transpose, indexing) "
                    "that are skipped by default.")
+@click.option("--full-around", multiple=True, metavar="SITE",
+              help="Keep tensor data only for this module (a site, path or glob; repeatable), "
+                   "what is inside it and --radius siblings each side; statistics elsewhere. "
+                   "The second phase after a --summary diff of a model too big to capture.")
+@click.option("--radius", type=click.IntRange(min=0), default=1, show_default=True,
+              help="With --full-around: how many sibling modules on each side keep data too.")
 @force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
                     mapping: str | None, dtype: str | None, autocast: str | None,
-                    ops: tuple[str, ...], ops_all: bool, force: bool) -> None:
+                    ops: tuple[str, ...], ops_all: bool, full_around: tuple[str, ...],
+                    radius: int, force: bool) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT."""
     from layerdiff.capture import capture
     from layerdiff.capture.precision import cast_case
@@ -117,7 +124,8 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
                        steps=steps, summary=summary, weights=not no_weights,
                        queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
-                       autocast=autocast, extra_meta=extra_meta, ops=ops, ops_all=ops_all)
+                       autocast=autocast, extra_meta=extra_meta, ops=ops, ops_all=ops_all,
+                       full_around=full_around, radius=radius)
     _print_capture_result(path, time.perf_counter() - start)
 
 

@@ -146,6 +146,41 @@ def shared_parameters(model: nn.Module, include: Sequence[str] = (),
             for key, names in users.items() if len(names) > 1]
 
 
+def around_modules(model: nn.Module, around: Sequence[str], radius: int) -> set[str]:
+    """The module paths a ``--full-around`` capture keeps tensor data for: each named module
+    (a path or glob, or a site ``module#call``, or an op site), every module inside it, and its
+    ``radius`` nearest siblings on each side (in the parent's order) with everything inside
+    them: the layer where a summary diff found the origin, and the layers before and after."""
+    if radius < 0:
+        raise CaptureError(f"--radius must be 0 or more (got {radius})")
+    named = [(path or schema.ROOT_MODULE) for path, _ in model.named_modules()]
+    children: dict[str, list[str]] = {}
+    for path in named:
+        if path != schema.ROOT_MODULE:
+            parent = path.rpartition(".")[0] or schema.ROOT_MODULE
+            children.setdefault(parent, []).append(path)
+    kept: set[str] = set()
+    for entry in around:
+        op = schema.split_op_site(entry)
+        module = op[0] if op else entry
+        module = module.rpartition("#")[0] if "#" in module else module
+        matched = [path for path in named if fnmatch.fnmatchcase(path, module)]
+        if not matched:
+            raise CaptureError(f"--full-around {entry!r} names no module of "
+                               f"{type(model).__name__}; module paths look like: "
+                               f"{', '.join(named[:8])}")
+        for path in matched:
+            if path == schema.ROOT_MODULE:
+                kept.update(named)
+                continue
+            siblings = children[path.rpartition(".")[0] or schema.ROOT_MODULE]
+            at = siblings.index(path)
+            for near in siblings[max(0, at - radius):at + radius + 1]:
+                kept.add(near)
+                kept.update(p for p in named if p.startswith(near + "."))
+    return kept
+
+
 def select_modules(model: nn.Module, include: Sequence[str],
                    exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
     """The (path, module) pairs to record; an include glob that matches nothing is an error."""

@@ -6,12 +6,13 @@ import hashlib
 import os
 import platform
 from collections.abc import Collection, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from layerdiff.capture.hooks import ModuleRecorder, select_modules
+from layerdiff.capture.hooks import ModuleRecorder, around_modules, select_modules
 from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.run import check_run_options, run_case
@@ -20,6 +21,7 @@ from layerdiff.case import Case, ExternalCase, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
+from layerdiff.trace import schema
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
 from layerdiff.trace.writer import TraceWriter, base_meta, check_writable
 
@@ -60,7 +62,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
             dtype: str | None = None, autocast: str | None = None,
             extra_meta: dict[str, Any] | None = None,
             record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
-            ops_all: bool = False) -> Path:
+            ops_all: bool = False, full_around: Sequence[str] = (),
+            radius: int = 1) -> Path:
     """Run ``case`` with every selected module call recorded into the trace at ``path``.
 
     Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
@@ -75,7 +78,11 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     ``record_steps``, when given, are the only steps recorded (the others run unrecorded); the
     meta lists them as ``recorded_steps``. ``ops`` are globs over module paths whose own code is
     recorded op by op (op sites ``<module site>/<op>#<k>``, see :mod:`layerdiff.capture.ops`);
-    ``ops_all`` keeps the views and metadata ops that are skipped by default.
+    ``ops_all`` keeps the views and metadata ops that are skipped by default. ``full_around``
+    keeps tensor data only for the modules named (paths, globs or sites), everything inside
+    them and their ``radius`` nearest siblings on each side; every other record keeps its
+    statistics, as in a summary trace (the second phase of a two-phase capture of a model too
+    large to capture in full).
 
     Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
@@ -88,9 +95,9 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
         if record_steps is not None:
             raise CaptureError(f"case {case.name} records itself, so layerdiff cannot record "
                                "only some of its steps; capture all of them")
-        if ops:
-            raise CaptureError(f"case {case.name} records itself, so --ops does not apply to "
-                               "it; record op sites (<module site>/<op>#<k>) in its own code")
+        if ops or full_around:
+            raise CaptureError(f"case {case.name} records itself, so --ops and --full-around "
+                               "do not apply to it; record what it needs in its own code")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
                                  queue_bytes=queue_bytes)
@@ -100,7 +107,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
                                loss_scale=loss_scale, steps=steps, summary=summary,
                                weights=weights, queue_bytes=queue_bytes, autocast=autocast,
                                extra_meta={"dtype": dtype, **(extra_meta or {})},
-                               record_steps=record_steps, ops=ops, ops_all=ops_all)
+                               record_steps=record_steps, ops=ops, ops_all=ops_all,
+                               full_around=full_around, radius=radius)
     return prepared.run(progress=progress)
 
 
@@ -116,7 +124,8 @@ class PreparedCapture:
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, async_device: bool = True,
                  autocast: str | None = None, extra_meta: dict[str, Any] | None = None,
                  record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
-                 ops_all: bool = False) -> None:
+                 ops_all: bool = False, full_around: Sequence[str] = (),
+                 radius: int = 1) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
@@ -129,10 +138,21 @@ class PreparedCapture:
         op_modules = select_op_modules(case.model, ops, modules) if ops else set()
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
         meta["ops"] = {"globs": list(ops), "modules": sorted(op_modules), "all": ops_all}
+        keep = None
+        if full_around:
+            if summary:
+                raise CaptureError("--full-around keeps tensor data around the sites it names "
+                                   "and statistics elsewhere; it cannot be combined with "
+                                   "--summary, which keeps none")
+            kept = around_modules(case.model, full_around, radius)
+            meta["full_around"] = {"around": list(full_around), "radius": radius,
+                                   "modules": sorted(kept)}
+            keep = partial(_keeps, frozenset(kept))
         meta.update(extra_meta or {}, autocast=autocast, model_dtype=model_dtype(case))
         if record_steps is not None:
             meta["recorded_steps"] = sorted(int(step) for step in record_steps)
-        self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes)
+        self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes,
+                                 keep=keep)
         self.stager = Stager(self.recorder, async_device=async_device)
         self.hooks = ModuleRecorder(modules, self.stager, weights=weights,
                                     record_steps=record_steps)
@@ -219,6 +239,14 @@ def weights_meta(weights_from: str | os.PathLike, mapping: str | os.PathLike | N
         record["mapping"] = {"name": path.name, "path": str(path), "text": text,
                              "sha256": hashlib.sha256(text.encode()).hexdigest()}
     return {"weights": record}
+
+
+def _keeps(modules: frozenset[str], site: str) -> bool:
+    """Whether a --full-around capture keeps the tensor data of ``site`` (the loss always)."""
+    if site == schema.LOSS_SITE:
+        return True
+    op = schema.split_op_site(site)
+    return schema.split_site(op[0] if op else site)[0] in modules
 
 
 def _close_incomplete(recorder: Recorder) -> Path:

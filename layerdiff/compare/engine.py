@@ -28,7 +28,7 @@ from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import attach_hints, find_origins
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
-from layerdiff.compare.suggest import ops_commands
+from layerdiff.compare.suggest import full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
@@ -175,6 +175,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
         "ops_commands": ops_commands(ref, port, origins, first_step),
+        "full_commands": full_commands(ref, port, origins, first_step),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
 
@@ -383,10 +384,11 @@ class _Comparer:
 
     def _compare_statistics(self, row: dict[str, Any], r: pd.Series, p: pd.Series,
                             plain: bool) -> None:
-        """A summary trace on either side: judge by the statistics in the index."""
+        """No tensor data on a side (a summary trace, or a site a --full-around capture kept
+        statistics of): judge by the statistics in the index."""
         if not plain:
-            row.update(verdict=Verdict.WITHIN, ratio=np.nan, note="summary trace: a sliced or "
-                       "transposed parameter cannot be judged from statistics; not compared")
+            row.update(verdict=Verdict.WITHIN, ratio=np.nan, note="statistics only: a sliced "
+                       "or transposed parameter cannot be judged from statistics; not compared")
             return
         factor = self.grad_factor if r["role"] in GRAD_ROLES else 1.0
         ref_stats, port_stats = _statistics(r), _statistics(p) * factor
@@ -398,8 +400,9 @@ class _Comparer:
         row.update(max_abs=float(np.nanmax(gaps, initial=0.0)), ratio=ratio,
                    ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=int(p["nan"]),
                    port_inf=int(p["inf"]),
-                   note="; ".join(filter(None, [row["note"], "statistics only (summary trace): "
-                                                "min, max, mean, std and rms compared"])))
+                   note="; ".join(filter(None, [
+                       row["note"], "statistics only (no tensor data on one side): min, max, "
+                       "mean, std and rms compared"])))
         row["verdict"] = judge.verdict(ratio, ref_nan=row["ref_nan"], port_nan=row["port_nan"],
                                        port_inf=row["port_inf"])
 

@@ -28,9 +28,7 @@ def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
               and not _one_op(ref, o.site)]
     if not wanted or first_step is None:
         return []
-    if any(trace.meta.get("producer") != TORCH_PRODUCER
-           or ":" not in str(trace.meta.get("case") or "")   # a spec to capture it again by
-           for trace in (ref, port)):
+    if not _recapturable(ref, port):
         return []
     ref_modules, port_modules = [], []
     for origin in wanted:
@@ -41,13 +39,49 @@ def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
         if ref_module not in ref_modules:
             ref_modules.append(ref_module)
             port_modules.append(port_module)
+    return _recapture(ref, port, ref_modules, port_modules, first_step, "--ops", "ops")
+
+
+def full_commands(ref: Trace, port: Trace, origins: list[R.Origin],
+                  first_step: int | None) -> list[str]:
+    """Where a side is a summary trace: the captures that keep tensor data around the origins'
+    modules (``--full-around``) and statistics elsewhere, then their diff, which can show the
+    element-wise error and a likely cause; the second phase for a model too big to capture in
+    full. Empty when both sides hold tensor data or neither can be captured again."""
+    if not (ref.summary or port.summary) or first_step is None or not origins:
+        return []
+    if not _recapturable(ref, port):
+        return []
+    ref_modules, port_modules = [], []
+    for origin in origins[:4]:
+        ref_site = schema.split_op_site(origin.site)
+        port_site = schema.split_op_site(origin.port_site or origin.site)
+        ref_module = schema.split_site(ref_site[0] if ref_site else origin.site)[0]
+        port_module = schema.split_site(
+            port_site[0] if port_site else (origin.port_site or origin.site))[0]
+        if ref_module != schema.LOSS_SITE.partition("#")[0] and ref_module not in ref_modules:
+            ref_modules.append(ref_module)
+            port_modules.append(port_module)
+    return _recapture(ref, port, ref_modules, port_modules, first_step, "--full-around",
+                      "full")
+
+
+def _recapturable(ref: Trace, port: Trace) -> bool:
+    """Both traces were captured by the torch hooks from a case spec, so can be again."""
+    return all(trace.meta.get("producer") == TORCH_PRODUCER
+               and ":" in str(trace.meta.get("case") or "") for trace in (ref, port))
+
+
+def _recapture(ref: Trace, port: Trace, ref_modules: list[str], port_modules: list[str],
+               first_step: int, option: str, tag: str) -> list[str]:
+    """Capture both sides again with ``option MODULE`` for each module, then diff them."""
     if not ref_modules:
         return []
-    ref_out = _renamed(ref.path, "ops")
-    port_out = _renamed(port.path, "ops")
+    ref_out = _renamed(ref.path, tag)
+    port_out = _renamed(port.path, tag)
     steps = first_step + 1  # the captures need to reach the failing step, no further
-    ref_cmd = _capture(ref.meta, ref_out, ref_modules, steps)
-    port_cmd = _capture(port.meta, port_out, port_modules, steps)
+    ref_cmd = _capture(ref.meta, ref_out, option, ref_modules, steps)
+    port_cmd = _capture(port.meta, port_out, option, port_modules, steps)
     weights = port.meta.get("weights") or {}
     if weights.get("from"):
         port_cmd += ["--weights-from", str(ref_out)]
@@ -56,20 +90,6 @@ def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
             port_cmd += ["--map", str(mapping["path"])]
     return [shlex.join(ref_cmd), shlex.join(port_cmd),
             shlex.join(["layerdiff", "diff", str(ref_out), str(port_out)])]
-
-
-def wrap_command(command: str, width: int) -> list[str]:
-    """A shell command over several lines of at most ``width`` columns, continued with
-    backslashes, so that it can still be pasted into a shell whole."""
-    lines, line = [], ""
-    for word in shlex.split(command):
-        word = shlex.quote(word)
-        if line and len(line) + 1 + len(word) + 2 > width:
-            lines.append(line + " \\")
-            line = "    " + word
-        else:
-            line = f"{line} {word}" if line else word
-    return [*lines, line]
 
 
 def _one_op(ref: Trace, site: str) -> bool:
@@ -91,21 +111,37 @@ def _renamed(path: Path, tag: str) -> Path:
     return path.with_name(f"{path.stem}.{tag}{path.suffix}")
 
 
-def _capture(meta: dict[str, Any], output: Path, modules: list[str], steps: int) -> list[str]:
-    """``layerdiff capture`` with the options the trace was captured with, plus --ops."""
+def _capture(meta: dict[str, Any], output: Path, option: str, modules: list[str],
+             steps: int) -> list[str]:
+    """``layerdiff capture`` with the options the trace was captured with, plus ``option``
+    for each module (``--full-around`` keeps data, so it drops ``--summary``)."""
     command = ["layerdiff", "capture", str(meta["case"]), "-o", str(output)]
     for module in modules:
-        command += ["--ops", module]
+        command += [option, module]
     if steps != meta.get("steps"):
         command += ["--steps", str(steps)]
     if meta.get("loss_scale", 1.0) != 1.0:
         command += ["--loss-scale", repr(float(meta["loss_scale"]))]
-    for option in ("include", "exclude"):
-        for glob in meta.get(option) or []:
-            command += [f"--{option}", glob]
-    for option in ("dtype", "autocast"):
-        if meta.get(option):
-            command += [f"--{option}", str(meta[option])]
-    if meta.get("summary"):
+    for name in ("include", "exclude"):
+        for glob in meta.get(name) or []:
+            command += [f"--{name}", glob]
+    for name in ("dtype", "autocast"):
+        if meta.get(name):
+            command += [f"--{name}", str(meta[name])]
+    if meta.get("summary") and option != "--full-around":
         command.append("--summary")
     return command
+
+
+def wrap_command(command: str, width: int) -> list[str]:
+    """A shell command over several lines of at most ``width`` columns, continued with
+    backslashes, so that it can still be pasted into a shell whole."""
+    lines, line = [], ""
+    for word in shlex.split(command):
+        word = shlex.quote(word)
+        if line and len(line) + 1 + len(word) + 2 > width:
+            lines.append(line + " \\")
+            line = "    " + word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line]

@@ -46,15 +46,23 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
     return "\n".join(lines)
 
 
+# (meta key, what the commands are for): the next captures a diff suggests
+NEXT = (("full_commands", ["a summary trace holds statistics only; these commands keep tensor "
+                           "data", "around the origin on both sides, for its element-wise error "
+                           "and likely cause:"]),
+        ("ops_commands", ["the fault is in a module's own code, whose ops were not captured; "
+                          "these", "commands capture them on both sides and name the op:"]))
+
+
 def ops_lines(diff: Diff, width: int = WIDTH) -> list[str]:
-    """The captures that would name the op inside an origin that is a module's own code."""
-    commands = diff.meta.get("ops_commands") or []
-    if not commands:
-        return []
-    lines = ["", "the fault is in a module's own code, whose ops were not captured; these",
-             "commands capture them on both sides and name the op:"]
-    for command in commands:
-        lines += [f"  {line}" for line in wrap_command(command, width - 2)]
+    """The captures a diff suggests next (see layerdiff.compare.suggest), one block each."""
+    lines: list[str] = []
+    for key, why in NEXT:
+        commands = diff.meta.get(key) or []
+        if commands:
+            lines += ["", *why]
+            for command in commands:
+                lines += [f"  {line}" for line in wrap_command(command, width - 2)]
     return lines
 
 

@@ -50,6 +50,7 @@ class _Record:
     nbytes: int = 0
     array: np.ndarray | None = None  # data not in the ring (oversized tensors)
     value: str = ""             # kind == value
+    keep: bool = True           # its data goes into the file (else its statistics only)
 
 
 @dataclass(slots=True)
@@ -118,7 +119,8 @@ class Recorder:
     """
 
     def __init__(self, path: str | os.PathLike, meta: dict[str, Any], *, summary: bool = False,
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 keep: Callable[[str], bool] | None = None) -> None:
         if queue_bytes < 4 * schema.ALIGN:
             raise CaptureError(f"the writer queue cap of {queue_bytes} bytes is too small")
         memory = _physical_memory()
@@ -127,6 +129,10 @@ class Recorder:
                                f"than half of this machine's {memory / 2**20:,.0f} MiB of memory;"
                                " give --queue-mib a smaller value (the default is 256)")
         self.summary = summary
+        # which sites keep their tensor data (None: all, unless summary); the others, their
+        # statistics only, as in a summary trace (capture --full-around)
+        self._keep = keep
+        self._kept: dict[str, bool] = {}
         self.file = TraceFile(path, meta, summary)
         self.ring = StagingRing(queue_bytes)
         self.max_staged = queue_bytes // 2
@@ -166,8 +172,13 @@ class Recorder:
         """Queue one record: staged bytes (offset), an array to write now, or a value."""
         if self.error is not None:
             self.raise_if_failed()
+        keep = True
+        if self._keep is not None:
+            keep = self._kept.get(site)
+            if keep is None:
+                keep = self._kept[site] = bool(self._keep(site))
         self._batch.append(_Record(self.seq, step, pass_, site, role, arg, dtype, shape,
-                                   offset, nbytes, array, value))
+                                   offset, nbytes, array, value, keep))
         self.seq += 1
         self.bytes_submitted += nbytes
         self._batch_bytes += nbytes
@@ -338,6 +349,12 @@ class _StatsStage:
             if stats is None:
                 raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
                 stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)
+            if not self.summary and not record.keep:
+                # statistics only, inside a trace with data: the I/O thread releases its bytes
+                # after the segments staged before it, so the ring is freed in order
+                self.close_segment()
+                self.out.append((record, stats))
+                return
             if self.summary:
                 self.out.append((record, stats))
                 self.to_release += 1  # freed once per batch: each release wakes the producer
@@ -387,11 +404,14 @@ class _IOStage:
             self.ring.release(len(item.records))
         elif isinstance(item, tuple):
             record, stats = item
-            if record.array is not None and not self.file.summary:
+            if record.array is not None and not self.file.summary and record.keep:
                 segment = self.file.write_segment(record.array.reshape(-1).view(np.uint8))
                 self._row(record, segment, 0, stats)
             else:
                 self._row(record, -1, 0, stats, "value" if record.value else "tensor")
+                if not (record.keep or self.file.summary or record.offset < 0
+                        or record.array is not None):
+                    self.ring.release(1)  # staged for its statistics only (see _StatsStage)
         elif isinstance(item, dict):
             for name, values in self.sites.items():
                 values.append(item[name])
