@@ -95,38 +95,77 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "The second phase after a --summary diff of a model too big to capture.")
 @click.option("--radius", type=click.IntRange(min=0), default=1, show_default=True,
               help="With --full-around: how many sibling modules on each side keep data too.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Spawn N local processes on the gloo backend, one per rank; each writes "
+                   "OUTPUT.rank<r>.h5 and OUTPUT becomes their manifest (under torchrun the "
+                   "ranks are torchrun's).")
 @force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
                     mapping: str | None, dtype: str | None, autocast: str | None,
                     ops: tuple[str, ...], ops_all: bool, full_around: tuple[str, ...],
-                    radius: int, force: bool) -> None:
-    """Capture a trace of CASE (package.module:name) into OUTPUT."""
-    from layerdiff.capture import capture
-    from layerdiff.capture.precision import cast_case
-    from layerdiff.case import ExternalCase, load_case
+                    radius: int, nproc: int | None, force: bool) -> None:
+    """Capture a trace of CASE (package.module:name) into OUTPUT.
+
+    Under torchrun, or with --nproc N, each rank writes OUTPUT's name with .rank<r> and rank 0
+    publishes OUTPUT last: a manifest naming them (see docs/distributed.md).
+    """
+    from layerdiff.capture.distributed import capture_ranks, launched_world
+    from layerdiff.trace.manifest import rank_path
 
     refuse_inputs({"-o": output}, {"--weights-from trace": weights_from,
                                    "mapping file": mapping})
-    refuse_existing(output, "-o", force)
-    case = load_case(case_spec)
     if mapping and not weights_from:
         raise click.UsageError("--map is used with --weights-from when capturing")
     if ops_all and not ops:
         raise click.UsageError("--ops-all keeps more of the ops that --ops records; give --ops "
                                "GLOB too")
+    options = dict(case_spec=case_spec, include=include, exclude=exclude,
+                   loss_scale=loss_scale, steps=steps, summary=summary, weights=not no_weights,
+                   queue_bytes=queue_mib * 2**20, weights_from=weights_from, mapping=mapping,
+                   dtype=dtype, autocast=autocast, ops=ops, ops_all=ops_all,
+                   full_around=full_around, radius=radius)
+    launched = launched_world()
+    if nproc is None and launched is None:
+        refuse_existing(output, "-o", force)
+        capture_one(output=output, **options)
+        return
+    world = nproc or launched[1]
+    if launched is None or launched[0] == 0:
+        for path in [output, *(rank_path(output, r) for r in range(world))]:
+            refuse_existing(str(path), "-o", force)
+    start = time.perf_counter()
+    with _interrupt_names_partial(output):
+        published = capture_ranks(capture_one, output, nproc=nproc, options=options)
+    if published is not None:
+        click.echo(f"wrote manifest {published} naming {world} rank files in "
+                   f"{time.perf_counter() - start:.2f} s")
+
+
+def capture_one(*, case_spec: str, output: str | os.PathLike, weights_from: str | None,
+                mapping: str | None, dtype: str | None, rank: int | None = None,
+                world_size: int | None = None, **options) -> Path:
+    """One process's capture: load the case (after the process group exists, so that it can
+    build its rank's shard), cast it, load the reference weights, capture. Progress and the
+    result line come from rank 0 only."""
+    from layerdiff.capture import capture
+    from layerdiff.capture.precision import cast_case
+    from layerdiff.case import ExternalCase, load_case
+
+    case = load_case(case_spec)
     if dtype and not isinstance(case, ExternalCase):
         cast_case(case, dtype)  # before the weights, so that loading says what it cast
     extra_meta = _load_reference_weights(case, weights_from, mapping) if weights_from else {}
+    if rank is not None:
+        extra_meta.update(rank=rank, world_size=world_size)
     start = time.perf_counter()
-    with _interrupt_names_partial(output):
-        path = capture(case, output, include=include, exclude=exclude, loss_scale=loss_scale,
-                       steps=steps, summary=summary, weights=not no_weights,
-                       queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
-                       autocast=autocast, extra_meta=extra_meta, ops=ops, ops_all=ops_all,
-                       full_around=full_around, radius=radius)
-    _print_capture_result(path, time.perf_counter() - start)
+    with _interrupt_names_partial(str(output)):
+        path = capture(case, output, progress=not rank, dtype=dtype, extra_meta=extra_meta,
+                       **options)
+    if not rank:
+        _print_capture_result(path, time.perf_counter() - start)
+    return path
 
 
 @contextlib.contextmanager

@@ -61,6 +61,11 @@ def header_lines(trace: Trace) -> list[str]:
         f"{trace.sites['site'].nunique():,} sites",
         f"producer {meta.get('producer', '?')}; {versions}",
     ]
+    if trace.rank_paths:
+        names = ", ".join(path.name for path in trace.rank_paths[:4])
+        more = " ..." if len(trace.rank_paths) > 4 else ""
+        lines.append(f"ranks    {len(trace.rank_paths)} rank files ({names}{more}), checked; "
+                     "the records shown are rank 0's")
     return lines
 
 

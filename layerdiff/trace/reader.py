@@ -18,6 +18,7 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import partial_path
+from layerdiff.trace.manifest import rank_files
 from layerdiff.trace.segments import segment_dataset
 from layerdiff.trace.stats import table_digest, text_digest
 from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
@@ -35,12 +36,28 @@ class Trace:
                  verify: bool = True) -> None:
         self.path = Path(path)
         self.verify = verify
+        # a multi-rank capture's manifest: the rank files it names (see trace.manifest)
+        self.rank_paths: list[Path] = []
         self._h5 = _open_h5(self.path)
         try:
             self._check(allow_incomplete)
+            if "manifest" in self.meta:
+                self._open_rank_zero()
         except BaseException:
             self._h5.close()
             raise
+
+    def _open_rank_zero(self) -> None:
+        """A manifest reads as its rank 0 file (every record no shard rule splits is
+        replicated: rank 0's copy is the one compared), once every rank file is checked."""
+        manifest = self.meta["manifest"]
+        self.rank_paths = rank_files(self.path, manifest)
+        first = Trace(self.rank_paths[0], verify=self.verify)
+        self._h5.close()
+        self._h5 = first._h5
+        self._table_digests = first._table_digests
+        self.summary, self.version, self.complete = first.summary, first.version, first.complete
+        self.meta = {**first.meta, "manifest": manifest}
 
     def _check(self, allow_incomplete: bool) -> None:
         guard_global_heaps(self._h5, self.path)

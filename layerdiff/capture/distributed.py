@@ -1,0 +1,114 @@
+"""Capture under torch.distributed: one trace per rank, and a manifest published last.
+
+layerdiff has no launcher of its own. Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the
+environment) every process captures its rank; ``capture --nproc N`` spawns N local processes on
+the gloo backend (tests, laptops). Either way the process group is initialised before the case
+is built, so a case can read its rank and world size and build its shards.
+
+Each rank writes ``NAME.rank<r>.h5``, a complete trace of its own with ``rank`` and
+``world_size`` in its meta. When every rank's file is published, rank 0 writes ``NAME.h5``: a
+summary trace with no records whose meta ``manifest`` names the rank files with their table
+and meta digests (see :mod:`layerdiff.trace.manifest`). A rank that fails or is killed leaves
+no manifest, so nothing incomplete is ever read as the whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from layerdiff.errors import CaptureError
+from layerdiff.trace.manifest import rank_path, write_manifest
+
+# How long ranks wait for each other at the end of a capture: longer than any file close.
+BARRIER_TIMEOUT = timedelta(minutes=10)
+
+
+def launched_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun with more than one rank."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return None
+    return (rank, world) if world > 1 else None
+
+
+def capture_ranks(capture_one: Callable[..., Path], output: str | os.PathLike, *,
+                  nproc: int | None, options: dict[str, Any]) -> Path | None:
+    """Run ``capture_one(output=<rank file>, rank=r, world_size=N, **options)`` on every rank,
+    then publish the manifest at ``output``; returns its path on rank 0 (the launching process
+    for --nproc), None on the other ranks. ``nproc`` None: the ranks torchrun started."""
+    if nproc is None:
+        found = launched_world()
+        if found is None:
+            raise CaptureError("capture_ranks needs --nproc or a torchrun launch")
+        rank, world = found
+        return _rank_main(rank, world, capture_one, str(output), options, own_group=True)
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.start_processes(_spawned, args=(nproc, port, capture_one, str(output), options),
+                                 nprocs=nproc, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as exc:
+        raise CaptureError(f"capture of {output} with --nproc {nproc}: rank {exc.error_index} "
+                           f"failed ({_last_line(str(exc))}); no manifest was published") from None
+    except mp.ProcessExitedException as exc:
+        raise CaptureError(f"capture of {output} with --nproc {nproc}: rank {exc.error_index} "
+                           f"died (exit {exc.exit_code}); no manifest was published") from None
+    return Path(output)
+
+
+def _spawned(rank: int, world: int, port: int, capture_one: Callable[..., Path], output: str,
+             options: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _rank_main(rank, world, capture_one, output, options, own_group=True, backend="gloo")
+
+
+def _rank_main(rank: int, world: int, capture_one: Callable[..., Path], output: str,
+               options: dict[str, Any], *, own_group: bool, backend: str | None = None
+               ) -> Path | None:
+    import torch
+    import torch.distributed as dist
+
+    started = False
+    if own_group and not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=BARRIER_TIMEOUT)
+        started = True
+    try:
+        mine = capture_one(output=rank_path(output, rank), rank=rank, world_size=world,
+                           **options)
+        # every rank's file is published before the manifest names them
+        done = [None] * world
+        dist.all_gather_object(done, str(mine))
+        published = None
+        if rank == 0:
+            published = write_manifest(output, [Path(p) for p in done])
+        dist.barrier()
+        return published
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
