@@ -1,12 +1,20 @@
-"""Per-tensor summary statistics and digest, computed in a few fast passes (pure numpy).
+"""Per-tensor summary statistics and digest.
 
-Measured here: min, max, float64 sum, BLAS dot and xxh3 each run at 8-20 GB/s, so the whole
-set costs about one memcpy's worth per 3 GB on the writer thread.
+``batch_stats`` computes min, max, sum and sum of squares of every tensor of a batch in one
+compiled pass (stats_kernel.py, numba, imported on first use); without numba, or with
+``LAYERDIFF_STATS=numpy`` in the environment, it falls back to the numpy code below, which
+stays the reference: min, max, counts and digest are equal either way, mean, std and l2 equal
+up to float64 summation order (to ~1e-12 of the values' root mean square), except that the
+kernel sums float32 squares in float64 where compute_stats' BLAS dot sums them in float32
+(~n * 2**-30 relative). The digest is xxh3 (xxhash, ~20 GB/s) in both.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -100,6 +108,13 @@ def compute_stats(raw: np.ndarray, dtype_name: str) -> Stats:
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
 
 
+def tensor_stats(raw: np.ndarray, dtype_name: str) -> Stats:
+    """compute_stats through the compiled kernel where it handles the dtype (one tensor)."""
+    flat = np.ascontiguousarray(raw.reshape(-1))
+    fused = batch_stats(flat.view(np.uint8), [(0, flat.nbytes, dtype_name)])[0]
+    return fused if fused is not None else compute_stats(flat, dtype_name)
+
+
 # Tensors up to this many elements get their statistics computed together with the other small
 # tensors of their batch: one numpy call per statistic for the whole batch instead of five per
 # tensor, which matters for models that record thousands of small tensors a step.
@@ -107,12 +122,24 @@ SMALL_NUMEL = 1 << 16
 _VECTOR_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 
 
-def batch_stats(buffer: np.ndarray, spans: list[tuple[int, int, str]]) -> list[Stats | None]:
-    """Statistics of many small tensors lying in ``buffer`` at (byte offset, nbytes, dtype).
+def batch_stats(buffer: np.ndarray, spans: list[tuple[int, int, str]], *,
+                fused: bool = True) -> list[Stats | None]:
+    """Statistics of many tensors lying in ``buffer`` at (byte offset, nbytes, dtype).
 
     Spans must be in increasing offset order and not overlap. Returns None for a span it does
-    not handle (other dtypes, empty or non-finite tensors): compute those with compute_stats.
+    not handle: compute those with compute_stats. The compiled kernel handles every non-empty
+    span of a float, integer or bool dtype; the numpy fallback (``fused=False``, or numba
+    missing) only finite float32/float64 tensors of up to SMALL_NUMEL elements.
     """
+    kernel = _kernel() if fused else None
+    if kernel is not None:
+        return _fused_batch_stats(kernel, buffer, spans)
+    return numpy_batch_stats(buffer, spans)
+
+
+def numpy_batch_stats(buffer: np.ndarray,
+                      spans: list[tuple[int, int, str]]) -> list[Stats | None]:
+    """batch_stats in numpy: a few ``reduceat`` calls for all small finite float tensors."""
     results: list[Stats | None] = [None] * len(spans)
     for name, dtype in _VECTOR_DTYPES.items():
         chosen = [i for i, (_, nbytes, d) in enumerate(spans)
@@ -179,3 +206,116 @@ def _std(mean_square: float, mean: float, values: np.ndarray) -> float:
     if _cancelled(mean_square, mean):
         return float(values.std(dtype=np.float64))
     return math.sqrt(max(mean_square - mean * mean, 0.0))
+
+
+@functools.cache
+def _kernel() -> ModuleType | None:
+    """The compiled statistics module, or None without numba (or with LAYERDIFF_STATS=numpy).
+    Imported on first use: numba takes 0.4-0.8 s to import, which ``import layerdiff`` must not
+    pay (the first batch pays it, on the statistics thread).
+    """
+    if os.environ.get("LAYERDIFF_STATS", "").lower() == "numpy":
+        return None
+    try:
+        from layerdiff.trace import stats_kernel
+    except ImportError:
+        return None
+    return stats_kernel
+
+
+_FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+_HALF_DTYPES = ("float16", "bfloat16")
+_INT_DTYPES = {name: np.dtype(name) for name in
+               ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")}
+_INT_DTYPES["bool"] = np.dtype(np.uint8)  # numpy bools are bytes 0/1, summed as such
+_ITEMSIZE = {**{name: 2 for name in _HALF_DTYPES},
+             **{name: dtype.itemsize for name, dtype in {**_FLOAT_DTYPES, **_INT_DTYPES}.items()}}
+_KEY_DTYPES = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+
+
+@functools.cache
+def _half_table(name: str) -> np.ndarray:
+    """float32 value of every 16-bit pattern of float16 or bfloat16 (256 KiB)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    if name == "bfloat16":
+        return schema.bfloat16_to_float32(bits)
+    return bits.view(np.float16).astype(np.float32)
+
+
+def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
+                       spans: list[tuple[int, int, str]]) -> list[Stats | None]:
+    results: list[Stats | None] = [None] * len(spans)
+    groups: dict[str, list[int]] = {}
+    for i, (_, nbytes, name) in enumerate(spans):
+        if nbytes > 0 and name in _ITEMSIZE:
+            groups.setdefault(name, []).append(i)
+    for name, chosen in groups.items():
+        item = _ITEMSIZE[name]
+        chosen = [i for i in chosen if spans[i][0] % item == 0 and spans[i][1] % item == 0]
+        if not chosen:
+            continue
+        whole = buffer[:buffer.size - buffer.size % item]
+        starts = np.array([spans[i][0] // item for i in chosen], dtype=np.int64)
+        stops = starts + np.array([spans[i][1] // item for i in chosen], dtype=np.int64)
+        sums = np.empty((len(chosen), 2), dtype=np.float64)
+        if name in _INT_DTYPES:
+            bounds = np.empty((len(chosen), 2), dtype=np.float64)
+            kernel.int_spans(whole.view(_INT_DTYPES[name]), starts, stops, sums, bounds)
+            nans = infs = np.zeros(len(chosen), dtype=np.int64)
+            lows, highs = bounds[:, 0], bounds[:, 1]
+        else:
+            counts = np.empty((len(chosen), 4), dtype=np.int64)
+            keys = whole.view(_KEY_DTYPES[item])
+            if name in _HALF_DTYPES:
+                table = _half_table(name)
+                kernel.table_spans(whole.view(np.uint16), keys, table, starts, stops, sums,
+                                   counts)
+                lows = table[kernel.keys_to_bits16(counts[:, 0])].astype(np.float64)
+                highs = table[kernel.keys_to_bits16(counts[:, 1])].astype(np.float64)
+            else:
+                shift, mask = kernel.key_shift_mask(item)
+                kernel.float_spans(whole.view(_FLOAT_DTYPES[name]), keys, starts, stops,
+                                   shift, mask, sums, counts)
+                lows = kernel.keys_to_floats(counts[:, 0], item)
+                highs = kernel.keys_to_floats(counts[:, 1], item)
+            nans, infs = counts[:, 2], counts[:, 3]
+        results_for = _from_sums(buffer, spans, chosen, name, stops - starts, lows, highs,
+                                 sums, nans, infs)
+        for i, stat in zip(chosen, results_for, strict=True):
+            results[i] = stat
+    return results
+
+
+def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: list[int],
+               name: str, numel: np.ndarray, lows: np.ndarray, highs: np.ndarray,
+               sums: np.ndarray, nans: np.ndarray, infs: np.ndarray) -> list[Stats]:
+    """Stats from one pass's sums over the finite values, with compute_stats' rules and its
+    float64 operations (as arrays: per-tensor Python is what costs on small tensors)."""
+    count = (numel - nans - infs).astype(np.float64)
+    with np.errstate(all="ignore"):  # tensors with nothing finite give NaN, as they should
+        means = sums[:, 0] / count
+        mean_squares = sums[:, 1] / count
+        spread = mean_squares - means * means
+        cancelled = spread < 1e-4 * mean_squares  # _cancelled, for every tensor at once
+        stds = np.sqrt(np.maximum(spread, 0.0))
+        norms = np.where(nans > 0, np.nan, np.where(infs > 0, np.inf, np.sqrt(sums[:, 1])))
+    view = memoryview(buffer)  # slicing a memoryview costs less than slicing an array
+    out = []
+    for j, (lo, hi, mean, std, l2, nan, inf, finite, redo) in enumerate(zip(
+            lows.tolist(), highs.tolist(), means.tolist(), stds.tolist(), norms.tolist(),
+            nans.tolist(), infs.tolist(), count.tolist(), cancelled.tolist(), strict=True)):
+        offset, nbytes, _ = spans[chosen[j]]
+        dig = xxhash.xxh3_64_hexdigest(view[offset:offset + nbytes])
+        if not finite:  # nothing finite: numpy's min of an array with a NaN is NaN
+            if nan:
+                lo = hi = math.nan
+            out.append(Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig))
+            continue
+        if redo:  # rare (layer-norm weights): numpy's two passes, as compute_stats does
+            values = as_float(buffer[offset:offset + nbytes].view(schema.numpy_dtype(name)),
+                              name)
+            if nan or inf:
+                values = values[np.isfinite(values)]
+            std = float(values.std(dtype=np.float64))
+        out.append(Stats(lo, hi, mean, std, l2, nan, inf, dig))
+    return out

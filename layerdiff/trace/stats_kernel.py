@@ -1,0 +1,236 @@
+"""Fused one-pass span statistics, compiled with numba (imported lazily by stats.batch_stats).
+
+One pass over each tensor's bytes gives its min, max, float64 sum and sum of squares; a second,
+branchy pass runs only for a tensor that holds a NaN or an Inf (its sum comes out non-finite),
+to count them and keep them out of the sums. Min and max are taken over the values' bits turned
+into sortable integers, which the compiler vectorizes without being allowed to assume there are
+no NaNs; sums are allowed to be reassociated (vectorized) and are added in blocks of
+``BLOCK`` elements, so their rounding error stays near numpy's pairwise summation.
+
+The digest and the rare two-pass standard deviation stay in stats.py (xxh3, numpy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# Elements summed into one float64 partial before it joins the total: keeps the error of the
+# sums at about (BLOCK / vector lanes + n / BLOCK) roundings instead of n.
+BLOCK = 4096
+_FAST = {"reassoc", "contract"}  # never nnan/ninf: NaNs and Infs are what the sums detect
+
+# Integer keys whose order is the floats' order: flip the magnitude bits of negative numbers.
+# The map is its own inverse. NaN keys lie beyond the infinities (only the fast pass sees them,
+# and its result is thrown away when there is a NaN).
+_KEY_MASK = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
+_KEY_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+# Two copies of one loop: float32 keys compared as int32 (8 lanes, vpminsd), measured 4.1 GB/s
+# against 2.2 GB/s with int64 keys for both types.
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _fast_f32(values, keys, a, b):
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x7FFFFFFF - 1)
+    total = 0.0
+    squares = 0.0
+    for start in range(a, b, BLOCK):
+        stop = min(start + BLOCK, b)
+        part = 0.0
+        part_sq = 0.0
+        block = values[start:stop]
+        block_keys = keys[start:stop]
+        for i in range(block.size):
+            x = np.float64(block[i])
+            part += x
+            part_sq += x * x
+            k = block_keys[i]
+            key = np.int32(k ^ ((k >> 31) & 0x7FFFFFFF))
+            lo = min(lo, key)
+            hi = max(hi, key)
+        total += part
+        squares += part_sq
+    return np.int64(lo), np.int64(hi), total, squares
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _fast_f64(values, keys, a, b):
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
+    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    total = 0.0
+    squares = 0.0
+    for start in range(a, b, BLOCK):
+        stop = min(start + BLOCK, b)
+        part = 0.0
+        part_sq = 0.0
+        block = values[start:stop]
+        block_keys = keys[start:stop]
+        for i in range(block.size):
+            x = block[i]
+            part += x
+            part_sq += x * x
+            k = block_keys[i]
+            key = k ^ ((k >> 63) & 0x7FFFFFFFFFFFFFFF)
+            lo = min(lo, key)
+            hi = max(hi, key)
+        total += part
+        squares += part_sq
+    return lo, hi, total, squares
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _fast_table(bits, keys, table, a, b):
+    lo = np.int32(0x7FFF)
+    hi = np.int32(-0x8000)
+    total = 0.0
+    squares = 0.0
+    for start in range(a, b, BLOCK):
+        stop = min(start + BLOCK, b)
+        part = 0.0
+        part_sq = 0.0
+        block = bits[start:stop]
+        block_keys = keys[start:stop]
+        for i in range(block.size):
+            x = np.float64(table[block[i]])
+            part += x
+            part_sq += x * x
+            k = np.int32(block_keys[i])
+            key = np.int32(k ^ ((k >> 15) & 0x7FFF))
+            lo = min(lo, key)
+            hi = max(hi, key)
+        total += part
+        squares += part_sq
+    return np.int64(lo), np.int64(hi), total, squares
+
+
+@njit(cache=True, nogil=True)
+def _slow(values, keys, a, b, shift, mask, out, counts, j):
+    """The pass for a tensor holding NaN or Inf: counts them, sums the finite values only, and
+    takes min and max over everything but NaN (as numpy.nanmin does)."""
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
+    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    total = 0.0
+    squares = 0.0
+    nan = 0
+    inf = 0
+    for start in range(a, b, BLOCK):
+        stop = min(start + BLOCK, b)
+        part = 0.0
+        part_sq = 0.0
+        for i in range(start, stop):
+            x = np.float64(values[i])
+            if x != x:
+                nan += 1
+                continue
+            k = np.int64(keys[i])
+            key = k ^ ((k >> shift) & mask)
+            lo = min(lo, key)
+            hi = max(hi, key)
+            if math.isinf(x):
+                inf += 1
+                continue
+            part += x
+            part_sq += x * x
+        total += part
+        squares += part_sq
+    out[j, 0] = total
+    out[j, 1] = squares
+    counts[j, 0] = lo
+    counts[j, 1] = hi
+    counts[j, 2] = nan
+    counts[j, 3] = inf
+
+
+@njit(cache=True, nogil=True)
+def float_spans(values, keys, starts, stops, shift, mask, out, counts):
+    """Per span [starts[j], stops[j]) of ``values`` (float32/float64; ``keys`` the same memory
+    as signed integers): out[j] = (sum, sum of squares) of the finite values, counts[j] = (min
+    key, max key, NaN count, Inf count)."""
+    for j in range(starts.size):
+        a = starts[j]
+        b = stops[j]
+        if shift == 31:
+            lo, hi, total, squares = _fast_f32(values, keys, a, b)
+        else:
+            lo, hi, total, squares = _fast_f64(values, keys, a, b)
+        if math.isfinite(total):
+            out[j, 0] = total
+            out[j, 1] = squares
+            counts[j, 0] = lo
+            counts[j, 1] = hi
+            counts[j, 2] = 0
+            counts[j, 3] = 0
+        else:  # a NaN or an Inf, or a float64 sum past the range: count and sum again
+            _slow(values, keys, a, b, shift, mask, out, counts, j)
+
+
+@njit(cache=True, nogil=True)
+def table_spans(bits, keys, table, starts, stops, out, counts):
+    """float_spans for 16-bit floats (float16, bfloat16) given as their bits: ``table`` maps
+    each bit pattern to its float32 value."""
+    for j in range(starts.size):
+        a = starts[j]
+        b = stops[j]
+        lo, hi, total, squares = _fast_table(bits, keys, table, a, b)
+        if math.isfinite(total):
+            out[j, 0] = total
+            out[j, 1] = squares
+            counts[j, 0] = lo
+            counts[j, 1] = hi
+            counts[j, 2] = 0
+            counts[j, 3] = 0
+        else:
+            values = table[bits[a:b]]  # rare: decode the span once, then the float pass
+            _slow(values, keys[a:b], 0, b - a, 15, 0x7FFF, out, counts, j)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def int_spans(values, starts, stops, out, bounds):
+    """Per span of an integer (or bool as uint8) array: out[j] = (sum, sum of squares) in
+    float64, bounds[j] = (min, max) as float64 (conversion keeps the order, so these are the
+    min and max of the converted values)."""
+    for j in range(starts.size):
+        a = starts[j]
+        b = stops[j]
+        lo = values[a]
+        hi = values[a]
+        total = 0.0
+        squares = 0.0
+        for start in range(a, b, BLOCK):
+            stop = min(start + BLOCK, b)
+            part = 0.0
+            part_sq = 0.0
+            block = values[start:stop]
+            for i in range(block.size):
+                v = block[i]
+                x = np.float64(v)
+                part += x
+                part_sq += x * x
+                lo = min(lo, v)
+                hi = max(hi, v)
+            total += part
+            squares += part_sq
+        out[j, 0] = total
+        out[j, 1] = squares
+        bounds[j, 0] = np.float64(lo)
+        bounds[j, 1] = np.float64(hi)
+
+
+def keys_to_floats(keys: np.ndarray, itemsize: int) -> np.ndarray:
+    """The float64 values of sortable keys made from floats of ``itemsize`` bytes (4 or 8)."""
+    small = keys.astype(_KEY_INT[itemsize])
+    bits = small ^ ((small >> (8 * itemsize - 1)) & _KEY_INT[itemsize](_KEY_MASK[itemsize]))
+    return bits.view(np.float32 if itemsize == 4 else np.float64).astype(np.float64)
+
+
+def key_shift_mask(itemsize: int) -> tuple[int, int]:
+    return 8 * itemsize - 1, _KEY_MASK[itemsize]
+
+
+def keys_to_bits16(keys: np.ndarray) -> np.ndarray:
+    """The uint16 bit patterns of sortable 16-bit keys (index into a 16-bit float table)."""
+    small = keys.astype(np.int16)
+    return (small ^ ((small >> 15) & np.int16(0x7FFF))).view(np.uint16)
