@@ -146,10 +146,13 @@ def port_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray],
-                    mapping: Mapping) -> list[Assignment]:
+def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray], mapping: Mapping,
+                    world: tuple[int, int] | None = None) -> list[Assignment]:
     """One assignment per port tensor: the reference tensors the mapping gives it, combined
-    through the rule's transform chain and shape-checked. Changes nothing."""
+    through the rule's transform chain, cut to this rank's part where a [[shard]] rule says
+    (``world``: (rank, world size), by default torch.distributed's), and shape-checked.
+    Changes nothing."""
+    world = world or rank_and_world()
     partner = _module_partners(model, reference, mapping)
     assignments = []
     for name, tensor in port_tensors(model).items():
@@ -162,8 +165,37 @@ def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray],
                 if found.reference == [name] else "")
             assignments.append(Assignment(name, shape, found, problem=NO_SOURCE, note=note))
             continue
-        assignments.append(_checked(Assignment(name, shape, found), reference))
+        assignments.append(_checked(_shard(_combined(Assignment(name, shape, found),
+                                                     reference), mapping, world)))
     return assignments
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size under torch.distributed; (0, 1) outside it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shard(found: Assignment, mapping: Mapping, world: tuple[int, int]) -> Assignment:
+    """This rank's part of a tensor a [[shard]] rule cuts (a tensor-parallel port loading
+    from a one-process reference): part ``rank`` of ``size`` equal parts along the dim."""
+    rank, size = world
+    module, _, leaf = found.port.rpartition(".")
+    rule = mapping.shard_rule(module, "weight", leaf) if size > 1 else None
+    if rule is None or found.value is None:
+        return found
+    value = found.value
+    if not -value.ndim <= rule.dim < value.ndim or value.shape[rule.dim] % size:
+        found.problem = SHAPE_MISMATCH
+        found.note = (f"{rule.describe()} cuts port {found.port} from reference shape "
+                      f"{tuple(value.shape)} into {size} equal parts along dim {rule.dim}, "
+                      "which it does not divide")
+        return found
+    found.value = np.split(value, size, axis=rule.dim)[rank]
+    return found
 
 
 def unused_reference(reference: dict[str, np.ndarray],
@@ -174,7 +206,7 @@ def unused_reference(reference: dict[str, np.ndarray],
     return sorted(set(reference) - used)
 
 
-def _checked(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:
+def _combined(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:
     names = " + ".join(found.source.reference)
     try:
         value = combine(found.source, [reference[n] for n in found.source.reference])
@@ -184,10 +216,17 @@ def _checked(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:
                       f"for port {found.port}: {exc}")
         return found
     found.value = value
-    if tuple(value.shape) != found.shape:
-        found.problem = SHAPE_MISMATCH
-        found.note = (f"port {found.port} has shape {found.shape} but reference {names} gives "
-                      f"{tuple(value.shape)} ({found.source.transform})")
+    return found
+
+
+def _checked(found: Assignment) -> Assignment:
+    value = found.value
+    if found.problem or value is None or tuple(value.shape) == found.shape:
+        return found
+    found.problem = SHAPE_MISMATCH
+    names = " + ".join(found.source.reference)
+    found.note = (f"port {found.port} has shape {found.shape} but reference {names} gives "
+                  f"{tuple(value.shape)} ({found.source.transform})")
     return found
 
 

@@ -20,7 +20,7 @@ module and parameter keeps the reference's name; in each block's MLP
 
 Everything else is replicated, and ``dropout`` acts only on replicated tensors (``proj``'s
 reduced output). Each rank builds the whole reference from the same seed and keeps its slices
-(:func:`shard_state`, driven by :data:`SHARD_RULES`), so no weight loading is needed.
+(:func:`shard_state`, driven by the mapping's shard rules), so no weight loading is needed.
 
 Dropout draws from a generator of its own (like Megatron's RNG tracker), seeded on every call
 from the default generator, which every rank seeds with the case's seed: replicas draw the same
@@ -34,16 +34,15 @@ Planted bugs, each one line away from ``port``, in block 0 only:
   on a replicated one), so replicas disagree from the dropout's output on. Rank 0 draws what the
   reference draws.
 
-:data:`BUGS` lists them with the record where each shows; :data:`SHARD_RULES` (and
-:func:`shard_rules_toml`) are the mapping's ``[[shard]]`` rules for the port.
+:data:`BUGS` lists them with the record where each shows; :data:`MAP_FILE`
+(``tensor_parallel.map.toml``) is the port's mapping: its ``[[shard]]`` rules.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,7 @@ from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
 from layerdiff.errors import CaseError
+from layerdiff.mapping import Mapping
 from reference_models.porting import port_case
 
 MODULE = "reference_models.tensor_parallel"
@@ -62,44 +62,20 @@ DROPOUT = 0.1
 SEED = 0
 
 
-@dataclass(frozen=True)
-class ShardRule:
-    """One ``[[shard]]`` rule of a mapping file: the tensor named ``tensor`` (a parameter name,
-    or ``input`` / ``output``: every argument of that role, and its gradient) of the modules
-    matching ``site`` is the reference's tensor cut into world-size equal parts along ``dim``;
-    rank r holds part r."""
-
-    site: str
-    tensor: str
-    dim: int
-    why: str = ""
+# What the port shards, as the [[shard]] rules of its mapping file (the file a user passes to
+# `diff --map`); every other tensor is replicated. A rule on a parameter covers its gradient; on
+# input / output, the gradients of those arguments.
+MAP_FILE = Path(__file__).with_name("tensor_parallel.map.toml")
 
 
-# What the port shards; every other tensor is replicated. A rule on a parameter covers its
-# gradient; on input / output, the gradients of those arguments.
-SHARD_RULES: tuple[ShardRule, ...] = (
-    ShardRule("blocks.*.mlp.fc", "weight", 0, "column-parallel: rank r's output rows"),
-    ShardRule("blocks.*.mlp.fc", "bias", 0, "one bias entry per output row"),
-    ShardRule("blocks.*.mlp.fc", "output", -1,
-              "its output features are rank r's rows (its input, and the input's gradient "
-              "after f's all-reduce, are whole and replicated)"),
-    ShardRule("blocks.*.mlp.act", "input", -1, "GELU acts on fc's sharded output"),
-    ShardRule("blocks.*.mlp.act", "output", -1, "and keeps it sharded"),
-    ShardRule("blocks.*.mlp.proj", "weight", 1, "row-parallel: rank r's input columns"),
-    ShardRule("blocks.*.mlp.proj", "input", -1,
-              "its input is act's sharded output (its output, after g's all-reduce, and its "
-              "bias, added once after it, are replicated)"),
-)
+def mapping() -> Mapping:
+    """The port's mapping: same names as the reference, and its shard rules."""
+    return Mapping.load(MAP_FILE)
 
 
-def shard_rules_toml(rules: tuple[ShardRule, ...] = SHARD_RULES) -> str:
-    """The rules as the ``[[shard]]`` tables of a mapping file."""
-    tables = []
-    for rule in rules:
-        comment = "".join(f"# {line}\n" for line in textwrap.wrap(rule.why, 96))
-        tables.append(f'{comment}[[shard]]\nsite = "{rule.site}"\ntensor = "{rule.tensor}"\n'
-                      f"dim = {rule.dim}\n")
-    return "\n".join(tables)
+def shard_rules_toml() -> str:
+    """The mapping file's text (its ``[[shard]]`` tables)."""
+    return MAP_FILE.read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -335,13 +311,6 @@ def reference() -> Case:
 # ---- the port
 
 
-def shard_rule(site: str, tensor: str,
-               rules: tuple[ShardRule, ...] = SHARD_RULES) -> ShardRule | None:
-    """The rule covering ``tensor`` of the module at path ``site``, if any (first match)."""
-    return next((rule for rule in rules
-                 if rule.tensor == tensor and fnmatch.fnmatchcase(site, rule.site)), None)
-
-
 def shard_of(tensor: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``tensor`` cut into ``world`` equal parts along ``dim``."""
     return tensor.chunk(world, dim)[rank]
@@ -350,11 +319,11 @@ def shard_of(tensor: torch.Tensor, dim: int, rank: int, world: int) -> torch.Ten
 def shard_state(port: nn.Module, reference: nn.Module, rank: int, world: int) -> nn.Module:
     """Load into ``port`` rank ``rank``'s shards of ``reference``'s parameters and buffers (the
     same names; the shard rules say which are cut and along which dim)."""
-    source = reference.state_dict()
+    source, rules = reference.state_dict(), mapping()
     state = {}
     for name, tensor in source.items():
-        site, _, leaf = name.rpartition(".")
-        rule = shard_rule(site, leaf)
+        module, _, leaf = name.rpartition(".")
+        rule = rules.shard_rule(module, "weight", leaf)
         state[name] = shard_of(tensor, rule.dim, rank, world) if rule else tensor
     port.load_state_dict(state, strict=True)
     return port

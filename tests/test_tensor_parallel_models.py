@@ -111,12 +111,16 @@ def record(case) -> dict:
     return Recorder(case.model).run(case)
 
 
+RULES = tp.mapping()
+
+
 def shard_dim(site: str, role: str) -> int | None:
     """The dim along which the port cuts this record, by the bundled shard rules; None when it
     is replicated. A rule on input / output covers their gradients, on a parameter its grad."""
-    tensor = {"input": "input", "grad_input": "input", "output": "output",
-              "grad_output": "output"}.get(role, role.removesuffix("_grad"))
-    rule = tp.shard_rule(site, tensor)
+    if role.endswith("_grad"):  # a parameter's gradient: (module, "bias_grad")
+        rule = RULES.shard_rule(site, "weight_grad", role.removesuffix("_grad"))
+    else:
+        rule = RULES.shard_rule(site, role, "0")
     return rule.dim if rule else None
 
 

@@ -26,6 +26,7 @@ from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import attach_hints, find_origins
+from layerdiff.compare.rank_parts import attach_ranks, gathered, refuse_multi_rank_reference
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
 from layerdiff.compare.suggest import full_commands, ops_commands
@@ -67,6 +68,11 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
             else stack.enter_context(open_trace(given, verify=verify))
             for given in (reference, port, baseline))
         mapping, said = _mapping(mapping, port_trace)
+        refuse_multi_rank_reference(ref_trace)
+        manifest = port_trace.path if port_trace.rank_paths else None
+        if manifest is not None:
+            port_trace, told = stack.enter_context(gathered(port_trace, mapping))
+            said += told
         if base_trace is not None and (
                 base_trace.path.resolve() == port_trace.path.resolve()
                 or (base_trace.meta.get("case") and base_trace.meta.get("case")
@@ -79,6 +85,10 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
             ref_trace, base_trace, baseline_factor, progress)
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
         result.meta["warnings"] = said + result.meta["warnings"]
+        if manifest is not None:
+            attach_ranks(result.origins, ref_trace, port_trace, mapping,
+                         ref_trace.loss_scale / port_trace.loss_scale)
+            result.meta["gathered"] = port_trace.meta["gathered"]
         return result
 
 

@@ -49,6 +49,8 @@ class Origin:
     holders: list[str] = field(default_factory=list)        # containers around it that qualify
     # the likely cause, {"kind", "evidence"} (see layerdiff.compare.hints), or None
     hint: dict[str, str] | None = None
+    # a multi-rank port's record cut across ranks: the ranks whose part holds the error
+    ranks: list[int] | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -63,7 +65,10 @@ class Origin:
         size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
                 and np.isfinite(ratio) else ": not finite" if ratio is not None else "")
         arg = "" if self.arg == "0" else f" '{self.arg}'"
-        return f"{where}, {self.pass_} {self.role}{arg}, step {self.step}{size}"
+        ranks = "" if not self.ranks else (
+            f", rank {self.ranks[0]}'s part" if len(self.ranks) == 1
+            else f", ranks {', '.join(map(str, self.ranks))}' parts")
+        return f"{where}, {self.pass_} {self.role}{arg}, step {self.step}{ranks}{size}"
 
 
 @dataclass

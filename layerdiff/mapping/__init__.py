@@ -8,7 +8,7 @@ h5py, and nothing of the other layerdiff stages. The file format is described in
 
 from layerdiff.mapping.params import TRANSFORMS, ParamSource, PartView, Slice
 from layerdiff.mapping.pattern import Pattern
-from layerdiff.mapping.rules import Mapping, ParamRule, SiteRule
+from layerdiff.mapping.rules import Mapping, ParamRule, ShardRule, SiteRule
 
 __all__ = ["TRANSFORMS", "Mapping", "ParamRule", "ParamSource", "PartView", "Pattern",
-           "SiteRule", "Slice"]
+           "ShardRule", "SiteRule", "Slice"]

@@ -36,10 +36,18 @@ A TOML file (YAML with the same keys works too)::
     transform = "concat"          # copy (default) | transpose | concat | split, or a list
     axis = 0                      # of them applied in order: ["concat", "transpose"]
 
+    [[shard]]                     # multi-rank ports: how a tensor is cut across ranks
+    site = "blocks.*.mlp.fc"      # glob over the port's module paths
+    tensor = "weight"             # a parameter name, or "input" / "output" (every argument of
+    dim = 0                       # that role; "input.1" one of them); the reference tensor is
+                                  # cut into world-size equal parts along dim, rank r holds r
+
 For ``split`` the port side is a list and the reference one tensor. A chain holds at most one
 concat or split (it sets how many names each side has); ``axis`` is that step's. Parameters
 that no ``[[param]]`` names follow their module: ``M.weight`` pairs with ``M'.weight`` when
-modules ``M`` and ``M'`` are paired.
+modules ``M`` and ``M'`` are paired. A ``[[shard]]`` rule on a parameter covers its gradient
+too; on "input" or "output" their gradients (``grad_input``, ``grad_output``). A tensor no rule
+covers is replicated: every rank holds all of it.
 """
 
 from __future__ import annotations
@@ -74,6 +82,28 @@ class ParamRule:
 
 
 @dataclass
+class ShardRule:
+    site: Pattern        # over the port's module paths
+    tensor: str          # parameter name, "input", "output", or "input.<arg>" / "output.<arg>"
+    dim: int             # may count from the end (-1: the last dimension)
+    line: int | None
+    number: int = 0
+
+    def covers(self, module: str, role: str, arg: str) -> bool:
+        if self.site.match(module) is None:
+            return False
+        if role in ("weight", "weight_grad"):
+            return arg == self.tensor
+        side = {"input": "input", "grad_input": "input", "output": "output",
+                "grad_output": "output"}.get(role)
+        return side is not None and self.tensor in (side, f"{side}.{arg}")
+
+    def describe(self) -> str:
+        return f"shard rule {self.number} (line {self.line}: {self.site.text} {self.tensor} " \
+               f"dim {self.dim})"
+
+
+@dataclass
 class Mapping:
     path: Path | None = None
     site_rules: list[SiteRule] = field(default_factory=list)
@@ -82,6 +112,7 @@ class Mapping:
     unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
     unmatched_port: list[tuple[str, str]] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
+    shard_rules: list[ShardRule] = field(default_factory=list)
     origin: str = ""  # where it came from, when not a file given by the user
 
     @classmethod
@@ -149,8 +180,18 @@ class Mapping:
         return None
 
 
+    # ---- shards (multi-rank ports)
+    def shard_rule(self, module: str, role: str, arg: str) -> ShardRule | None:
+        """The first [[shard]] rule that cuts this tensor of port module ``module`` across
+        ranks (``role`` and ``arg`` as in the trace index), or None: replicated."""
+        for rule in self.shard_rules:
+            if rule.covers(module, role, arg):
+                return rule
+        return None
+
+
 def _load(config: ConfigFile) -> Mapping:
-    config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param"},
+    config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param", "shard"},
                       "the top level")
     version = config.data.get("version", 1)
     if version != 1:
@@ -204,7 +245,23 @@ def _load(config: ConfigFile) -> Mapping:
         target.append((_string(config, entry, side, where, line), str(why)))
     for number, (entry, line) in enumerate(config.tables("param"), start=1):
         mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
+    for number, (entry, line) in enumerate(config.tables("shard"), start=1):
+        mapping.shard_rules.append(_shard_rule(config, entry, number, line))
     return mapping
+
+
+def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> ShardRule:
+    where = f"shard rule {number}"
+    config.check_keys(entry, {"site", "tensor", "dim"}, where, line)
+    site, tensor = (_string(config, entry, key, where, line) for key in ("site", "tensor"))
+    if "#" in site:
+        config.fail(f"{where}: site '{site}' names a call; shard rules take module paths "
+                    "(a glob such as 'blocks.*.mlp.fc'), the same for every call", line)
+    dim = entry.get("dim")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        config.fail(f"{where} needs 'dim' as an integer (the dimension the ranks' parts are "
+                    f"joined along; -1 for the last), got {dim!r}", line)
+    return ShardRule(Pattern(site), tensor, dim, line, number)
 
 
 def _param_rule(config: ConfigFile, entry: dict, where: str, line: int | None) -> ParamRule:

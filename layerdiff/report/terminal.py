@@ -120,7 +120,10 @@ def _summary(diff: Diff, width: int) -> list[str]:
     sites = rows[~rows["role"].isin(["weight", "weight_grad"])].drop_duplicates("site")
     matches = sites["match"].value_counts().to_dict()
     how = ", ".join(f"{n} {kind}" for kind, n in matches.items())
-    lines = [f"reference {diff.reference}", f"port      {diff.port}",
+    gathered = diff.meta.get("gathered")
+    port = diff.port if not gathered else (
+        f"{diff.port} (the {gathered['world_size']} ranks of {gathered['manifest']}, gathered)")
+    lines = [f"reference {diff.reference}", f"port      {port}",
              f"compared  {len(rows):,} records at {len(sites)} site pairs ({how})",
              f"unpaired  {len(diff.unmatched):,} sites or records"
              + ("" if diff.unmatched.empty else " (--verbose lists them, with why)")]

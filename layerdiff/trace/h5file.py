@@ -81,6 +81,11 @@ class TraceFile:
         # opens (and shows it holds nothing yet), not 96 bytes of superblock
         self._h5.flush()
 
+    @property
+    def segments(self) -> int:
+        """Segments written so far: the number the next one gets."""
+        return self._segments
+
     def write_segment(self, data: np.ndarray) -> int:
         """Store one contiguous run of packed tensor bytes; returns its segment number."""
         number = self._segments

@@ -1,0 +1,98 @@
+"""Multi-rank ports in the diff: gather the ranks into one trace, then name the rank of an error.
+
+The diff compares a gathered trace (:mod:`layerdiff.trace.gather`) like any other. For an origin
+whose record a ``[[shard]]`` rule cut, the out-of-tolerance elements are located in the ranks'
+parts (equal parts along the rule's dim, rank order): an error in one rank's part only points
+at that rank's shard (its slice of a weight, an off-by-one in its offset), an error in every
+part at the layer's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from layerdiff.compare import result as R
+from layerdiff.errors import DiffError, LayerdiffError
+from layerdiff.mapping import Mapping
+from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.gather import gather, gather_key, gathered_path, up_to_date
+
+MAX_ELEMENTS = 1 << 24  # tensors read whole to place an error; beyond, the rank is not named
+
+
+def refuse_multi_rank_reference(ref: Trace) -> None:
+    if len(ref.rank_paths) > 1:
+        raise DiffError(f"reference {ref.path} is the manifest of a {len(ref.rank_paths)}-rank "
+                        "capture; gather it into one trace first (layerdiff gather "
+                        f"{ref.path} --map REF_SHARDS.toml -o reference.h5) and diff against "
+                        "that")
+
+
+@contextlib.contextmanager
+def gathered(port: Trace, mapping: Mapping, *, progress=None) -> Iterator[tuple[Trace, list[str]]]:
+    """The one-trace view of a multi-rank ``port``, and warnings for the user. It is kept
+    beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
+    the same), so that reports can read it after the diff; in the system's temporary folder
+    where the manifest's folder is not writable."""
+    warnings = []
+    if not mapping.shard_rules and len(port.rank_paths) > 1:
+        warnings.append(f"{port.path} is a {len(port.rank_paths)}-rank capture and "
+                        f"{mapping.name} has no [[shard]] rules: every record is compared as "
+                        "rank 0's copy, so sharded tensors will not pair; give --map with "
+                        "shard rules (docs/distributed.md)")
+    path, key = gathered_path(port.path), gather_key(port, mapping)
+    if not os.access(path.parent, os.W_OK):
+        path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
+        warnings.append(f"{port.path.parent} is not writable: the gathered trace is {path}")
+    if not up_to_date(path, key):
+        warnings += gather(port, mapping, path, progress=progress).unused_rules
+    with open_trace(path) as trace:
+        yield trace, warnings
+
+
+def attach_ranks(origins: list[R.Origin], ref: Trace, port: Trace, mapping: Mapping,
+                 grad_factor: float) -> None:
+    """Set ``ranks`` on each origin whose port record was cut across ranks: the ranks whose
+    part holds out-of-tolerance elements."""
+    world = int((port.meta.get("gathered") or {}).get("world_size", 1))
+    if world < 2 or port.summary or ref.summary:
+        return
+    modules = dict(zip(port.sites["site"], port.sites["module"], strict=True))
+    for origin in origins:
+        site = origin.port_site or origin.site
+        module = modules.get(site) or schema.split_site(site)[0]
+        rule = mapping.shard_rule(module, origin.role, origin.port_arg)
+        if rule is None:
+            continue
+        with contextlib.suppress(LayerdiffError, ValueError):
+            origin.ranks = _ranks_out(origin, ref, port, rule.dim, world, grad_factor)
+
+
+def _ranks_out(origin: R.Origin, ref: Trace, port: Trace, dim: int, world: int,
+               grad_factor: float) -> list[int] | None:
+    ref_row = ref.find(origin.step, origin.site, origin.role, origin.arg, kind="tensor")
+    port_row = port.find(origin.step, origin.port_site or origin.site, origin.role,
+                         origin.port_arg, kind="tensor")
+    if ref_row is None or port_row is None or ref_row["shape"] != port_row["shape"] or max(
+            int(ref_row["numel"]), int(port_row["numel"])) > MAX_ELEMENTS:
+        return None
+    ref_values = ref.read(ref_row).astype(np.float64)
+    port_values = port.read(port_row).astype(np.float64)
+    if origin.role in ("grad_output", "grad_input", "weight_grad"):
+        port_values *= grad_factor
+    dim %= max(ref_values.ndim, 1)
+    if ref_values.ndim == 0 or ref_values.shape[dim] % world:
+        return None
+    rtol, atol = (float(origin.metrics.get(k) or 0.0) for k in ("rtol", "atol"))
+    with np.errstate(all="ignore"):
+        out = ~(np.abs(port_values - ref_values) <= atol + rtol * np.abs(ref_values))
+    out &= ~(np.isnan(ref_values) & np.isnan(port_values))
+    parts = np.split(np.moveaxis(out, dim, 0), world)
+    return [rank for rank, part in enumerate(parts) if part.any()]
+

@@ -1,0 +1,268 @@
+"""Gathering a multi-rank capture into one trace, as if one process had run the whole model.
+
+A tensor-parallel port's rank files each hold their own part of a sharded tensor (a column-
+parallel weight's rows, an activation's slice of the features) and a whole copy of every other
+tensor. :func:`gather` writes one trace in the same format: each record a ``[[shard]]`` rule of
+the mapping covers is the ranks' parts joined along the rule's dim (rank order), every other
+record is rank 0's copy, the sites table and execution order are rank 0's. Everything that
+reads one trace (the diff, its origins and hints, reports, ``show``) then works unchanged.
+
+Summary rank files hold no tensors: a gathered summary record's statistics are combined from
+the parts' (min of mins, counts added, mean and spread from the parts' sums), with no digest.
+Which records a rule cut is kept in the meta (``gathered``), so a report can name the rank whose
+part holds an error. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.errors import TraceError
+from layerdiff.mapping import Mapping, ShardRule
+from layerdiff.trace import schema
+from layerdiff.trace.h5file import TraceFile
+from layerdiff.trace.reader import Trace, open_trace
+from layerdiff.trace.stats import Stats, tensor_stats
+from layerdiff.trace.verify import describe
+
+PRODUCER = "layerdiff.gather"
+SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
+Progress = Callable[[int, int], None]  # (records done, records total)
+_KEY = ["step", "pass", "site", "role", "arg"]
+_STAT_COLUMNS = ("min", "max", "mean", "std", "l2", "nan", "inf", "digest")
+
+
+@dataclass
+class Gathered:
+    """What :func:`gather` wrote: the trace, and what the rules did."""
+
+    path: Path
+    world_size: int
+    records: int
+    sharded: int
+    unused_rules: list[str] = field(default_factory=list)  # rules that cut no record
+
+
+def gathered_path(manifest: Path) -> Path:
+    """Where the diff keeps a manifest's gathered trace: ``port.h5`` -> ``port.gathered.h5``."""
+    return manifest.with_name(f"{manifest.stem}.gathered{manifest.suffix}")
+
+
+def gather_key(manifest: Trace, mapping: Mapping) -> str:
+    """What a gathered trace was made from: the rank files (their digests) and the rules."""
+    rules = [(r.site.text, r.tensor, r.dim) for r in mapping.shard_rules]
+    text = json.dumps([manifest.meta.get("manifest"), rules], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def up_to_date(path: Path, key: str) -> bool:
+    """Whether ``path`` is a complete gathered trace made with ``key``."""
+    if not path.is_file():
+        return False
+    try:
+        with open_trace(path) as trace:
+            return (trace.meta.get("gathered") or {}).get("key") == key
+    except TraceError:
+        return False
+
+
+def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | os.PathLike, *,
+           progress: Progress | None = None) -> Gathered:
+    """Write the one-process view of the multi-rank capture ``manifest`` at ``output``.
+
+    Raises :class:`TraceError` naming the rank, the record and the rule when the ranks' parts
+    cannot be joined (a record missing on a rank, parts of other shapes or dtypes)."""
+    with _opened(manifest, mapping) as (ranks, key):
+        first = ranks[0]
+        index = first.index.sort_values("seq", kind="stable")
+        modules = _modules(first.sites)
+        rules = [_rule(mapping, modules, row) for row in index.itertuples(index=False)]
+        cut = [i for i, rule in enumerate(rules) if rule is not None]
+        lookups = [_lookup(rank.index) for rank in ranks]
+        meta = dict(first.meta)
+        for key in ("rank", "manifest"):
+            meta.pop(key, None)
+        sharded_sites = sorted({index.iloc[i]["site"] for i in cut})
+        source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
+        meta["gathered"] = {
+            "manifest": str(source), "world_size": len(ranks), "mapping": mapping.name,
+            "rules": [rule.describe() for rule in mapping.shard_rules],
+            "sharded_records": len(cut), "sharded_sites": sharded_sites[:2000]}
+        meta["world_size"] = 1
+        writer = _Packer(TraceFile(output, meta, first.summary))
+        try:
+            rows = []
+            total = len(index)
+            for number, (row, rule) in enumerate(zip(index.to_dict("records"), rules,
+                                                     strict=True)):
+                if rule is None:
+                    rows.append(writer.copy(row, first))
+                else:
+                    rows.append(writer.join(row, rule, ranks, lookups))
+                if progress is not None and number % 64 == 0:
+                    progress(number, total)
+            writer.finish(rows, first.sites)
+            path = writer.file.close(True)
+        except BaseException:
+            writer.file.abandon()
+            raise
+        if progress is not None:
+            progress(total, total)
+    used = {id(rule) for rule in rules if rule is not None}
+    unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
+              "module paths) and tensor name"
+              for rule in mapping.shard_rules if id(rule) not in used]
+    return Gathered(Path(path), len(ranks), len(index), len(cut), unused)
+
+
+class _opened:
+    """The rank files of a manifest, open (given as a path or an open manifest trace)."""
+
+    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping) -> None:
+        self.manifest = manifest
+        self.traces: list[Trace] = []
+        self.mapping = mapping
+
+    def __enter__(self) -> tuple[list[Trace], str]:
+        given = self.manifest
+        trace = given if isinstance(given, Trace) else open_trace(given)
+        try:
+            if not trace.rank_paths:
+                raise TraceError(f"{trace.path} is a one-process trace, not the manifest of a "
+                                 "multi-rank capture; there is nothing to gather")
+            self.traces = [open_trace(path, verify=trace.verify) for path in trace.rank_paths]
+            key = gather_key(trace, self.mapping)
+        finally:
+            if not isinstance(given, Trace):
+                trace.close()
+        return self.traces, key
+
+    def __exit__(self, *exc: object) -> None:
+        for trace in self.traces:
+            trace.close()
+
+
+def _modules(sites: pd.DataFrame) -> dict[str, str]:
+    return dict(zip(sites["site"], sites["module"], strict=True))
+
+
+def _rule(mapping: Mapping, modules: dict[str, str], row: Any) -> ShardRule | None:
+    if row.kind != "tensor":
+        return None
+    module = modules.get(row.site) or schema.split_site(row.site)[0]
+    return mapping.shard_rule(module, row.role, row.arg)
+
+
+def _lookup(index: pd.DataFrame) -> dict[tuple, int]:
+    keys = zip(*(index[column] for column in _KEY), strict=True)
+    return {(int(k[0]), *k[1:]): position for position, k in enumerate(keys)}
+
+
+class _Packer:
+    """Packs tensors into segments of the output and builds its index rows."""
+
+    def __init__(self, file: TraceFile) -> None:
+        self.file = file
+        self._buffer = bytearray()
+
+    def _place(self, raw: np.ndarray) -> tuple[int, int]:
+        """(segment, offset) where ``raw`` (uint8) will lie."""
+        if len(self._buffer) + raw.nbytes > SEGMENT_BYTES and self._buffer:
+            self._flush()
+        offset = len(self._buffer)
+        self._buffer += raw.tobytes()
+        self._buffer += bytes(-len(self._buffer) % schema.ALIGN)
+        return self.file.segments, offset
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self.file.write_segment(np.frombuffer(self._buffer, np.uint8))
+            self._buffer = bytearray()
+
+    def copy(self, row: dict[str, Any], trace: Trace) -> dict[str, Any]:
+        if row["kind"] != "tensor" or row["segment"] < 0:
+            return row
+        raw = trace.read(pd.Series(row), raw=True)
+        segment, offset = self._place(raw.reshape(-1).view(np.uint8))
+        return {**row, "segment": segment, "offset": offset}
+
+    def join(self, row: dict[str, Any], rule: ShardRule, ranks: list[Trace],
+             lookups: list[dict[tuple, int]]) -> dict[str, Any]:
+        key = (int(row["step"]), row["pass"], row["site"], row["role"], row["arg"])
+        parts = []
+        for rank, (trace, lookup) in enumerate(zip(ranks, lookups, strict=True)):
+            position = lookup.get(key)
+            if position is None:
+                raise TraceError(f"{trace.path}: rank {rank} has no {describe(row)}, which rank "
+                                 f"0 has and {rule.describe()} cuts across ranks; the ranks ran "
+                                 "different code: capture them again")
+            parts.append(trace.index.iloc[position])
+        shapes = [schema.parse_shape(part["shape"]) for part in parts]
+        dim = _dim(rule, shapes[0], row, ranks[0].path)
+        for rank, (part, shape) in enumerate(zip(parts, shapes, strict=True)):
+            if part["dtype"] != row["dtype"] or len(shape) != len(shapes[0]) or any(
+                    a != b for axis, (a, b) in enumerate(zip(shape, shapes[0], strict=True))
+                    if axis != dim):
+                raise TraceError(
+                    f"{ranks[rank].path}: rank {rank}'s {describe(row)} is {part['dtype']} "
+                    f"{tuple(shape)} and rank 0's {row['dtype']} {tuple(shapes[0])}; "
+                    f"{rule.describe()} joins parts that differ only along dim {rule.dim}: "
+                    "check the rule's dim")
+        shape = list(shapes[0])
+        shape[dim] = sum(s[dim] for s in shapes)
+        numel = math.prod(shape)
+        itemsize = schema.numpy_dtype(row["dtype"]).itemsize
+        joined = {**row, "shape": schema.format_shape(tuple(shape)), "numel": numel,
+                  "nbytes": numel * itemsize}
+        if row["segment"] < 0:  # summary: statistics combined, no data
+            return {**joined, **_combined(parts)}
+        arrays = [trace.read(part, raw=True) for trace, part in zip(ranks, parts, strict=True)]
+        whole = np.ascontiguousarray(np.concatenate(arrays, axis=dim))
+        stats = tensor_stats(whole, row["dtype"])
+        segment, offset = self._place(whole.reshape(-1).view(np.uint8))
+        return {**joined, **stats._asdict(), "segment": segment, "offset": offset}
+
+    def finish(self, rows: list[dict[str, Any]], sites: pd.DataFrame) -> None:
+        self._flush()
+        columns = {name: [row[name] for row in rows] for name in schema.INDEX_COLUMNS}
+        self.file.append_rows(schema.INDEX_GROUP, columns)
+        self.file.append_rows(schema.SITES_GROUP,
+                              {name: sites[name].tolist() for name in schema.SITES_COLUMNS})
+
+
+def _dim(rule: ShardRule, shape: tuple[int, ...], row: dict[str, Any], path: Path) -> int:
+    if not -len(shape) <= rule.dim < len(shape):
+        raise TraceError(f"{path}: {rule.describe()} cuts {describe(row)} along dim {rule.dim}, "
+                         f"but it has {len(shape)} dimension(s) {tuple(shape)}; fix the rule's "
+                         "dim or narrow its tensor (e.g. 'input.0')")
+    return rule.dim % len(shape)
+
+
+def _combined(parts: list[pd.Series]) -> dict[str, Any]:
+    """Statistics of the joined tensor from its parts' (population std over finite values)."""
+    counts = [int(p["numel"]) - int(p["nan"]) - int(p["inf"]) for p in parts]
+    finite = sum(counts)
+    nan, inf = sum(int(p["nan"]) for p in parts), sum(int(p["inf"]) for p in parts)
+    lows = [float(p["min"]) for p in parts]
+    highs = [float(p["max"]) for p in parts]
+    lo = math.nan if all(math.isnan(v) for v in lows) else float(np.nanmin(lows))
+    hi = math.nan if all(math.isnan(v) for v in highs) else float(np.nanmax(highs))
+    if not finite:
+        return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, "")._asdict()
+    total = sum(n * float(p["mean"]) for n, p in zip(counts, parts, strict=True) if n)
+    squares = sum(n * (float(p["std"]) ** 2 + float(p["mean"]) ** 2)
+                  for n, p in zip(counts, parts, strict=True) if n)
+    mean = total / finite
+    std = math.sqrt(max(squares / finite - mean * mean, 0.0))
+    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
+    return Stats(lo, hi, mean, std, l2, nan, inf, "")._asdict()
