@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from reference_models import op_bugs
+from reference_models import tensor_parallel as tp
+from reference_models.porting import port_case
 
 
 def crash_on_rank_one():
@@ -22,3 +26,29 @@ def crash_on_rank_one():
     case.loss_fn = loss
     case.name = "tests.dist_cases:crash_on_rank_one"
     return case
+
+
+def tp_gelu_tanh_on_rank_one():
+    """The tensor-parallel port whose block-0 GELU uses the tanh approximation on rank 1 only
+    (a rank that runs other code on its shard): the error lies in rank 1's part only."""
+    def mlp(index: int, rank: int, world: int) -> nn.Module:
+        module = tp.ParallelMLP(rank, world)
+        if index == 0 and rank == 1:
+            module.act = nn.GELU(approximate="tanh")
+        return module
+
+    case = tp._port("tp_gelu_tanh_on_rank_one", mlp)
+    case.name = "tests.dist_cases:tp_gelu_tanh_on_rank_one"
+    return case
+
+
+def tp_port_own_weights():
+    """The faithful tensor-parallel port with weights of its own (another seed): it matches
+    the reference only once `capture --weights-from REF --map` loads each rank's shards."""
+    rank, world = tp.rank_and_world()
+
+    def build(reference: nn.Module) -> nn.Module:
+        torch.manual_seed(1234)
+        return tp.TinyGPT(lambda index: tp.ParallelMLP(rank, world))
+
+    return port_case(tp.reference, build, "tests.dist_cases:tp_port_own_weights")

@@ -1,0 +1,124 @@
+"""A tensor-parallel port against its one-process reference: the ranks' shards are gathered by
+the mapping's [[shard]] rules, the faithful port passes, a planted bug is found at its layer,
+an error in one rank's shard names that rank, and bad rules are refused naming their line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from layerdiff import diff, open_trace
+from layerdiff.errors import DiffError, MappingError, TraceError
+from layerdiff.mapping import Mapping
+from layerdiff.trace.gather import gather
+from reference_models import tensor_parallel as tp
+
+pytestmark = pytest.mark.slow  # each 2-rank capture starts two processes (a few seconds)
+MAP = str(tp.MAP_FILE)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """One-process reference and 2-rank ports (full and summary), captured once."""
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    folder = tmp_path_factory.mktemp("tp")
+
+    def capture(case: str, name: str, *extra: str) -> str:
+        out = folder / name
+        result = CliRunner().invoke(main, ["capture", case, "-o", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        return str(out)
+
+    reference = capture(f"{tp.MODULE}:reference", "ref.h5")
+    return {
+        "reference": reference,
+        "reference_summary": capture(f"{tp.MODULE}:reference", "ref_summary.h5", "--summary"),
+        "port": capture(f"{tp.MODULE}:port", "port.h5", "--nproc", "2"),
+        "port_summary": capture(f"{tp.MODULE}:port", "port_summary.h5", "--nproc", "2",
+                                "--summary"),
+        "bias": capture(f"{tp.MODULE}:bug_bias_before_allreduce", "bias.h5", "--nproc", "2"),
+        "rank_one": capture("tests.dist_cases:tp_gelu_tanh_on_rank_one", "rank_one.h5",
+                            "--nproc", "2"),
+        "own_weights": capture("tests.dist_cases:tp_port_own_weights", "own.h5", "--nproc",
+                               "2", "--weights-from", reference, "--map", MAP),
+        "folder": folder,
+    }
+
+
+def test_gathered_trace_holds_the_whole_tensors_of_the_reference(traces, tmp_path):
+    done = gather(traces["port"], Mapping.load(MAP), tmp_path / "g.h5")
+    assert (done.world_size, done.unused_rules) == (2, [])
+    with open_trace(done.path) as port, open_trace(traces["reference"]) as ref:
+        for site, role, arg in [("blocks.0.mlp.fc#0", "weight", "weight"),
+                                ("blocks.0.mlp.proj#0", "weight", "weight"),
+                                ("blocks.1.mlp.act#0", "output", "0"),
+                                ("blocks.1.mlp.proj#0", "grad_input", "0")]:
+            ours, theirs = port.find(0, site, role, arg), ref.find(0, site, role, arg)
+            assert ours["shape"] == theirs["shape"]
+            np.testing.assert_allclose(port.read(ours), ref.read(theirs), rtol=1e-5, atol=1e-6)
+        assert port.meta["gathered"]["world_size"] == 2
+
+
+def test_faithful_port_passes_and_the_bias_bug_is_found_at_its_layer(traces):
+    assert diff(traces["reference"], traces["port"], mapping=MAP).passed
+    found = diff(traces["reference"], traces["bias"], mapping=MAP)
+    origin = found.origins[0]
+    assert (origin.site, origin.pass_, origin.role, origin.step) == (
+        "blocks.0.mlp.proj#0", "forward", "output", 0)
+    assert origin.ranks is None  # proj's output is all-reduced: replicated, no rank's part
+    assert found.meta["gathered"]["world_size"] == 2
+
+
+def test_an_error_in_one_ranks_shard_names_that_rank(traces):
+    found = diff(traces["reference"], traces["rank_one"], mapping=MAP)
+    origin = found.origins[0]
+    assert (origin.site, origin.pass_, origin.role) == ("blocks.0.mlp.act#0", "forward",
+                                                        "output")
+    assert origin.ranks == [1]
+    assert "rank 1's part" in origin.describe()
+
+
+def test_summary_ranks_gather_to_the_references_statistics(traces):
+    assert diff(traces["reference_summary"], traces["port_summary"], mapping=MAP).passed
+    with open_trace(traces["port_summary"]) as manifest:
+        done = gather(manifest, Mapping.load(MAP), traces["folder"] / "gs.h5")
+    with open_trace(done.path) as port, open_trace(traces["reference_summary"]) as ref:
+        ours = port.find(0, "blocks.0.mlp.fc#0", "output", "0")
+        theirs = ref.find(0, "blocks.0.mlp.fc#0", "output", "0")
+        assert ours["shape"] == theirs["shape"] and ours["digest"] == ""
+        for column in ("min", "max", "mean", "std", "l2"):
+            assert ours[column] == pytest.approx(theirs[column], rel=1e-4, abs=1e-6)
+
+
+def test_weights_from_loads_each_ranks_shard(traces):
+    # the port's own weights differ (another seed): it passes only because each rank
+    # loaded its part of the reference's weights through the shard rules
+    assert diff(traces["reference"], traces["own_weights"], mapping=MAP).passed
+
+
+def test_without_shard_rules_the_diff_says_what_is_missing(traces):
+    found = diff(traces["reference"], traces["port"], mapping=Mapping())
+    assert not found.passed
+    assert any("no [[shard]] rules" in warning for warning in found.meta["warnings"])
+
+
+def test_a_rule_whose_dim_does_not_fit_is_refused_naming_it(traces, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[shard]]\nsite = "blocks.*.mlp.fc"\ntensor = "weight"\ndim = 5\n')
+    with pytest.raises(TraceError, match=r"shard rule 1 \(line 1.*dim 5.*2 dimension"):
+        gather(traces["port"], Mapping.load(bad), tmp_path / "g.h5")
+    bad.write_text('[[shard]]\nsite = "blocks.*.mlp.fc#0"\ntensor = "weight"\ndim = 0\n')
+    with pytest.raises(MappingError, match=r"bad.toml line 1: shard rule 1: site .* names a "
+                                           r"call"):
+        Mapping.load(bad)
+    bad.write_text('[[shard]]\nsite = "fc"\ntensor = "weight"\ndimm = 0\n')
+    with pytest.raises(MappingError, match=r"line 1: unknown key 'dimm'.*did you mean 'dim'"):
+        Mapping.load(bad)
+
+
+def test_a_multi_rank_reference_is_refused_with_what_to_do(traces):
+    with pytest.raises(DiffError, match=r"manifest of a 2-rank capture; gather it"):
+        diff(traces["port"], traces["port"], mapping=MAP)
