@@ -23,6 +23,7 @@ from layerdiff.cli_options import (
     tolerance_flags,
     tolerances_from,
     tolerances_option,
+    workers_option,
 )
 from layerdiff.errors import Interrupted, LayerdiffError
 from layerdiff.outputs import refuse_existing, refuse_inputs
@@ -271,10 +272,11 @@ def _show_html(trace_path: str, html_path: str, *, against: str | None, site: st
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
 @no_verify_option
+@workers_option
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
-                 verbose: bool, strict: bool, no_verify: bool) -> None:
+                 verbose: bool, strict: bool, no_verify: bool, workers: int | None) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
     from layerdiff.progress import ByteProgress
@@ -286,7 +288,7 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
     with ByteProgress("diff") as bar:
         result = diff(reference, port, mapping=mapping,
                       tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
-                      progress=bar.progress, verify=not no_verify)
+                      progress=bar.progress, verify=not no_verify, workers=workers)
     _write_reports(result, json_path, csv_path, html_path)
     if json_path != "-":
         click.echo(format_diff(result, verbose=verbose))
@@ -311,6 +313,30 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
         from layerdiff.report.html import write_html
 
         write_html(result, html_path)
+
+
+@main.command("gather")
+@click.argument("manifest", type=click.Path(dir_okay=False))
+@map_option
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the gathered one-process trace.")
+@workers_option
+def gather_command(manifest: str, mapping: str | None, output: str,
+                   workers: int | None) -> None:
+    """Join a multi-rank capture's rank files into one trace by the mapping's [[shard]] rules,
+    as if one process had run the whole model (the diff does this by itself)."""
+    from layerdiff.mapping import Mapping
+    from layerdiff.progress import CountProgress
+    from layerdiff.trace.gather import gather
+
+    refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping})
+    rules = Mapping.load(mapping) if mapping else Mapping()
+    with CountProgress("gather", "records") as bar:
+        done = gather(manifest, rules, output, progress=bar.progress, workers=workers)
+    for warning in done.unused_rules:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(f"wrote {done.path}: {done.records:,} records of {done.world_size} ranks, "
+               f"{done.sharded:,} joined by shard rules")
 
 
 @main.command("replay")

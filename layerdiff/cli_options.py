@@ -56,3 +56,9 @@ def case_factory(spec: str):
 
     load_case(spec)  # fail now, with the case's own message, if it does not load
     return lambda: load_case(spec)
+
+
+workers_option = click.option(
+    "--workers", type=click.IntRange(min=1), metavar="N",
+    help="Processes that check a multi-rank port's rank files while they are gathered "
+         "(default: one per core).")

@@ -46,7 +46,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
          tolerances: str | os.PathLike | Tolerances | None = None,
          baseline: str | os.PathLike | Trace | None = None, baseline_factor: float = FACTOR,
          progress: Progress | None = None, independent: bool = False,
-         verify: bool = True) -> R.Diff:
+         verify: bool = True, workers: int | None = None) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
@@ -59,7 +59,9 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     judged on its own. Raises :class:`DiffError` when the traces have nothing in common.
     ``verify`` checks every tensor the verdict rests on against its index digest and
     statistics, reading even records whose digests agree (traces given open keep their own
-    setting); a damaged file raises :class:`TraceError`.
+    setting); a damaged file raises :class:`TraceError`. A multi-rank ``port`` (the manifest
+    of ``capture --nproc``) is first gathered into one trace by the mapping's ``[[shard]]``
+    rules, its rank files checked by ``workers`` processes (default: one per core).
     """
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:
@@ -71,7 +73,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         refuse_multi_rank_reference(ref_trace)
         manifest = port_trace.path if port_trace.rank_paths else None
         if manifest is not None:
-            port_trace, told = stack.enter_context(gathered(port_trace, mapping))
+            port_trace, told = stack.enter_context(gathered(port_trace, mapping,
+                                                            workers=workers))
             said += told
         if base_trace is not None and (
                 base_trace.path.resolve() == port_trace.path.resolve()

@@ -35,7 +35,8 @@ def refuse_multi_rank_reference(ref: Trace) -> None:
 
 
 @contextlib.contextmanager
-def gathered(port: Trace, mapping: Mapping, *, progress=None) -> Iterator[tuple[Trace, list[str]]]:
+def gathered(port: Trace, mapping: Mapping, *,
+             workers: int | None = None) -> Iterator[tuple[Trace, list[str]]]:
     """The one-trace view of a multi-rank ``port``, and warnings for the user. It is kept
     beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
     the same), so that reports can read it after the diff; in the system's temporary folder
@@ -50,9 +51,10 @@ def gathered(port: Trace, mapping: Mapping, *, progress=None) -> Iterator[tuple[
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
         warnings.append(f"{port.path.parent} is not writable: the gathered trace is {path}")
-    if not up_to_date(path, key):
-        warnings += gather(port, mapping, path, progress=progress).unused_rules
-    with open_trace(path) as trace:
+    fresh = not up_to_date(path, key)
+    if fresh:
+        warnings += gather(port, mapping, path, workers=workers).unused_rules
+    with open_trace(path, verify=port.verify and not fresh) as trace:  # fresh: checked as read
         yield trace, warnings
 
 

@@ -77,18 +77,22 @@ def up_to_date(path: Path, key: str) -> bool:
 
 
 def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | os.PathLike, *,
-           progress: Progress | None = None) -> Gathered:
+           progress: Progress | None = None, workers: int | None = None) -> Gathered:
     """Write the one-process view of the multi-rank capture ``manifest`` at ``output``.
 
-    Raises :class:`TraceError` naming the rank, the record and the rule when the ranks' parts
-    cannot be joined (a record missing on a rank, parts of other shapes or dtypes)."""
-    with _opened(manifest, mapping) as (ranks, key):
+    ``workers`` processes (default: one per core) check the rank files' bytes against their
+    digests and statistics while this process joins and writes, when there is enough data to
+    pay for starting them (:data:`PARALLEL_MIN_BYTES`). Raises :class:`TraceError` naming the
+    rank, the record and the rule when the ranks' parts cannot be joined (a record missing on
+    a rank, parts of other shapes or dtypes), or a rank file's bytes are damaged."""
+    with _opened(manifest, mapping) as (ranks, key), _Checks(workers) as checks:
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
         rules = [_rule(mapping, modules, row) for row in index.itertuples(index=False)]
         cut = [i for i, rule in enumerate(rules) if rule is not None]
         lookups = [_lookup(rank.index) for rank in ranks]
+        checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
         meta = dict(first.meta)
         for key in ("rank", "manifest"):
             meta.pop(key, None)
@@ -112,6 +116,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
                 if progress is not None and number % 64 == 0:
                     progress(number, total)
             writer.finish(rows, first.sites)
+            checks.wait()
             path = writer.file.close(True)
         except BaseException:
             writer.file.abandon()
@@ -123,6 +128,71 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
               "module paths) and tensor name"
               for rule in mapping.shard_rules if id(rule) not in used]
     return Gathered(Path(path), len(ranks), len(index), len(cut), unused)
+
+
+PARALLEL_MIN_BYTES = 256 << 20  # below, starting worker processes costs more than it saves
+TASK_BYTES = 64 << 20           # records per worker task
+
+
+class _Checks:
+    """The rank files' tensors checked against their index rows in worker processes, while
+    the caller reads them unchecked; :meth:`wait` raises the first damage found."""
+
+    def __init__(self, workers: int | None) -> None:
+        self.workers = workers if workers is not None else (os.cpu_count() or 1)
+        self.pool = None
+        self.futures: list = []
+
+    def __enter__(self) -> _Checks:
+        return self
+
+    def start(self, ranks: list[Trace], index: pd.DataFrame, cut: list[pd.Series],
+              lookups: list[dict[tuple, int]]) -> None:
+        if not ranks[0].verify or self.workers < 2:
+            return
+        wanted = [np.flatnonzero(ranks[0].index["segment"].to_numpy() >= 0).tolist()]
+        for lookup in lookups[1:]:
+            wanted.append([lookup[(int(r["step"]), r["pass"], r["site"], r["role"], r["arg"])]
+                           for r in cut if r["segment"] >= 0])
+        tasks = [(str(trace.path), chunk) for trace, positions in zip(ranks, wanted, strict=True)
+                 for chunk in _chunks(trace.index["nbytes"], positions)]
+        if sum(int(ranks[r].index["nbytes"].iloc[p].sum()) for r, p in enumerate(wanted)) < (
+                PARALLEL_MIN_BYTES):
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(min(self.workers, len(tasks)),
+                                        mp_context=multiprocessing.get_context("spawn"))
+        self.futures = [self.pool.submit(_check_records, path, chunk) for path, chunk in tasks]
+        for trace in ranks:  # the workers check the bytes: read them unchecked here
+            trace.verify = False
+
+    def wait(self) -> None:
+        for future in self.futures:
+            future.result()  # a worker's TraceError, raised here
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _chunks(nbytes: pd.Series, positions: list[int]) -> list[list[int]]:
+    chunks, current, size = [], [], 0
+    for position in positions:
+        current.append(position)
+        size += int(nbytes.iloc[position])
+        if size >= TASK_BYTES:
+            chunks.append(current)
+            current, size = [], 0
+    return chunks + ([current] if current else [])
+
+
+def _check_records(path: str, positions: list[int]) -> None:
+    """A worker's task: read these records of one rank file, checking each."""
+    with open_trace(path) as trace:
+        for position in positions:
+            trace.read(position, raw=True)
 
 
 class _opened:

@@ -52,8 +52,8 @@ def write_manifest(output: str | os.PathLike, rank_files: list[Path]) -> Path:
 
             first_meta = parse_meta(attrs.get(schema.ATTR_META), path)
     meta = {"manifest": {"world_size": len(rank_files), "ranks": ranks},
-            "case": first_meta.get("case"), "steps": first_meta.get("steps"),
             "loss_scale": first_meta.get("loss_scale", 1.0)}
+    meta.update({key: first_meta[key] for key in ("case", "steps") if key in first_meta})
     writer = TraceWriter(output, meta=meta, summary=True, producer=PRODUCER)
     return writer.close()
 

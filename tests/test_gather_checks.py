@@ -1,0 +1,80 @@
+"""Gathering checks every rank file's bytes, in worker processes when asked: rank files written
+by hand (no torch, no processes to launch) make a tensor-parallel layer's shards."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from layerdiff import TraceWriter, diff
+from layerdiff.errors import TraceError
+from layerdiff.mapping import Mapping
+from layerdiff.trace import gather as gather_module
+from layerdiff.trace import open_trace, schema
+from layerdiff.trace.manifest import rank_path, write_manifest
+
+RULES = """
+[[shard]]
+site = "fc"
+tensor = "weight"
+dim = 0
+
+[[shard]]
+site = "fc"
+tensor = "output"
+dim = -1
+"""
+
+
+def _write(path, x, weight, out, meta):
+    with TraceWriter(path, meta=meta) as writer, writer.site("fc", "Linear") as site:
+        writer.record(site, "input", x)
+        writer.record(site, "weight", weight, arg="weight")
+        writer.record(site, "output", out)
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    """A column-parallel linear over 2 ranks, and the one-process reference of it."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    _write(tmp_path / "ref.h5", x, weight, x @ weight.T, {"case": "ref"})
+    manifest = tmp_path / "port.h5"
+    files = []
+    for rank, part in enumerate(np.split(weight, 2)):
+        files.append(rank_path(manifest, rank))
+        _write(files[-1], x, part, x @ part.T, {"case": "port", "rank": rank, "world_size": 2})
+    write_manifest(manifest, files)
+    rules = tmp_path / "map.toml"
+    rules.write_text(RULES)
+    return tmp_path, rules
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_hand_written_shards_gather_to_the_reference(ranks, monkeypatch, workers):
+    folder, rules = ranks
+    monkeypatch.setattr(gather_module, "PARALLEL_MIN_BYTES", 0)  # use workers on tiny files
+    done = gather_module.gather(folder / "port.h5", Mapping.load(rules), folder / "g.h5",
+                                workers=workers)
+    assert (done.records, done.sharded) == (3, 2)
+    with open_trace(done.path) as trace:
+        assert trace.index["shape"].tolist() == ["4,8", "6,8", "4,6"]
+    assert diff(folder / "ref.h5", folder / "port.h5", mapping=rules).passed
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_damaged_rank_file_is_refused_naming_it(ranks, monkeypatch, workers):
+    folder, rules = ranks
+    monkeypatch.setattr(gather_module, "PARALLEL_MIN_BYTES", 0)
+    damaged = folder / "port.rank1.h5"
+    with open_trace(damaged) as trace:
+        row = trace.find(0, "fc#0", "weight", "weight")
+    with h5py.File(damaged, "r+") as h5:  # the manifest's digests cover tables, not data
+        data = h5[schema.segment_name(int(row["segment"]))]
+        data[int(row["offset"]) + 4] ^= 0x40
+    with pytest.raises(TraceError, match=r"port\.rank1\.h5.*fc#0 weight weight"):
+        gather_module.gather(folder / "port.h5", Mapping.load(rules), folder / "g.h5",
+                             workers=workers)
+    assert not (folder / "g.h5").exists()
