@@ -592,13 +592,13 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:
     """List the bundled cases: references, their ports, and ports with planted bugs."""
-    from reference_models.catalog import CATALOG
+    from reference_models.catalog import CATALOG, MULTI_RANK
 
     if as_json:
-        click.echo(json.dumps([info.as_json() for info in CATALOG], indent=1))
+        click.echo(json.dumps([info.as_json() for info in CATALOG + MULTI_RANK], indent=1))
         return
     for kind in ("reference", "port", "bug", "diagnostic"):
-        entries = [info for info in CATALOG if info.kind == kind]
+        entries = [info for info in CATALOG + MULTI_RANK if info.kind == kind]
         if not entries:
             continue
         click.echo(f"{kind}s:")
@@ -606,6 +606,9 @@ def cases_command(as_json: bool) -> None:
             where = f"  [{info.pass_} at {info.site}]" if info.site else ""
             click.echo(f"  {info.spec}{where}")
             against = f" (against {info.reference})" if info.reference else ""
+            if info.nproc > 1:
+                against += (f"; capture with --nproc {info.nproc}, diff with --map "
+                            f"{info.mapping_path}")
             click.echo(textwrap.fill(info.description + against, width=100,
                                      initial_indent=" " * 6, subsequent_indent=" " * 6))
 

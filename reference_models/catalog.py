@@ -23,6 +23,9 @@ class CaseInfo:
     runs_in: str | None = None
     # for a bug in a module's own code: the op site where a capture with --ops names it
     op_site: str | None = None
+    # ranks to capture the case with (`capture --nproc N`); such cases are in MULTI_RANK, not
+    # CATALOG, which the one-process suites walk
+    nproc: int = 1
 
     @property
     def mapping_path(self) -> Path | None:
@@ -71,7 +74,7 @@ def _hint_bug(name: str, model: str, site: str, pass_: str, description: str, *,
 
 def find(spec: str) -> CaseInfo | None:
     """The catalog entry of a bundled case spec."""
-    return next((info for info in CATALOG if info.spec == spec), None)
+    return next((info for info in CATALOG + MULTI_RANK if info.spec == spec), None)
 
 
 CATALOG: list[CaseInfo] = [
@@ -206,4 +209,25 @@ CATALOG: list[CaseInfo] = [
              "weights differ from step 3 (layerdiff diverge)",
              reference="reference_models.schedule_port:reference", site="fc1#0",
              pass_="forward"),
+]
+
+_TP = "reference_models.tensor_parallel"
+CATALOG.append(_ref("tensor_parallel", "GPT-style causal LM (two pre-norm blocks, GELU MLP with "
+                                       "dropout); next-token cross-entropy, 2 SGD steps"))
+
+# Multi-rank ports: captured with `--nproc 2` (gloo), diffed with their shard rules.
+MULTI_RANK: list[CaseInfo] = [
+    CaseInfo(f"{_TP}:port", "tensor_parallel", "port",
+             "Megatron tensor-parallel port: column-parallel fc, row-parallel proj, all-reduce "
+             "functions f and g", reference=f"{_TP}:reference",
+             mapping="tensor_parallel.map.toml", nproc=2),
+    CaseInfo(f"{_TP}:bug_bias_before_allreduce", "tensor_parallel", "bug",
+             "the row-parallel proj adds its bias on every rank before the all-reduce: it counts "
+             "world-size times", reference=f"{_TP}:reference", mapping="tensor_parallel.map.toml",
+             site="blocks.0.mlp.proj#0", pass_="forward", runs_in="blocks.0.mlp.proj", nproc=2),
+    CaseInfo(f"{_TP}:bug_dropout_per_rank", "tensor_parallel", "bug",
+             "dropout seeded with seed + rank on a replicated tensor: replicas disagree (found "
+             "by layerdiff ranks; rank 0 matches the reference)", reference=f"{_TP}:reference",
+             mapping="tensor_parallel.map.toml", site="blocks.0.mlp.dropout#0",
+             pass_="forward", runs_in="blocks.0.mlp.dropout", nproc=2),
 ]
