@@ -25,6 +25,7 @@ from layerdiff.cli_options import (
     tolerances_option,
     workers_option,
 )
+from layerdiff.cli_ranks import COMMANDS as RANKS_COMMANDS
 from layerdiff.errors import Interrupted, LayerdiffError
 from layerdiff.outputs import refuse_existing, refuse_inputs
 
@@ -663,7 +664,7 @@ def demo_command(output_dir: str, port_spec: str) -> None:
         click.echo(f"# {comment}\n{command}")
 
 
-for _command in DEBUG_COMMANDS:
+for _command in (*DEBUG_COMMANDS, *RANKS_COMMANDS):
     main.add_command(_command)
 
 

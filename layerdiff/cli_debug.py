@@ -7,14 +7,10 @@ found nothing, 1 when it found something, 2 for bad input.
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Any
-
 import click
 
 from layerdiff.cli_options import (
-    echo_or_write,
+    finish_result,
     force_option,
     json_option,
     map_option,
@@ -23,15 +19,6 @@ from layerdiff.cli_options import (
     tolerances_option,
 )
 from layerdiff.outputs import refuse_existing, refuse_inputs
-
-
-def _finish(result: Any, json_path: str | None) -> None:
-    """Print or write the result, then exit 1 when it found something."""
-    if json_path:
-        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
-    if json_path != "-":
-        click.echo(result.format())
-    sys.exit(1 if result.found else 0)
 
 
 @click.command("nan")
@@ -58,7 +45,7 @@ def nan_command(case_spec: str, steps: int | None, output: str | None, force: bo
         refuse_existing(output, "-o", force)
     with CountProgress("nan", "steps", enabled=json_path != "-") as bar:
         result = find_nan(case_spec, steps, output=output, progress=bar.progress)
-    _finish(result, json_path)
+    finish_result(result, json_path)
 
 
 @click.command("determinism")
@@ -90,7 +77,7 @@ def determinism_command(case_spec: str, runs: int, steps: int | None, tolerances
         result = check_determinism(case_spec, runs=runs, steps=steps,
                                    tolerances=tolerances_from(tolerances, rtol, atol),
                                    progress=bar.progress, keep=keep, parallel=parallel)
-    _finish(result, json_path)
+    finish_result(result, json_path)
 
 
 @click.command("batch-independence")
@@ -114,7 +101,7 @@ def batch_command(case_spec: str, allow: tuple[str, ...], batch_axis: int,
     with CountProgress("batch independence", "sites", enabled=json_path != "-") as bar:
         result = batch_independence(case_spec, allow, batch_axis=batch_axis,
                                     progress=bar.progress)
-    _finish(result, json_path)
+    finish_result(result, json_path)
 
 
 @click.command("diverge")
@@ -155,7 +142,7 @@ def diverge_command(reference_spec: str, port_spec: str, mapping: str | None, st
         from layerdiff.report.diverge_html import write_diverge_html
 
         write_diverge_html(result, html_path)
-    _finish(result, json_path)
+    finish_result(result, json_path)
 
 
 COMMANDS = (nan_command, determinism_command, batch_command, diverge_command)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from typing import Any
+
 import click
 
 from layerdiff.outputs import write_text
@@ -62,3 +66,12 @@ workers_option = click.option(
     "--workers", type=click.IntRange(min=1), metavar="N",
     help="Processes that check a multi-rank port's rank files while they are gathered "
          "(default: one per core).")
+
+
+def finish_result(result: Any, json_path: str | None) -> None:
+    """Print or write a diagnostic's result, then exit 1 when it found something."""
+    if json_path:
+        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
+    if json_path != "-":
+        click.echo(result.format())
+    sys.exit(1 if result.found else 0)

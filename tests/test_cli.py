@@ -84,9 +84,11 @@ def test_cases_lists_every_bundled_case_as_json(run):
     assert result.exit_code == 0
     cases = json.loads(result.output)
     keys = {"spec", "model", "kind", "reference", "mapping", "site", "pass", "op_site",
-            "description"}
+            "description", "nproc"}
     assert cases and all(set(c) == keys for c in cases)
-    assert "reference_models.transformer:reference" in {c["spec"] for c in cases}
+    specs = {c["spec"]: c for c in cases}
+    assert "reference_models.transformer:reference" in specs
+    assert specs["reference_models.tensor_parallel:port"]["nproc"] == 2
     for case in cases:
         if case["kind"] == "bug":
             assert case["site"] and case["pass"] in ("forward", "backward") and case["reference"]

@@ -41,6 +41,7 @@ def traces(tmp_path_factory):
         "port_summary": capture(f"{tp.MODULE}:port", "port_summary.h5", "--nproc", "2",
                                 "--summary"),
         "bias": capture(f"{tp.MODULE}:bug_bias_before_allreduce", "bias.h5", "--nproc", "2"),
+        "dropout": capture(f"{tp.MODULE}:bug_dropout_per_rank", "dropout.h5", "--nproc", "2"),
         "rank_one": capture("tests.dist_cases:tp_gelu_tanh_on_rank_one", "rank_one.h5",
                             "--nproc", "2"),
         "own_weights": capture("tests.dist_cases:tp_port_own_weights", "own.h5", "--nproc",
@@ -80,6 +81,22 @@ def test_an_error_in_one_ranks_shard_names_that_rank(traces):
                                                         "output")
     assert origin.ranks == [1]
     assert "rank 1's part" in origin.describe()
+
+
+def test_diverged_replicas_are_said_before_an_origin_they_cause(traces):
+    # rank 1's dropout draws its own mask: the replicas split there, and the gathered
+    # blocks.1.mlp.fc output (half of it computed on rank 1) is the first record out
+    found = diff(traces["reference"], traces["dropout"], mapping=MAP)
+    info = find(f"{tp.MODULE}:bug_dropout_per_rank")
+    replicas = found.meta["replicas"]
+    assert (replicas["site"], replicas["pass"], replicas["role"], replicas["ranks"]) == (
+        info.site, info.pass_, "output", [1])
+    assert found.origins[0].site == "blocks.1.mlp.fc#0" and found.origins[0].ranks == [1]
+    from layerdiff.report.terminal import format_diff
+
+    assert "RANKS replicated tensors differ across ranks, first at blocks.0.mlp.dropout#0" in (
+        format_diff(found).replace("\n      ", " "))
+    assert diff(traces["reference"], traces["port"], mapping=MAP).meta["replicas"] is None
 
 
 def test_summary_ranks_gather_to_the_references_statistics(traces):

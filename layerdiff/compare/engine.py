@@ -26,7 +26,12 @@ from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import attach_hints, find_origins
-from layerdiff.compare.rank_parts import attach_ranks, gathered, refuse_multi_rank_reference
+from layerdiff.compare.rank_parts import (
+    attach_ranks,
+    gathered,
+    refuse_multi_rank_reference,
+    replica_disagreement,
+)
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
 from layerdiff.compare.suggest import full_commands, ops_commands
@@ -72,7 +77,9 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         mapping, said = _mapping(mapping, port_trace)
         refuse_multi_rank_reference(ref_trace)
         manifest = port_trace.path if port_trace.rank_paths else None
+        replicas = None
         if manifest is not None:
+            replicas = replica_disagreement(port_trace, mapping)
             port_trace, told = stack.enter_context(gathered(port_trace, mapping,
                                                             workers=workers))
             said += told
@@ -92,6 +99,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
             attach_ranks(result.origins, ref_trace, port_trace, mapping,
                          ref_trace.loss_scale / port_trace.loss_scale)
             result.meta["gathered"] = port_trace.meta["gathered"]
+            result.meta["replicas"] = replicas
         return result
 
 

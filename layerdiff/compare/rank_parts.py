@@ -58,6 +58,21 @@ def gathered(port: Trace, mapping: Mapping, *,
         yield trace, warnings
 
 
+def replica_disagreement(manifest: Trace, mapping: Mapping) -> dict | None:
+    """The first replicated record whose copies differ across ranks (bit for bit, from the
+    rank files' indexes: no tensor is read), as JSON, or None when every rank agrees. A diff
+    that gathers diverged replicas joins parts computed from different inputs, so an origin
+    after this record may be its consequence."""
+    from layerdiff.compare.ranks import check_ranks
+
+    found = check_ranks(manifest, mapping=mapping)
+    if not found.found:
+        return None
+    first = found.first
+    return {**first.as_json(), "where": first.where(), "on": first.on(),
+            "disagreeing": found.disagreeing}
+
+
 def attach_ranks(origins: list[R.Origin], ref: Trace, port: Trace, mapping: Mapping,
                  grad_factor: float) -> None:
     """Set ``ranks`` on each origin whose port record was cut across ranks: the ranks whose

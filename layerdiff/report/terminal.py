@@ -27,6 +27,7 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
     if diff.origin is not None:
         lines += _origin_details(diff.origin, width)
     lines += _precision_hint(diff.meta.get("precision"), width)
+    lines += _replicas(diff, width)
     lines.append("")
     lines += _summary(diff, width)
     if verbose:
@@ -44,6 +45,23 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
                          "for every row)")
     lines += ops_lines(diff, width)
     return "\n".join(lines)
+
+
+def _replicas(diff: Diff, width: int) -> list[str]:
+    """A multi-rank port whose replicated tensors differ across ranks: said before the table,
+    since an origin after that record may only be its consequence."""
+    first = diff.meta.get("replicas")
+    if not first:
+        return []
+    gathered = diff.meta.get("gathered") or {}
+    rules = gathered.get("mapping", "no mapping")
+    command = f"layerdiff ranks {gathered.get('manifest', 'PORT')}" + (
+        f" --map {rules}" if rules != "no mapping" else "")
+    text = (f"RANKS replicated tensors differ across ranks, first at {first['where']} on "
+            f"{first['on']} ({first['disagreeing']} records): the diff compares rank 0's copy and "
+            "joins parts computed from diverged replicas, so an origin after that record may be "
+            f"its consequence; `{command}` says more")
+    return textwrap.wrap(text, width, subsequent_indent="      ")
 
 
 # (meta key, what the commands are for): the next captures a diff suggests

@@ -1,0 +1,58 @@
+"""``layerdiff ranks``: do the replicated records of a multi-rank capture agree on every rank?
+A thin shell over :func:`layerdiff.compare.ranks.check_ranks`.
+
+Prints the result (or writes it as JSON with ``--json``) and exits 0 when every rank agrees, 1
+when a replica disagrees, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import click
+
+from layerdiff.cli_options import (
+    finish_result,
+    json_option,
+    tolerance_flags,
+    tolerances_from,
+    tolerances_option,
+)
+from layerdiff.outputs import refuse_inputs
+
+
+@click.command("ranks")
+@click.argument("port", metavar="PORT", type=click.Path(dir_okay=False))
+@click.option("--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Mapping file whose [[shard]] rules say which tensors are cut across ranks "
+                   "(default: the mapping the capture recorded, if any; without rules every "
+                   "tensor counts as replicated).")
+@click.option("--tolerance", is_flag=True,
+              help="Read the records whose bits differ and judge them with the per-dtype "
+                   "tolerances (default: bit for bit, by the index digests alone).")
+@tolerances_option
+@tolerance_flags
+@json_option
+def ranks_command(port: str, mapping: str | None, tolerance: bool, tolerances: str | None,
+                  rtol: float | None, atol: float | None, json_path: str | None) -> None:
+    """Check that every rank of the multi-rank capture PORT (its manifest) holds the same copy
+    of each replicated tensor as rank 0.
+
+    A tensor that no [[shard]] rule of the --map file covers is replicated. Compared bit for
+    bit by the index digests (no tensor read), or with --tolerance within the per-dtype
+    tolerances (--tolerances, --rtol and --atol imply it). Names the first record whose
+    replicas disagree and the ranks that hold another copy. Exit 0 when every rank agrees, 1
+    when one does not, 2 for bad input.
+    """
+    from layerdiff.compare.ranks import check_ranks
+    from layerdiff.progress import CountProgress
+
+    refuse_inputs({"--json": json_path}, {"manifest": port, "mapping file": mapping,
+                                          "tolerance file": tolerances})
+    judged = tolerance or tolerances is not None or rtol is not None or atol is not None
+    with CountProgress("ranks", "records", enabled=json_path != "-") as bar:
+        result = check_ranks(port, mapping=mapping,
+                             tolerance=tolerances_from(tolerances, rtol, atol) if judged
+                             else False, progress=bar.progress)
+    finish_result(result, json_path)
+
+
+COMMANDS = (ranks_command,)
