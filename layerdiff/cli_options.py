@@ -65,7 +65,7 @@ def case_factory(spec: str):
 workers_option = click.option(
     "--workers", type=click.IntRange(min=1), metavar="N",
     help="Processes that check a multi-rank port's rank files while they are gathered "
-         "(default: one per core).")
+         "(default: every core but one).")
 
 
 def finish_result(result: Any, json_path: str | None) -> None:

@@ -66,7 +66,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     statistics, reading even records whose digests agree (traces given open keep their own
     setting); a damaged file raises :class:`TraceError`. A multi-rank ``port`` (the manifest
     of ``capture --nproc``) is first gathered into one trace by the mapping's ``[[shard]]``
-    rules, its rank files checked by ``workers`` processes (default: one per core).
+    rules, its rank files checked by ``workers`` processes (default: every core but one).
     """
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:

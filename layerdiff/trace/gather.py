@@ -80,7 +80,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
            progress: Progress | None = None, workers: int | None = None) -> Gathered:
     """Write the one-process view of the multi-rank capture ``manifest`` at ``output``.
 
-    ``workers`` processes (default: one per core) check the rank files' bytes against their
+    ``workers`` processes (default: every core but this one) check the rank files' bytes against
     digests and statistics while this process joins and writes, when there is enough data to
     pay for starting them (:data:`PARALLEL_MIN_BYTES`). Raises :class:`TraceError` naming the
     rank, the record and the rule when the ranks' parts cannot be joined (a record missing on
@@ -139,7 +139,8 @@ class _Checks:
     the caller reads them unchecked; :meth:`wait` raises the first damage found."""
 
     def __init__(self, workers: int | None) -> None:
-        self.workers = workers if workers is not None else (os.cpu_count() or 1)
+        # by default every core but the one this process joins and writes on
+        self.workers = workers if workers is not None else (os.cpu_count() or 1) - 1
         self.pool = None
         self.futures: list = []
 
@@ -243,21 +244,27 @@ class _Packer:
 
     def __init__(self, file: TraceFile) -> None:
         self.file = file
-        self._buffer = bytearray()
+        self._buffer = np.empty(SEGMENT_BYTES, np.uint8)  # reused: no copy grows or reallocates
+        self._used = 0
 
     def _place(self, raw: np.ndarray) -> tuple[int, int]:
         """(segment, offset) where ``raw`` (uint8) will lie."""
-        if len(self._buffer) + raw.nbytes > SEGMENT_BYTES and self._buffer:
+        if self._used + raw.nbytes > self._buffer.size:
             self._flush()
-        offset = len(self._buffer)
-        self._buffer += raw.tobytes()
-        self._buffer += bytes(-len(self._buffer) % schema.ALIGN)
+            if raw.nbytes > self._buffer.size:  # a tensor larger than a segment: its own
+                segment = self.file.write_segment(raw)
+                return segment, 0
+        offset = self._used
+        end = offset + raw.nbytes
+        self._used = end + (-raw.nbytes % schema.ALIGN)
+        self._buffer[offset:end] = raw
+        self._buffer[end:self._used] = 0  # padding: zeros, as a capture writes
         return self.file.segments, offset
 
     def _flush(self) -> None:
-        if self._buffer:
-            self.file.write_segment(np.frombuffer(self._buffer, np.uint8))
-            self._buffer = bytearray()
+        if self._used:
+            self.file.write_segment(self._buffer[:self._used])
+            self._used = 0
 
     def copy(self, row: dict[str, Any], trace: Trace) -> dict[str, Any]:
         if row["kind"] != "tensor" or row["segment"] < 0:
