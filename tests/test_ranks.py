@@ -10,7 +10,6 @@ weight gradient, in backward.
 from __future__ import annotations
 
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from layerdiff import Case, TraceWriter, seed_everything
 from layerdiff.compare.ranks import Reason, check_ranks
 from layerdiff.errors import TraceError
 from reference_models import tensor_parallel as tp
+from tests.gloo import free_port, gloo_unavailable
 
 TP = tp.MODULE
 DP = "tests.test_ranks"
@@ -32,19 +32,8 @@ DP = "tests.test_ranks"
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-def _gloo_unavailable() -> str | None:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return "this torch build has no gloo backend"
-    try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-    except OSError as exc:
-        return f"cannot bind a TCP port on 127.0.0.1 for gloo ({exc})"
-    return None
-
-
-if _gloo_unavailable() is not None:
-    pytestmark = [pytestmark, pytest.mark.skip(reason=f"2-process gloo: {_gloo_unavailable()}")]
+if gloo_unavailable() is not None:
+    pytestmark = [pytestmark, pytest.mark.skip(reason=f"2-process gloo: {gloo_unavailable()}")]
 
 
 # ---- a data-parallel toy (loaded by spec in the spawned rank processes)
@@ -143,9 +132,7 @@ def captured(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks")
     paths = {name: folder / f"{name}.h5" for name in CAPTURES}
     jobs = [(spec, str(paths[name]), steps) for name, (spec, steps) in CAPTURES.items()]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     mp.start_processes(_capture_each, args=(2, port, jobs), nprocs=2, start_method="spawn")
     assert all(path.exists() for path in paths.values())
     return paths

@@ -5,7 +5,6 @@ planted bugs show where the catalog says, and the shard rules say which tensors 
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -21,6 +20,7 @@ from torch.nn import functional as F
 from layerdiff.capture.run import run_case
 from layerdiff.errors import CaseError
 from reference_models import tensor_parallel as tp
+from tests.gloo import free_port, needs_gloo
 
 WORLD = 2
 CASES = ("port", "bug_bias_before_allreduce", "bug_dropout_per_rank")
@@ -30,20 +30,6 @@ RANKS_TIMEOUT = 180  # seconds for the 2 ranks to record every case
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-def _gloo_unavailable() -> str | None:
-    """Why 2 local gloo processes cannot run here, or None."""
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return "this torch build has no gloo backend"
-    try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-    except OSError as exc:
-        return f"cannot bind a TCP port on 127.0.0.1 for gloo ({exc})"
-    return None
-
-
-needs_gloo = pytest.mark.skipif(_gloo_unavailable() is not None,
-                                reason=f"2-process gloo tests: {_gloo_unavailable()}")
 
 
 # ---- recording a run: every module's input, output and gradients, every parameter gradient
@@ -135,12 +121,6 @@ def gathered(ranks: list[dict], key: tuple) -> torch.Tensor:
 # ---- the 2-process run: each rank records every case once, the parent compares
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Extra(nn.Module):
     """A model the zoo lacks, from the port's parallel layers: a column-parallel then a
     row-parallel linear around tanh, on an input that needs its gradient. ``f`` False: the
@@ -210,7 +190,7 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*multi-threaded.*fork",
                                 category=DeprecationWarning)
-        context = mp.start_processes(_rank_main, args=(WORLD, _free_port(), str(out_dir)),
+        context = mp.start_processes(_rank_main, args=(WORLD, free_port(), str(out_dir)),
                                      nprocs=WORLD, join=False, start_method=method)
     deadline = time.monotonic() + RANKS_TIMEOUT
     while not context.join(timeout=1):
