@@ -10,6 +10,14 @@ interleaved, medians over repeats; peak RSS (VmHWM) per process, over its RSS af
 
     python scripts/bench_diff.py --sizes 0.05,0.2 --repeats 1      # quick
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_diff.py --sizes 0.5,2,8 --repeats 3
+
+Variants of the engine run in the same interleaved rounds (``--variants``): ``no-verify``
+(``diff(verify=False)``), ``stats-numpy`` (verification's statistics in numpy,
+LAYERDIFF_STATS=numpy), ``numpy`` (that and the numpy metrics, LAYERDIFF_NUMPY_METRICS=1), and
+``before`` / ``before-no-verify``: the engine of another source tree given with ``--before DIR``
+(e.g. ``git archive HEAD | tar -x -C DIR``), so that before and after are measured side by side
+on the same traces and the same machine load. Each variant's rows are checked against the
+engine's.
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# a child measuring the "before" variant imports layerdiff from the tree the parent names
+sys.path.insert(0, os.environ.get("BENCH_DIFF_SOURCES")
+                or str(Path(__file__).resolve().parent.parent))
 
 TARGET_RATE = 0.70      # engine GB/s over the loop's
+TARGET_GBS = 1.0        # issue 15: engine GB/s of tensor data, warm cache, 2 cores
 TARGET_RSS_MIB = 1024   # engine peak RSS, absolute
 RTOL, ATOL = 1.3e-6, 1e-5  # float32 defaults (torch.testing.assert_close)
 BATCH = 8
@@ -136,11 +147,11 @@ def generate(ref_path: Path, port_path: Path, total: int, seed: int = 0) -> tupl
 # The two things measured (each in a child process)
 
 
-def run_engine(ref_path: str, port_path: str) -> tuple[list[dict], int]:
+def run_engine(ref_path: str, port_path: str, verify: bool = True) -> tuple[list[dict], int]:
     """``layerdiff.diff``; returns the metric rows and how many were decided by digest."""
     import layerdiff
     from layerdiff.compare.judge import Verdict
-    rows = layerdiff.diff(ref_path, port_path).rows
+    rows = layerdiff.diff(ref_path, port_path, verify=verify).rows
     tensors = rows[rows["numel"] > 0]
     out = []
     for r in tensors.itertuples(index=False):
@@ -234,7 +245,10 @@ def _child(mode: str, ref_path: str, port_path: str, check: str | None) -> None:
     import_kib = _status_kib("VmRSS")
     usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    rows, identical = (run_engine if mode == "engine" else run_loop)(ref_path, port_path)
+    if mode == "loop":
+        rows, identical = run_loop(ref_path, port_path)
+    else:
+        rows, identical = run_engine(ref_path, port_path, verify=mode != "engine-no-verify")
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime  # all threads
@@ -259,13 +273,25 @@ def _drop_caches() -> bool:
         return False
 
 
-def measure(mode: str, ref: Path, port: Path, check: Path | None, cold: bool) -> dict:
+# variant: (child mode, environment, needs --before)
+VARIANTS = {
+    "no-verify": ("engine-no-verify", {}, False),
+    "stats-numpy": ("engine", {"LAYERDIFF_STATS": "numpy"}, False),
+    "numpy": ("engine", {"LAYERDIFF_STATS": "numpy", "LAYERDIFF_NUMPY_METRICS": "1"}, False),
+    "before": ("engine", {}, True),
+    "before-no-verify": ("engine-no-verify", {}, True),
+}
+
+
+def measure(mode: str, ref: Path, port: Path, check: Path | None, cold: bool,
+            env: dict[str, str] | None = None) -> dict:
     if cold and not _drop_caches():
         raise PermissionError("cannot write /proc/sys/vm/drop_caches")
     command = [sys.executable, __file__, "--child", mode, str(ref), str(port)]
     if check:
         command.append(str(check))
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    out = subprocess.run(command, capture_output=True, text=True, check=False,
+                         env={**os.environ, **(env or {})})
     if out.returncode:
         raise RuntimeError(f"{mode} child failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -330,8 +356,23 @@ def main() -> None:
     parser.add_argument("--drop-caches", action="store_true",
                         help="drop the page cache before each run (cold reads; needs root)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON too")
+    parser.add_argument("--variants", default="",
+                        help=f"engine variants to run alongside, comma-separated: "
+                             f"{', '.join(VARIANTS)}")
+    parser.add_argument("--before", type=Path,
+                        help="source tree (holding layerdiff/) of the 'before' variants")
+    parser.add_argument("--no-loop", action="store_true",
+                        help="skip the plain loop (its rate and the ratio target)")
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"bench_diff: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    if any(VARIANTS[v][2] for v in variants) and not (
+            args.before and (args.before / "layerdiff" / "__init__.py").is_file()):
+        sys.exit("bench_diff: the before variants need --before DIR, a source tree holding "
+                 "layerdiff/ (e.g. git archive HEAD | tar -x -C DIR)")
 
     parent = args.dir or Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
@@ -359,22 +400,29 @@ def main() -> None:
             generated = time.perf_counter() - start
             print(f"{size:g} GB: wrote 2 x {tensors} tensors, 2 x {nbytes / 1e9:.2f} GB in "
                   f"{generated:.1f} s", file=sys.stderr, flush=True)
-            runs: dict[str, list[dict]] = {"engine": [], "loop": []}
-            agreement = None
+            names = ["engine", *([] if args.no_loop else ["loop"]), *variants]
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            agreement: dict[str, dict] = {}
             for repeat in range(args.repeats):
-                order = ("engine", "loop") if repeat % 2 == 0 else ("loop", "engine")
-                for mode in order:
-                    check = directory / f"{mode}.json" if repeat == 0 else None
-                    result = measure(mode, ref, port, check, cold)
-                    runs[mode].append(result)
+                order = names if repeat % 2 == 0 else names[::-1]
+                for name in order:
+                    mode, env = (name, {}) if name in ("engine", "loop") else VARIANTS[name][:2]
+                    if name.startswith("before"):
+                        env = {**env, "BENCH_DIFF_SOURCES": str(args.before.resolve())}
+                    check = directory / f"{name}.json" if repeat == 0 else None
+                    result = measure(mode, ref, port, check, cold, env)
+                    result["load"] = os.getloadavg()[0]
+                    runs[name].append(result)
                     extra = result["peak_mib"] - result["import_mib"]
-                    print(f"  {mode}: {result['seconds']:.2f} s ({result['cpu_seconds']:.1f} "
+                    print(f"  {name}: {result['seconds']:.2f} s ({result['cpu_seconds']:.1f} "
                           "s of CPU), "
                           f"{result['bytes'] / result['seconds'] / 1e9:.2f} GB/s, peak "
-                          f"{result['peak_mib']:.0f} MiB (+{extra:.0f})",
-                          file=sys.stderr, flush=True)
+                          f"{result['peak_mib']:.0f} MiB (+{extra:.0f}), load "
+                          f"{result['load']:.1f}", file=sys.stderr, flush=True)
                 if repeat == 0:
-                    agreement = compare_rows(directory / "engine.json", directory / "loop.json")
+                    for name in names[1:]:
+                        agreement[name] = compare_rows(directory / "engine.json",
+                                                       directory / f"{name}.json")
             rows.append(_summarise(size, tensors, nbytes, generated, runs, agreement))
             if not args.keep:
                 ref.unlink()
@@ -388,7 +436,7 @@ def main() -> None:
     print()
     cache = ("cold (dropped before each run)" if cold
              else "warm (the traces were just written; nothing dropped)")
-    print(f"page cache: {cache}; medians of {args.repeats}, engine and loop interleaved, "
+    print(f"page cache: {cache}; medians of {args.repeats}, all modes interleaved, "
           f"each run in a fresh process; load average {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after (2 cores: other work on the machine skews both)")
     changed = _sources()[1] != sources
@@ -396,26 +444,38 @@ def main() -> None:
           + ("; WARNING: layerdiff's sources changed during the run, rows mix versions"
              if changed else ", unchanged during the run"))
     print()
-    print("| GB per side | tensors | engine GB/s | loop GB/s | engine/loop | engine peak RSS MiB "
-          "(+ over import) | loop peak RSS MiB (+ over import) | targets |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    if not args.no_loop:
+        print("| GB per side | tensors | engine GB/s | loop GB/s | engine/loop | engine peak RSS "
+              "MiB (+ over import) | loop peak RSS MiB (+ over import) | targets |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in rows:
+            ok = r["ratio"] >= TARGET_RATE and r["engine_peak_mib"] < TARGET_RSS_MIB
+            print(f"| {r['bytes'] / 1e9:.2f} | {r['tensors']} | {r['engine_gbs']:.2f} | "
+                  f"{r['loop_gbs']:.2f} | {r['ratio']:.2f} | {r['engine_peak_mib']:.0f} "
+                  f"(+{r['engine_extra_mib']:.0f}) | {r['loop_peak_mib']:.0f} "
+                  f"(+{r['loop_extra_mib']:.0f}) | {'PASS' if ok else 'MISS'} |")
+        print()
+        print(f"targets: engine >= {TARGET_RATE:.2f}x the loop's rate; engine peak RSS < "
+              f"{TARGET_RSS_MIB} MiB at every size")
+        print()
+    print("| GB per side | mode | GB/s | s | CPU s | CPU s per s | peak RSS MiB (+ over import) "
+          f"| >= {TARGET_GBS:g} GB/s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        ok = r["ratio"] >= TARGET_RATE and r["engine_peak_mib"] < TARGET_RSS_MIB
-        print(f"| {r['bytes'] / 1e9:.2f} | {r['tensors']} | {r['engine_gbs']:.2f} | "
-              f"{r['loop_gbs']:.2f} | {r['ratio']:.2f} | {r['engine_peak_mib']:.0f} "
-              f"(+{r['engine_extra_mib']:.0f}) | {r['loop_peak_mib']:.0f} "
-              f"(+{r['loop_extra_mib']:.0f}) | {'PASS' if ok else 'MISS'} |")
+        for name, m in r["modes"].items():
+            target = "" if name == "loop" else "PASS" if m["gbs"] >= TARGET_GBS else "MISS"
+            print(f"| {r['bytes'] / 1e9:.2f} | {name} | {m['gbs']:.2f} | {m['seconds']:.2f} | "
+                  f"{m['cpu_seconds']:.2f} | {m['cpu_per_s']:.2f} | {m['peak_mib']:.0f} "
+                  f"(+{m['extra_mib']:.0f}) | {target} |")
     print()
-    print(f"targets: engine >= {TARGET_RATE:.2f}x the loop's rate; engine peak RSS < "
-          f"{TARGET_RSS_MIB} MiB at every size")
+    print("load average at the end of each run, per size: " + "; ".join(
+        f"{r['size_gb']:g} GB {min(r['loads']):.1f}-{max(r['loads']):.1f}" for r in rows))
     for r in rows:
-        print(f"CPU seconds per wall second at {r['size_gb']:g} GB: engine "
-              f"{r['engine_cpu_per_s']:.2f}, loop {r['loop_cpu_per_s']:.2f}")
-    for r in rows:
-        agree = r["agreement"]
-        print(f"agreement at {r['size_gb']:g} GB ({agree['rows']} rows): largest relative gap "
-              + ", ".join(f"{k} {v:.1e}" for k, v in agree.items() if k != "rows")
-              + "; out counts, worst indices and NaN/Inf counts equal")
+        for name, agree in r["agreement"].items():
+            print(f"agreement of {name} with the engine at {r['size_gb']:g} GB ({agree['rows']} "
+                  "rows): largest relative gap "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in agree.items() if k != "rows")
+                  + "; out counts, worst indices and NaN/Inf counts equal")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
@@ -427,21 +487,25 @@ def _summarise(size: float, tensors: int, nbytes: int, generated: float, runs: d
             raise AssertionError(f"{mode} compared {results[0]['bytes']} bytes "
                                  f"({results[0]['identical']} rows skipped as identical), "
                                  f"expected all {nbytes}")
-    median = {mode: {k: statistics.median(r[k] for r in results)
-                     for k in ("seconds", "peak_mib", "import_mib")}
-              for mode, results in runs.items()}
-    peaks = {mode: statistics.median(r["peak_mib"] - r["import_mib"] for r in results)
-             for mode, results in runs.items()}
-    engine, loop = (nbytes / median[m]["seconds"] / 1e9 for m in ("engine", "loop"))
+    modes = {}
+    for mode, results in runs.items():
+        median = {k: statistics.median(r[k] for r in results)
+                  for k in ("seconds", "peak_mib", "import_mib", "cpu_seconds")}
+        modes[mode] = {**median, "gbs": nbytes / median["seconds"] / 1e9,
+                       "extra_mib": statistics.median(r["peak_mib"] - r["import_mib"]
+                                                      for r in results),
+                       "cpu_per_s": statistics.median(r["cpu_seconds"] / r["seconds"]
+                                                      for r in results)}
+    engine = modes["engine"]
+    loop = modes.get("loop", {k: math.nan for k in engine})
     return {"size_gb": size, "tensors": tensors, "bytes": nbytes, "generate_s": generated,
-            "engine_s": median["engine"]["seconds"], "loop_s": median["loop"]["seconds"],
-            "engine_gbs": engine, "loop_gbs": loop, "ratio": engine / loop,
-            "engine_peak_mib": median["engine"]["peak_mib"], "engine_extra_mib": peaks["engine"],
-            "loop_peak_mib": median["loop"]["peak_mib"], "loop_extra_mib": peaks["loop"],
-            "engine_cpu_per_s": statistics.median(r["cpu_seconds"] / r["seconds"]
-                                                  for r in runs["engine"]),
-            "loop_cpu_per_s": statistics.median(r["cpu_seconds"] / r["seconds"]
-                                                for r in runs["loop"]),
+            "engine_s": engine["seconds"], "loop_s": loop["seconds"],
+            "engine_gbs": engine["gbs"], "loop_gbs": loop["gbs"],
+            "ratio": engine["gbs"] / loop["gbs"],
+            "engine_peak_mib": engine["peak_mib"], "engine_extra_mib": engine["extra_mib"],
+            "loop_peak_mib": loop["peak_mib"], "loop_extra_mib": loop["extra_mib"],
+            "engine_cpu_per_s": engine["cpu_per_s"], "loop_cpu_per_s": loop["cpu_per_s"],
+            "modes": modes, "loads": [r["load"] for rs in runs.values() for r in rs],
             "agreement": agreement, "runs": runs}
 
 

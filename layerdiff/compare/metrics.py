@@ -136,7 +136,9 @@ class PairMetrics:
             return False
         try:
             found = kernel(ref, port, ref_bits, port_bits, width, float(self.rtol),
-                           float(self.atol), start, per_element, batch_ratio)
+                           float(self.atol), start, per_element, batch_ratio,
+                           self.ratio if self.worst >= 0 else -1.0, self.finite_ratio,
+                           self.max_rel)
         except Exception:  # failed to compile here: nothing ran, the numpy path from now on
             _KERNEL_FAILED.append(True)
             return False

@@ -234,3 +234,29 @@ def keys_to_bits16(keys: np.ndarray) -> np.ndarray:
     """The uint16 bit patterns of sortable 16-bit keys (index into a 16-bit float table)."""
     small = keys.astype(np.int16)
     return (small ^ ((small >> 15) & np.int16(0x7FFF))).view(np.uint16)
+
+
+def chunk_stats(raw: np.ndarray, itemsize: int,
+                table: np.ndarray | None = None) -> tuple[float, float, float, float, int, int]:
+    """(min, max, sum, sum of squares, NaN count, Inf count) of one piece of a float tensor
+    given as its bytes (uint8, a whole number of elements): float32 or float64 by ``itemsize``,
+    or 16-bit floats whose ``table`` maps each bit pattern to its float32 value. Min and max
+    are over the values that are not NaN (NaN when every value is), the sums over the finite
+    ones: what a reader checking a record chunk by chunk folds (trace/verify.py)."""
+    starts = np.zeros(1, dtype=np.int64)
+    stops = np.full(1, raw.size // itemsize, dtype=np.int64)
+    sums = np.empty((1, 2), dtype=np.float64)
+    counts = np.empty((1, 4), dtype=np.int64)
+    keys = raw.view(_KEY_INT[itemsize])
+    if table is not None:
+        table_spans(raw.view(np.uint16), keys, table, starts, stops, sums, counts)
+        lo, hi = table[keys_to_bits16(counts[0, :2])].tolist()
+    else:
+        shift, mask = key_shift_mask(itemsize)
+        values = raw.view(np.float32 if itemsize == 4 else np.float64)
+        float_spans(values, keys, starts, stops, shift, mask, sums, counts)
+        lo, hi = keys_to_floats(counts[0, :2], itemsize).tolist()
+    nan, inf = int(counts[0, 2]), int(counts[0, 3])
+    if nan == stops[0]:  # nothing but NaN: the bounds were never set
+        lo = hi = math.nan
+    return lo, hi, float(sums[0, 0]), float(sums[0, 1]), nan, inf

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import pandas as pd
 import xxhash
 
 from layerdiff.errors import TraceError
-from layerdiff.trace import schema
+from layerdiff.trace import schema, stats
 from layerdiff.trace.stats import as_float, sum_squares
 
 # Statistics are sums: the writer's order of summation and this check's differ by rounding
@@ -30,7 +31,27 @@ _SUM_RTOL = 1e-3
 
 def _sum_rtol(count: int) -> float:
     return _SUM_RTOL + count * 2.0**-30
+
+
 _CHECKED_KINDS = "f"  # statistics of float data are checked; other dtypes by digest alone
+
+# The compiled statistics (trace/stats_kernel.py) are loaded by the first record of at least
+# this many elements, as the diff's metric kernel is: numba's import and cache load (~0.5 s
+# once per process) would cost more than numpy's passes over a few small records. Once
+# loaded, they serve every record.
+KERNEL_MIN_NUMEL = 1 << 20
+_KERNEL_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _compiled(dtype: str, numel: int) -> ModuleType | None:
+    """The compiled statistics module for a record of ``dtype`` and ``numel`` elements, or
+    None for the numpy path (numba missing, LAYERDIFF_STATS=numpy, a dtype it lacks, or a
+    small record in a process that has not loaded it)."""
+    if dtype not in _KERNEL_ITEMSIZE:
+        return None
+    if numel < KERNEL_MIN_NUMEL and not stats._kernel.cache_info().currsize:
+        return None
+    return stats._kernel()
 
 
 def describe(row: Mapping[str, Any]) -> str:
@@ -50,16 +71,40 @@ class RecordCheck:
         self._min, self._max = math.inf, -math.inf
         self._sum = self._squares = 0.0
         self._nan = self._inf = self._finite = 0
+        self._kernel = _compiled(dtype, int(row.get("numel", 0))) if self._stats else None
+        self._table = (stats._half_table(dtype) if self._kernel is not None
+                       and _KERNEL_ITEMSIZE[dtype] == 2 else None)
 
     def update(self, raw: np.ndarray) -> None:
         """The next bytes of the record (a whole number of elements, uint8)."""
         if self._hash is not None:
             self._hash.update(raw.data if raw.flags.c_contiguous else raw.tobytes())
-        if self._stats and raw.size:
+        if not (self._stats and raw.size):
+            return
+        if self._kernel is not None:
+            item = _KERNEL_ITEMSIZE[self.row["dtype"]]
+            self._fold(raw.size // item, *self._kernel.chunk_stats(
+                np.ascontiguousarray(raw), item, self._table))
+        else:
             self._add(as_float(raw.view(schema.numpy_dtype(self.row["dtype"])),
                                self.row["dtype"]))
 
+    def _fold(self, count: int, lo: float, hi: float, total: float, squares: float, nan: int,
+              inf: int) -> None:
+        """One chunk's compiled statistics, folded as _add folds numpy's: min and max over
+        the values that are not NaN, sums and the finite count over the finite ones."""
+        self._nan += nan
+        self._inf += inf
+        if not math.isnan(lo):  # a chunk of nothing but NaN leaves the bounds alone
+            self._min, self._max = min(self._min, lo), max(self._max, hi)
+        finite = count - nan - inf
+        if finite:
+            self._finite += finite
+            self._sum += total
+            self._squares += squares
+
     def _add(self, values: np.ndarray) -> None:
+        """One chunk's statistics in numpy: the reference, and the path without numba."""
         lo, hi = values.min(), values.max()
         if not (math.isfinite(lo) and math.isfinite(hi)):
             nan = np.isnan(values)
