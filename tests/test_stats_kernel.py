@@ -182,7 +182,7 @@ def test_float16_and_bfloat16_extremes():
 def test_without_numba_the_numpy_path_answers(monkeypatch):
     values = np.arange(10, dtype=np.float32)
     buffer, layout = _pack([values, values], ["float32", "float32"])
-    monkeypatch.setattr(stats, "_kernel", lambda: None)
+    monkeypatch.setattr(stats, "compiled", lambda: None)
     got = batch_stats(buffer, layout)
     assert got == numpy_batch_stats(buffer, layout)
     assert got[0].max == 9.0
@@ -226,7 +226,8 @@ def _index(path):
 def test_capture_with_kernel_gives_same_index_and_verdicts(tmp_path, monkeypatch, make):
     fused = capture(make(), tmp_path / "fused.h5", summary=True)
     with monkeypatch.context() as patch:
-        patch.setattr(stats, "_kernel", lambda: None)
+        patch.setattr(stats, "compiled", lambda: None)
+        patch.setattr(stats, "compiled_loaded", lambda: True)
         reference = capture(make(), tmp_path / "numpy.h5", summary=True)
     a, b = _index(reference), _index(fused)
     assert list(a["site"]) == list(b["site"]) and list(a["dtype"]) == list(b["dtype"])

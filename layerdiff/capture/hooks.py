@@ -74,11 +74,7 @@ def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
         yield prefix or "0", value
 
 
-def _edge_key(node: Any, output_nr: int) -> tuple:
-    """Identity of the value an autograd edge points at."""
-    if type(node).__name__ == "AccumulateGrad":
-        return ("leaf", id(node.variable))
-    return (id(node), output_nr)
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple:
@@ -415,23 +411,31 @@ class ModuleRecorder:
                     tensor.grad_fn.register_prehook(
                         partial(self._on_grad_output, opened.site, "grad_input", arg,
                                 tensor.output_nr))
-            else:
+            elif tensor.grad_fn._sequence_nr() >= opened.first_node:  # else made before the call
                 todo.append(tensor.grad_fn)
+        # The walk runs once per call, over every node the call created (a parent's walk covers
+        # its children's nodes too), so its inner loop is kept to dictionary lookups: a leaf
+        # (AccumulateGrad, never made during the call) is looked at only when an input is one,
+        # and a node made before the call is never queued.
+        first = opened.first_node
+        leaf_inputs = any(key[0] == "leaf" for key in targets)
         while todo:
             node = todo.pop()
-            if id(node) in seen or node._sequence_nr() < opened.first_node:
-                continue  # visited, or made before this call began
+            if id(node) in seen:
+                continue
             seen[id(node)] = node
             for slot, (child, output_nr) in enumerate(node.next_functions):
                 if child is None:
                     continue
-                arg = targets.get(_edge_key(child, output_nr))
-                if arg in passed_through:
-                    continue  # recorded whole where it passes through: one record per input
-                if arg is not None:
-                    boundary.setdefault(id(node), (node, []))[1].append((slot, arg))
+                if type(child) is _ACCUMULATE_GRAD:  # a leaf: it has no inputs to walk into
+                    arg = targets.get(("leaf", id(child.variable))) if leaf_inputs else None
                 else:
-                    todo.append(child)
+                    arg = targets.get((id(child), output_nr))
+                    if arg is None and child._sequence_nr() >= first:
+                        todo.append(child)
+                # an input that passes through is recorded whole there: one record per input
+                if arg is not None and arg not in passed_through:
+                    boundary.setdefault(id(node), (node, []))[1].append((slot, arg))
         expected = Counter(arg for _, slots in boundary.values() for _, arg in slots)
         for arg, count in expected.items():
             self._partial_grads[(opened.site, arg)] = [count, None]

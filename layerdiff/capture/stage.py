@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
 import torch
 
+from layerdiff.trace import stats
 from layerdiff.trace.recorder import Recorder
 from layerdiff.trace.writer import value_json
 
@@ -31,26 +33,51 @@ class Stager:
         self._fenced = False   # the recorder has its fence (set at the first GPU tensor)
         self._pinned = False
         self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
+        self._ring_address = recorder.ring.buffer.ctypes.data
         # Per-dtype and per-shape facts, computed once: the hot path pays per Python call.
-        self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int]] = {}
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int, bool]] = {}
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
         rec = self.recorder
-        tensor = tensor.detach()
-        if tensor.layout != torch.strided or tensor.is_quantized:
+        if tensor.layout is not torch.strided or tensor.is_quantized:
             self.value(step, pass_, site, role, arg,
                        {"unsupported_tensor": repr(tensor.layout), "shape": list(tensor.shape),
                         "dtype": dtype_name(tensor.dtype)})
             return
         typed = self._typed.get(tensor.dtype)
-        if typed is None:  # the ring seen as this dtype, the dtype's name, its item size
-            typed = self._typed[tensor.dtype] = (self._ring.view(tensor.dtype),
-                                                 dtype_name(tensor.dtype), tensor.element_size())
-        ring, name, itemsize = typed
+        if typed is None:
+            typed = self._typed[tensor.dtype] = self._dtype_facts(tensor)
+        ring, name, itemsize, plain_bytes = typed
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * itemsize
+        if (plain_bytes and nbytes and tensor.is_cpu and type(tensor) in _PLAIN_TYPES
+                and tensor.is_contiguous() and nbytes <= rec.max_staged):
+            # The common case, a contiguous CPU tensor: its bytes are the record's bytes. One
+            # memmove costs ~1 us where a view of the ring and copy_ cost ~6 (torch dispatch),
+            # which was a quarter of the capture cost of a model of thousands of small tensors.
+            if nbytes >= INLINE_STATS_BYTES and stats.compiled_loaded():
+                # A large tensor's statistics are taken here, from memory the model has just
+                # written (in cache): a summary trace then copies none of its bytes, and a full
+                # one reads them once less. The statistics are the same: one kernel, one span.
+                found = stats.span_stats(_bytes_of(tensor, nbytes), name)
+                if found is not None:
+                    if not rec.keeps_data(site):
+                        rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
+                                   stats=found)
+                        return
+                    offset = rec.reserve(nbytes)
+                    _memmove(self._ring_address + offset, tensor.data_ptr(), nbytes)
+                    rec.submit(step, pass_, site, role, arg, name, shape, offset=offset,
+                               nbytes=nbytes, stats=found)
+                    return
+            offset = rec.reserve(nbytes)
+            copy = _memmove_holding_gil if nbytes <= _HOLD_GIL_BYTES else _memmove
+            copy(self._ring_address + offset, tensor.data_ptr(), nbytes)
+            rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+            return
+        tensor = tensor.detach()
         if nbytes > rec.max_staged:
             # Larger than half the ring: written synchronously from (a contiguous CPU copy of) it.
             rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
@@ -69,6 +96,14 @@ class Stager:
         else:
             target.copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+
+    def _dtype_facts(self, tensor: torch.Tensor) -> tuple[torch.Tensor, str, int, bool]:
+        """The ring seen as this dtype, the dtype's name, its item size, and whether a
+        contiguous tensor of it is its bytes as stored (complex tensors may carry a lazy
+        conjugate or negation bit, which a byte copy would drop)."""
+        dtype = tensor.dtype
+        return (self._ring.view(dtype), dtype_name(dtype), tensor.element_size(),
+                not dtype.is_complex)
 
     def _pin(self, device: torch.device) -> None:
         """Page-lock the ring (for asynchronous copies) and give the recorder its fence."""
@@ -98,6 +133,29 @@ class Stager:
             self.tensor(step, pass_, site, role, arg, value)
         else:
             self.value(step, pass_, site, role, arg, value)
+
+
+# Tensors from this size get their statistics on the capturing thread (see Stager.tensor); the
+# smaller ones are batched on the statistics thread, where a kernel call per tensor would cost.
+INLINE_STATS_BYTES = 2**20
+
+_memmove = ctypes.memmove  # releases the GIL while it copies, like any ctypes call
+# The same C function called without releasing the GIL. Releasing it hands the GIL to a writer
+# thread, and the capturing thread then waits for it back: with thousands of small tensors a
+# step those hand-overs, not the copies, were most of the cost. Copies up to this size (~20 us)
+# keep the GIL; larger ones let the writer threads run meanwhile.
+_memmove_holding_gil = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_size_t)(
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value)
+_HOLD_GIL_BYTES = 256 * 2**10
+# Tensor types whose data_ptr is their own storage: a subclass (a distributed or fake tensor) may
+# not be, and takes torch's copy.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _bytes_of(tensor: torch.Tensor, nbytes: int) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a numpy array sharing its memory."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()))
 
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:

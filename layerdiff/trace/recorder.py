@@ -51,6 +51,7 @@ class _Record:
     array: np.ndarray | None = None  # data not in the ring (oversized tensors)
     value: str = ""             # kind == value
     keep: bool = True           # its data goes into the file (else its statistics only)
+    stats: Stats | None = None  # computed by the producer (the statistics thread skips it)
 
 
 @dataclass(slots=True)
@@ -168,17 +169,16 @@ class Recorder:
 
     def submit(self, step: int, pass_: str, site: str, role: str, arg: str, dtype: str,
                shape: tuple[int, ...], *, offset: int = -1, nbytes: int = 0,
-               array: np.ndarray | None = None, value: str = "") -> None:
-        """Queue one record: staged bytes (offset), an array to write now, or a value."""
+               array: np.ndarray | None = None, value: str = "",
+               stats: Stats | None = None) -> None:
+        """Queue one record: staged bytes (offset), an array to write now, or a value.
+        ``stats`` are the tensor's statistics when the producer computed them; with neither
+        offset nor array, they are all the record keeps (see :meth:`keeps_data`)."""
         if self.error is not None:
             self.raise_if_failed()
-        keep = True
-        if self._keep is not None:
-            keep = self._kept.get(site)
-            if keep is None:
-                keep = self._kept[site] = bool(self._keep(site))
+        keep = self._keep is None or self.keeps_data(site)
         self._batch.append(_Record(self.seq, step, pass_, site, role, arg, dtype, shape,
-                                   offset, nbytes, array, value, keep))
+                                   offset, nbytes, array, value, keep, stats))
         self.seq += 1
         self.bytes_submitted += nbytes
         self._batch_bytes += nbytes
@@ -188,6 +188,18 @@ class Recorder:
             self._join()
         elif len(self._batch) >= BATCH_RECORDS or self._batch_bytes >= self._batch_limit:
             self._send()
+
+    def keeps_data(self, site: str) -> bool:
+        """Whether the file keeps the tensor data of ``site`` (else its statistics only: a
+        summary trace, or a site outside ``--full-around``)."""
+        if self.summary:
+            return False
+        if self._keep is None:
+            return True
+        keep = self._kept.get(site)
+        if keep is None:
+            keep = self._kept[site] = bool(self._keep(site))
+        return keep
 
     def submit_site(self, row: dict[str, Any]) -> None:
         self._batch.append(row)
@@ -315,7 +327,8 @@ class _StatsStage:
 
     def precompute(self, batch: list[Any]) -> None:
         """Statistics of the batch's small staged tensors, a few numpy calls for all of them."""
-        staged = [r for r in batch if isinstance(r, _Record) and r.offset >= 0 and r.nbytes]
+        staged = [r for r in batch if isinstance(r, _Record) and r.offset >= 0 and r.nbytes
+                  and r.stats is None]
         # one increasing run of the ring at a time (it may wrap inside a batch)
         runs, run = [], []
         for record in staged:
@@ -338,14 +351,14 @@ class _StatsStage:
             return
         record = item
         if record.value or (record.offset < 0 and record.array is None):
-            self.out.append((record, EMPTY_STATS))
+            self.out.append((record, record.stats or EMPTY_STATS))
         elif record.array is not None:  # oversized: written from the caller's array
             self.close_segment()
             self.out.append((record, compute_stats(record.array.reshape(-1), record.dtype)))
         else:
             if self.pending and record.offset < self.pending[-1][0].offset:
                 self.close_segment()  # the ring wrapped: a segment is one contiguous run
-            stats = self.ready.pop(record.seq, None)
+            stats = record.stats or self.ready.pop(record.seq, None)
             if stats is None:
                 raw = self.ring.buffer[record.offset:record.offset + record.nbytes]
                 stats = compute_stats(raw.view(schema.numpy_dtype(record.dtype)), record.dtype)

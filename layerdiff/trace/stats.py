@@ -131,7 +131,7 @@ def batch_stats(buffer: np.ndarray, spans: list[tuple[int, int, str]], *,
     span of a float, integer or bool dtype; the numpy fallback (``fused=False``, or numba
     missing) only finite float32/float64 tensors of up to SMALL_NUMEL elements.
     """
-    kernel = _kernel() if fused else None
+    kernel = compiled() if fused else None
     if kernel is not None:
         return _fused_batch_stats(kernel, buffer, spans)
     return numpy_batch_stats(buffer, spans)
@@ -209,7 +209,7 @@ def _std(mean_square: float, mean: float, values: np.ndarray) -> float:
 
 
 @functools.cache
-def _kernel() -> ModuleType | None:
+def compiled() -> ModuleType | None:
     """The compiled statistics module, or None without numba (or with LAYERDIFF_STATS=numpy).
     Imported on first use: numba takes 0.4-0.8 s to import, which ``import layerdiff`` must not
     pay (the first batch pays it, on the statistics thread).
@@ -223,6 +223,12 @@ def _kernel() -> ModuleType | None:
     return stats_kernel
 
 
+def compiled_loaded() -> bool:
+    """Whether :func:`compiled` has already been answered in this process (so that calling it
+    costs nothing): a caller that must not wait for numba's import asks this first."""
+    return compiled.cache_info().currsize > 0
+
+
 _FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 _HALF_DTYPES = ("float16", "bfloat16")
 _INT_DTYPES = {name: np.dtype(name) for name in
@@ -234,12 +240,42 @@ _KEY_DTYPES = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int6
 
 
 @functools.cache
-def _half_table(name: str) -> np.ndarray:
+def half_table(name: str) -> np.ndarray:
     """float32 value of every 16-bit pattern of float16 or bfloat16 (256 KiB)."""
     bits = np.arange(1 << 16, dtype=np.uint16)
     if name == "bfloat16":
         return schema.bfloat16_to_float32(bits)
     return bits.view(np.float16).astype(np.float32)
+
+
+def span_stats(raw: np.ndarray, dtype_name: str) -> Stats | None:
+    """``batch_stats(raw, [(0, raw.size, dtype_name)])[0]``, equal to it bit for bit, with a
+    tenth of its Python: for one large tensor at a time (a capture takes them as they are made).
+    """
+    kernel = compiled()
+    item = _ITEMSIZE.get(dtype_name) if dtype_name not in _INT_DTYPES else None
+    if kernel is None or item is None or not raw.size or raw.size % item:
+        return batch_stats(raw, [(0, raw.size, dtype_name)])[0]
+    table = half_table(dtype_name) if dtype_name in _HALF_DTYPES else None
+    lo, hi, total, squares, nan, inf = kernel.chunk_stats(raw, item, table)
+    dig = xxhash.xxh3_64_hexdigest(raw)
+    count = raw.size // item - nan - inf
+    if not count:  # nothing finite (as _from_sums)
+        if nan:
+            lo = hi = math.nan
+        return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
+    mean = total / count
+    mean_square = squares / count
+    spread = mean_square - mean * mean
+    if spread < 1e-4 * mean_square:  # rare (layer-norm weights): numpy's two passes
+        values = as_float(raw.view(schema.numpy_dtype(dtype_name)), dtype_name)
+        if nan or inf:
+            values = values[np.isfinite(values)]
+        std = float(values.std(dtype=np.float64))
+    else:
+        std = math.sqrt(max(spread, 0.0))
+    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
+    return Stats(lo, hi, mean, std, l2, nan, inf, dig)
 
 
 def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
@@ -267,7 +303,7 @@ def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
             counts = np.empty((len(chosen), 4), dtype=np.int64)
             keys = whole.view(_KEY_DTYPES[item])
             if name in _HALF_DTYPES:
-                table = _half_table(name)
+                table = half_table(name)
                 kernel.table_spans(whole.view(np.uint16), keys, table, starts, stops, sums,
                                    counts)
                 lows = table[kernel.keys_to_bits16(counts[:, 0])].astype(np.float64)

@@ -49,9 +49,9 @@ def _compiled(dtype: str, numel: int) -> ModuleType | None:
     small record in a process that has not loaded it)."""
     if dtype not in _KERNEL_ITEMSIZE:
         return None
-    if numel < KERNEL_MIN_NUMEL and not stats._kernel.cache_info().currsize:
+    if numel < KERNEL_MIN_NUMEL and not stats.compiled_loaded():
         return None
-    return stats._kernel()
+    return stats.compiled()
 
 
 def describe(row: Mapping[str, Any]) -> str:
@@ -72,7 +72,7 @@ class RecordCheck:
         self._sum = self._squares = 0.0
         self._nan = self._inf = self._finite = 0
         self._kernel = _compiled(dtype, int(row.get("numel", 0))) if self._stats else None
-        self._table = (stats._half_table(dtype) if self._kernel is not None
+        self._table = (stats.half_table(dtype) if self._kernel is not None
                        and _KERNEL_ITEMSIZE[dtype] == 2 else None)
 
     def update(self, raw: np.ndarray) -> None:

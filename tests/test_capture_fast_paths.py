@@ -1,0 +1,105 @@
+"""The capture's fast paths record exactly what the general ones do.
+
+- A contiguous CPU tensor is staged with one memmove instead of torch's copy_; every other
+  tensor (a strided view, a complex one, a subclass) still takes copy_.
+- A large tensor's statistics are taken on the capturing thread from the tensor's own memory
+  (span_stats) instead of from the ring on the statistics thread (batch_stats): the same
+  kernel over the same bytes, so the index is bit for bit the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from layerdiff import load_case
+from layerdiff.capture import stage
+from layerdiff.capture.torch_capture import capture
+from layerdiff.trace import stats
+from layerdiff.trace.reader import open_trace
+from layerdiff.trace.recorder import Recorder
+
+
+def _recorded(tmp_path, tensors, summary=False):
+    path = tmp_path / f"t{len(list(tmp_path.iterdir()))}.h5"
+    recorder = Recorder(path, {"producer": "test"}, summary=summary)
+    stager = stage.Stager(recorder)
+    for i, tensor in enumerate(tensors):
+        stager.tensor(0, "forward", f"m{i}#0", "output", "0", tensor)
+    recorder.close(complete=True)
+    return open_trace(path)
+
+
+def test_every_layout_is_recorded_as_its_values(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = [
+        base,                                     # contiguous: memmove
+        base.t(),                                 # strided view: copy_
+        base[1:3],                                # contiguous view with a storage offset
+        torch.nn.Parameter(base.clone()),         # a Parameter is a plain tensor
+        base.to(torch.bfloat16),
+        torch.tensor([1 + 2j, 3 - 4j]).conj(),    # lazy conjugate: copy_ resolves it
+        torch.ones(3, dtype=torch.bool),
+        torch.empty(0, 3),
+    ]
+    trace = _recorded(tmp_path, tensors)
+    rows = trace.index.sort_values("seq").reset_index(drop=True)
+    for i, tensor in enumerate(tensors):
+        got = trace.read(rows.iloc[i], raw=True)
+        want = tensor.detach().resolve_conj()
+        if want.dtype == torch.bfloat16:
+            want = want.view(torch.uint16)
+        assert np.array_equal(np.asarray(got), want.numpy()), i
+
+
+def test_span_stats_equal_batch_stats_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for name in ("float32", "float64", "float16", "bfloat16", "int64", "bool"):
+        for kind in range(6):
+            n = int(rng.integers(1, 3000))
+            if name == "bfloat16":
+                raw = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16
+                       ).astype(np.uint16)
+                special = {1: 0x7FC0, 2: 0x7F80, 3: 0x7FC0}
+            elif name in ("int64", "bool"):
+                raw = rng.integers(0, 2 if name == "bool" else 1000, n).astype(
+                    np.uint8 if name == "bool" else np.int64)
+                special = {}
+            else:
+                raw = (rng.standard_normal(n) * 1e3).astype(name)
+                special = {1: np.nan, 2: np.inf, 3: np.nan}
+            if kind in (1, 2) and kind in special:
+                raw[int(rng.integers(0, n))] = special[kind]
+            if kind == 3 and kind in special:
+                raw[:] = special[3]
+            if kind == 4 and name.startswith("float"):
+                raw[:] = 1000 + np.arange(n) * 1e-3  # the two-pass spread
+            data = raw.view(np.uint8)
+            want = stats.batch_stats(data, [(0, data.size, name)])[0]
+            assert repr(stats.span_stats(data, name)) == repr(want), (name, kind)
+
+
+@pytest.mark.parametrize("summary", [True, False])
+def test_statistics_on_the_capturing_thread_give_the_same_trace(tmp_path, monkeypatch,
+                                                               summary):
+    assert stats.compiled() is not None  # loaded: the inline path is open from the start
+    inline = capture(load_case("reference_models.transformer:reference"), tmp_path / "a.h5",
+                     steps=2, summary=summary)
+    monkeypatch.setattr(stage, "INLINE_STATS_BYTES", 1 << 62)  # every tensor via the ring
+    ring = capture(load_case("reference_models.transformer:reference"), tmp_path / "b.h5",
+                   steps=2, summary=summary)
+    monkeypatch.setattr(stage, "INLINE_STATS_BYTES", 1)  # every tensor inline
+    every = capture(load_case("reference_models.transformer:reference"), tmp_path / "c.h5",
+                    steps=2, summary=summary)
+    columns = ["site", "role", "arg", "dtype", "shape", "min", "max", "mean", "std", "l2",
+               "nan", "inf", "digest"]
+    frames = [open_trace(p).index.sort_values("seq")[columns].reset_index(drop=True)
+              for p in (inline, ring, every)]
+    assert frames[0].equals(frames[1]) and frames[0].equals(frames[2])
+    if not summary:
+        a, b = open_trace(inline), open_trace(ring)
+        for (_, x), (_, y) in zip(a.index.sort_values("seq").iterrows(),
+                                  b.index.sort_values("seq").iterrows(), strict=True):
+            if x["kind"] == "tensor":
+                assert np.array_equal(a.read(x, raw=True), b.read(y, raw=True))
