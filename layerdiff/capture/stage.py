@@ -57,25 +57,21 @@ class Stager:
             # The common case, a contiguous CPU tensor: its bytes are the record's bytes. One
             # memmove costs ~1 us where a view of the ring and copy_ cost ~6 (torch dispatch),
             # which was a quarter of the capture cost of a model of thousands of small tensors.
+            found = None
             if nbytes >= INLINE_STATS_BYTES and stats.compiled_loaded():
                 # A large tensor's statistics are taken here, from memory the model has just
                 # written (in cache): a summary trace then copies none of its bytes, and a full
                 # one reads them once less. The statistics are the same: one kernel, one span.
                 found = stats.span_stats(_bytes_of(tensor, nbytes), name)
-                if found is not None:
-                    if not rec.keeps_data(site):
-                        rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
-                                   stats=found)
-                        return
-                    offset = rec.reserve(nbytes)
-                    _memmove(self._ring_address + offset, tensor.data_ptr(), nbytes)
-                    rec.submit(step, pass_, site, role, arg, name, shape, offset=offset,
-                               nbytes=nbytes, stats=found)
+                if found is not None and not rec.keeps_data(site):
+                    rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
+                               stats=found)
                     return
             offset = rec.reserve(nbytes)
             copy = _memmove_holding_gil if nbytes <= _HOLD_GIL_BYTES else _memmove
             copy(self._ring_address + offset, tensor.data_ptr(), nbytes)
-            rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+            rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes,
+                       stats=found)
             return
         tensor = tensor.detach()
         if nbytes > rec.max_staged:

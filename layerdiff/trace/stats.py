@@ -266,16 +266,21 @@ def span_stats(raw: np.ndarray, dtype_name: str) -> Stats | None:
         return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
     mean = total / count
     mean_square = squares / count
-    spread = mean_square - mean * mean
-    if spread < 1e-4 * mean_square:  # rare (layer-norm weights): numpy's two passes
-        values = as_float(raw.view(schema.numpy_dtype(dtype_name)), dtype_name)
-        if nan or inf:
-            values = values[np.isfinite(values)]
-        std = float(values.std(dtype=np.float64))
+    if _cancelled(mean_square, mean):
+        std = _two_pass_std(raw, dtype_name, nan or inf)
     else:
-        std = math.sqrt(max(spread, 0.0))
+        std = math.sqrt(max(mean_square - mean * mean, 0.0))
     l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
+
+
+def _two_pass_std(raw: np.ndarray, dtype_name: str, nonfinite: bool) -> float:
+    """numpy's two-pass standard deviation of the finite values of a tensor's bytes, as
+    compute_stats takes it where one pass cancels out (rare: layer-norm weights)."""
+    values = as_float(raw.view(schema.numpy_dtype(dtype_name)), dtype_name)
+    if nonfinite:
+        values = values[np.isfinite(values)]
+    return float(values.std(dtype=np.float64))
 
 
 def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
@@ -347,11 +352,7 @@ def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: li
                 lo = hi = math.nan
             out.append(Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig))
             continue
-        if redo:  # rare (layer-norm weights): numpy's two passes, as compute_stats does
-            values = as_float(buffer[offset:offset + nbytes].view(schema.numpy_dtype(name)),
-                              name)
-            if nan or inf:
-                values = values[np.isfinite(values)]
-            std = float(values.std(dtype=np.float64))
+        if redo:
+            std = _two_pass_std(buffer[offset:offset + nbytes], name, nan or inf)
         out.append(Stats(lo, hi, mean, std, l2, nan, inf, dig))
     return out
