@@ -217,3 +217,92 @@ def test_the_first_damaged_record_is_named_and_in_it_the_reference(pair, tmp_pat
     assert message.startswith(f"{paths[named]}:")
     site = damaged[named][0]
     assert f"{site} weight weight" in message
+
+
+# ------------------------------------------------------------------------- mapped bytes
+
+def _all_columns_equal(a, b) -> None:
+    assert list(a.columns) == list(b.columns)
+    for column in a.columns:
+        for x, y in zip(a[column], b[column], strict=True):
+            if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+                assert np.array_equal(x, y), column
+            else:
+                assert x == y or (x != x and y != y), (column, x, y)
+
+
+def test_mapped_windows_and_plain_reads_give_the_same_rows(pair, monkeypatch):
+    """The diff maps plain segments in windows of several chunks; with windows of one and of
+    two chunks, and with nothing mapped (every byte read by preadv), every column of every
+    row is the same."""
+    from layerdiff.compare import reading
+    ref, port = pair
+    mapped = diff(ref, port).rows
+    for window in (1, 2):
+        monkeypatch.setattr(reading, "WINDOW_CHUNKS", window)
+        _all_columns_equal(mapped, diff(ref, port).rows)
+    monkeypatch.setattr(reading.DirectReader, "mapped", lambda *args: None)
+    _all_columns_equal(mapped, diff(ref, port).rows)
+
+
+def test_a_mapped_range_is_the_bytes_a_read_gives_and_out_of_range_is_not_mapped(pair):
+    from layerdiff.compare.reading import DirectReader
+    with open_trace(pair[0]) as trace:
+        row = trace.index[trace.index["numel"] == 1 << 20].iloc[0]
+        reader = DirectReader(trace.h5, str(trace.path))
+        segment, offset = int(row["segment"]), int(row["offset"])
+        view = reader.mapped(segment, offset + 4096, 3 << 20)
+        read = np.empty(3 << 20, np.uint8)
+        reader.read(segment, offset + 4096, 3 << 20, read)
+        assert view is not None and np.array_equal(view, read)
+        size = trace.h5[schema.segment_name(segment)].shape[0]
+        assert reader.mapped(segment, size - 8, 16) is None  # past the segment
+        assert reader.mapped(segment, offset + 4, 64) is None  # not 8-byte aligned
+        assert reader.mapped(segment, -8, 16) is None
+
+
+# ------------------------------------------------------------ what the check rests on
+
+def _edit_and_reseal(path, column: str, value) -> None:
+    """Edit one index cell and write the table digest anew, as a writer would have: the
+    index is sealed, and only the record's own bytes can tell the cell is wrong."""
+    from layerdiff.trace.stats import table_digest
+    with h5py.File(path, "r+") as h5:
+        group = h5[schema.INDEX_GROUP]
+        cells = group[column][:]
+        cells[0] = value
+        group[column][:] = cells
+        data = {name: (group[name].asstr()[:] if group[name].dtype.kind == "O"
+                       else group[name][:].astype(kind))
+                for name, kind in schema.INDEX_COLUMNS.items()}
+        h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP)] = table_digest(
+            data, schema.INDEX_COLUMNS)
+
+
+def test_a_compared_record_of_a_sealed_index_is_checked_by_its_digest_alone(pair, tmp_path):
+    """A sealed index and a digest vouch for a record's statistics; when the diff compares
+    the record element by element no verdict rests on them, so they are not recomputed (a
+    third of a diff's CPU). Reading the record on its own still checks them."""
+    ref, port = pair
+    copy = tmp_path / "port.h5"
+    copy.write_bytes(port.read_bytes())
+    _edit_and_reseal(copy, "max", 100.0)
+    with open_trace(copy) as trace:
+        assert trace.index_sealed
+        first = trace.index.iloc[0]
+        with pytest.raises(TraceError, match="max: index says 100"):
+            trace.read(first)
+    rows = diff(ref, copy).rows
+    _check_rows(rows, _plain_rows(ref, port))
+
+
+def test_a_record_decided_from_the_index_is_still_checked_against_its_statistics(pair,
+                                                                                tmp_path):
+    """A port identical to the reference is decided by equal digests, its data read only to
+    be checked: digest and statistics both, sealed index or not."""
+    ref, _ = pair
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(ref.read_bytes())
+    _edit_and_reseal(copy, "max", 100.0)
+    with pytest.raises(TraceError, match="max: index says 100"):
+        diff(ref, copy)

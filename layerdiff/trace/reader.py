@@ -138,13 +138,21 @@ class Trace:
         if stored.empty:
             return
         ends = (stored["offset"] + stored["nbytes"]).groupby(stored["segment"]).max()
+        # One row per segment names it in errors; filtering per segment was quadratic.
+        first_rows = stored.drop_duplicates("segment").set_index("segment")
         for segment, end in ends.items():
-            row = stored[stored["segment"] == segment].iloc[0]
+            row = first_rows.loc[segment]
             dataset = segment_dataset(self._h5, int(segment), str(self.path), describe(row))
             if dataset.shape[0] < end:
                 raise TraceError(f"{self.path}: tensor segment {int(segment)} holds "
                                  f"{dataset.shape[0]} bytes but the index puts data up to byte "
                                  f"{int(end)}; the file is damaged, capture it again")
+
+    @property
+    def index_sealed(self) -> bool:
+        """Whether the index is checked against its table digest as it is read (a verifying
+        reader of a trace whose writer sealed it): its rows are then the writer's own."""
+        return self._table_digests.get(schema.INDEX_GROUP) is not None
 
     @cached_property
     def sites(self) -> pd.DataFrame:

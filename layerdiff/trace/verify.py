@@ -165,9 +165,10 @@ class RecordCheck:
         return ""
 
 
-def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str) -> None:
+def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str, *,
+                statistics: bool = True) -> None:
     """Check one whole record's bytes against its index row (raises TraceError)."""
-    check = RecordCheck(row, path)
+    check = RecordCheck(row, path, statistics=statistics)
     check.update(raw.reshape(-1).view(np.uint8))
     check.finish()
 
