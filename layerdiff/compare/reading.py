@@ -241,17 +241,23 @@ class _Slot:
 
 class _Windows:
     """One side's bytes of a streamed tensor, chunk by chunk, as views of mapped windows of
-    WINDOW_CHUNKS chunks; read into the slot's buffer where they cannot be mapped."""
+    WINDOW_CHUNKS chunks; read into the slot's buffer where they cannot be mapped.
 
-    def __init__(self, reader: DirectReader, segment: int, end: int) -> None:
+    Only bytes that are checked are mapped: the check reads them on this thread, which leaves
+    them in the shared cache for the metrics. Unchecked bytes read from a map reached the
+    metrics from memory, and ``--no-verify`` ran 8-10% slower than with ``preadv`` (whose copy
+    does that warming): 0.61 against 0.66 GB/s at 2 GB, 0.81 against 0.89 at 8 GB."""
+
+    def __init__(self, reader: DirectReader, segment: int, end: int, maps: bool) -> None:
         self.reader, self.segment, self.end = reader, segment, end  # end: past the tensor
+        self.maps = maps
         self.window: np.ndarray | None = None
         self.start = 0
 
     def bytes(self, offset: int, nbytes: int, slot: _Slot, side: int) -> np.ndarray:
         window = self.window
-        if window is None or not self.start <= offset <= offset + nbytes <= (
-                self.start + window.size):
+        if self.maps and (window is None or not self.start <= offset <= offset + nbytes <= (
+                self.start + window.size)):
             length = min(nbytes * WINDOW_CHUNKS, self.end - offset)
             self.window = window = self.reader.mapped(self.segment, offset, length)
             self.start = offset
@@ -277,8 +283,10 @@ def _pair_chunks(number: int, ref: TensorRef, port: TensorRef, readers,
     step = max(1, CHUNK_BYTES // max(ref_size, port_size))
     checks = [_checker(tensor, reader) for tensor, reader in zip((ref, port), readers,
                                                                 strict=True)]
-    windows = [_Windows(readers[0], ref.segment, ref_offset + total * ref_size),
-               _Windows(readers[1], port.segment, port_offset + total * port_size)]
+    windows = [_Windows(readers[0], ref.segment, ref_offset + total * ref_size,
+                        checks[0] is not None),
+               _Windows(readers[1], port.segment, port_offset + total * port_size,
+                        checks[1] is not None)]
 
     def side(which: int, tensor: TensorRef, offset: int, size: int, slot: _Slot, start: int,
              count: int) -> np.ndarray:
