@@ -14,6 +14,7 @@ import contextlib
 import mmap
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ from layerdiff.trace.verify import RecordCheck, check_bytes
 
 CHUNK_BYTES = 1 << 20
 POOL = 6  # chunk buffer pairs in flight
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # named from Python 3.13
+# Linux's number for it (named in Python from 3.13); elsewhere the pages fault in on first use
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ",
+                              22 if sys.platform.startswith("linux") else None)
 WINDOW_CHUNKS = 8  # chunks per mapped window: 8 MiB maps ran 11-12 GB/s, 1 MiB maps 7-8
 
 
@@ -91,8 +94,9 @@ class DirectReader:
                                offset=aligned)
         except (OSError, ValueError):
             return None
-        with contextlib.suppress(OSError):  # Linux 5.14+: fault the pages in here, on the
-            window.madvise(_MADV_POPULATE_READ)  # reading thread, not in the caller's kernel
+        if _MADV_POPULATE_READ is not None:
+            with contextlib.suppress(OSError):  # Linux 5.14+: fault the pages in here, on
+                window.madvise(_MADV_POPULATE_READ)  # this thread, not in the caller's kernel
         return np.frombuffer(window, np.uint8, nbytes, start - aligned)
 
     def _place(self, segment: int) -> tuple[int, int] | None:
