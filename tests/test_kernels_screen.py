@@ -191,3 +191,101 @@ def test_a_subnormal_product_that_rounds_up_does_not_hide_a_relative_error():
     ref[4500], port[4500] = 1 * U, 2 * U        # rel 1u / 1u = 1
     result = _both(ref, port, 1e-30, U)
     assert result["max_rel"] == 1.0
+
+
+# ------------------------------------------------ the float32 screen (_screen32)
+# Pairs of float32 (and float16, widened) are screened in float32 first, with a margin for
+# its roundings; these put ratios and relative errors within a few float32 roundings of the
+# limits it compares against, and values where float32 products underflow or overflow.
+
+
+def _float32_near(a: np.float32, target: float, rtol: float, atol: float) -> list[np.float32]:
+    """The float32 ports around the one whose ratio to ``a`` is ``target`` (float64 ratio,
+    as the kernel computes it): a few float32 steps either side."""
+    t = abs(float(a)) * rtol + atol
+    centre = np.float32(float(a) + target * t)
+    found = [centre]
+    for direction in (np.float32(np.inf), np.float32(-np.inf)):
+        value = centre
+        for _ in range(3):
+            value = np.nextafter(value, direction)
+            found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("atol", [1.0, 3e-7, 1e-30])
+@pytest.mark.parametrize("rtol", [0.0, 1.3e-6])
+@pytest.mark.parametrize("seed", range(2))
+def test_float32_ratios_a_rounding_either_side_of_the_largest_give_the_numpy_columns(
+        atol, rtol, seed):
+    """The first sub-block sets a largest ratio of 0.5; later sub-blocks hold elements whose
+    ratios are one to three float32 steps below, at and above it. References below atol
+    make the difference about as large as the port's value, so one float32 step of the port
+    moves the ratio by ~2**-23, inside the screen's margin: a screen without one (or with one
+    too small) skips the larger ratios and keeps the first index."""
+    rng = np.random.default_rng(seed)
+    ref = (rng.uniform(0.001, 0.01, N) * atol).astype(np.float32)
+    port = ref.copy()
+    port[100] = _float32_near(ref[100], 0.5, rtol, atol)[0]
+    limit = abs(float(port[100]) - float(ref[100])) / (abs(float(ref[100])) * rtol + atol)
+    for block, place in enumerate(range(1100, N - 8, 1024)):
+        candidates = _float32_near(ref[place], limit, rtol, atol)
+        for offset, value in enumerate(candidates[block % 2::2]):
+            ref[place + offset], port[place + offset] = ref[place], value
+    result = _both(ref, port, rtol, atol, cuts=(3000,))
+    ratios = np.abs(port.astype(np.float64) - ref) / (np.abs(ref.astype(np.float64)) * rtol
+                                                       + atol)
+    assert result["ratio"] > limit
+    assert result["worst_index"] == str(int(np.argmax(ratios)))
+
+
+@pytest.mark.parametrize("scale", [1e-38, 1e-44, 1e30, 1e38])
+@pytest.mark.parametrize("tolerance", [(1.3e-6, 1e-5), (0.0, 0.0), (1e-3, 0.0), (0.0, 1e-40),
+                                       (1e-30, 1e-45)])
+def test_float32_products_that_underflow_or_overflow_give_the_numpy_columns(scale, tolerance):
+    """float32 values near its subnormals or its largest: the float32 products are then far
+    from accurate (or infinite) and no element may be skipped on them; a difference that
+    overflows float32 (but not float64) must not pass as screened."""
+    ref, port = _noise(N, 3)
+    with np.errstate(over="ignore", under="ignore"):
+        ref = (ref.astype(np.float64) * scale).astype(np.float32)
+        port = (port.astype(np.float64) * scale).astype(np.float32)
+    port[::97] = ref[::97] * np.float32(1 + 1e-3)
+    port[5::1001] = ref[5::1001]
+    ref[17::503] = 0.0
+    ref[4000], port[4000] = np.float32(3e38), np.float32(-3e38)
+    _both(ref, port, *tolerance, cuts=(2048,))
+
+
+def test_float16_pairs_screened_in_float32_give_the_numpy_columns():
+    ref, port = _noise(N, 6, np.float16)
+    port[::50] = ref[::50] + np.float16(0.01)
+    _both(ref, port, 1e-3, 1e-5, batch=3)  # N = 3 * 1719
+
+
+U32 = float(np.nextafter(np.float32(0), np.float32(1)))  # the smallest subnormal float32
+
+
+def test_a_float32_subnormal_product_that_rounds_up_does_not_hide_a_row_ratio():
+    """The float32 side of the subnormal trap: (2/3) * 1u rounds up to 1u in float32, equal
+    to the later difference of 1u, whose ratio 1 must still become row 1's."""
+    per = 3 * 1024
+    ref = np.zeros(2 * per, np.float32)
+    port = np.zeros(2 * per, np.float32)
+    ref[10], port[10] = 1.0, 1.0 + 1e7
+    ref[per + 5], port[per + 5] = 6 * U32, 8 * U32        # t = 3u, d = 2u: ratio 2/3
+    ref[per + 2500], port[per + 2500] = 2 * U32, 3 * U32  # t = 1u, d = 1u: ratio 1
+    result = _both(ref, port, 0.5, 0.0, batch=2)
+    assert list(result["batch_ratio"]) == [2e7, 1.0]
+
+
+def test_a_float32_threshold_that_overflows_does_not_hide_a_larger_ratio():
+    """|ref| * rtol + atol past float32's largest is infinite in float32, finite in float64.
+    Element 3 sets a ratio of 0.4 and a relative error of 0.8; element 3000's ratio is 0.5
+    (2e38 / 4e38) and its relative error 0.67, so only the overflowing ratio side can see it."""
+    ref = np.ones(N, np.float32)
+    port = ref.copy()
+    ref[3], port[3] = np.float32(1e38), np.float32(1.8e38)
+    ref[3000], port[3000] = np.float32(3e38), np.float32(1e38)
+    result = _both(ref, port, 1.0, 1e38)
+    assert result["ratio"] > 0.49 and result["worst_index"] == "3000"

@@ -13,9 +13,11 @@ Most sub-blocks change no maximum: once a pair's first sub-blocks have set the l
 and relative error, a division-free screen (``_screen``: ``d <= limit * t`` in float64 with a
 margin for its two roundings) shows that no element of the sub-block can exceed them, and its
 two divisions per element, the kernel's bound, are skipped; only the counts, sums, largest
-difference and ULPs are taken (1.5 ns an element instead of 2.4, in cache). The sums are the
-same calls in the same order either way, so every column, sums included, is bit for bit what
-the kernel gave without the screen.
+difference and ULPs are taken (1.5 ns an element instead of 2.4, in cache). Pairs of float32
+are screened in float32 first (``_screen32``, 8 lanes, 0.33 ns an element against 0.83),
+while the largest ratio is at most 1, and in float64 where that cannot decide. The sums are
+the same calls in the same order either way, so every column, sums included, is bit for bit
+what the kernel gave without the screens.
 
 Import this module only when the metrics need it: importing numba costs ~0.3 s, which the CLI's
 start-up must not pay. Compiled code is cached next to the module (numba's ``cache=True``).
@@ -86,6 +88,60 @@ def _screen(ref, port, rtol, atol, rel_floor, limit_ratio, limit_rel, diff):
         maybe += not skip
         diff[i] = d
     return bad, over, maybe
+
+
+# The float32 screen (_screen32) decides in float32, 8 elements to an AVX2 vector, with a
+# margin of 2**-20 (16 float32 roundings of 2**-24, where its three roundings and the bounds'
+# need 7) and products of at least 2**-100, far from float32's subnormals.
+_SHRINK32 = np.float32(1.0 - 2.0**-20)
+_NORMAL32 = np.float32(2.0**-100)
+_MAX32 = np.float32(np.finfo(np.float32).max)
+
+
+@numba.njit(**_JIT)
+def _down32(x):
+    """A float32 no larger than ``x >= 0`` and within 2**-21 of it: 0 below 2**-100,
+    float32's largest at or above it (the screens only need bounds from below)."""
+    if x < 2.0**-100:
+        return np.float32(0.0)
+    if x >= 3.4e38:
+        return _MAX32
+    return np.float32(x * (1.0 - 2.0**-22))  # rounds to within 2**-24 of x * (1 - 2**-22)
+
+
+@numba.njit(**_JIT)
+def _screen32(ref, port, rtol, atol, rel_floor, limit_ratio, limit_rel):
+    """True when, for elements of two float32 arrays, no ratio can exceed ``limit_ratio``
+    (at most 1: so none exceeds 1 either, and no element is out of tolerance) and no relative
+    error ``limit_rel``. All arguments are float32 bounds from below (_down32).
+
+    The float32 difference, threshold and products carry three roundings of at most 2**-24
+    each, the float32 bounds of the tolerances and limits 2**-21 more, and the float64 values
+    the kernel divides two of 2**-53: ``d32 <= p32 * (1 - 2**-20)`` with ``p32 >= 2**-100``
+    leaves ``|port - ref| < limit * t`` in float64, so ``fl(d / t) <= limit`` (_screen's
+    argument). A difference that is not finite in float32 is never screened, nor is a
+    product that overflows. Twice as fast as _screen's float64 (8 lanes, no counts: the only
+    reduction is an or, which vectorises)."""
+    maybe = False
+    for i in range(ref.size):
+        a = np.float32(ref[i])
+        d = abs(a - np.float32(port[i]))
+        m = abs(a)
+        t = m * rtol
+        t = t + atol
+        p = limit_ratio * t
+        q = limit_rel * max(m, rel_floor)
+        low = min(p, q)
+        skip = (d <= low * _SHRINK32) & (low >= _NORMAL32) & (max(p, q) <= _MAX32)
+        maybe |= not (skip | (d == np.float32(0.0)))
+    return not maybe
+
+
+@numba.njit(**_JIT)
+def _differences(ref, port, diff):
+    """``|port - ref|`` in float64 per element (the screened path's sums and maxima)."""
+    for i in range(ref.size):
+        diff[i] = abs(np.float64(ref[i]) - np.float64(port[i]))
 
 
 @numba.njit(**_JIT)
@@ -254,6 +310,8 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
     maxima returned may then stop below those values; merged, every column is the same.
     """
     rel_floor = atol if atol != 0.0 else _TINY
+    narrow = ref.itemsize == 4 and port.itemsize == 4  # float32 both (float16 widened)
+    rtol32, atol32, floor32 = _down32(rtol), _down32(atol), _down32(rel_floor)
     mask = (np.int64(1) << np.int64(ulp_width - 1)) - np.int64(1) if ulp_width else np.int64(0)
     n = ref.size
     diff = np.empty(min(n, SUB))
@@ -282,8 +340,14 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
         if per_element > 0:
             limit_ratio = min(limit_ratio, batch_ratio[row])
         if limit_ratio >= 0.0:
-            bad, over, maybe = _screen(a, b, rtol, atol, rel_floor, limit_ratio,
-                                       max(max_rel, known_rel), d)
+            limit_rel = max(max_rel, known_rel)
+            if narrow and limit_ratio <= 1.0 and _screen32(
+                    a, b, rtol32, atol32, floor32, _down32(limit_ratio), _down32(limit_rel)):
+                _differences(a, b, d)
+                bad = over = maybe = 0
+            else:
+                bad, over, maybe = _screen(a, b, rtol, atol, rel_floor, limit_ratio,
+                                           limit_rel, d)
             if bad == 0 and maybe == 0:  # no maximum moves: counts, sums and ULPs only
                 out += over
                 top_d = _largest(d)
