@@ -289,3 +289,18 @@ def test_a_float32_threshold_that_overflows_does_not_hide_a_larger_ratio():
     ref[3000], port[3000] = np.float32(3e38), np.float32(1e38)
     result = _both(ref, port, 1.0, 1e38)
     assert result["ratio"] > 0.49 and result["worst_index"] == "3000"
+
+
+def test_float32_bounds_from_below_are_never_above_and_close():
+    """_down32 feeds the float32 screen its tolerances and limits: a float32 above the
+    float64 value would let an element past the screen."""
+    from layerdiff.compare import kernels
+    rng = np.random.default_rng(0)
+    largest = float(np.finfo(np.float32).max)
+    values = np.concatenate([2.0 ** rng.uniform(-100, 128, 2000), [2.0**-100, 1.0, 3.4e38,
+                             np.nextafter(largest, 0.0), largest, 1e39, np.inf, 1e-31, 0.0]])
+    for x in values:
+        bound = float(kernels._down32(float(x)))
+        assert bound <= x, (x, bound)
+        if 2.0**-100 <= x <= largest:
+            assert bound >= x * (1 - 2.0**-21), (x, bound)

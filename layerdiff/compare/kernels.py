@@ -91,8 +91,8 @@ def _screen(ref, port, rtol, atol, rel_floor, limit_ratio, limit_rel, diff):
 
 
 # The float32 screen (_screen32) decides in float32, 8 elements to an AVX2 vector, with a
-# margin of 2**-20 (16 float32 roundings of 2**-24, where its three roundings and the bounds'
-# need 7) and products of at least 2**-100, far from float32's subnormals.
+# margin of 2**-20 (16 float32 roundings of 2**-24, where its own five need 5) and products
+# of at least 2**-100, far from float32's subnormals.
 _SHRINK32 = np.float32(1.0 - 2.0**-20)
 _NORMAL32 = np.float32(2.0**-100)
 _MAX32 = np.float32(np.finfo(np.float32).max)
@@ -104,7 +104,7 @@ def _down32(x):
     float32's largest at or above it (the screens only need bounds from below)."""
     if x < 2.0**-100:
         return np.float32(0.0)
-    if x >= 3.4e38:
+    if x >= _MAX32:
         return _MAX32
     return np.float32(x * (1.0 - 2.0**-22))  # rounds to within 2**-24 of x * (1 - 2**-22)
 
@@ -115,10 +115,11 @@ def _screen32(ref, port, rtol, atol, rel_floor, limit_ratio, limit_rel):
     (at most 1: so none exceeds 1 either, and no element is out of tolerance) and no relative
     error ``limit_rel``. All arguments are float32 bounds from below (_down32).
 
-    The float32 difference, threshold and products carry three roundings of at most 2**-24
-    each, the float32 bounds of the tolerances and limits 2**-21 more, and the float64 values
-    the kernel divides two of 2**-53: ``d32 <= p32 * (1 - 2**-20)`` with ``p32 >= 2**-100``
-    leaves ``|port - ref| < limit * t`` in float64, so ``fl(d / t) <= limit`` (_screen's
+    The float32 difference, the threshold's product and sum, the limit's product and the
+    margin's carry five roundings of at most 2**-24, and the float64 values the kernel
+    divides two of 2**-53; the tolerances and limits, rounded down, only make the products
+    smaller. So ``d32 <= p32 * (1 - 2**-20)`` with ``p32 >= 2**-100`` leaves
+    ``|port - ref| < limit * t`` in float64, and ``fl(d / t) <= limit`` (_screen's
     argument). A difference that is not finite in float32 is never screened, nor is a
     product that overflows. Twice as fast as _screen's float64 (8 lanes, no counts: the only
     reduction is an or, which vectorises)."""
