@@ -176,7 +176,7 @@ class Recorder:
         offset nor array, they are all the record keeps (see :meth:`keeps_data`)."""
         if self.error is not None:
             self.raise_if_failed()
-        keep = self._keep is None or self.keeps_data(site)
+        keep = self.keeps_data(site)  # read only outside summary traces
         self._batch.append(_Record(self.seq, step, pass_, site, role, arg, dtype, shape,
                                    offset, nbytes, array, value, keep, stats))
         self.seq += 1
