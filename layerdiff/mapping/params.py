@@ -3,7 +3,9 @@ reference tensor is found in the port's tensor (slices and a transpose), from sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from layerdiff.mapping.code import CodeRef
 
 TRANSFORMS = ("copy", "transpose", "concat", "split")
 
@@ -44,6 +46,7 @@ class ParamSource:
     axis: int = 0
     part: int = 0     # split: which part of the reference tensor
     parts: int = 1    # split: into how many
+    where: str = field(default="", compare=False)  # the rule (file and line), for messages
 
     def __post_init__(self) -> None:
         if isinstance(self.transforms, str):
@@ -54,6 +57,15 @@ class ParamSource:
     def transform(self) -> str:
         """The chain as text: ``concat``, or ``concat, transpose``."""
         return ", ".join(self.transforms)
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        """The conversion functions of the chain (``package.module:function`` steps)."""
+        return tuple(step for step in self.transforms if step not in TRANSFORMS)
+
+    def code_refs(self) -> list[CodeRef]:
+        """The chain's conversion functions as code references, to import when needed."""
+        return [CodeRef(name, self.where or "mapping") for name in self.functions]
 
     @property
     def reshapes(self) -> bool:

@@ -21,6 +21,12 @@ A TOML file (YAML with the same keys works too)::
     port = "transformer.h.*.attn"
     args = { past_key_values = "" }   # "": the port has no such argument; replay drops it
 
+    [[site]]                      # code, run with a case file's trust (imported when used):
+    reference = "model.layers.*.self_attn"
+    port = "layers.*.attention"
+    call = "my_port.adapters:attention_call"   # f(*args, **kwargs) -> (args, kwargs)
+    outputs = { "0" = "0" }       # reference output -> port output, where they differ
+
     [[pair]]                      # one reference site with one port site (module#call)
     reference = "tgt_pos#0"
     port = "pos#1"
@@ -29,12 +35,17 @@ A TOML file (YAML with the same keys works too)::
     reference = "encoder.layers.*.self_attn.w_*"
     why = "the port fuses q, k, v and o into its attention module"
 
+    [[unmatched]]                 # one input or output (and its gradient) without partner
+    reference = "model.layers.*.self_attn"
+    output = "1"
+
     [[param]]                     # port parameters made from reference parameters
     port = "enc.*.self_attn.in_proj_weight"
     reference = ["encoder.layers.*.self_attn.w_q.weight", "encoder.layers.*.self_attn.w_k.weight",
                  "encoder.layers.*.self_attn.w_v.weight"]
     transform = "concat"          # copy (default) | transpose | concat | split, or a list
-    axis = 0                      # of them applied in order: ["concat", "transpose"]
+    axis = 0                      # of them applied in order: ["concat", "transpose"], or
+                                  # a conversion function "pkg.module:function" (tensor -> tensor)
 
     [[shard]]                     # multi-rank ports: how a tensor is cut across ranks
     site = "blocks.*.mlp.fc"      # glob over the port's module paths
@@ -60,6 +71,7 @@ from pathlib import Path
 
 from layerdiff.config_file import ConfigFile
 from layerdiff.errors import MappingError
+from layerdiff.mapping.code import CodeRef, is_code
 from layerdiff.mapping.params import TRANSFORMS, ParamSource
 from layerdiff.mapping.pattern import Pattern
 
@@ -70,6 +82,27 @@ class SiteRule:
     port: str
     args: dict[str, str]
     line: int | None
+    call: CodeRef | None = None          # a call adapter: reference arguments -> port call
+    outputs: dict[str, str] = field(default_factory=dict)  # reference output -> port output
+
+
+@dataclass(frozen=True)
+class UnmatchedRecord:
+    """One input or output of the sites a glob names that has no partner on the other side
+    (``[[unmatched]]`` with ``input =`` or ``output =``): listed, never a reason not to judge."""
+
+    side: str            # "reference" | "port"
+    site: str            # a module glob, or a site glob with #call
+    role: str            # "input" | "output" (their gradients follow)
+    arg: str             # the argument path, e.g. "1" or "attention_mask"
+    why: str
+
+    def covers(self, site: str, role: str, arg: str) -> bool:
+        side_role = {"grad_input": "input", "grad_output": "output"}.get(role, role)
+        if side_role != self.role or not (arg == self.arg or arg.startswith(self.arg + ".")):
+            return False
+        module = site.rpartition("#")[0] or site
+        return fnmatch.fnmatchcase(site, self.site) or fnmatch.fnmatchcase(module, self.site)
 
 
 @dataclass
@@ -109,8 +142,11 @@ class Mapping:
     site_rules: list[SiteRule] = field(default_factory=list)
     pairs: dict[str, str] = field(default_factory=dict)           # reference site -> port site
     pair_args: dict[str, dict[str, str]] = field(default_factory=dict)  # [[pair]] args rules
+    pair_calls: dict[str, CodeRef] = field(default_factory=dict)        # [[pair]] call adapters
+    pair_outputs: dict[str, dict[str, str]] = field(default_factory=dict)  # [[pair]] outputs
     unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
     unmatched_port: list[tuple[str, str]] = field(default_factory=list)
+    unmatched_records: list[UnmatchedRecord] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
     shard_rules: list[ShardRule] = field(default_factory=list)
     origin: str = ""  # where it came from, when not a file given by the user
@@ -139,6 +175,43 @@ class Mapping:
                 return rule.reference.fill(rule.port, groups), rule.args, label
         return None
 
+    def site_rule(self, ref_module: str) -> SiteRule | None:
+        """The first [[site]] rule whose reference pattern matches ``ref_module``."""
+        for rule in self.site_rules:
+            if rule.reference.match(ref_module) is not None:
+                return rule
+        return None
+
+    def call_adapter(self, ref_site: str) -> CodeRef | None:
+        """The call adapter for a reference site (module#call): its [[pair]]'s, else the
+        [[site]] rule's that renames its module, else None."""
+        if ref_site in self.pairs:
+            return self.pair_calls.get(ref_site)
+        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        return rule.call if rule is not None else None
+
+    def output_names(self, ref_site: str) -> dict[str, str]:
+        """Reference output -> port output renames for a reference site (``outputs =``)."""
+        if ref_site in self.pairs:
+            return self.pair_outputs.get(ref_site, {})
+        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        return rule.outputs if rule is not None else {}
+
+    def code_refs(self) -> list[CodeRef]:
+        """Every function the mapping names (conversions, then call adapters), once each."""
+        found: dict[str, CodeRef] = {}
+        for rule in self.param_rules:
+            for step in rule.transforms:
+                if is_code(step):
+                    found.setdefault(step, CodeRef(step, self._where(rule.line)))
+        for ref in [r.call for r in self.site_rules] + list(self.pair_calls.values()):
+            if ref is not None:
+                found.setdefault(ref.spec, ref)
+        return list(found.values())
+
+    def _where(self, line: int | None) -> str:
+        return f"{self.name} line {line}" if line is not None else self.name
+
     def unused_site_rules(self, ref_modules: Iterable[str]) -> list[str]:
         """A warning for each [[site]] rule whose reference pattern names none of
         ``ref_modules``: a typo would otherwise leave its sites unpaired, silently."""
@@ -158,6 +231,14 @@ class Mapping:
                 return why
         return None
 
+    def why_unmatched_record(self, side: str, site: str, role: str, arg: str) -> str | None:
+        """The file's reason when it declares this one input or output (or its gradient) of
+        ``site`` to have no partner (``[[unmatched]]`` with ``input =`` / ``output =``)."""
+        for entry in self.unmatched_records:
+            if entry.side == side and entry.covers(site, role, arg):
+                return entry.why
+        return None
+
     # ---- parameters
     def param_source(self, port_param: str,
                      module_partner: dict[str, str]) -> ParamSource | None:
@@ -172,7 +253,8 @@ class Mapping:
                     names = [pattern.fill(t, groups) for t in rule.reference]
                 except ValueError as exc:
                     raise MappingError(f"{self.name} line {rule.line}: {exc}") from None
-                return ParamSource(names, rule.transforms, rule.axis, part, len(rule.port))
+                return ParamSource(names, rule.transforms, rule.axis, part, len(rule.port),
+                                   where=self._where(rule.line))
         module, _, leaf = port_param.rpartition(".")
         if module in module_partner:
             ref_module = module_partner[module]
@@ -200,7 +282,8 @@ def _load(config: ConfigFile) -> Mapping:
     mapping = Mapping(path=config.path)
     for number, (entry, line) in enumerate(config.tables("site"), start=1):
         where = f"site rule {number}"
-        config.check_keys(entry, {"reference", "reference_regex", "port", "args"}, where, line)
+        config.check_keys(entry, {"reference", "reference_regex", "port", "args", "call",
+                                  "outputs"}, where, line)
         if ("reference" in entry) == ("reference_regex" in entry):
             config.fail(f"{where} needs exactly one of 'reference' or 'reference_regex'", line)
         port = _string(config, entry, "port", where, line)
@@ -221,11 +304,12 @@ def _load(config: ConfigFile) -> Mapping:
             if holes and holes != stars:
                 config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
                             f"'{pattern.text}' has {stars}", line)
-        mapping.site_rules.append(SiteRule(pattern, port, _args(config, entry, where, line),
-                                           line))
+        mapping.site_rules.append(SiteRule(
+            pattern, port, _args(config, entry, where, line), line,
+            _call(config, entry, where, line), _outputs(config, entry, where, line)))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):
         where = f"pair {number}"
-        config.check_keys(entry, {"reference", "port", "args"}, where, line)
+        config.check_keys(entry, {"reference", "port", "args", "call", "outputs"}, where, line)
         ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
         for name in (ref, port):
             if not re.fullmatch(r".+#\d+", name):
@@ -234,13 +318,32 @@ def _load(config: ConfigFile) -> Mapping:
                             line)
         mapping.pairs[ref] = port
         mapping.pair_args[ref] = _args(config, entry, where, line)
+        call = _call(config, entry, where, line)
+        if call is not None:
+            mapping.pair_calls[ref] = call
+        mapping.pair_outputs[ref] = _outputs(config, entry, where, line)
     for number, (entry, line) in enumerate(config.tables("unmatched"), start=1):
         where = f"unmatched entry {number}"
-        config.check_keys(entry, {"reference", "port", "why"}, where, line)
+        config.check_keys(entry, {"reference", "port", "why", "input", "output"}, where, line)
         if ("reference" in entry) == ("port" in entry):
             config.fail(f"{where} needs exactly one of 'reference' or 'port'", line)
         why = entry.get("why", "declared without partner in the mapping")
         side = "reference" if "reference" in entry else "port"
+        if "input" in entry and "output" in entry:
+            config.fail(f"{where} takes one of 'input' or 'output' (one record each entry)",
+                        line)
+        for role in ("input", "output"):
+            if role in entry:
+                arg = entry[role]
+                if isinstance(arg, int) and not isinstance(arg, bool):
+                    arg = str(arg)
+                if not isinstance(arg, str) or not arg:
+                    config.fail(f"{where} needs '{role}' as an argument path, e.g. "
+                                f"{role} = \"1\" or {role} = \"attention_mask\"", line)
+                mapping.unmatched_records.append(UnmatchedRecord(
+                    side, _string(config, entry, side, where, line), role, arg, str(why)))
+        if "input" in entry or "output" in entry:
+            continue
         target = mapping.unmatched_reference if side == "reference" else mapping.unmatched_port
         target.append((_string(config, entry, side, where, line), str(why)))
     for number, (entry, line) in enumerate(config.tables("param"), start=1):
@@ -300,14 +403,37 @@ def _transforms(config: ConfigFile, value: object, where: str,
         config.fail(f"{where}: transform is an empty list; give a transform, or leave it out "
                     "for a copy", line)
     for name in chain:
-        if name not in TRANSFORMS:
-            config.fail(f"{where}: transform '{name}' is not one of {', '.join(TRANSFORMS)}",
-                        line)
+        if name not in TRANSFORMS and not is_code(name):
+            config.fail(f"{where}: transform '{name}' is not one of {', '.join(TRANSFORMS)}, "
+                        "nor a conversion function written 'package.module:function'", line)
     structural = [t for t in chain if t in ("concat", "split")]
     if len(structural) > 1:
         config.fail(f"{where}: transform {chain} has {len(structural)} concat/split steps; a "
                     "chain takes at most one (it sets how many names each side has)", line)
     return tuple(chain)
+
+
+def _call(config: ConfigFile, entry: dict, where: str, line: int | None) -> CodeRef | None:
+    """A rule's call adapter, ``call = "package.module:function"`` (checked for its form only:
+    reading a mapping imports nothing)."""
+    if "call" not in entry:
+        return None
+    spec = entry["call"]
+    if not isinstance(spec, str) or not is_code(spec):
+        config.fail(f"{where}: call must name a function as 'package.module:function', "
+                    f"got {spec!r}", line)
+    return CodeRef(spec, f"{config.path} line {line}" if line is not None else str(config.path))
+
+
+def _outputs(config: ConfigFile, entry: dict, where: str, line: int | None) -> dict[str, str]:
+    """A rule's ``outputs`` table: reference output path -> port output path."""
+    outputs = entry.get("outputs", {})
+    if not isinstance(outputs, dict) or not all(
+            isinstance(v, (str, int)) and not isinstance(v, bool) and str(v)
+            for v in outputs.values()):
+        config.fail(f"{where}: outputs must be a table of reference output = port output "
+                    "strings, e.g. outputs = { logits = \"0\" }", line)
+    return {str(key): str(value) for key, value in outputs.items()}
 
 
 def _string(config: ConfigFile, entry: dict, key: str, where: str, line: int | None) -> str:
