@@ -208,7 +208,7 @@ def test_swapping_embedding_and_head_together_stays_within():
 def test_cli_swap_exit_codes(run):
     bad = run("swap", REFERENCE, BUGGY, "--site", ATTN0, "--map", MAP)
     assert bad.exit_code == 1 and bad.output.startswith("BREAKS"), bad.output
-    assert f"not passed to {ATTN0}: past_key_va" in bad.output
+    assert f"not taken by the swapped-in layer at {ATTN0}: past_key_va" in bad.output
     assert "output_attentions (its default false)" in bad.output
     _has_no_traceback(bad)
     good = run("swap", REFERENCE, CLEAN, "--site", ATTN0, "--map", MAP)

@@ -418,6 +418,11 @@ def _call(config: ConfigFile, entry: dict, where: str, line: int | None) -> Code
     reading a mapping imports nothing)."""
     if "call" not in entry:
         return None
+    if "args" in entry:  # two ways of making one call: the adapter's is the whole call
+        config.fail(f"{where}: a rule with call makes the port's call alone (the adapter "
+                    "receives every reference argument and returns the port's args and "
+                    "kwargs), so args would not apply; rename or leave out arguments in the "
+                    "adapter and remove args", line)
     spec = entry["call"]
     if not isinstance(spec, str) or not is_code(spec):
         config.fail(f"{where}: call must name a function as 'package.module:function', "

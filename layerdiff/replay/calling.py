@@ -13,10 +13,13 @@ c. A keyword whose name is one of the port's parameters binds to it.
 d. Positional arguments, in order, fill the port's positional parameters that (c) left free;
    when none is left they go into the port's ``*args``, if it has one.
 e. Any other keyword goes into the port's ``**kwargs``, if it has one; else, when the
-   reference's signature (recorded by capture) puts it at position *i*, it fills the port's
-   *i*-th positional parameter if that is free (the reference's ``hidden_states=h`` feeds the
-   port's ``x``) -- unless it holds None or the reference's default, which (f) leaves out
-   rather than pass into a parameter of another name.
+   reference's signature (recorded by capture) puts it first, it fills the port's first
+   positional parameter if that is free (the reference's ``hidden_states=h`` feeds the port's
+   ``x``: the layer's input) -- unless it holds None or the reference's default, which (f)
+   leaves out rather than pass into a parameter of another name. Later positions are not
+   guessed: there names say what an argument means, and the same place in two signatures
+   often holds different things (HF's ``position_embeddings=(cos, sin)`` is second, where a
+   port's ``freqs_cos`` is; its ``attention_mask`` third, where ``freqs_sin`` is).
 f. An argument left without a parameter is **not taken by the port**: left out of the call
    (and of the input check), and listed with what it held -- ``None``, the reference's own
    default (``output_attentions=False``), or the value (``float32 (4,1,16,16)``). The port
@@ -198,17 +201,14 @@ class _Binder:
             self.unplaced.append(head)
 
     def _by_reference_position(self, head: str) -> Parameter | None:
-        """The port's free positional parameter at the place the reference's signature gives
-        ``head`` among its own positional parameters."""
-        if self.reference is None:
+        """The port's first positional parameter, when free and ``head`` is the reference's
+        first (the layer's input under another name)."""
+        if self.reference is None or not self.reference.positional:
             return None
-        names = [p.name for p in self.reference.positional]
-        if head not in names:
-            return None
-        position = names.index(head)
         ports = self.port.positional
-        if position < len(ports) and ports[position].name not in self.bound:
-            return ports[position]
+        if self.reference.positional[0].name == head and ports and \
+                ports[0].name not in self.bound:
+            return ports[0]
         return None
 
     def leave_out_unplaced(self, heads: dict[str, Items]) -> list[tuple[str, str]]:
