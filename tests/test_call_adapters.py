@@ -486,3 +486,91 @@ def test_a_rule_with_call_takes_no_args(tmp_path):
                     'args = { attention_mask = "" }\n', encoding="utf-8")
     with pytest.raises(MappingError, match="call makes the port's call alone"):
         Mapping.load(path)
+
+
+# ---- gradients through an adapter, on a model small enough to reason about
+
+D = 8
+
+
+class _GatedReference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, hidden, gate):           # gate: (B, 2D); only its first half is used
+        return self.lin(hidden) * gate[..., :D]
+
+
+class _GatedPort(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x, g):                   # g: (B, D)
+        return self.lin(x) * g
+
+
+def gate_call(hidden, gate):
+    return (hidden, gate[..., :D]), {}
+
+
+class _GatedNet(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.gate_proj = nn.Linear(D, 2 * D)
+        self.layer = layer
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        gate = torch.sigmoid(self.gate_proj(h))
+        if isinstance(self.layer, _GatedPort):  # the port's own code passes the half it uses
+            gate = gate[..., :D]
+        return self.head(self.layer(h, gate))
+
+
+def _gated(layer: nn.Module, name: str) -> Case:
+    torch.manual_seed(0)
+    model = _GatedNet(layer)
+    x, y = torch.randn(4, D), torch.arange(4) % 3
+    return Case(model=model, inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, y),
+                name=f"{HERE}:{name}")
+
+
+def gated_reference() -> Case:
+    return _gated(_GatedReference(), "gated_reference")
+
+
+def gated_port() -> Case:
+    return _gated(_GatedPort(), "gated_port")
+
+
+@pytest.fixture
+def gate_mapping(tmp_path) -> Path:
+    path = tmp_path / "gate.map.toml"
+    path.write_text(f'[[site]]\nreference = "layer"\nport = "layer"\ncall = "{HERE}:gate_call"\n',
+                    encoding="utf-8")
+    return path
+
+
+def test_replayed_input_gradients_flow_through_the_adapter_to_the_reference_arguments(
+        tmp_path, gate_mapping):
+    """The reference's gradient for ``gate`` is (B, 2D), zero in its second half; the replayed
+    one is taken through the adapter's slice, so it has the reference's shape and name."""
+    ref = capture(gated_reference(), tmp_path / "ref.h5")
+    result = replay(ref, gated_port(), mapping=gate_mapping, propagated=False)
+    assert result and not result.cannot_judge, result.cannot_judge
+    rows = result.diff.rows
+    grads = rows[(rows["port_site"] == "layer#0") & (rows["role"] == "grad_input")]
+    # the reference called layer(h, gate): its arguments 0 and 1, gate's gradient (4, 16)
+    assert set(grads["arg"]) == {"0", "1"} and (grads["ratio"] <= 1).all(), grads
+
+
+def test_swap_through_the_adapter_gives_the_reference_its_own_gradients(gate_mapping):
+    result = swap(gated_reference, gated_port, ["layer"], mapping=gate_mapping)
+    assert result.outcome == SwapOutcome.WITHIN, result.describe()
+    grads = {row.what.split(",")[0] for row in result.rows if row.role == "weight_grad"}
+    # gate_proj's gradient reaches it only through the adapter's slice
+    assert "weight_grad gate_proj.weight" in grads and "weight_grad inp.weight" in grads
