@@ -24,7 +24,8 @@ A TOML file (YAML with the same keys works too)::
     [[site]]                      # code, run with a case file's trust (imported when used):
     reference = "model.layers.*.self_attn"
     port = "layers.*.attention"
-    call = "my_port.adapters:attention_call"   # f(*args, **kwargs) -> (args, kwargs)
+    call = "my_port.adapters:attention_call"   # f(*args, **kwargs) -> (args, kwargs); the
+                                               # whole port call, so such a rule takes no args
     outputs = { "0" = "0" }       # reference output -> port output, where they differ
 
     [[pair]]                      # one reference site with one port site (module#call)
