@@ -574,3 +574,24 @@ def test_swap_through_the_adapter_gives_the_reference_its_own_gradients(gate_map
     grads = {row.what.split(",")[0] for row in result.rows if row.role == "weight_grad"}
     # gate_proj's gradient reaches it only through the adapter's slice
     assert "weight_grad gate_proj.weight" in grads and "weight_grad inp.weight" in grads
+
+
+def test_a_port_module_runs_on_a_recorded_call_through_its_adapter(reference_trace, mapping):
+    """What map-check uses to measure a module: ``TorchPort.outputs`` with the site's adapter."""
+    from layerdiff.mapping import Mapping
+    from layerdiff.replay.recorded import recorded_calls
+    from layerdiff.replay.torch_replay import TorchPort
+    from layerdiff.trace import open_trace
+    from layerdiff.weights import load_weights
+
+    loaded = Mapping.load(mapping)
+    case = port()
+    load_weights(case.model, reference_trace, loaded)
+    with open_trace(reference_trace) as ref:
+        call = next(c for c in recorded_calls(ref) if c.site == f"{REF_ATTN0}#0")
+        runner = TorchPort(case.model, ref)
+        adapter = loaded.call_adapter(call.site)
+        out = runner.outputs(call, ATTN0, {}, runner.inputs(call, {}),
+                             adapter=(adapter, adapter.resolve()))
+        expected = ref.read(ref.records(0, call.site, "output").iloc[0])
+    assert torch.allclose(out, torch.as_tensor(expected), rtol=1e-5, atol=1e-6)

@@ -111,12 +111,17 @@ class TorchPort:
         return self._inputs(call, args_map, dropped_arguments(args_map))
 
     def outputs(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
-                values: list[tuple[str, Any]]) -> Any:
+                values: list[tuple[str, Any]],
+                adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> Any:
         """The port module's outputs on ``values`` (from :meth:`inputs`), called the way its
-        own signature takes them; what ``map-check`` measures."""
-        bind = self._binder(call, module_name, dropped_arguments(args_map))
-        return self._run_twice(self.modules[module_name], values, {},
-                               lambda fresh: bind(fresh).call())
+        own signature takes them, or through ``adapter`` (the site's call adapter and its
+        function); what ``map-check`` measures."""
+        if adapter is not None:
+            caller = self._adapter_caller(adapter, module_name)
+        else:
+            bind = self._binder(call, module_name, dropped_arguments(args_map))
+            caller = lambda fresh: bind(fresh).call()  # noqa: E731
+        return self._run_twice(self.modules[module_name], values, {}, caller)
 
     def _binder(self, call: RecordedCall, module_name: str,
                 drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
