@@ -13,7 +13,7 @@ from torch import nn
 
 from layerdiff import Case, DiffError, capture
 from layerdiff.replay import replay
-from layerdiff.replay.arguments import dropped_arguments, map_argument
+from layerdiff.replay.arguments import NotPlainData, dropped_arguments, map_argument
 from layerdiff.replay.calling import BoundCall, CannotCall, Signature, bind_call
 from layerdiff.signature import Parameter
 from layerdiff.trace import open_trace
@@ -119,8 +119,9 @@ def test_positional_arguments_fill_free_parameters_then_star_args():  # (d)
 
     bound = bind_call([("0", 1), ("1.0", 2), ("1.1", 3), ("2", 4)], Signature.of(star))
     assert call_of(bound, star) == (1, ((2, 3), 4))
-    with pytest.raises(CannotCall, match=r"positional argument 2 \(3\)"):
-        bind_call([("0", 1), ("1", 2), ("2", 3)], PORT)
+    # a positional argument past the port's last parameter is not taken, and listed
+    bound = bind_call([("0", 1), ("1", 2), ("2", 3)], PORT)
+    assert call_of(bound, attention) == (1, 2) and bound.dropped == [("2", "3")]
 
 
 def test_a_keyword_the_port_lacks_goes_to_kwargs_or_to_the_reference_position():  # (e)
@@ -132,7 +133,8 @@ def test_a_keyword_the_port_lacks_goes_to_kwargs_or_to_the_reference_position():
     # hidden_states is the reference's first positional parameter: it feeds the port's x
     bound = bind_call([("hidden_states", 5)], Signature.of(only_x), reference=HF)
     assert bound.renamed == {"hidden_states": "0"} and call_of(bound, only_x) == 5
-    with pytest.raises(CannotCall, match="'hidden_states'"):  # no reference signature
+    # without the reference's signature nothing says hidden_states is x: x gets nothing
+    with pytest.raises(CannotCall, match=r"needs 'x', .* \(it passes hidden_states 5\)"):
         bind_call([("hidden_states", 5)], Signature.of(only_x))
 
 
@@ -152,47 +154,77 @@ def test_arguments_without_a_parameter_go_when_none_or_the_reference_default(): 
 @pytest.mark.parametrize("name, value, holds", [
     ("output_attentions", True, "True"),        # not the default
     ("output_attentions", 0, "0"),              # 0 == False in Python, not in JSON
-    ("attention_mask", np.ones((2, 2)), "a tensor"),
+    ("attention_mask", np.ones((4, 1, 16, 16)), "float64 (4,1,16,16)"),
+    ("attention_mask", (np.ones(2), np.ones((2, 3), np.float32)), "(float64 (2), float32 (2,3))"),
     ("attention_mask", "x" * 60, "'" + "x" * 36 + "..."),
 ])
-def test_an_argument_the_port_cannot_take_refuses_the_call_in_one_sentence(name, value, holds):
-    where = "port layer transformer.h.0.attn"
-    with pytest.raises(CannotCall) as info:
-        bind_call([("hidden_states", 5), (name, value)], Signature.of(only_x), reference=HF,
-                  where=where)
-    message = str(info.value)
-    assert message == (
-        f"{where}: the reference's argument '{name}' ({holds}) has no parameter in the port's "
-        f"only_x(x); map it to one of the port's arguments in the mapping file "
-        f"(args = {{ {name} = \"x\" }}) or drop it there (args = {{ {name} = \"\" }})")
+def test_an_argument_the_port_has_no_parameter_for_is_not_taken_and_listed(name, value, holds):
+    """The port layer computes its output from what it takes: an argument it has no parameter
+    for is left out of its call, listed with what it held, never a reason not to judge."""
+    bound = bind_call([("hidden_states", 5), (name, value)], Signature.of(only_x), reference=HF,
+                      where="port layer transformer.h.0.attn")
+    assert call_of(bound, only_x) == 5
+    assert bound.dropped == [(name, holds)]
 
 
-def test_every_argument_the_port_cannot_take_is_named_at_once():
+def test_every_argument_the_port_does_not_take_is_listed():
     """Real transformers 5.x passes use_cache=False into the attention's **kwargs and a
-    position_ids tensor: one sentence names both, with one mapping line that drops them."""
-    with pytest.raises(CannotCall) as info:
-        bind_call([("hidden_states", 5), ("use_cache", False), ("position_ids", np.ones(3))],
-                  Signature.of(only_x), reference=HF, where="port layer attn")
-    message = str(info.value)
-    assert "arguments 'use_cache' (False), 'position_ids' (a tensor) have no parameter" in message
-    assert message.endswith('(args = { use_cache = "", position_ids = "" })')
+    position_ids tensor: both are left out and listed."""
+    bound = bind_call([("hidden_states", 5), ("use_cache", False),
+                       ("position_ids", np.ones((1, 3), np.int64))],
+                      Signature.of(only_x), reference=HF, where="port layer attn")
+    assert bound.dropped == [("use_cache", "False"), ("position_ids", "int64 (1,3)")]
 
 
 def test_a_tensor_never_equals_a_default():
     def takes_default(x, scale=1.0):
         return x
 
-    with pytest.raises(CannotCall, match=r"'scale' \(a tensor\)"):
-        bind_call([("0", 1), ("scale", torch.tensor(1.0))], Signature.of(only_x),
-                  reference=Signature.of(takes_default))
+    bound = bind_call([("0", 1), ("scale", torch.tensor(1.0))], Signature.of(only_x),
+                      reference=Signature.of(takes_default))
+    assert bound.dropped == [("scale", "float32 ()")]  # listed as the tensor, not as a default
+
+
+def test_a_value_recorded_as_a_repr_is_left_out_or_refused_never_passed():
+    """A Hugging Face DynamicCache is recorded as its repr: it cannot be rebuilt, so it may
+    be left out of the call, but bound to a port parameter it refuses the call."""
+    cache = NotPlainData("DynamicCache", "DynamicCache()")
+    bound = bind_call([("0", 1), ("past_key_values", cache)], Signature.of(only_x))
+    assert bound.dropped == [("past_key_values", "DynamicCache, not plain data")]
+
+    def open_kwargs(x, **kwargs):
+        return x, kwargs
+
+    bound = bind_call([("0", 1), ("past_key_values", cache)], Signature.of(open_kwargs))
+    assert call_of(bound, open_kwargs) == (1, {})  # not passed into **kwargs either
+
+    def takes_cache(x, past_key_values=None):
+        return x
+
+    with pytest.raises(CannotCall, match="recorded as DynamicCache, not plain data, so it "
+                                         "cannot be passed to the port's 'past_key_values'"):
+        bind_call([("0", 1), ("past_key_values", cache)], Signature.of(takes_cache))
 
 
 def test_a_port_parameter_without_a_default_must_get_a_value():  # (g)
     def needs_mask(x, mask):
         return x
 
-    with pytest.raises(CannotCall, match="needs 'mask', which the reference's call does not"):
-        bind_call([("0", 1)], Signature.of(needs_mask), where="port layer attn")
+    with pytest.raises(CannotCall) as info:
+        bind_call([("0", np.ones((2, 4), np.float32)), ("attention_mask", None)],
+                  Signature.of(needs_mask), where="port layer attn")
+    message = str(info.value)
+    assert message.startswith("port layer attn: the port's needs_mask(x, mask) needs 'mask', "
+                              "which the reference's call does not give (it passes positional "
+                              "argument 0 float32 (2,4), attention_mask None); write a call "
+                              "adapter")
+    assert message.endswith('[[site]] rule for this layer: call = "your_module:adapter"')
+
+    def needs_two(x, freqs_cos, freqs_sin):
+        return x
+
+    with pytest.raises(CannotCall, match="needs 'freqs_cos' and 'freqs_sin', which"):
+        bind_call([("0", 1)], Signature.of(needs_two))
 
 
 def test_the_call_goes_by_position_up_to_a_gap_then_by_keyword():  # (h)
@@ -293,13 +325,20 @@ def test_replay_drops_hugging_face_keywords_the_port_does_not_take(tmp_path):
     assert len(rows) == 1 and (rows["ratio"] <= 1).all() and result.passed
 
 
-def test_replay_names_a_tensor_argument_the_port_cannot_take(tmp_path):
+def test_replay_judges_a_layer_whose_tensor_argument_the_port_does_not_take(tmp_path):
+    """The reference's attention gets a float mask the port has no parameter for: the port's
+    attention is called without it, the mask is listed as not taken, and the layer is judged
+    on what it computed (the port applies no mask, so its output is out of tolerance: its own
+    error, found locally)."""
     ref = capture(_case(HFAttention(), masked=True), tmp_path / "ref.h5")
     result = replay(ref, _case(PortAttention()), propagated=False)
-    failed, replayed, _ = replay_outcome(result)
-    assert failed["attn#0"] == (
-        "CannotCall: port layer attn: the reference's argument 'attention_mask' (a tensor) has "
-        "no parameter in the port's PortAttention.forward(x); map it to one of the port's "
-        "arguments in the mapping file (args = { attention_mask = \"x\" }) or drop it there "
-        "(args = { attention_mask = \"\" })")
-    assert "head#0" in replayed
+    failed, replayed, dropped = replay_outcome(result)
+    assert not failed and {"attn#0", "head#0"} <= replayed
+    assert ("attention_mask", "float32 (4,8)") in dropped["attn#0"]
+    local = result.local
+    row = local[(local["port_site"] == "attn#0") & (local["pass"] == "forward")].iloc[0]
+    assert row["verdict"] == "LOCAL ERROR" and result.outcome == "fail"
+    # the mask is no input of the port's layer: not recorded for it, not missing in the diff
+    rows = result.diff.rows
+    assert not ((rows["port_site"] == "attn#0") & (rows["arg"] == "attention_mask")).any()
+    assert "cannot-judge" not in set(rows["status"])

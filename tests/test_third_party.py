@@ -2,10 +2,10 @@
 take Hugging Face's keyword arguments (``tests.hf_cases:reference_hf``) against nanoGPT-style
 ports whose layers take the hidden states alone (``tests.gpt_cases``).
 
-The reference's extra arguments (``past_key_values=None``, ``output_attentions=False``, ...)
-must be dropped saying why, a real tensor the port cannot take must refuse the call in one
-sentence (until the mapping drops it), and a port layer that cannot be called must make the
-verdict "cannot judge", never "within"."""
+The reference's extra arguments (``past_key_values=None``, ``output_attentions=False``, a real
+mask tensor, ...) that the port has no parameter for are not taken: left out and listed, saying
+what they held, and the layer is judged on what it computed. A port layer that cannot be called
+(a parameter nothing fills) must make the verdict "cannot judge", never "within"."""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_swapping_embedding_and_head_together_stays_within():
 def test_cli_swap_exit_codes(run):
     bad = run("swap", REFERENCE, BUGGY, "--site", ATTN0, "--map", MAP)
     assert bad.exit_code == 1 and bad.output.startswith("BREAKS"), bad.output
-    assert f"not passed to {ATTN0}: past_key_va" in bad.output
+    assert f"not taken by the swapped-in layer at {ATTN0}: past_key_va" in bad.output
     assert "output_attentions (its default false)" in bad.output
     _has_no_traceback(bad)
     good = run("swap", REFERENCE, CLEAN, "--site", ATTN0, "--map", MAP)
@@ -320,17 +320,24 @@ def masked_reference_trace(tmp_path_factory):
     return capture(reference_hf_masked(), path, loss_scale=LOSS_SCALE)
 
 
-def test_a_tensor_argument_the_port_lacks_refuses_the_call_in_one_sentence(
+def test_a_tensor_argument_the_port_lacks_is_not_taken_and_the_attention_judged(
         masked_reference_trace):
+    """The reference's attention gets a real (all-zero) mask tensor the nanoGPT port has no
+    parameter for: left out of the call and the input check, listed, and the attention judged
+    (within: the port's own causal mask computes the same)."""
     result = replay(masked_reference_trace, gpt_cases.port(), mapping=MAP, propagated=False)
-    failed = dict(result.cannot_judge)
-    assert set(failed) == {f"transformer.h.{i}.attn#0" for i in (0, 1)}, failed
-    why = failed[f"{ATTN0}#0"]
-    assert "the reference's argument 'attention_mask' (a tensor) has no parameter" in why
-    assert 'args = { attention_mask = "" }' in why and "\n" not in why
-    assert result.outcome == "cannot-judge" and not result
-    # the rest of the reference's extra arguments are still dropped as before
+    assert not result.cannot_judge, result.cannot_judge
+    for layer in ("transformer.h.0.attn#0", "transformer.h.1.attn#0"):
+        assert (layer, layer) in result.replayed
+        assert dict(result.not_taken[layer])["attention_mask"] == "float32 (1,1,1,16)"
+    assert result and result.outcome == "pass"
+    # the block's None mask is left out as before
     assert dict(result.dropped["transformer.h.0#0"])["attention_mask"] == "None"
+    buggy = replay(masked_reference_trace, gpt_cases.port_bug_attn_scale(), mapping=MAP,
+                   propagated=False)
+    table = buggy.local
+    local = table[(table["verdict"] == "LOCAL ERROR") & (table["pass"] == "forward")]
+    assert set(local["port_site"]) == {f"{ATTN0}#0"} and not buggy.cannot_judge
 
 
 def _mapping_dropping_the_mask(tmp_path) -> Path:

@@ -24,7 +24,8 @@ A TOML file (YAML with the same keys works too)::
     [[site]]                      # code, run with a case file's trust (imported when used):
     reference = "model.layers.*.self_attn"
     port = "layers.*.attention"
-    call = "my_port.adapters:attention_call"   # f(*args, **kwargs) -> (args, kwargs)
+    call = "my_port.adapters:attention_call"   # f(*args, **kwargs) -> (args, kwargs); the
+                                               # whole port call, so such a rule takes no args
     outputs = { "0" = "0" }       # reference output -> port output, where they differ
 
     [[pair]]                      # one reference site with one port site (module#call)
@@ -418,6 +419,11 @@ def _call(config: ConfigFile, entry: dict, where: str, line: int | None) -> Code
     reading a mapping imports nothing)."""
     if "call" not in entry:
         return None
+    if "args" in entry:  # two ways of making one call: the adapter's is the whole call
+        config.fail(f"{where}: a rule with call makes the port's call alone (the adapter "
+                    "receives every reference argument and returns the port's args and "
+                    "kwargs), so args would not apply; rename or leave out arguments in the "
+                    "adapter and remove args", line)
     spec = entry["call"]
     if not isinstance(spec, str) or not is_code(spec):
         config.fail(f"{where}: call must name a function as 'package.module:function', "

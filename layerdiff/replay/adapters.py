@@ -5,7 +5,11 @@ stands between the two:
 
 - the caller's arguments are renamed by the mapping's ``args`` rules and bound to the layer's
   own signature (:func:`layerdiff.replay.calling.bind_call`: by name, then by position; the
-  caller's arguments the layer does not take are dropped when they hold None or their default);
+  caller's arguments the layer has no parameter for are not taken: left out, and listed);
+- or, where the mapping names a call adapter for the site (``call = "pkg.module:function"``),
+  the caller's arguments go to the adapter as passed (on the layer's device and dtype) and its
+  ``(args, kwargs)`` make the layer's call; its tensor operations are part of the graph, so
+  the caller's arguments get their gradients through it;
 - floating-point inputs are cast to the layer's parameter dtype and moved to its device, and
   its outputs back (a bfloat16 or CUDA port layer inside a float32 CPU reference);
 - the layer's outputs are put into the structure the replaced layer returned (a Hugging Face
@@ -26,7 +30,8 @@ from torch import nn
 from layerdiff.capture.hooks import _arguments, flatten
 from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import dropped_arguments, map_argument
-from layerdiff.replay.calling import CannotCall, bind_call
+from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.calling import CannotCall, adapted_call, bind_call
 from layerdiff.signature import Signature
 
 
@@ -79,11 +84,14 @@ class LayerAdapter(nn.Module):
     ``args_map`` renames the caller's arguments (reference argument -> port argument; with
     ``inverse``, a port caller's arguments for a reference layer: one port argument may feed
     several reference ones, attn(x) -> attn(x, x, x)). ``caller`` is the replaced layer's
-    signature, ``expected`` its output skeleton (None: return what the layer returns)."""
+    signature, ``expected`` its output skeleton (None: return what the layer returns).
+    ``call`` (the mapping's call adapter and its function) makes the layer's call instead of
+    ``args_map``."""
 
     def __init__(self, name: str, layer: nn.Module, args_map: dict[str, str], *,
                  caller: Signature | None = None, expected: Any = None,
-                 inverse: bool = False) -> None:
+                 inverse: bool = False,
+                 call: tuple[CodeRef, Any] | None = None) -> None:
         super().__init__()
         self.name = name
         self.layer = layer
@@ -93,9 +101,12 @@ class LayerAdapter(nn.Module):
         self.signature = Signature.of(layer.forward)
         self.caller = caller
         self.expected = expected
+        self.call = call
         self.dropped: list[tuple[str, str]] = []  # what the last call left out, and why
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.call is not None:
+            return self._adapted(args, kwargs)
         values = (_inverse_arguments(args, kwargs, self.args_map) if self.inverse
                   else _mapped_arguments(args, kwargs, self.args_map))
         try:
@@ -111,16 +122,40 @@ class LayerAdapter(nn.Module):
             caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
         if moved:  # a bfloat16 or CUDA port layer inside a float32 CPU reference
             call_args, call_kwargs = _moved((call_args, call_kwargs), caller, layer)
+        outputs = self._run(call_args, call_kwargs)
+        if moved:
+            outputs = _moved(outputs, layer, caller)
+        return self._shaped(outputs)
+
+    def _adapted(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The call through the mapping's adapter: the caller's arguments, moved to the
+        layer's device and dtype, become the adapter's ``(args, kwargs)`` for the layer."""
+        caller = _placement([v for _, v in _arguments(args, kwargs)])
+        layer = _placement([*self.layer.parameters(), *self.layer.buffers()])
+        moved = caller is not None and layer is not None and (
+            caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
+        if moved:
+            args, kwargs = _moved((args, kwargs), caller, layer)
+        ref, function = self.call
         try:
-            outputs = self.layer(*call_args, **call_kwargs)
+            call_args, call_kwargs = adapted_call(ref, function, args, kwargs, self.layer.forward,
+                                                  where=f"layer {self.name}")
+        except CannotCall as exc:
+            raise LayerCallError(self.name, str(exc)) from exc
+        self.dropped = []
+        outputs = self._run(call_args, call_kwargs)
+        if moved:
+            outputs = _moved(outputs, layer, caller)
+        return self._shaped(outputs)
+
+    def _run(self, call_args: tuple, call_kwargs: dict[str, Any]) -> Any:
+        try:
+            return self.layer(*call_args, **call_kwargs)
         except LayerCallError:
             raise
         except Exception as exc:  # the layer's own code failed: it cannot be judged here
             raise LayerCallError(self.name, f"{self._describe()} raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-        if moved:
-            outputs = _moved(outputs, layer, caller)
-        return self._shaped(outputs)
 
     def _describe(self) -> str:
         return self.signature.describe() if self.signature else type(self.layer).__name__

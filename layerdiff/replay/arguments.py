@@ -45,13 +45,50 @@ def _freeze(node: Any) -> Any:
     return {k: _freeze(v) for k, v in node.items()}
 
 
+class NotPlainData:
+    """A recorded argument capture could keep only as its type and repr (a Hugging Face
+    ``DynamicCache``): it cannot be rebuilt, so it can be left out of a call, never passed."""
+
+    def __init__(self, type_name: str, text: str) -> None:
+        self.type_name, self.text = type_name, text
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name}, not plain data>"
+
+
 def plain_value(text: str, where: str) -> Any:
     """A recorded non-tensor argument, or an error when capture could only keep its repr."""
-    value = json.loads(text) if text else None
-    if isinstance(value, dict) and set(value) == {"repr", "type"}:
-        raise DiffError(f"{where} was recorded as {value['type']} {value['repr']}, which is not "
+    value = recorded_value(text)
+    if isinstance(value, NotPlainData):
+        raise DiffError(f"{where} was recorded as {value.type_name} {value.text}, which is not "
                         "plain data: the call cannot be rebuilt for replay")
     return value
+
+
+def recorded_value(text: str) -> Any:
+    """A recorded non-tensor argument, or :class:`NotPlainData` where capture kept its repr."""
+    value = json.loads(text) if text else None
+    if isinstance(value, dict) and set(value) == {"repr", "type"}:
+        return NotPlainData(str(value["type"]), str(value["repr"]))
+    return value
+
+
+def describe_value(value: Any) -> str:
+    """What an argument holds, in a few words for a message: ``float32 (4,1,16,16)`` for a
+    tensor, ``(float32 (1,16,16), float32 (1,16,16))`` for a tuple of them, the repr of plain
+    data (cut at 40 characters)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype} ({','.join(str(n) for n in value.shape)})"
+    if isinstance(value, NotPlainData):
+        return f"{value.type_name}, not plain data"
+    if isinstance(value, (tuple, list)) and any(hasattr(v, "shape") for v in value):
+        inner = ", ".join(describe_value(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict) and any(hasattr(v, "shape") for v in value.values()):
+        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in value.items()) + "}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def map_argument(path: str, args: dict[str, str]) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.recorded import RecordedCall, read_value, reference_weights
 from layerdiff.trace import Trace, TraceWriter, schema
@@ -43,8 +44,12 @@ class CallablePort:
         return getattr(self.layers[module], "type_name", type(self.layers[module]).__name__)
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
-               writer: TraceWriter) -> None:
+               writer: TraceWriter, adapter: Any = None) -> None:
         module = schema.split_site(site)[0]
+        if adapter is not None:
+            raise DiffError(f"port layer {module} is not torch: the mapping's call adapter "
+                            f"{adapter[0].spec!r} ({adapter[0].where}) makes a torch call, and "
+                            "a numpy layer takes its inputs as a dict by argument path")
         inputs = {}
         for arg, row in call.inputs:
             inputs.setdefault(map_argument(arg, args_map), read_value(self.ref, row))

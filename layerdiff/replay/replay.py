@@ -9,6 +9,7 @@ layer that merely passes on an error is exonerated and one that makes its own is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -28,6 +29,9 @@ from layerdiff.compare.result import Diff
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
 from layerdiff.mapping import Mapping
+from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.arguments import map_argument
+from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
 from layerdiff.trace.schema import Pass, Role
@@ -46,9 +50,16 @@ class ReplayResult:
     replayed: list[tuple[str, str]]              # (reference site, port site)
     cannot_judge: list[tuple[str, str]]          # (reference site, why)
     skipped: list[tuple[str, str]]               # (reference site, why): not replayable
-    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # site -> args
+    # port site -> [(reference argument, why)]: not taken by the port layer (no parameter for
+    # it, or the mapping drops it), left out of its call and of the input check
+    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     propagated: Diff | None = None               # a plain diff of the port's own run
     notes: list[str] = field(default_factory=list)  # what could not be measured, and why
+
+    @property
+    def not_taken(self) -> dict[str, list[tuple[str, str]]]:
+        """The reference's arguments each port layer did not take (``dropped``)."""
+        return self.dropped
 
     @property
     def local(self) -> pd.DataFrame:
@@ -105,7 +116,8 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
         with open_trace(reference) as ref:
             log = write_replay(ref, port, mapping, sites, path)
         result = ReplayResult(
-            diff(reference, path, mapping=mapping, tolerances=tolerances, independent=True),
+            diff(reference, path, mapping=replayed_mapping(mapping, log), tolerances=tolerances,
+                 independent=True),
             log.replayed, log.failed, log.skipped, log.dropped)
         if propagated:
             try:
@@ -121,6 +133,8 @@ class ReplayLog:
         self.skipped: list[tuple[str, str]] = []    # (reference site, why)
         self.replayed: list[tuple[str, str]] = []   # (reference site, port site)
         self.dropped: dict[str, list[tuple[str, str]]] = {}  # port site -> (argument, why)
+        # reference site -> the reference's argument heads the port's call left out
+        self.left_out: dict[str, set[str]] = {}
 
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
@@ -128,6 +142,7 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     """The replay trace: every recorded call of step 0 that has a port partner, replayed."""
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
     backend = _backend(ref, port, mapping)
+    adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
     log = ReplayLog()
     meta = {"case": port.name, "replay_of": str(ref.path), "loss_scale": ref.loss_scale,
             "steps": 1}
@@ -141,14 +156,17 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
             while open_calls and not open_calls[-1][0].contains(call):
                 writer.exit(open_calls.pop()[1])
             port_site, args_map = target
+            adapter = adapters.get(call.site)
             module, number = schema.split_site(port_site)
             site = writer.enter(module, backend.type_of(module), call=number)
             open_calls.append((call, site))
             try:
-                dropped = backend.replay(call, site, args_map, writer)
+                dropped = backend.replay(call, site, args_map, writer, adapter=adapter)
                 log.replayed.append((call.site, port_site))
                 if dropped:
                     log.dropped[port_site] = dropped
+                    log.left_out[call.site] = _reference_heads(call, {} if adapter else args_map,
+                                                               dropped)
             except Exception as exc:  # a port layer that raises is named; the rest goes on
                 reason = f"{type(exc).__name__}: {exc}"
                 (log.skipped if type(exc).__name__ == "NotReplayable" else log.failed).append(
@@ -162,6 +180,52 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                            or "no port layer pairs with any reference site")
                         + "; check the case and the mapping (--map)")
     return log
+
+
+def _call_adapters(calls: list[RecordedCall], mapping: Mapping
+                   ) -> dict[str, tuple[CodeRef, Any]]:
+    """Reference site -> (the mapping's call adapter, its function), imported once each; a
+    name that does not import is refused (MappingError naming the rule's line)."""
+    functions: dict[CodeRef, Any] = {}
+    found = {}
+    for call in calls:
+        ref = mapping.call_adapter(call.site)
+        if ref is not None:
+            if ref not in functions:
+                functions[ref] = ref.resolve()
+            found[call.site] = (ref, functions[ref])
+    return found
+
+
+def _reference_heads(call: RecordedCall, args_map: dict[str, str],
+                     dropped: list[tuple[str, str]]) -> set[str]:
+    """The reference's argument heads behind the heads a port call left out (a rename rule
+    may have given them the port's names)."""
+    left = {head for head, why in dropped if why != MAPPING_DROPS}
+    return {arg.partition(".")[0] for arg, _ in call.inputs
+            if map_argument(arg, args_map).partition(".")[0] in left}
+
+
+def replayed_mapping(mapping: Mapping, log: ReplayLog) -> Mapping:
+    """The mapping the replay trace is diffed with. The trace holds each replayed call's inputs
+    and input gradients under the reference's own argument names (mapped by the site's
+    ``args``), so no call adapter stands between them; and what a port layer did not take is
+    dropped at its site, so it is left out of the input check, not missing."""
+    adjusted = dataclasses.replace(
+        mapping, site_rules=[dataclasses.replace(rule, call=None) for rule in mapping.site_rules],
+        pairs=dict(mapping.pairs), pair_args=dict(mapping.pair_args), pair_calls={},
+        pair_outputs=dict(mapping.pair_outputs))
+    replayed = dict(log.replayed)
+    for ref_site, heads in log.left_out.items():
+        rename = mapping.rename(schema.split_site(ref_site)[0])
+        args = mapping.pair_args.get(ref_site, {}) if ref_site in mapping.pairs else (
+            rename[1] if rename is not None else {})
+        if mapping.call_adapter(ref_site) is not None:
+            args = {}
+        adjusted.pairs[ref_site] = replayed[ref_site]
+        adjusted.pair_args[ref_site] = {**args, **{head: "" for head in heads}}
+        adjusted.pair_outputs[ref_site] = mapping.output_names(ref_site)
+    return adjusted
 
 
 def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:

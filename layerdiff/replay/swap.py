@@ -3,7 +3,8 @@ backward intact, and measure what changes against the pure reference.
 
 A port layer goes in holding the reference's weights (through the mapping), behind an adapter
 (:mod:`layerdiff.replay.adapters`) that calls it the way the replaced layer was called: its
-own signature, its own dtype, the replaced layer's output structure. A layer that is not torch
+own signature (or the mapping's call adapter for the site), its own dtype, the replaced
+layer's output structure. A layer that is not torch
 (per-site numpy callables) goes in through a ``torch.autograd.Function`` around its forward and
 backward, with its weights as parameters so the optimizer trains them. The reverse direction
 (``into="port"``) puts reference layers into the port, to confirm a fix.
@@ -38,6 +39,7 @@ from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, ParamSource
+from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
@@ -82,7 +84,12 @@ class SwapResult:
     into: str = "reference"                 # which model the swapped layers went into
     not_swapped: list[tuple[str, str]] = field(default_factory=list)  # (port layer, why)
     raised: str = ""                        # the swapped run failed outside a swapped call
-    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # layer -> args
+    # layer -> [(argument, why)]: the caller's arguments the layer did not take
+    dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+
+    @property
+    def not_taken(self) -> dict[str, list[tuple[str, str]]]:
+        return self.dropped
 
     @property
     def outcome(self) -> SwapOutcome:
@@ -171,6 +178,9 @@ class Swapper:
             with contextlib.suppress(Exception):
                 self.port_order, self.port_outputs = _observe(self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
+        # reference module -> (call adapter, its function), imported now: a name that does not
+        # import is bad input, refused before any run
+        self.calls = self._call_adapters()
         self._runs: dict[int, tuple[Any, Any]] = {}
         self._reference_state = state_arrays(probe_ref.model)  # the weights swapped layers get
 
@@ -189,6 +199,18 @@ class Swapper:
                     and module != schema.ROOT_MODULE):
                 pairs[module] = (schema.split_site(found[0])[0], found[1])
         return pairs
+
+    def _call_adapters(self) -> dict[str, tuple[CodeRef, Any]]:
+        found: dict[str, tuple[CodeRef, Any]] = {}
+        functions: dict[CodeRef, Any] = {}
+        pair_sites = {schema.split_site(site)[0]: site for site in self.mapping.pairs}
+        for module in self.pairs:
+            ref = self.mapping.call_adapter(pair_sites.get(module, schema.site_name(module, 0)))
+            if ref is not None:
+                if ref not in functions:
+                    functions[ref] = ref.resolve()
+                found[module] = (ref, functions[ref])
+        return found
 
     def resolve(self, name: str) -> str:
         """A reference module for a name given in either model's terms (module or site; an op
@@ -273,6 +295,13 @@ class Swapper:
                 _tie_shared(host.model, module, layer, self.mapping, port_module)
                 _replace(host.model, module, layer)
             else:
+                if module in self.calls:
+                    ref = self.calls[module][0]
+                    raise LayerCallError(port_module, f"the mapping's call adapter {ref.spec!r} "
+                                         f"({ref.where}) turns the reference's call of "
+                                         f"{module} into the port's; the reverse, to call the "
+                                         f"reference's layer from the port's code, is not "
+                                         "written, so it cannot go into the port")
                 replaced = _get(host.model, port_module)
                 layer = LayerAdapter(port_module, _get(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
@@ -294,10 +323,15 @@ class Swapper:
                                      "would leave untrained; swap its children instead")
             weights = {name[len(prefix):]: value for name, value in self._reference_state.items()
                        if name.startswith(prefix) and "." not in name[len(prefix):]}
+            if ref_module in self.calls:
+                raise LayerCallError(ref_module, f"port layer {port_module} is not torch: the "
+                                     "mapping's call adapter makes a torch call, and a numpy "
+                                     "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map)
         return LayerAdapter(ref_module, _get(donor.model, port_module), args_map,
                             caller=Signature.of(replaced.forward),
-                            expected=self.reference_outputs.get(ref_module))
+                            expected=self.reference_outputs.get(ref_module),
+                            call=self.calls.get(ref_module))
 
     def _compare(self, what: str, key: tuple[int, str, str, str], expected: torch.Tensor,
                  got: torch.Tensor, *, judged: bool = True) -> SwapRow:
@@ -458,12 +492,53 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
         handles += [module.register_forward_pre_hook(before(name)),
                     module.register_forward_hook(after(name))]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _direct_forward_calls(case.model, before, after):
             case.call_model()
     finally:
         for handle in handles:
             handle.remove()
     return list(order), outputs
+
+
+@contextlib.contextmanager
+def _direct_forward_calls(model: nn.Module, before, after):
+    """Modules the model's code calls through ``child.forward(...)`` (a Llama port's
+    ``self.attention.forward(x, ...)``) run no hooks: while inside, each module's instance
+    ``forward`` is wrapped to call ``before(name)`` and ``after(name)``'s hooks itself, except
+    within a normal ``child(...)`` call, whose hooks already do."""
+    inside: dict[int, int] = {}  # id(module) -> depth of its normal calls
+
+    def enter(module, _args) -> None:
+        inside[id(module)] = inside.get(id(module), 0) + 1
+
+    def leave(module, _args, _out) -> None:
+        inside[id(module)] -= 1
+
+    def wrapped(name: str, module: nn.Module, forward):
+        def direct(*args, **kwargs):
+            if inside.get(id(module)):
+                return forward(*args, **kwargs)
+            before(name)(module, args)
+            out = forward(*args, **kwargs)
+            after(name)(module, args, out)
+            return out
+        return direct
+
+    handles, patched = [], []
+    for name, module in model.named_modules():
+        if "forward" in module.__dict__:
+            continue  # already an instance attribute: left as it is
+        handles += [module.register_forward_pre_hook(enter),
+                    module.register_forward_hook(leave, always_call=True)]
+        module.forward = wrapped(name or schema.ROOT_MODULE, module, module.forward)
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in patched:
+            del module.forward
 
 
 def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,

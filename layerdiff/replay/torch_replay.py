@@ -5,11 +5,13 @@ an in-place layer cannot touch them) and, for its backward, the reference's reco
 gradients, through ``torch.autograd.grad`` so nothing accumulates into ``.grad``: a container's
 replay does not add to its children's weight gradients. Buffers (batch-norm statistics) are
 put back after each call. The recorded arguments are fitted to the port layer's own signature
-(``calling.bind_call``: arguments it has no parameter for are dropped when they hold None or
-the reference's default), while the inputs are recorded under the reference's names, mapped,
-as the diff pairs them. A call is run twice from different random seeds: a layer whose output
-changes draws random numbers (dropout) and cannot be replayed exactly, so it is skipped, saying
-why.
+(``calling.bind_call``: arguments it has no parameter for are not taken, left out and listed),
+or, where the mapping names a call adapter for the site, handed to the adapter as the
+reference passed them, whose ``(args, kwargs)`` make the port's call (gradients flow through
+it to the reference's arguments). The inputs are recorded under the reference's names (mapped
+by the site's ``args``), as the diff pairs them, and so are the input gradients. A call is run
+twice from different random seeds: a layer whose output changes draws random numbers (dropout)
+and cannot be replayed exactly, so it is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from layerdiff.capture.hooks import flatten
 from layerdiff.errors import DiffError
-from layerdiff.replay.arguments import dropped_arguments, map_argument
-from layerdiff.replay.calling import BoundCall, Signature, bind_call
-from layerdiff.replay.recorded import RecordedCall, read_value
+from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.arguments import (
+    NotPlainData, dropped_arguments, map_argument, rebuild_call, recorded_value)
+from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
+from layerdiff.replay.recorded import RecordedCall, read_array, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16}
+
+Caller = Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]]  # values -> the call
 
 
 class NotReplayable(Exception):
@@ -61,17 +66,28 @@ class TorchPort:
         return type(self.modules[module]).__name__
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
-               writer: TraceWriter) -> list[tuple[str, str]]:
+               writer: TraceWriter, adapter: tuple[CodeRef, Callable[..., Any]] | None = None
+               ) -> list[tuple[str, str]]:
         """Replay one call; returns the reference arguments left out of the port's call, and
-        why (``calling.BoundCall.dropped``)."""
+        why (``calling.BoundCall.dropped``). ``adapter`` (the mapping's call adapter for the
+        site and its function) makes the port's call from the reference's arguments."""
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
+        args_map = {} if adapter else args_map  # the adapter makes the whole call
         drop = dropped_arguments(args_map)
         values = self._inputs(call, args_map, drop)
-        bind = self._binder(call, module_name, drop)
-        dropped = bind(values).dropped  # refuses a call the port cannot take, before any work
+        if adapter is None:
+            bind = self._binder(call, module_name, drop)
+            dropped = bind(values).dropped  # refuses a call the port cannot take, before work
+            caller: Caller = lambda fresh: bind(fresh).call()  # noqa: E731
+        else:
+            caller = self._adapter_caller(adapter, module_name)
+            dropped = [(arg, f"recorded as {value.type_name}, not plain data: the call adapter "
+                             "gets None") for arg, value in values
+                       if isinstance(value, NotPlainData)]
+        left_out = {head for head, _ in dropped}
         for arg, value in values:
-            if arg.partition(".")[0] not in drop:  # the port has no such argument to record
+            if arg.partition(".")[0] not in left_out:  # the port took no such argument
                 writer.record(site, "input", _numpy(value), arg=arg)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
@@ -79,11 +95,11 @@ class TorchPort:
                 for name, tensor in tensors.items():
                     if tensor is not None:
                         writer.record(site, "weight", _numpy(tensor), arg=name, pass_="forward")
-        wanted = {map_argument(a, args_map) for a in call.grad_input_args}
+        wanted = {map_argument(a, args_map) for a in call.grad_input_args} - left_out
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
         leaves |= _shared_leaves(call, args_map, values, leaves)
-        outputs = self._run_twice(module, values, leaves, bind)
+        outputs = self._run_twice(module, values, leaves, caller)
         flat = list(flatten(outputs, ""))
         for arg, value in flat:
             writer.record(site, "output", _numpy(value), arg=arg)
@@ -95,11 +111,17 @@ class TorchPort:
         return self._inputs(call, args_map, dropped_arguments(args_map))
 
     def outputs(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
-                values: list[tuple[str, Any]]) -> Any:
+                values: list[tuple[str, Any]],
+                adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> Any:
         """The port module's outputs on ``values`` (from :meth:`inputs`), called the way its
-        own signature takes them; what ``map-check`` measures."""
-        bind = self._binder(call, module_name, dropped_arguments(args_map))
-        return self._run_twice(self.modules[module_name], values, {}, bind)
+        own signature takes them, or through ``adapter`` (the site's call adapter and its
+        function); what ``map-check`` measures."""
+        if adapter is not None:
+            caller = self._adapter_caller(adapter, module_name)
+        else:
+            bind = self._binder(call, module_name, dropped_arguments(args_map))
+            caller = lambda fresh: bind(fresh).call()  # noqa: E731
+        return self._run_twice(self.modules[module_name], values, {}, caller)
 
     def _binder(self, call: RecordedCall, module_name: str,
                 drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
@@ -111,6 +133,20 @@ class TorchPort:
         where = f"port layer {module_name}"
         return lambda values: bind_call(values, port, reference=reference, drop=drop,
                                         where=where)
+
+    def _adapter_caller(self, adapter: tuple[CodeRef, Callable[..., Any]],
+                        module_name: str) -> Caller:
+        """The reference's arguments, rebuilt as they were passed (what capture could keep
+        only as a repr is None), through the mapping's call adapter."""
+        ref, function = adapter
+        forward = self.modules[module_name].forward
+
+        def caller(values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+            args, kwargs = rebuild_call([(arg, None if isinstance(value, NotPlainData)
+                                          else value) for arg, value in values])
+            return adapted_call(ref, function, args, kwargs, forward,
+                                where=f"port layer {module_name}")
+        return caller
 
     def _reference_signature(self, type_name: str) -> Signature | None:
         """The reference module type's forward signature, as capture recorded it (traces
@@ -138,19 +174,20 @@ class TorchPort:
                 # not read: what the mapping drops may not be plain data (a cache object)
                 values.append((port_arg, None))
                 continue
-            value = read_value(self.ref, row)
-            if isinstance(value, np.ndarray):
-                value = torch.from_numpy(value).to(self.device, TORCH_DTYPES.get(row["dtype"]))
+            if row["kind"] == "tensor":
+                value = torch.from_numpy(read_array(self.ref, row)).to(
+                    self.device, TORCH_DTYPES.get(row["dtype"]))
+            else:  # a cache object capture kept as a repr: it can be left out, not passed
+                value = recorded_value(row["value"])
             values.append((port_arg, value))
         return values
 
     def _run_twice(self, module: nn.Module, values: list[tuple[str, Any]],
-                   leaves: dict[str, torch.Tensor],
-                   bind: Callable[[list[tuple[str, Any]]], BoundCall]) -> Any:
+                   leaves: dict[str, torch.Tensor], caller: Caller) -> Any:
         def call(seed: int) -> Any:
             fresh = [(a, leaves[a].clone() if a in leaves else (
                 v.clone() if torch.is_tensor(v) else v)) for a, v in values]
-            args, kwargs = bind(fresh).call()
+            args, kwargs = caller(fresh)
             with _random_seed(seed, self.device), restored(module.buffers()):
                 return module(*args, **kwargs)
 

@@ -303,7 +303,7 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     dropped = [(site, ", ".join(f"{arg} ({why})" for arg, why in args))
                for site, args in result.dropped.items()]
     for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
-                           ("not passed to", dropped)):
+                           ("not taken by the port at", dropped)):
         for site, why in entries[: None if verbose else 5]:
             lines += _reason(f"{label} {site}: {why}", width)
         if not verbose and len(entries) > 5:
@@ -333,7 +333,7 @@ def format_swap(result, width: int = WIDTH) -> str:
         lines.append(_clip(f"  swapped: reference {ref} <- port {port}", width))
     for layer, dropped in result.dropped.items():
         said = ", ".join(f"{arg} ({why})" for arg, why in dropped)
-        lines += _reason(f"not passed to {layer}: {said}", width)
+        lines += _reason(f"not taken by the swapped-in layer at {layer}: {said}", width)
     if result.losses:
         lines += ["", "step  reference loss   swapped loss"]
         for step, (a, b) in enumerate(result.losses):
