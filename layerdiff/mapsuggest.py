@@ -531,7 +531,8 @@ class _Source:
 
 def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Mapping,
                   module_partner: dict[str, str], ref_order: dict[str, int],
-                  module_confidence: dict[str, float]) -> tuple[list[_Source], list[str]]:
+                  module_confidence: dict[str, float],
+                  types: dict[str, str]) -> tuple[list[_Source], list[str]]:
     """Each port tensor's source: its module's partner's tensor, transposed where the shapes
     say so, else a leftover reference tensor of its shape, or several stacked."""
     assignments = resolve_weights(model, weights, mapping)
@@ -551,10 +552,11 @@ def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Map
               and tuple(reversed(shapes[refs[0]])) == found.shape and len(found.shape) == 2):
             used.update(refs)
             sources[found.port] = _Source(found.port, refs, ("transpose",), confidence, [
-                f"shape {_shape_text(found.shape)} is {refs[0]}'s "
+                f"shape {_shape_text(found.shape)} is the reference's "
                 f"{_shape_text(shapes[refs[0]])} transposed"], True)
         else:
             open_.append((found.port, found.shape, found.problem))
+    _transpose_square(sources, shapes, types)
     free = {name for name in weights if name not in used}
     _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True)
     _pick_stacks(open_, shapes, free, module_partner, ref_order, sources)
@@ -562,6 +564,40 @@ def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Map
     order = list(port_tensors(model))
     missing = [name for name, _, _ in open_ if name not in sources]
     return [sources[name] for name in order if name in sources], missing
+
+
+def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, ...]],
+                      types: dict[str, str]) -> None:
+    """A square weight fits both ways round: it is transposed when every non-square weight
+    of the same leaf, between modules of the same two classes, needed a transpose (Hugging
+    Face's Conv1D keeps (in, out) where nn.Linear keeps (out, in))."""
+    def classes(source: _Source) -> tuple[str, str, str]:
+        ref = source.reference[0]
+        return (types.get("ref:" + ref.rpartition(".")[0], "?"),
+                types.get("port:" + source.port.rpartition(".")[0], "?"),
+                source.port.rsplit(".", 1)[-1])
+
+    votes: dict[tuple[str, str, str], list[bool]] = defaultdict(list)
+    for source in sources.values():
+        shape = shapes[source.reference[0]]
+        if len(source.reference) == 1 and len(shape) == 2 and shape[0] != shape[1]:
+            votes[classes(source)].append(source.transform == ("transpose",))
+    for source in sources.values():
+        shape = shapes[source.reference[0]]
+        if len(source.reference) != 1 or len(shape) != 2 or shape[0] != shape[1]:
+            continue
+        key = classes(source)
+        seen = votes.get(key, [])
+        if seen and all(seen) and source.transform == ("copy",):
+            source.transform, source.rule = ("transpose",), True
+            source.evidence = [f"square {_shape_text(shape)}: the other {len(seen)} "
+                               f"{key[2]}s of {key[0]} -> {key[1]} are transposed"]
+        elif seen and any(seen):
+            source.confidence = min(source.confidence, 0.3)
+            source.evidence.append(f"UNSURE: square {_shape_text(shape)}, and {sum(seen)} of "
+                                   f"{len(seen)} other {key[2]}s of {key[0]} -> {key[1]} are "
+                                   "transposed")
+            source.rule = True
 
 
 def _anchor(port_name: str, module_partner: dict[str, str]) -> str | None:
@@ -753,8 +789,10 @@ class _Drafter:
                                                pair.confidence)
         module_partner = {p: ("" if r == schema.ROOT_MODULE else r)
                           for p, r in module_partner.items() if p != schema.ROOT_MODULE}
+        types = {f"ref:{c.module}": c.type for c in self.refs}
+        types.update((f"port:{c.module}", c.type) for c in self.ports)
         return _find_sources(self.case.model, self.weights, mapping, module_partner,
-                             self.ref_order, confidence)
+                             self.ref_order, confidence, types)
 
     def _param_mapping(self, mapping: Mapping, sources: list[_Source]) -> Mapping:
         text = _site_text([]) + "".join(_param_text(s.port, s.reference, s.transform)
