@@ -885,11 +885,11 @@ class _Drafter:
     # -- text
     def _write(self, pairs, site_rules, sources, missing) -> tuple[str, list[Suggestion]]:
         lines = [
-            "# A draft mapping by `layerdiff map-suggest`: check it, above all the rules marked",
-            "# UNSURE, then run the map-check command it printed. Each rule's comment is its",
-            "# evidence: type = module classes, shape = its own parameters' shapes, output = its",
-            "# first output's shape, name a~b = similar names, output equals = the port's value",
-            "# with these weights loaded.",
+            "# A draft mapping by `layerdiff map-suggest`: check it (above all the rules it",
+            "# marks as unsure), then run the map-check command it printed. Each rule's comment",
+            "# is its evidence: type = module classes, shape = its own tensors' shapes, output =",
+            "# its first output's shape, name a~b = similar names, output equals = the port's",
+            "# value with these weights loaded.",
             "version = 1", ""]
         suggestions = list(site_rules)
         if site_rules:
@@ -951,8 +951,8 @@ class _Drafter:
                 if name in done:
                     continue
                 done.add(name)
-                why = [f"type {call.type}", "no parameters" if not call.params else
-                       "parameters " + ", ".join(_shape_text(s) for s in call.params.values()),
+                why = [f"type {call.type}", "no tensors" if not call.params else
+                       "tensors " + ", ".join(_shape_text(s) for s in call.params.values()),
                        f"no {'port' if side == 'reference' else 'reference'} call fits it"]
                 out.append(Suggestion(f"unmatched-{side}", [name] if side == "reference" else [],
                                       [name] if side == "port" else [], 0.6, why))
