@@ -30,6 +30,7 @@ call order (a fused projection: ``concat``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import Counter, defaultdict
@@ -414,6 +415,37 @@ def _pair_by_structure(refs: list[_Call], ports: list[_Call], pairs: dict[str, _
         taken.add(common)
 
 
+def _confirm_by_structure(refs: list[_Call], ports: list[_Call],
+                          pairs: dict[str, _Pair]) -> None:
+    """A pair of callers whose callees' partners all lie inside the port caller is sure of
+    itself; one where some lie elsewhere is not."""
+    port_by_site = {c.site: c for c in ports}
+    children: dict[str, list[str]] = defaultdict(list)
+    for call in refs:
+        children[call.parent].append(call.site)
+    for pair in pairs.values():
+        inner = [pairs[c].port.site for c in _descendants(pair.ref.site, children) if c in pairs]
+        if not inner or not pair.ref.parent:
+            continue
+        inside = sum(pair.port.site in _callers(site, port_by_site) for site in inner)
+        if inside == len(inner):
+            if pair.confidence < 0.7:
+                pair.evidence.append(f"holds the partners of its {len(inner)} paired calls")
+            pair.confidence = max(pair.confidence, 0.7)
+        else:
+            pair.confidence = min(pair.confidence, 0.4)
+            pair.evidence.append(f"UNSURE: {len(inner) - inside} of the partners of its "
+                                 f"{len(inner)} paired calls lie outside {pair.port.site}")
+
+
+def _callers(site: str, calls: dict[str, _Call]) -> set[str]:
+    out = set()
+    while site in calls and calls[site].parent:
+        site = calls[site].parent
+        out.add(site)
+    return out
+
+
 def _descendants(site: str, children: dict[str, list[str]]) -> list[str]:
     out, todo = [], list(children.get(site, []))
     while todo:
@@ -727,6 +759,7 @@ class _Drafter:
             pairs[root_ref[0].site] = _Pair(root_ref[0], root_port[0], 1.0, ["the model itself"])
         _fill_out_of_order(self.refs, self.ports, pairs)
         _pair_by_structure(self.refs, self.ports, pairs)
+        _confirm_by_structure(self.refs, self.ports, pairs)
         mapping, site_rules = self._site_rules(pairs, {})
         sources, missing = self._sources(mapping, pairs)
         args = self._check_values(pairs, mapping, sources)
@@ -832,8 +865,7 @@ class _Drafter:
             if error is not None and error <= VALUE_RTOL and not any(
                     e.startswith("output equals") for e in pair.evidence):
                 pair.confidence = max(pair.confidence, 0.95)
-                pair.evidence.insert(0, f"output equals the reference's (relative error "
-                                        f"{error:.0e})")
+                pair.evidence.insert(0, _equal_output(error))
             ref_in = {r["arg"]: r for _, r in rows[rows["role"] == "input"].iterrows()}
             found = _argument_map(self.ref, ref_in, port_in)
             if found is not None:
@@ -871,7 +903,7 @@ class _Drafter:
             if not fits:
                 continue
             port, error = fits[0]
-            evidence = [f"output equals the reference's (relative error {error:.0e})",
+            evidence = [_equal_output(error),
                         "between the partners of its neighbours in call order"]
             found = _score(ref, port)
             if found is not None:
@@ -903,13 +935,13 @@ class _Drafter:
                 lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
                                                       for k, v in rule.args.items()) + " }")
             lines.append("")
-        unmatched = self._unmatched(pairs)
+        unmatched = self._unmatched(pairs, sources)
         if unmatched:
             lines.append("# ---- calls with no partner")
         for entry in unmatched:
             side = "reference" if entry.kind == "unmatched-reference" else "port"
             name = (entry.reference or entry.port)[0]
-            lines += [*_comment(entry), "[[unmatched]]", f"{side} = {_q(name)}",
+            lines += [*_comment(entry)[1:], "[[unmatched]]", f"{side} = {_q(name)}",
                       f"why = {_q('; '.join(entry.evidence))}", ""]
         suggestions += unmatched
         params = self._param_suggestions(sources)
@@ -929,8 +961,12 @@ class _Drafter:
             suggestions.append(Suggestion("param", [], [name], 0.0, ["no source found"]))
         return "\n".join(lines).rstrip() + "\n", suggestions
 
-    def _unmatched(self, pairs: dict[str, _Pair]) -> list[Suggestion]:
+    def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:
         taken = {p.port.site for p in pairs.values()}
+        feeds: dict[str, set[str]] = defaultdict(set)   # reference module -> port tensors
+        for source in sources:
+            for name in source.reference:
+                feeds[name.rpartition(".")[0]].add(_glob(source.port)[0])
         out = []
         for side, calls, paired in (("reference", self.refs, set(pairs)),
                                     ("port", self.ports, taken)):
@@ -954,6 +990,8 @@ class _Drafter:
                 why = [f"type {call.type}", "no tensors" if not call.params else
                        "tensors " + ", ".join(_shape_text(s) for s in call.params.values()),
                        f"no {'port' if side == 'reference' else 'reference'} call fits it"]
+                if side == "reference" and feeds.get(call.module):
+                    why.append("its tensors feed port " + ", ".join(sorted(feeds[call.module])))
                 out.append(Suggestion(f"unmatched-{side}", [name] if side == "reference" else [],
                                       [name] if side == "port" else [], 0.6, why))
         return out
@@ -1013,6 +1051,12 @@ def _output_error(ref: Trace, ref_out: dict, port_out: dict[str, np.ndarray]) ->
     if not norm:
         return None
     return float(np.sqrt(gap / norm))
+
+
+def _equal_output(error: float) -> str:
+    """Said by its power of ten, so that the blocks of a glob rule say it alike."""
+    bound = 10.0 ** math.ceil(math.log10(max(error, 1e-12)))
+    return f"output equals the reference's (relative error <= {bound:.0e})"
 
 
 def _argument_map(ref: Trace, ref_in: dict, port_in: dict[str, np.ndarray]) -> dict | None:

@@ -149,3 +149,39 @@ def right_sources() -> dict[str, str]:
         for port_name, ref_name in names.items():
             right[f"layers.{n}.{port_name}.weight"] = f"model.layers.{n}.{ref_name}.weight"
     return right
+
+
+def gpt2_reference() -> Case:
+    """Hugging Face ``GPT2LMHeadModel`` with ``tests.gpt_cases``' sizes and tokens (eager
+    attention, dropout off), against ``tests.gpt_cases:port`` (nanoGPT's layout)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests import gpt_cases
+
+    cfg = gpt_cases.GPTConfig()
+    case = gpt_cases.port()   # its tokens and loss; the model is replaced
+    seed_everything(0)
+    config = GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.n_positions, n_embd=cfg.n_embd,
+                        n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    model = GPT2LMHeadModel(config).eval()
+    return Case(model=model, inputs=case.inputs, loss_fn=lambda out: case.loss_fn((out.logits,)),
+                name="hf_gpt2")
+
+
+def gpt2_right_sources() -> dict[str, tuple[str, str]]:
+    """nanoGPT port tensor -> (Hugging Face tensor, transform)."""
+    from tests import gpt_cases
+
+    right = {"transformer.wte.weight": ("transformer.wte.weight", "copy"),
+             "transformer.wpe.weight": ("transformer.wpe.weight", "copy"),
+             "transformer.ln_f.weight": ("transformer.ln_f.weight", "copy"),
+             "transformer.ln_f.bias": ("transformer.ln_f.bias", "copy")}
+    for n in range(gpt_cases.GPTConfig().n_layer):
+        for leaf in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                     "attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias"):
+            right[f"transformer.h.{n}.{leaf}"] = (f"transformer.h.{n}.{leaf}", "copy")
+        for leaf in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                     "mlp.c_proj.weight"):
+            right[f"transformer.h.{n}.{leaf}"] = (f"transformer.h.{n}.{leaf}", "transpose")
+    return right

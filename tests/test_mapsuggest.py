@@ -87,6 +87,26 @@ def test_llama_port_tensors_get_their_right_source_from_hugging_face(tmp_path):
     assert got["layers.1.feed_forward.w3.weight"] == ["model.layers.1.mlp.up_proj.weight"]
 
 
+def test_nanogpt_port_tensors_get_their_right_source_from_hugging_face_gpt2(tmp_path):
+    pytest.importorskip("transformers")
+    from layerdiff.capture import capture
+    from layerdiff.trace import open_trace
+    from layerdiff.weights import resolve_weights, trace_weights
+    from tests import gpt_cases
+    from tests import llama_suggest_cases as cases
+
+    ref_trace = capture(cases.gpt2_reference(), tmp_path / "ref.h5")
+    port = gpt_cases.port()
+    result = suggest_mapping(ref_trace, port)
+    with open_trace(ref_trace) as trace:
+        weights = trace_weights(trace)
+    got = {found.port: (found.source.reference, found.source.transforms) for found in
+           resolve_weights(port.model, weights, Mapping.from_text(result.text, "draft.toml"))}
+    right = cases.gpt2_right_sources()
+    correct = sum(got[name] == ([ref], (how,)) for name, (ref, how) in right.items())
+    assert set(got) == set(right) and correct / len(right) >= 0.9
+
+
 def test_an_existing_output_file_is_refused(run, tmp_path, reference_traces):
     draft = tmp_path / "draft.map.toml"
     draft.write_text("keep me")
