@@ -755,7 +755,7 @@ class _Drafter:
         root_ref = [c for c in self.refs if not c.parent]
         root_port = [c for c in self.ports if not c.parent]
         pairs = _align(self.refs, self.ports)
-        if root_ref and root_port and root_ref[0].site not in pairs:
+        if root_ref and root_port:
             pairs[root_ref[0].site] = _Pair(root_ref[0], root_port[0], 1.0, ["the model itself"])
         _fill_out_of_order(self.refs, self.ports, pairs)
         _pair_by_structure(self.refs, self.ports, pairs)
@@ -773,7 +773,7 @@ class _Drafter:
                              [n for n, s in tensor_sources.items() if not s])
 
     # -- sites
-    def _site_rules(self, pairs: dict[str, _Pair], args: dict[str, dict[str, str]]):
+    def _site_rules(self, pairs: dict[str, _Pair], args: dict[str, list[dict]]):
         """[[site]] suggestions (globs where every block agrees) and [[pair]] ones, and the
         Mapping they make."""
         by_module: dict[str, list[_Pair]] = defaultdict(list)
@@ -786,7 +786,7 @@ class _Drafter:
             renamed = len(port_modules) == 1 and same_calls
             target = next(iter(port_modules))
             if renamed and (target == module or module not in self.port_modules):
-                if target != module or args.get(module):
+                if target != module or _agreed_args(args.get(module, []))[0]:
                     renames.append((module, target, found))
             elif not (renamed and target == module):
                 singles += found
@@ -795,7 +795,7 @@ class _Drafter:
         for ref_glob, (port_glob,), members in _generalise(
                 [(m, [t]) for m, t, _ in renames], universe):
             found = [p for k in members for p in renames[k][2]]
-            rule_args = _agreed_args([args.get(renames[k][0], {}) for k in members])
+            rule_args = _agreed_args([d for k in members for d in args.get(renames[k][0], [])])
             confidence = min(p.confidence for p in found)
             evidence = _merged_evidence(found)
             if len(members) > 1:
@@ -808,7 +808,8 @@ class _Drafter:
         rules.sort(key=lambda s: -s.reference[0].count("."))
         for pair in singles:
             rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
-                                    list(pair.evidence), args=args.get(pair.ref.site, {})))
+                                    list(pair.evidence),
+                                    args=_agreed_args(args.get(pair.ref.site, []))[0]))
         mapping = Mapping.from_text(_site_text(rules), "draft.toml")
         return mapping, rules
 
@@ -849,8 +850,7 @@ class _Drafter:
             _, values = self.run.run(keep_values=True)
         except CaseError:
             return {}
-        args_by_module: dict[str, list[dict[str, str]]] = defaultdict(list)
-        args_by_site: dict[str, dict[str, str]] = {}
+        decisions: dict[str, list[dict]] = defaultdict(list)  # module, and site -> maps
         step = int(self.ref.sites["step"].min())
         index = self.ref.records(step, pass_="forward", kind="tensor")
         by_site = {site: rows for site, rows in index.groupby("site")}
@@ -868,15 +868,10 @@ class _Drafter:
                 pair.evidence.insert(0, _equal_output(error))
             ref_in = {r["arg"]: r for _, r in rows[rows["role"] == "input"].iterrows()}
             found = _argument_map(self.ref, ref_in, port_in)
-            if found is not None:
-                args_by_site[pair.ref.site] = found
-                args_by_module[pair.ref.module].append(found)
-        out = dict(args_by_site)
-        for module, maps in args_by_module.items():
-            agreed, doubt = _agreed_args(maps)
-            if agreed and not doubt:
-                out[module] = agreed
-        return out
+            if found:
+                decisions[pair.ref.site].append(found)
+                decisions[pair.ref.module].append(found)
+        return decisions
 
     def _pair_by_value(self, pairs: dict[str, _Pair], values: dict, by_site: dict) -> None:
         """An unpaired reference call pairs with the unpaired port call, between the partners
@@ -1059,29 +1054,33 @@ def _equal_output(error: float) -> str:
     return f"output equals the reference's (relative error <= {bound:.0e})"
 
 
-def _argument_map(ref: Trace, ref_in: dict, port_in: dict[str, np.ndarray]) -> dict | None:
-    """Reference argument -> port argument where their values say so and the names differ;
-    None when the values agree on nothing (a port that computes something else upstream)."""
-    top = defaultdict(list)
-    for arg in ref_in:
-        top[arg.split(".")[0]].append(arg)
-    port_top = defaultdict(list)
-    for arg in port_in:
-        port_top[arg.split(".")[0]].append(arg)
-    out, agreed = {}, 0
-    for name, leaves in top.items():
-        if len(leaves) != 1 or leaves[0] != name:
-            continue  # nested arguments keep their names
-        expected = np.asarray(ref.read(ref_in[name]))
-        equal = [p for p, ps in port_top.items() if len(ps) == 1 and ps[0] == p
-                 and _equal(expected, port_in[p])]
-        if not equal:
+def _argument_map(ref: Trace, ref_in: dict,
+                  port_in: dict[str, np.ndarray]) -> dict[str, tuple[str, int]]:
+    """Reference argument -> (port argument, weight) for the top-level arguments this call
+    decides: by equal value (weight 2), else, once some value agreed, by the one remaining
+    port argument of the same shape and dtype (weight 1). Arguments it cannot decide (a port
+    that computes something else upstream) are left out."""
+    names = [a for a in ref_in if "." not in a]
+    port_names = [a for a in port_in if "." not in a]
+    decided: dict[str, tuple[str, int]] = {}
+    expected = {name: np.asarray(ref.read(ref_in[name])) for name in names}
+    for name in names:
+        equal = [p for p in port_names if _equal(expected[name], port_in[p])]
+        if equal:
+            decided[name] = (name if name in equal else equal[0], 2)
+    if not decided:
+        return {}
+    claimed = {target for target, _ in decided.values()}
+    for name in names:
+        if name in decided:
             continue
-        agreed += 1
-        if name in equal:
-            continue
-        out[name] = equal[0]
-    return out if agreed else None
+        fits = [p for p in port_names if p not in claimed
+                and port_in[p].shape == expected[name].shape
+                and port_in[p].dtype.kind == expected[name].dtype.kind]
+        if len(fits) == 1:
+            decided[name] = (fits[0], 1)
+            claimed.add(fits[0])
+    return decided
 
 
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -1094,16 +1093,23 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a, b))
 
 
-def _agreed_args(maps: list[dict[str, str]]) -> tuple[dict[str, str], str]:
-    """The argument map every instance agrees on, or the commonest with a doubt said."""
-    maps = [m for m in maps if m is not None]
-    if not maps:
-        return {}, ""
-    counted = Counter(tuple(sorted(m.items())) for m in maps)
-    best, n = counted.most_common(1)[0]
-    doubt = "" if n == len(maps) else (f"UNSURE: {n} of {len(maps)} calls agree on these "
-                                       "arguments")
-    return dict(best), doubt
+def _agreed_args(maps: list[dict[str, tuple[str, int]]]) -> tuple[dict[str, str], str]:
+    """The argument map the calls vote for (each argument on its own; a call that could not
+    decide one abstains), with a doubt said where they disagree."""
+    votes: dict[str, Counter] = defaultdict(Counter)
+    for decided in maps:
+        for name, (target, weight) in decided.items():
+            votes[name][target] += weight
+    agreed, doubts = {}, []
+    for name, counted in votes.items():
+        target = counted.most_common(1)[0][0]
+        if target != name:
+            agreed[name] = target
+        if len(counted) > 1:
+            doubts.append(f"argument {name}: " + ", ".join(
+                f"{t} ({n})" for t, n in counted.most_common()))
+    doubt = ("UNSURE: the calls disagree on " + "; ".join(doubts)) if doubts else ""
+    return agreed, doubt
 
 
 def _merged_evidence(pairs: list[_Pair]) -> list[str]:

@@ -41,6 +41,23 @@ def test_the_draft_makes_a_faithful_port_pass_its_diff(reference, port, referenc
     assert "PASS" in diff.output
 
 
+def test_a_draft_made_from_a_buggy_port_still_names_the_bug_at_its_layer(reference_traces,
+                                                                        run, tmp_path):
+    # values after the bug differ, so arguments are decided by the calls before it, and by
+    # shape and dtype among what the values left
+    ref_trace = reference_traces(PAIRS[0][0])
+    port = "reference_models.transformer_port:bug_softmax_axis"
+    draft = tmp_path / "draft.map.toml"
+    assert run("map-suggest", ref_trace, port, "-o", draft).exit_code == 0
+    assert _unsure_rules(draft.read_text()) == 0
+    port_trace = tmp_path / "port.h5"
+    assert run("capture", port, "-o", port_trace, "--weights-from", ref_trace, "--map",
+               draft).exit_code == 0
+    diff = run("diff", ref_trace, port_trace, "--map", draft)
+    assert diff.exit_code == 1
+    assert "FAIL  origin: encoder.layers.0.self_attn#0, forward output" in diff.output
+
+
 def test_the_draft_pairs_fused_projections_and_reordered_arguments(reference_traces):
     result = suggest_mapping(reference_traces(PAIRS[0][0]), load_case(PAIRS[0][1]))
     mapping = Mapping.from_text(result.text, "draft.toml")
