@@ -162,6 +162,8 @@ class _Call:
     order: int
     params: dict[str, tuple[int, ...]]   # the module's own tensors: leaf name -> shape
     output: tuple[int, ...] | None    # the shape of its first output tensor
+    nth: int = 0                     # its place among its caller's calls (0: the first)
+    siblings: int = 1                # how many calls its caller makes
 
     @property
     def kind(self) -> str:
@@ -182,7 +184,22 @@ def _reference_calls(trace: Trace, weights: dict[str, np.ndarray]) -> list[_Call
             continue
         calls.append(_Call(row.site, row.module, int(row.call), row.type, row.parent,
                            len(calls), own.get(row.module, {}), outputs.get(row.site)))
+    return _number_siblings(calls)
+
+
+def _number_siblings(calls: list[_Call]) -> list[_Call]:
+    by_parent: dict[str, list[_Call]] = defaultdict(list)
+    for call in calls:
+        by_parent[call.parent].append(call)
+    for group in by_parent.values():
+        for nth, call in enumerate(group):
+            call.nth, call.siblings = nth, len(group)
     return calls
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _own_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -251,7 +268,7 @@ class _PortRun:
                     del module.forward
                 else:
                     module.forward = before
-        return calls, values
+        return _number_siblings(calls), values
 
 
 def _arguments(args: tuple, kwargs: dict):
@@ -341,6 +358,9 @@ def _score(ref: _Call, port: _Call) -> tuple[float, list[str]] | None:
             evidence.append(f"output {_shape_text(ref.output)}")
         else:
             score -= 1
+    if ref.parent and port.parent and (ref.nth, ref.siblings) == (port.nth, port.siblings):
+        score += 0.5
+        evidence.append(f"{_ordinal(ref.nth + 1)} of {ref.siblings} calls in its caller")
     similarity = name_similarity(ref.module, port.module)
     if similarity > 0:
         score += 3 * similarity
@@ -545,6 +565,12 @@ def _generalise(pairs: list[tuple[str, list[str]]],
     return out
 
 
+def _glob_pattern_first(glob: str, modules) -> str:
+    """The first module a glob names (for ordering rules by call order)."""
+    pattern = _glob_pattern(glob)
+    return next((m for m in modules if pattern.match(m)), glob)
+
+
 def _glob_pattern(glob: str) -> re.Pattern:
     return re.compile(re.escape(glob).replace(r"\*", r"\d+") + "$")
 
@@ -654,7 +680,10 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
     for port, shape, _ in open_:
         if port in sources:
             continue
-        pool = _under(_anchor(port, module_partner), free) or sorted(free)
+        pool = _under(_anchor(port, module_partner), free)
+        where = "under the partner module"
+        if not pool:
+            pool, where = sorted(free), "in the reference (nothing under the partner module)"
         fits = [(ref, "copy") for ref in pool if shapes[ref] == shape]
         if len(shape) == 2 and shape[0] != shape[1]:
             fits += [(ref, "transpose") for ref in pool if shapes[ref] == shape[::-1]]
@@ -667,10 +696,14 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
             continue
         ref, how = ranked[0]
         free.discard(ref)
-        evidence = [f"left over under the partner module, shape {_shape_text(shapes[ref])}"
-                    + (" transposed" if how == "transpose" else ""),
-                    f"name {ref.rsplit('.', 2)[-2] if '.' in ref else ref}~"
-                    f"{port.rsplit('.', 1)[-1]}"]
+        evidence = [f"left over {where}, shape {_shape_text(shapes[ref])}"
+                    + (" transposed" if how == "transpose" else "")]
+        if best > 0:
+            evidence.append(f"name {ref.rsplit('.', 2)[-2] if '.' in ref else ref}~"
+                            f"{port.rsplit('.', 1)[-1]}")
+        if tied or best <= 0:
+            evidence.append(f"UNSURE: {len(fits)} left-over tensors fit and the names do not "
+                            "decide; the first in name order was taken")
         sources[port] = _Source(port, [ref], (how,), 0.75 if not tied and best > 0 else 0.3,
                                 evidence, True)
 
@@ -805,7 +838,9 @@ class _Drafter:
                 confidence = min(confidence, 0.4)
             rules.append(Suggestion("site", [ref_glob], [port_glob], confidence, evidence,
                                     args=rule_args[0]))
-        rules.sort(key=lambda s: -s.reference[0].count("."))
+        first = {c.module: c.order for c in reversed(self.refs)}
+        rules.sort(key=lambda s: (-s.reference[0].count("."),
+                                  first.get(_glob_pattern_first(s.reference[0], first), 0)))
         for pair in singles:
             rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
                                     list(pair.evidence),
@@ -950,10 +985,17 @@ class _Drafter:
         ties = self._ties()
         if ties:
             lines += ["# ---- tied tensors", *ties, ""]
+        buffers = {name for name, _ in self.case.model.named_buffers()}
         for name in missing:
-            lines.append(f"# UNSURE: nothing found for port tensor {name} (no reference tensor "
-                         "of its shape is left over): add a [[param]] rule")
-            suggestions.append(Suggestion("param", [], [name], 0.0, ["no source found"]))
+            why = "no reference tensor of its shape is left over"
+            suggestions.append(Suggestion("param", [], [name], 0.0, [why]))
+            if name in buffers:  # a mask or table the port makes itself, most likely
+                lines += [f"# UNSURE: port buffer {name} has no source ({why}): declared "
+                          "the port's own", "[[unmatched]]", f"port = {_q(name)}",
+                          "why = " + _q("a buffer the port makes itself: " + why), ""]
+            else:
+                lines.append(f"# UNSURE: nothing found for port parameter {name} ({why}): "
+                             "add a [[param]] rule")
         return "\n".join(lines).rstrip() + "\n", suggestions
 
     def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:
