@@ -71,6 +71,10 @@ def test_the_draft_pairs_fused_projections_and_reordered_arguments(reference_tra
     assert fused.transform == ("concat",) and "stacked on axis 0 in call order" in \
         fused.evidence[0]
     assert all(s.evidence for s in result.suggestions)
+    lines = result.text.splitlines()
+    for number, line in enumerate(lines):  # no rule without its evidence above it
+        if line.startswith("[[") and line != "[[unmatched]]":
+            assert lines[number - 1].startswith("# ") and len(lines[number - 1]) > 10, line
     as_json = json.loads(json.dumps(result.as_json()))
     assert as_json["without_source"] == [] and as_json["suggestions"][0]["confidence"] > 0
 
