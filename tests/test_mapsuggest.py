@@ -128,6 +128,16 @@ def test_nanogpt_port_tensors_get_their_right_source_from_hugging_face_gpt2(tmp_
     assert set(got) == set(right) and correct / len(right) >= 0.9
 
 
+def test_without_output_file_the_draft_goes_to_stdout_and_the_next_step_to_stderr(
+        run, reference_traces):
+    ref_trace = reference_traces(PAIRS[1][0])
+    result = run("map-suggest", ref_trace, PAIRS[1][1])
+    assert result.exit_code == 0
+    draft = Mapping.from_text(result.stdout, "draft.toml")  # `> port.map.toml` keeps a mapping
+    assert draft.rename("transformer.h.1.mlp.act")[0] == "transformer.h.1.mlp.gelu"
+    assert f"layerdiff map-check {ref_trace} {PAIRS[1][1]} --map" in result.stderr
+
+
 def test_an_existing_output_file_is_refused(run, tmp_path, reference_traces):
     draft = tmp_path / "draft.map.toml"
     draft.write_text("keep me")
