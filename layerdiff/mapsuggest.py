@@ -797,6 +797,9 @@ class _Drafter:
         sources, missing = self._sources(mapping, pairs)
         args = self._check_values(pairs, mapping, sources)
         mapping, site_rules = self._site_rules(pairs, args)
+        strays = self._strays(pairs, mapping)
+        if strays:  # a glob that reaches further than its pairs: those pair one by one
+            mapping, site_rules = self._site_rules(pairs, args, strays)
         sources, missing = self._sources(mapping, pairs)
         text, suggestions = self._write(pairs, site_rules, sources, missing)
         draft = Mapping.from_text(text, "draft.toml")  # the draft must read back
@@ -806,14 +809,26 @@ class _Drafter:
                              [n for n, s in tensor_sources.items() if not s])
 
     # -- sites
-    def _site_rules(self, pairs: dict[str, _Pair], args: dict[str, list[dict]]):
+    def _strays(self, pairs: dict[str, _Pair], mapping: Mapping) -> set[str]:
+        """Paired reference sites that the rules send to another port site."""
+        from layerdiff.compare.matching import port_site_for
+
+        ports = set(self.port_modules)
+        return {site for site, pair in pairs.items()
+                if (port_site_for(site, mapping, ports) or ("",))[0] != pair.port.site}
+
+    def _site_rules(self, pairs: dict[str, _Pair], args: dict[str, list[dict]],
+                    strays: set[str] = frozenset()):
         """[[site]] suggestions (globs where every block agrees) and [[pair]] ones, and the
-        Mapping they make."""
+        Mapping they make. ``strays`` are paired one by one."""
         by_module: dict[str, list[_Pair]] = defaultdict(list)
         for pair in pairs.values():
             by_module[pair.ref.module].append(pair)
-        renames, singles = [], []
+        renames, singles = [], [pairs[site] for site in sorted(strays)]
         for module, found in by_module.items():
+            if any(p.ref.site in strays for p in found):
+                singles += [p for p in found if p.ref.site not in strays]
+                continue
             port_modules = {p.port.module for p in found}
             same_calls = all(p.ref.call == p.port.call for p in found)
             renamed = len(port_modules) == 1 and same_calls
