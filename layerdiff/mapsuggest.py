@@ -107,6 +107,7 @@ class Suggestion:
     evidence: list[str]
     transform: tuple[str, ...] = ("copy",)
     args: dict[str, str] = field(default_factory=dict)
+    axis: int = 0
 
     @property
     def unsure(self) -> bool:
@@ -116,7 +117,7 @@ class Suggestion:
         return {"kind": self.kind, "reference": list(self.reference), "port": list(self.port),
                 "confidence": round(self.confidence, 3), "unsure": self.unsure,
                 "evidence": list(self.evidence), "transform": list(self.transform),
-                "args": dict(self.args)}
+                "axis": self.axis, "args": dict(self.args)}
 
 
 @dataclass
@@ -162,6 +163,7 @@ class _Call:
     order: int
     params: dict[str, tuple[int, ...]]   # the module's own tensors: leaf name -> shape
     output: tuple[int, ...] | None    # the shape of its first output tensor
+    input: tuple[int, ...] | None = None  # the shape of its first input tensor
     nth: int = 0                     # its place among its caller's calls (0: the first)
     siblings: int = 1                # how many calls its caller makes
 
@@ -174,16 +176,19 @@ def _reference_calls(trace: Trace, weights: dict[str, np.ndarray]) -> list[_Call
     sites = trace.sites
     sites = sites[sites["step"] == sites["step"].min()].sort_values("enter_seq")
     outputs: dict[str, tuple[int, ...]] = {}
-    rows = trace.records(int(sites["step"].min()), role="output", kind="tensor")
-    for site, shape in zip(rows["site"], rows["shape"], strict=True):
-        outputs.setdefault(site, schema.parse_shape(shape))
+    inputs: dict[str, tuple[int, ...]] = {}
+    rows = trace.records(int(sites["step"].min()), pass_="forward", kind="tensor")
+    for site, role, shape in zip(rows["site"], rows["role"], rows["shape"], strict=True):
+        if role in ("input", "output"):
+            (inputs if role == "input" else outputs).setdefault(site, schema.parse_shape(shape))
     own = _own_tensors({name: tuple(array.shape) for name, array in weights.items()})
     calls = []
     for row in sites.itertuples():
         if schema.is_op_site(row.site) or row.site == schema.LOSS_SITE:
             continue
         calls.append(_Call(row.site, row.module, int(row.call), row.type, row.parent,
-                           len(calls), own.get(row.module, {}), outputs.get(row.site)))
+                           len(calls), own.get(row.module, {}), outputs.get(row.site),
+                           inputs.get(row.site)))
     return _number_siblings(calls)
 
 
@@ -245,6 +250,8 @@ class _PortRun:
                     stack.pop()
                 outs = [v for _, v in flatten(out, "") if torch.is_tensor(v)]
                 call.output = tuple(outs[0].shape) if outs else None
+                ins = [v for _, v in _arguments(args, kwargs) if torch.is_tensor(v)]
+                call.input = tuple(ins[0].shape) if ins else None
                 if keep_values:
                     values[site] = (_tensors(_arguments(args, kwargs)),
                                     _tensors(flatten(out, "")))
@@ -585,12 +592,19 @@ class _Source:
     confidence: float
     evidence: list[str]
     rule: bool          # needs a [[param]] rule (does not follow its module)
+    group: tuple[str, ...] = ()   # split: every port tensor of the split, in order
+    axis: int = 0
+
+    def rule_key(self) -> tuple:
+        """Sources that one [[param]] rule gives share this (a split's parts share theirs)."""
+        return (self.group or (self.port,), tuple(self.reference), self.transform, self.axis)
 
 
 def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Mapping,
                   module_partner: dict[str, str], ref_order: dict[str, int],
-                  module_confidence: dict[str, float],
-                  types: dict[str, str]) -> tuple[list[_Source], list[str]]:
+                  module_confidence: dict[str, float], types: dict[str, str],
+                  port_order: dict[str, int],
+                  layouts) -> tuple[list[_Source], list[str]]:
     """Each port tensor's source: its module's partner's tensor, transposed where the shapes
     say so, else a leftover reference tensor of its shape, or several stacked."""
     assignments = resolve_weights(model, weights, mapping)
@@ -614,18 +628,38 @@ def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Map
                 f"{_shape_text(shapes[refs[0]])} transposed"], True)
         else:
             open_.append((found.port, found.shape, found.problem))
-    _transpose_square(sources, shapes, types)
+    _transpose_square(sources, shapes, types, layouts)
     free = {name for name in weights if name not in used}
     _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True)
     _pick_stacks(open_, shapes, free, module_partner, ref_order, sources)
+    _pick_splits(open_, shapes, free, module_partner, port_order, sources, layouts)
     _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False)
     order = list(port_tensors(model))
     missing = [name for name, _, _ in open_ if name not in sources]
     return [sources[name] for name in order if name in sources], missing
 
 
+def _layout(call: _Call | None, shape: tuple[int, ...]) -> str | None:
+    """How a dense layer keeps a 2-D weight: "out_in" (torch's Linear) or "in_out" (Hugging
+    Face's Conv1D, Flax), from its call's input and output widths, else from the class name
+    Linear; None when neither tells."""
+    if call is None or len(shape) != 2 or call.kind != "dense":
+        return None
+    if call.input and call.output:
+        widths = (call.output[-1], call.input[-1])
+        if shape == widths and shape != widths[::-1]:
+            return "out_in"
+        if shape == widths[::-1] and shape != widths:
+            return "in_out"
+    return "out_in" if call.type == "Linear" else None
+
+
+def _layout_text(layout: str) -> str:
+    return "(" + layout.replace("_", ", ") + ")"
+
+
 def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, ...]],
-                      types: dict[str, str]) -> None:
+                      types: dict[str, str], layouts) -> None:
     """A square weight fits both ways round: it is transposed when every non-square weight
     of the same leaf, between modules of the same two classes, needed a transpose (Hugging
     Face's Conv1D keeps (in, out) where nn.Linear keeps (out, in))."""
@@ -646,6 +680,14 @@ def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, 
             continue
         key = classes(source)
         seen = votes.get(key, [])
+        sides = (layouts("ref", source.reference[0], shape), layouts("port", source.port, shape))
+        if None not in sides:
+            if sides[0] != sides[1] and source.transform == ("copy",):
+                source.transform, source.rule = ("transpose",), True
+                source.evidence = [f"square {_shape_text(shape)}: {key[0]} keeps it "
+                                   f"{_layout_text(sides[0])}, {key[1]} "
+                                   f"{_layout_text(sides[1])}"]
+            continue
         if seen and all(seen) and source.transform == ("copy",):
             source.transform, source.rule = ("transpose",), True
             source.evidence = [f"square {_shape_text(shape)}: the other {len(seen)} "
@@ -745,6 +787,74 @@ def _pick_stacks(open_, shapes, free, module_partner, ref_order, sources) -> Non
         sources[port] = _Source(port, run, ("concat",), 0.6 if len(runs) == 1 else 0.3, [
             f"shape {_shape_text(shape)} is {names} {'/'.join(_shape_text(shapes[r]) for r in run)}"
             " stacked on axis 0 in call order"], True)
+
+
+def _pick_splits(open_, shapes, free, module_partner, port_order, sources, layouts) -> None:
+    """Several port tensors of one shape that are one leftover reference tensor cut into
+    equal parts along an axis (transposed first where that fits), in the order the port calls
+    their modules (a fused reference qkv against separate q, k, v)."""
+    groups: dict[tuple, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for port, shape, _ in open_:
+        if port not in sources and shape:
+            anchor = _anchor(port, module_partner)
+            groups[anchor, port.rsplit(".", 1)[-1]].append((port, shape))
+    for (anchor, leaf), members in groups.items():
+        members.sort(key=lambda m: port_order.get(m[0].rpartition(".")[0], 1 << 30))
+        for ref in _under(anchor, free):
+            if _leaf_kind(ref.rsplit(".", 1)[-1]) != _leaf_kind(leaf):
+                continue
+            left = [m for m in members if m[0] not in sources]
+            sides = (layouts("ref", ref, shapes[ref]),
+                     layouts("port", left[0][0], left[0][1]) if left else None)
+            want = None if None in sides else sides[0] != sides[1]
+            found = _split_of(shapes[ref], left, want)
+            if found is None:
+                continue
+            run, chain, axis, other = found
+            free.discard(ref)
+            names = tuple(port for port, _ in run)
+            evidence = [f"{_shape_text(shapes[ref])}{' transposed' if 'transpose' in chain else ''}"
+                        f" is {len(run)} equal parts along axis {axis}: "
+                        + ", ".join(n.rsplit(".", 2)[-2] for n in names) + ", in call order"]
+            if want is not None:
+                evidence.append(f"the reference keeps it {_layout_text(sides[0])}, the "
+                                f"port {_layout_text(sides[1])}")
+            elif other:
+                evidence.append("UNSURE: the parts fit with and without a transpose, and "
+                                "nothing says which layout each side keeps")
+            for port in names:
+                sources[port] = _Source(port, [ref], chain, 0.3 if other and want is None
+                                        else 0.6, list(evidence), True, names, axis)
+
+
+def _split_of(shape: tuple[int, ...], members: list[tuple[str, tuple[int, ...]]],
+              transpose: bool | None):
+    """(the run of members, the chain, the axis, whether the other layout fits too) whose
+    equal parts make ``shape``; ``transpose`` says which layout, None: either."""
+    layouts = [(shape, ("split",))]
+    if len(shape) == 2 and shape[0] != shape[1]:
+        layouts.append((shape[::-1], ("transpose", "split")))
+    if transpose is not None:
+        layouts = [layout for layout in layouts if ("transpose" in layout[1]) == transpose]
+    fits = [found for whole, chain in layouts
+            if (found := _split_layout(whole, chain, members)) is not None]
+    return (*fits[0], len(fits) > 1) if fits else None
+
+
+def _split_layout(whole: tuple[int, ...], chain: tuple[str, ...],
+                  members: list[tuple[str, tuple[int, ...]]]):
+    """The first run of members of one shape whose equal parts along an axis make ``whole``."""
+    for axis in range(len(whole)):
+        for start, (_, part) in enumerate(members):
+            if len(part) != len(whole) or not part[axis] or whole[axis] % part[axis]:
+                continue
+            count = whole[axis] // part[axis]
+            run = members[start:start + count]
+            same_rest = all(part[i] == whole[i] for i in range(len(whole)) if i != axis)
+            if count > 1 and len(run) == count and same_rest and all(m[1] == part
+                                                                     for m in run):
+                return run, chain, axis
+    return None
 
 
 def _leaf_kind(leaf: str) -> str:
@@ -875,12 +985,23 @@ class _Drafter:
                           for p, r in module_partner.items() if p != schema.ROOT_MODULE}
         types = {f"ref:{c.module}": c.type for c in self.refs}
         types.update((f"port:{c.module}", c.type) for c in self.ports)
+        port_order: dict[str, int] = {}
+        for call in self.ports:
+            port_order.setdefault(call.module, call.order)
+        first = {("ref", c.module): c for c in reversed(self.refs)}
+        first.update((("port", c.module), c) for c in reversed(self.ports))
+
+        def layouts(side: str, tensor: str, shape: tuple[int, ...]) -> str | None:
+            module = tensor.rpartition(".")[0] or schema.ROOT_MODULE
+            return _layout(first.get((side, module)), shape)
+
         return _find_sources(self.case.model, self.weights, mapping, module_partner,
-                             self.ref_order, confidence, types)
+                             self.ref_order, confidence, types, port_order, layouts)
 
     def _param_mapping(self, mapping: Mapping, sources: list[_Source]) -> Mapping:
-        text = _site_text([]) + "".join(_param_text(s.port, s.reference, s.transform)
-                                        for s in sources if s.rule)
+        rules = {s.rule_key(): s for s in sources if s.rule}
+        text = _site_text([]) + "".join(_param_text(list(key[0]), s.reference, s.transform,
+                                                    s.axis) for key, s in rules.items())
         params = Mapping.from_text(text, "draft.toml")
         mapping.param_rules = params.param_rules
         return mapping
@@ -994,7 +1115,8 @@ class _Drafter:
             lines.append("# ---- port tensors that do not simply follow their module")
         for entry in params:
             lines += _comment(entry)
-            lines.append(_param_text(entry.port[0], entry.reference, entry.transform).strip())
+            lines.append(_param_text(entry.port, entry.reference, entry.transform,
+                                     entry.axis).strip())
             lines.append("")
         suggestions += params
         ties = self._ties()
@@ -1053,22 +1175,26 @@ class _Drafter:
         universe = set(port_tensors(self.case.model))
         out = []
         by_transform = defaultdict(list)
-        for source in ruled:
-            by_transform[source.transform].append(source)
-        for transform, group in by_transform.items():
-            out += self._param_group(group, transform, universe)
+        for source in {s.rule_key(): s for s in ruled}.values():  # a split once
+            by_transform[source.transform, source.axis].append(source)
+        for (transform, axis), group in by_transform.items():
+            out += self._param_group(group, transform, axis, universe)
         return out
 
-    def _param_group(self, ruled, transform, universe) -> list[Suggestion]:
+    def _param_group(self, ruled, transform, axis, universe) -> list[Suggestion]:
         out = []
-        for port_glob, refs, members in _generalise([(s.port, s.reference) for s in ruled],
-                                                    universe):
+        named = [(s.group or (s.port,)) for s in ruled]
+        for key_glob, others, members in _generalise(
+                [(ports[0], [*ports[1:], *s.reference]) for ports, s in zip(named, ruled)],
+                universe):
             found = [ruled[k] for k in members]
+            parts = len(named[members[0]])
+            ports, refs = [key_glob, *others[:parts - 1]], others[parts - 1:]
             evidence = list(dict.fromkeys(e for s in found for e in s.evidence))[:3]
             if len(members) > 1:
                 evidence.append(f"{len(members)} blocks agree")
-            out.append(Suggestion("param", refs, [port_glob],
-                                  min(s.confidence for s in found), evidence, transform))
+            out.append(Suggestion("param", refs, ports, min(s.confidence for s in found),
+                                  evidence, transform, axis=axis))
         return out
 
     def _ties(self) -> list[str]:
@@ -1201,12 +1327,17 @@ def _site_text(rules: list[Suggestion]) -> str:
     return "\n".join(lines)
 
 
-def _param_text(port: str, reference: list[str], transform: tuple[str, ...]) -> str:
-    refs = _q(reference[0]) if len(reference) == 1 else "[" + ", ".join(map(_q, reference)) + "]"
-    chain = _q(transform[0]) if len(transform) == 1 else "[" + ", ".join(map(_q, transform)) + "]"
-    lines = ["[[param]]", f"port = {_q(port)}", f"reference = {refs}"]
+def _names_text(names: list[str] | tuple[str, ...]) -> str:
+    return _q(names[0]) if len(names) == 1 else "[" + ", ".join(map(_q, names)) + "]"
+
+
+def _param_text(port: list[str], reference: list[str], transform: tuple[str, ...],
+                axis: int = 0) -> str:
+    lines = ["[[param]]", f"port = {_names_text(port)}", f"reference = {_names_text(reference)}"]
     if transform != ("copy",):
-        lines.append(f"transform = {chain}")
+        lines.append(f"transform = {_names_text(transform)}")
+    if axis:
+        lines.append(f"axis = {axis}")
     return "\n" + "\n".join(lines) + "\n"
 
 

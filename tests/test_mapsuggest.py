@@ -191,3 +191,74 @@ def test_names_are_alike_through_common_conventions():
         name_similarity("mlp.gate_proj", "feed_forward.w3")
     assert name_similarity("model.embed_tokens", "tok_embeddings") == 1.0
     assert name_similarity("transformer.ln_f", "norm") == 1.0
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's dense layer: weight stored (in, out)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out))
+        self.bias = nn.Parameter(torch.randn(n_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class _FusedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = Conv1D(4, 12)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).split(4, dim=-1)
+        return torch.softmax(q @ k.T, -1) @ v
+
+
+class _SeparateAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        return torch.softmax(q @ k.T, -1) @ v
+
+
+class _Stack(nn.Module):
+    def __init__(self, attention: type[nn.Module]) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(attention() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def test_a_fused_reference_projection_is_split_into_the_ports_separate_ones(tmp_path):
+    from layerdiff.capture import capture
+    from layerdiff.weights import load_weights
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    ref = capture(Case(_Stack(_FusedAttention), (x,), lambda y: y.sum()), tmp_path / "r.h5")
+    port = Case(_Stack(_SeparateAttention), (x,), lambda y: y.sum())
+    result = suggest_mapping(ref, port)
+    rules = [s for s in result.suggestions if s.kind == "param"]
+    weight = next(s for s in rules if s.port[0] == "h.*.query.weight")
+    assert weight.port == ["h.*.query.weight", "h.*.key.weight", "h.*.value.weight"]
+    assert weight.reference == ["h.*.c_attn.weight"]
+    assert weight.transform == ("transpose", "split")
+    bias = next(s for s in rules if s.port[0] == "h.*.query.bias")
+    assert bias.transform == ("split",)
+    load_weights(port.model, ref, Mapping.from_text(result.text, "draft.toml"))
+    torch.testing.assert_close(port.model(x), _reference_output(ref))
+
+
+def _reference_output(trace_path):
+    from layerdiff.trace import open_trace
+
+    with open_trace(trace_path) as trace:
+        row = trace.records(0, "<root>#0", "output").iloc[0]
+        return torch.from_numpy(trace.read(row))
