@@ -24,8 +24,14 @@ The evidence, strongest first:
    ``input_layernorm``, ``tok_embeddings``~``embed_tokens``, ``output``~``lm_head`` ...).
 
 Port tensors that no module pair gives get a ``[[param]]`` rule: a reference tensor of the same
-shape (or transposed) left over under the paired module, or several stacked along axis 0 in
-call order (a fused projection: ``concat``).
+shape (or transposed) left over under the paired module, several stacked along axis 0 in call
+order (a fused projection in the port: ``concat``), or one cut into equal parts (a fused
+projection in the reference: ``split``). A square weight is transposed where the two dense
+layers keep their weights the other way round.
+
+Modules: ``names`` (conventions, similarity, globs), ``calls`` (what each side did),
+``pairing`` (calls paired), ``tensors`` (port tensors' sources), ``values`` (values as
+evidence), ``draft`` (the drafting and its text), ``result`` (the draft as data).
 """
 
 from __future__ import annotations
