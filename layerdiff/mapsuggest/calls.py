@@ -124,8 +124,12 @@ class _PortRun:
             return forward
 
         for module, path in self.paths.items():
-            saved.append((module, module.__dict__.get("forward")))
-            module.forward = wrap(module, path)
+            before = module.__dict__.get("forward")
+            try:
+                module.forward = wrap(module, path)
+            except (AttributeError, TypeError, RuntimeError):
+                continue  # a scripted module takes no new attributes: its calls go unseen
+            saved.append((module, before))
         try:
             seed_everything(self.case.seed)
             with torch.no_grad():

@@ -188,7 +188,9 @@ class _Drafter:
 
     # -- values: confirm pairs, find which argument is which
     def _check_values(self, pairs: dict[str, _Pair], mapping: Mapping,
-                      sources: list[_Source]) -> dict[str, dict[str, str]]:
+                      sources: list[_Source]) -> dict[str, list[dict]]:
+        """Loads the draft's weights, runs the port once and reads its values: pairs confirmed
+        or made by equal outputs, and each call's argument decisions (by module and site)."""
         model = self.case.model
         mapping = self._param_mapping(mapping, sources)
         targets = port_tensors(model)
