@@ -262,3 +262,12 @@ def _reference_output(trace_path):
     with open_trace(trace_path) as trace:
         row = trace.records(0, "<root>#0", "output").iloc[0]
         return torch.from_numpy(trace.read(row))
+
+
+def test_a_summary_reference_is_refused_with_what_to_do(tmp_path):
+    from layerdiff.capture import capture
+    from layerdiff.errors import TraceError
+
+    ref = capture(_case([("up", "down")]), tmp_path / "ref.h5", summary=True)
+    with pytest.raises(TraceError, match="summary trace.*capture the reference without --summary"):
+        suggest_mapping(ref, _case([("w1", "w2")]))
