@@ -185,3 +185,43 @@ def gpt2_right_sources() -> dict[str, tuple[str, str]]:
                      "mlp.c_proj.weight"):
             right[f"transformer.h.{n}.{leaf}"] = (f"transformer.h.{n}.{leaf}", "transpose")
     return right
+
+
+class FusedAttention(Attention):
+    """gpt-fast's layout: one ``wqkv`` projection, q, k and v rows stacked."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = DIM // HEADS
+        self.wqkv = nn.Linear(DIM, (HEADS + 2 * KV_HEADS) * self.head_dim, bias=False)
+        self.wo = nn.Linear(HEADS * self.head_dim, DIM, bias=False)
+
+    def forward(self, x, freqs_cos, freqs_sin):
+        b, t, _ = x.shape
+        kv = KV_HEADS * self.head_dim
+        q, k, v = self.wqkv(x).split([DIM, kv, kv], dim=-1)
+        q = q.reshape(b, t, HEADS, self.head_dim)
+        k, v = k.reshape(b, t, KV_HEADS, self.head_dim), v.reshape(b, t, KV_HEADS, self.head_dim)
+        q, k = _rotary(q, freqs_cos, freqs_sin), _rotary(k, freqs_cos, freqs_sin)
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=2)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=2)
+        out = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def fused_port() -> Case:
+    """The port with gpt-fast's fused ``wqkv`` in each attention."""
+    case = port()
+    for layer in case.model.layers:
+        layer.attention = FusedAttention()
+    return Case(model=case.model, inputs=case.inputs, loss_fn=case.loss_fn, name="llama_fused")
+
+
+def fused_right_sources() -> dict[str, list[str]]:
+    right = {name: [ref] for name, ref in right_sources().items()
+             if not any(f"attention.w{x}." in name for x in "qkv")}
+    for n in range(LAYERS):
+        right[f"layers.{n}.attention.wqkv.weight"] = [
+            f"model.layers.{n}.self_attn.{x}_proj.weight" for x in "qkv"]
+    return right

@@ -106,6 +106,12 @@ def test_llama_port_tensors_get_their_right_source_from_hugging_face(tmp_path):
     assert correct / len(right) >= 0.9, {p: got[p] for p in right if got[p] != [right[p]]}
     # the feed-forward's w1/w3 have one shape: the names decide (w1~gate_proj, w3~up_proj)
     assert got["layers.1.feed_forward.w3.weight"] == ["model.layers.1.mlp.up_proj.weight"]
+    # gpt-fast's fused wqkv: q (64 rows), k and v (32 each, GQA) stacked in call order
+    fused = suggest_mapping(ref_trace, llama.fused_port()).tensor_sources
+    right = llama.fused_right_sources()
+    assert set(fused) == set(right)
+    assert sum(fused[name] == refs for name, refs in right.items()) / len(right) >= 0.9
+    assert fused["layers.0.attention.wqkv.weight"] == right["layers.0.attention.wqkv.weight"]
 
 
 def test_nanogpt_port_tensors_get_their_right_source_from_hugging_face_gpt2(tmp_path):
