@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from layerdiff.cli_debug import COMMANDS as DEBUG_COMMANDS
+from layerdiff.cli_mapsuggest import COMMANDS as MAPSUGGEST_COMMANDS
 from layerdiff.cli_options import (
     case_factory,
     echo_or_write,
@@ -664,7 +665,7 @@ def demo_command(output_dir: str, port_spec: str) -> None:
         click.echo(f"# {comment}\n{command}")
 
 
-for _command in (*DEBUG_COMMANDS, *RANKS_COMMANDS):
+for _command in (*DEBUG_COMMANDS, *RANKS_COMMANDS, *MAPSUGGEST_COMMANDS):
     main.add_command(_command)
 
 

@@ -1,0 +1,444 @@
+"""``suggest_mapping``: the drafting itself, and the draft's text."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+
+import numpy as np
+import torch
+
+from layerdiff.case import Case
+from layerdiff.errors import CaseError, TraceError
+from layerdiff.mapping import Mapping
+from layerdiff.mapsuggest.calls import _Call, _PortRun, _reference_calls
+from layerdiff.mapsuggest.names import (
+    _LEAF_KINDS,
+    _NUMBER,
+    _generalise,
+    _glob,
+    _glob_pattern,
+    _glob_pattern_first,
+)
+from layerdiff.mapsuggest.pairing import (
+    _align,
+    _confirm_by_structure,
+    _fill_out_of_order,
+    _Pair,
+    _pair_by_structure,
+    _score,
+    _shape_text,
+)
+from layerdiff.mapsuggest.result import MapSuggestion, Suggestion
+from layerdiff.mapsuggest.tensors import _find_sources, _layout, _Source
+from layerdiff.mapsuggest.values import (
+    VALUE_RTOL,
+    _agreed_args,
+    _argument_map,
+    _equal_output,
+    _output_error,
+)
+from layerdiff.replay.torch_replay import restored
+from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.weights import port_tensors, resolve_weights, trace_weights
+
+
+def suggest_mapping(ref_trace: str | os.PathLike, port_case: Case) -> MapSuggestion:
+    """Draft a mapping between the reference trace (captured with weights) and a torch port
+    case; see :mod:`layerdiff.mapsuggest`. Changes nothing in the port for good."""
+    if not isinstance(port_case, Case):
+        name = getattr(port_case, "name", "") or type(port_case).__name__
+        raise CaseError(f"case {name}: map-suggest needs a layerdiff.Case with a torch model "
+                        f"(it runs it to see its calls), got {type(port_case).__name__}")
+    with open_trace(ref_trace) as ref:
+        if ref.summary:
+            raise TraceError(f"{ref.path} is a summary trace: map-suggest needs the "
+                             "reference's weights and recorded values; capture the reference "
+                             "without --summary")
+        weights = trace_weights(ref)
+        refs = _reference_calls(ref, weights)
+        model = port_case.model
+        with restored([*model.parameters(), *model.buffers()]):
+            return _Drafter(ref, str(ref_trace), port_case, weights, refs).draft()
+
+
+class _Drafter:
+    def __init__(self, ref: Trace, ref_path: str, case: Case, weights: dict[str, np.ndarray],
+                 refs: list[_Call]) -> None:
+        self.ref, self.ref_path, self.case, self.weights, self.refs = (ref, ref_path, case,
+                                                                       weights, refs)
+        self.run = _PortRun(case)
+        self.ports, _ = self.run.run(keep_values=False)
+        self.port_modules = {path for path in self.run.paths.values()}
+        self.ref_order: dict[str, int] = {}
+        for call in refs:
+            self.ref_order.setdefault(call.module, call.order)
+
+    def draft(self) -> MapSuggestion:
+        root_ref = [c for c in self.refs if not c.parent]
+        root_port = [c for c in self.ports if not c.parent]
+        pairs = _align(self.refs, self.ports)
+        if root_ref and root_port:
+            pairs[root_ref[0].site] = _Pair(root_ref[0], root_port[0], 1.0, ["the model itself"])
+        _fill_out_of_order(self.refs, self.ports, pairs)
+        _pair_by_structure(self.refs, self.ports, pairs)
+        _confirm_by_structure(self.refs, self.ports, pairs)
+        mapping, site_rules = self._site_rules(pairs, {})
+        sources, missing = self._sources(mapping, pairs)
+        args = self._check_values(pairs, mapping, sources)
+        mapping, site_rules = self._site_rules(pairs, args)
+        strays = self._strays(pairs, mapping)
+        if strays:  # a glob that reaches further than its pairs: those pair one by one
+            mapping, site_rules = self._site_rules(pairs, args, strays)
+        sources, missing = self._sources(mapping, pairs)
+        text, suggestions = self._write(pairs, site_rules, sources, missing)
+        draft = Mapping.from_text(text, "draft.toml")  # the draft must read back
+        tensor_sources = self._tensor_sources(draft)
+        return MapSuggestion(self.ref_path, self.case.name or type(self.case.model).__name__,
+                             text, suggestions, tensor_sources,
+                             [n for n, s in tensor_sources.items() if not s])
+
+    # -- sites
+    def _strays(self, pairs: dict[str, _Pair], mapping: Mapping) -> set[str]:
+        """Paired reference sites that the rules send to another port site."""
+        from layerdiff.compare.matching import port_site_for
+
+        ports = set(self.port_modules)
+        return {site for site, pair in pairs.items()
+                if (port_site_for(site, mapping, ports) or ("",))[0] != pair.port.site}
+
+    def _site_rules(self, pairs: dict[str, _Pair], args: dict[str, list[dict]],
+                    strays: set[str] = frozenset()):
+        """[[site]] suggestions (globs where every block agrees) and [[pair]] ones, and the
+        Mapping they make. ``strays`` are paired one by one."""
+        by_module: dict[str, list[_Pair]] = defaultdict(list)
+        for pair in pairs.values():
+            by_module[pair.ref.module].append(pair)
+        renames, singles = [], [pairs[site] for site in sorted(strays)]
+        for module, found in by_module.items():
+            if any(p.ref.site in strays for p in found):
+                singles += [p for p in found if p.ref.site not in strays]
+                continue
+            port_modules = {p.port.module for p in found}
+            same_calls = all(p.ref.call == p.port.call for p in found)
+            renamed = len(port_modules) == 1 and same_calls
+            target = next(iter(port_modules))
+            if renamed and (target == module or module not in self.port_modules):
+                if target != module or _agreed_args(args.get(module, []))[0]:
+                    renames.append((module, target, found))
+            elif not (renamed and target == module):
+                singles += found
+        universe = {c.module for c in self.refs}
+        rules = []
+        for ref_glob, (port_glob,), members in _generalise(
+                [(m, [t]) for m, t, _ in renames], universe):
+            found = [p for k in members for p in renames[k][2]]
+            rule_args = _agreed_args([d for k in members for d in args.get(renames[k][0], [])])
+            confidence = min(p.confidence for p in found)
+            evidence = _merged_evidence(found)
+            if len(members) > 1:
+                evidence.append(f"{len(members)} blocks agree")
+            if rule_args[1]:
+                evidence.append(rule_args[1])
+                confidence = min(confidence, 0.4)
+            rules.append(Suggestion("site", [ref_glob], [port_glob], confidence, evidence,
+                                    args=rule_args[0]))
+        first = {c.module: c.order for c in reversed(self.refs)}
+        rules.sort(key=lambda s: (-s.reference[0].count("."),
+                                  first.get(_glob_pattern_first(s.reference[0], first), 0)))
+        for pair in singles:
+            rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
+                                    list(pair.evidence),
+                                    args=_agreed_args(args.get(pair.ref.site, []))[0]))
+        mapping = Mapping.from_text(_site_text(rules), "draft.toml")
+        return mapping, rules
+
+    # -- tensors
+    def _sources(self, mapping: Mapping, pairs: dict[str, _Pair]):
+        module_partner: dict[str, str] = {}
+        confidence: dict[str, float] = {}
+        for pair in pairs.values():
+            module_partner.setdefault(pair.port.module, pair.ref.module)
+            confidence[pair.port.module] = min(confidence.get(pair.port.module, 1.0),
+                                               pair.confidence)
+        module_partner = {p: ("" if r == schema.ROOT_MODULE else r)
+                          for p, r in module_partner.items() if p != schema.ROOT_MODULE}
+        types = {f"ref:{c.module}": c.type for c in self.refs}
+        types.update((f"port:{c.module}", c.type) for c in self.ports)
+        port_order: dict[str, int] = {}
+        for call in self.ports:
+            port_order.setdefault(call.module, call.order)
+        first = {("ref", c.module): c for c in reversed(self.refs)}
+        first.update((("port", c.module), c) for c in reversed(self.ports))
+
+        def layouts(side: str, tensor: str, shape: tuple[int, ...]) -> str | None:
+            module = tensor.rpartition(".")[0] or schema.ROOT_MODULE
+            return _layout(first.get((side, module)), shape)
+
+        return _find_sources(self.case.model, self.weights, mapping, module_partner,
+                             self.ref_order, confidence, types, port_order, layouts)
+
+    def _param_mapping(self, mapping: Mapping, sources: list[_Source]) -> Mapping:
+        rules = {s.rule_key(): s for s in sources if s.rule}
+        text = _site_text([]) + "".join(_param_text(list(key[0]), s.reference, s.transform,
+                                                    s.axis) for key, s in rules.items())
+        params = Mapping.from_text(text, "draft.toml")
+        mapping.param_rules = params.param_rules
+        return mapping
+
+    # -- values: confirm pairs, find which argument is which
+    def _check_values(self, pairs: dict[str, _Pair], mapping: Mapping,
+                      sources: list[_Source]) -> dict[str, list[dict]]:
+        """Loads the draft's weights, runs the port once and reads its values: pairs confirmed
+        or made by equal outputs, and each call's argument decisions (by module and site)."""
+        model = self.case.model
+        mapping = self._param_mapping(mapping, sources)
+        targets = port_tensors(model)
+        with torch.no_grad():
+            for found in resolve_weights(model, self.weights, mapping):
+                if not found.problem and found.value is not None:
+                    target = targets[found.port]
+                    target.copy_(torch.from_numpy(np.array(found.value)).to(target.dtype))
+        try:
+            _, values = self.run.run(keep_values=True)
+        except CaseError:
+            return {}
+        decisions: dict[str, list[dict]] = defaultdict(list)  # module, and site -> maps
+        step = int(self.ref.sites["step"].min())
+        index = self.ref.records(step, pass_="forward", kind="tensor")
+        by_site = {site: rows for site, rows in index.groupby("site")}
+        self._pair_by_value(pairs, values, by_site)
+        for pair in pairs.values():
+            if pair.port.site not in values or pair.ref.site not in by_site:
+                continue
+            port_in, port_out = values[pair.port.site]
+            rows = by_site[pair.ref.site]
+            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == "output"].iterrows()}
+            error = _output_error(self.ref, ref_out, port_out)
+            if error is not None and error <= VALUE_RTOL and not any(
+                    e.startswith("output equals") for e in pair.evidence):
+                pair.confidence = max(pair.confidence, 0.95)
+                pair.evidence.insert(0, _equal_output(error))
+            ref_in = {r["arg"]: r for _, r in rows[rows["role"] == "input"].iterrows()}
+            found = _argument_map(self.ref, ref_in, port_in)
+            if found:
+                decisions[pair.ref.site].append(found)
+                decisions[pair.ref.module].append(found)
+        return decisions
+
+    def _pair_by_value(self, pairs: dict[str, _Pair], values: dict, by_site: dict) -> None:
+        """An unpaired reference call pairs with the unpaired port call, between the partners
+        of its neighbours in call order, whose output equals its recorded output."""
+        taken = {p.port.site for p in pairs.values()}
+        for ref in self.refs:
+            if ref.site in pairs or ref.site not in by_site:
+                continue
+            before = [p for p in pairs.values() if p.ref.order < ref.order]
+            after = [p for p in pairs.values() if p.ref.order > ref.order]
+            lo = max(before, key=lambda p: p.ref.order).port.order if before else -1
+            hi = min(after, key=lambda p: p.ref.order).port.order if after else 1 << 30
+            rows = by_site[ref.site]
+            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == "output"].iterrows()}
+            fits = []
+            for port in self.ports:
+                if port.site in taken or not lo < port.order < hi or port.site not in values:
+                    continue
+                if ref.kind in _LEAF_KINDS and port.kind in _LEAF_KINDS and ref.kind != port.kind:
+                    continue
+                error = _output_error(self.ref, ref_out, values[port.site][1])
+                if error is not None and error <= VALUE_RTOL:
+                    fits.append((port, error))
+            if not fits:
+                continue
+            port, error = fits[0]
+            evidence = [_equal_output(error),
+                        "between the partners of its neighbours in call order"]
+            found = _score(ref, port)
+            if found is not None:
+                evidence += found[1]
+            if len(fits) > 1:
+                evidence.append(f"UNSURE: {len(fits)} port calls give this output; the first "
+                                "was taken")
+            pairs[ref.site] = _Pair(ref, port, 0.8 if len(fits) == 1 else 0.4, evidence)
+            taken.add(port.site)
+
+    # -- text
+    def _write(self, pairs, site_rules, sources, missing) -> tuple[str, list[Suggestion]]:
+        lines = [
+            "# A draft mapping by `layerdiff map-suggest`: check it (above all the rules it",
+            "# marks as unsure), then run the map-check command it printed. Each rule's comment",
+            "# is its evidence: type = module classes, shape = its own tensors' shapes, output =",
+            "# its first output's shape, name a~b = similar names, output equals = the port's",
+            "# value with these weights loaded.",
+            "version = 1", ""]
+        suggestions = list(site_rules)
+        if site_rules:
+            lines.append("# ---- sites: reference module -> port module")
+        for rule in site_rules:
+            lines += _comment(rule)
+            table = "site" if rule.kind == "site" else "pair"
+            lines += [f"[[{table}]]", f"reference = {_q(rule.reference[0])}",
+                      f"port = {_q(rule.port[0])}"]
+            if rule.args:
+                lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
+                                                      for k, v in rule.args.items()) + " }")
+            lines.append("")
+        unmatched = self._unmatched(pairs, sources)
+        if unmatched:
+            lines.append("# ---- calls with no partner")
+        for entry in unmatched:
+            side = "reference" if entry.kind == "unmatched-reference" else "port"
+            name = (entry.reference or entry.port)[0]
+            lines += [*_comment(entry)[1:], "[[unmatched]]", f"{side} = {_q(name)}",
+                      f"why = {_q('; '.join(entry.evidence))}", ""]
+        suggestions += unmatched
+        params = self._param_suggestions(sources)
+        if params:
+            lines.append("# ---- port tensors that do not simply follow their module")
+        for entry in params:
+            lines += _comment(entry)
+            lines.append(_param_text(entry.port, entry.reference, entry.transform,
+                                     entry.axis).strip())
+            lines.append("")
+        suggestions += params
+        ties = self._ties()
+        if ties:
+            lines += ["# ---- tied tensors", *ties, ""]
+        buffers = {name for name, _ in self.case.model.named_buffers()}
+        for name in missing:
+            why = "no reference tensor of its shape is left over"
+            suggestions.append(Suggestion("param", [], [name], 0.0, [why]))
+            if name in buffers:  # a mask or table the port makes itself, most likely
+                lines += [f"# UNSURE: port buffer {name} has no source ({why}): declared "
+                          "the port's own", "[[unmatched]]", f"port = {_q(name)}",
+                          "why = " + _q("a buffer the port makes itself: " + why), ""]
+            else:
+                lines.append(f"# UNSURE: nothing found for port parameter {name} ({why}): "
+                             "add a [[param]] rule")
+        return "\n".join(lines).rstrip() + "\n", suggestions
+
+    def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:
+        taken = {p.port.site for p in pairs.values()}
+        feeds: dict[str, set[str]] = defaultdict(set)   # reference module -> port tensors
+        for source in sources:
+            for name in source.reference:
+                feeds[name.rpartition(".")[0]].add(_glob(source.port)[0])
+        out = []
+        for side, calls, paired in (("reference", self.refs, set(pairs)),
+                                    ("port", self.ports, taken)):
+            loose = [c for c in calls if c.site not in paired]
+            modules = {c.module for c in calls}
+            loose_modules = {c.module for c in loose} - {
+                c.module for c in calls if c.site in paired}
+            done = set()
+            for call in loose:
+                name = call.module
+                for keep in range(len(_NUMBER.findall(call.module)), 0, -1):
+                    glob = _glob(call.module, keep)[0]
+                    if {m for m in modules if _glob_pattern(glob).match(m)} <= loose_modules:
+                        name = glob
+                        break
+                if call.module not in loose_modules:
+                    name = call.site
+                if name in done:
+                    continue
+                done.add(name)
+                why = [f"type {call.type}", "no tensors" if not call.params else
+                       "tensors " + ", ".join(_shape_text(s) for s in call.params.values()),
+                       f"no {'port' if side == 'reference' else 'reference'} call fits it"]
+                if side == "reference" and feeds.get(call.module):
+                    why.append("its tensors feed port " + ", ".join(sorted(feeds[call.module])))
+                out.append(Suggestion(f"unmatched-{side}", [name] if side == "reference" else [],
+                                      [name] if side == "port" else [], 0.6, why))
+        return out
+
+    def _param_suggestions(self, sources: list[_Source]) -> list[Suggestion]:
+        ruled = [s for s in sources if s.rule]
+        universe = set(port_tensors(self.case.model))
+        out = []
+        by_transform = defaultdict(list)
+        for source in {s.rule_key(): s for s in ruled}.values():  # a split once
+            by_transform[source.transform, source.axis].append(source)
+        for (transform, axis), group in by_transform.items():
+            out += self._param_group(group, transform, axis, universe)
+        return out
+
+    def _param_group(self, ruled, transform, axis, universe) -> list[Suggestion]:
+        out = []
+        named = [(s.group or (s.port,)) for s in ruled]
+        for key_glob, others, members in _generalise(
+                [(ports[0], [*ports[1:], *s.reference]) for ports, s in zip(named, ruled)],
+                universe):
+            found = [ruled[k] for k in members]
+            parts = len(named[members[0]])
+            ports, refs = [key_glob, *others[:parts - 1]], others[parts - 1:]
+            evidence = list(dict.fromkeys(e for s in found for e in s.evidence))[:3]
+            if len(members) > 1:
+                evidence.append(f"{len(members)} blocks agree")
+            out.append(Suggestion("param", refs, ports, min(s.confidence for s in found),
+                                  evidence, transform, axis=axis))
+        return out
+
+    def _ties(self) -> list[str]:
+        lines = []
+        for shared in self.ref.meta.get("shared_parameters") or []:
+            if isinstance(shared, dict) and len(shared.get("users") or []) > 1:
+                lines.append(f"# the reference ties {', '.join(shared['users'])} (recorded once "
+                             f"as {shared.get('name')}): any of these names gives it")
+        groups: dict[int, list[str]] = defaultdict(list)
+        for name, tensor in self.case.model.named_parameters(remove_duplicate=False):
+            groups[id(tensor)].append(name)
+        for names in groups.values():
+            if len(names) > 1:
+                lines.append(f"# the port ties {', '.join(names)}: loaded once, as {names[0]}")
+        return lines
+
+    def _tensor_sources(self, draft: Mapping) -> dict[str, list[str]]:
+        return {found.port: ([] if found.problem else list(found.source.reference))
+                for found in resolve_weights(self.case.model, self.weights, draft)}
+
+
+def _merged_evidence(pairs: list[_Pair]) -> list[str]:
+    counted = Counter(e for p in pairs for e in dict.fromkeys(p.evidence))
+    return [e for e, n in counted.items() if n == len(pairs)] or list(pairs[0].evidence)
+
+
+def _comment(rule: Suggestion) -> list[str]:
+    evidence = [e for e in rule.evidence if not e.startswith("UNSURE")]
+    text = "# " + ", ".join(evidence)
+    lines = [text]
+    if rule.unsure:
+        doubt = next((e for e in rule.evidence if e.startswith("UNSURE")), None)
+        lines.append("# " + (doubt or f"UNSURE: confidence {rule.confidence:.2f}; check it"))
+    return lines
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _site_text(rules: list[Suggestion]) -> str:
+    lines = ["version = 1", ""]
+    for rule in rules:
+        table = "site" if rule.kind == "site" else "pair"
+        lines += [f"[[{table}]]", f"reference = {_q(rule.reference[0])}",
+                  f"port = {_q(rule.port[0])}"]
+        if rule.args:
+            lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
+                                                  for k, v in rule.args.items()) + " }")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _names_text(names: list[str] | tuple[str, ...]) -> str:
+    return _q(names[0]) if len(names) == 1 else "[" + ", ".join(map(_q, names)) + "]"
+
+
+def _param_text(port: list[str], reference: list[str], transform: tuple[str, ...],
+                axis: int = 0) -> str:
+    lines = ["[[param]]", f"port = {_names_text(port)}", f"reference = {_names_text(reference)}"]
+    if transform != ("copy",):
+        lines.append(f"transform = {_names_text(transform)}")
+    if axis:
+        lines.append(f"axis = {axis}")
+    return "\n" + "\n".join(lines) + "\n"
