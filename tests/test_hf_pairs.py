@@ -182,6 +182,24 @@ def test_gpt2_port_reproduces_hf_gpt2_with_transposed_conv1d_weights():
         torch.testing.assert_close(port.model(tokens)[0], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_mappings_name_only_functions_that_exist():
+    import importlib
+    import tomllib
+
+    named = []
+    for path in (LLAMA_MAP, GPT2_MAP):
+        data = tomllib.loads(path.read_text())
+        for rule in data.get("param", []):
+            chain = rule.get("transform", [])
+            named += [step for step in ([chain] if isinstance(chain, str) else chain)
+                      if ":" in step]
+        named += [rule["call"] for rule in data.get("site", []) if "call" in rule]
+    assert len(named) == 4  # hf_to_meta_qk twice, attention_call, block_call
+    for spec in named:
+        module, _, name = spec.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), spec
+
+
 # ---- what layerdiff makes of the pairs
 def _cli(*args) -> str:
     result = CliRunner().invoke(main, [str(a) for a in args])
