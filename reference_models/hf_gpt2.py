@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+from reference_models.hf_llama import require_transformers
 
 SEED = 0
 
@@ -48,9 +49,7 @@ CONFIG = TinyGPT2()
 
 
 def hf_config(attn_implementation: str = "eager", cfg: TinyGPT2 = CONFIG) -> Any:
-    from transformers import GPT2Config
-
-    return GPT2Config(
+    return require_transformers().GPT2Config(
         vocab_size=cfg.vocab, n_positions=cfg.n_positions, n_embd=cfg.n_embd,
         n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
@@ -60,14 +59,13 @@ def hf_config(attn_implementation: str = "eager", cfg: TinyGPT2 = CONFIG) -> Any
 
 
 def _case(attn_implementation: str, name: str) -> Case:
-    from transformers import GPT2LMHeadModel
-
+    transformers = require_transformers()
     cfg = CONFIG
     seed_everything(SEED)
     # drawn before the model, as tests.gpt_cases._build draws them: the same batch
     tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.n_positions + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    model = GPT2LMHeadModel(hf_config(attn_implementation)).float().train()
+    model = transformers.GPT2LMHeadModel(hf_config(attn_implementation)).float().train()
 
     def loss_fn(output: Any) -> torch.Tensor:
         logits = output.logits

@@ -28,8 +28,19 @@ import torch
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+from layerdiff.errors import CaseError
 
 SEED = 0
+
+
+def require_transformers() -> Any:
+    """transformers, or one sentence saying how to get it."""
+    try:
+        import transformers
+    except ImportError:
+        raise CaseError("the Hugging Face reference cases need transformers 5.x: "
+                        "pip install 'layerdiff[test]' (or transformers>=5,<6)") from None
+    return transformers
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,7 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def hf_config(attn_implementation: str = "eager", cfg: TinyLlama = CONFIG) -> Any:
     """transformers' ``LlamaConfig`` for :data:`CONFIG`."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+    return require_transformers().LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
@@ -83,10 +92,8 @@ def hf_config(attn_implementation: str = "eager", cfg: TinyLlama = CONFIG) -> An
 
 def build_model(attn_implementation: str = "eager", cfg: TinyLlama = CONFIG) -> torch.nn.Module:
     """``LlamaForCausalLM`` with transformers' own random initialization under :data:`SEED`."""
-    from transformers import LlamaForCausalLM
-
     seed_everything(SEED)
-    model = LlamaForCausalLM(hf_config(attn_implementation, cfg)).float()
+    model = require_transformers().LlamaForCausalLM(hf_config(attn_implementation, cfg)).float()
     return model.train()  # dropout is 0: train mode changes nothing but is what capture runs
 
 
