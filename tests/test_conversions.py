@@ -124,15 +124,15 @@ class Net(nn.Module):
         return self.head(self.attn(x))
 
 
-def _case(attn: nn.Module, name: str = "") -> Case:
+def _case(attn: type[nn.Module], name: str = "") -> Case:
     seed_everything(0)
-    model = Net(attn)
+    model = Net(attn())
     return Case(model=model, inputs=(torch.randn(2, T, DIM),),
                 loss_fn=lambda out: out.pow(2).mean(), seed=0, name=name)
 
 
 def port_case() -> Case:
-    return _case(InterleavedAttention(), "tests.test_conversions:port_case")
+    return _case(InterleavedAttention, "tests.test_conversions:port_case")
 
 
 HERE = "tests.test_conversions"
@@ -182,7 +182,7 @@ def _mapping(tmp_path: Path, text: str, name: str = "port.map.toml") -> Mapping:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    return capture(_case(RotateHalfAttention()), tmp_path_factory.mktemp("conv") / "ref.h5")
+    return capture(_case(RotateHalfAttention), tmp_path_factory.mktemp("conv") / "ref.h5")
 
 
 def _rows(result, role: str, site: str):
@@ -194,7 +194,7 @@ def _rows(result, role: str, site: str):
 
 def test_faithful_port_loads_through_the_conversion_and_passes(reference, tmp_path):
     mapping = _mapping(tmp_path, _map_text())
-    ref_model, port = _case(RotateHalfAttention()).model, port_case()
+    ref_model, port = _case(RotateHalfAttention).model, port_case()
     load_weights(ref_model, reference)
     report = load_weights(port.model, reference, mapping)
     assert torch.equal(port.model.attn.wq.weight, to_interleaved(ref_model.attn.q.weight))
@@ -233,7 +233,7 @@ def test_a_port_whose_permutation_is_wrong_is_caught_at_that_parameter(reference
     mapping = _mapping(tmp_path, _map_text())
     port = port_case()
     load_weights(port.model, reference, mapping)
-    ref_model = _case(RotateHalfAttention()).model
+    ref_model = _case(RotateHalfAttention).model
     load_weights(ref_model, reference)
     with torch.no_grad():  # the port's own loader forgot the head count for k
         port.model.attn.wk.weight.copy_(interleaved_as_one_head(ref_model.attn.k.weight))
@@ -254,6 +254,22 @@ def test_a_gradient_wrong_in_one_converted_parameter_is_named_there(reference, t
     result = diff(reference, capture(port, tmp_path / "port.h5"), mapping=mapping)
     assert _rows(result, "weight_grad", "attn.k#0").iloc[0]["verdict"] == Verdict.OUT
     assert _rows(result, "weight_grad", "attn.q#0").iloc[0]["verdict"] in PASSING
+
+
+def test_swap_and_replay_judge_the_attention_through_the_conversion(reference, tmp_path):
+    """The port's attention swapped into the reference gets its weights through the
+    conversion, and its q/k weight gradients are pulled back to the reference's layout."""
+    from layerdiff.replay import replay
+    from layerdiff.replay.swap import swap
+
+    mapping = _mapping(tmp_path, _map_text())
+    result = swap(lambda: _case(RotateHalfAttention), port_case, ["attn"], mapping=mapping)
+    assert not result.breaks, [(r.what, r.ratio) for r in result.rows]
+    grads = {r.what.split()[1]: r.ratio for r in result.rows if r.what.startswith("weight_grad")}
+    assert grads["attn.q.weight"] < 0.1 and grads["attn.k.weight"] < 0.1
+    replayed = replay(reference, port_case(), mapping=mapping, propagated=False)
+    assert replayed.diff.passed
+    assert "attn#0" in set(replayed.diff.rows["site"])
 
 
 # ---------------------------------------------------------------- errors and port-only tensors
@@ -296,7 +312,7 @@ def test_map_check_applies_reports_and_checks_the_conversion(reference, tmp_path
     assert entry.conversion is not None and entry.conversion["site"] == "attn#0"
     assert entry.conversion["with"] * 1000 < entry.conversion["without"]
     text = check.format()
-    assert "to_interleaved()" in text and "conversions checked" in text
+    assert "to_interleaved()" in text and "2 conversions checked" in " ".join(text.split())
     mask = next(e for e in check.entries if e.port == "attn.mask")
     assert mask.status == "port-own"
     assert json.loads(json.dumps(check.as_json()))["entries"]
@@ -310,7 +326,7 @@ def test_map_check_flags_a_conversion_the_port_does_not_need(reference, tmp_path
         '[[site]]\nreference = "attn.v"\nport = "attn.wv"', '').replace(
         '[[site]]\nreference = "attn.o"\nport = "attn.wo"', '')
     text = text.split("[[unmatched]]\nport = \"attn.mask\"")[0]
-    check = map_check(reference, _case(RotateHalfAttention()), _mapping(tmp_path, text))
+    check = map_check(reference, _case(RotateHalfAttention), _mapping(tmp_path, text))
     statuses = {e.port: e.status for e in check.entries}
     assert statuses["attn.q.weight"] == SUSPICIOUS_CONVERSION, check.format()
     assert statuses["attn.k.weight"] == SUSPICIOUS_CONVERSION
@@ -326,7 +342,7 @@ def test_paired_parts_pulls_a_gradient_back_through_the_chain():
     rng = np.random.default_rng(0)
     grad = torch.from_numpy(rng.standard_normal((DIM, DIM)).astype(np.float32))
     source = ParamSource(["q.weight"], (f"{HERE}:to_interleaved",))
-    (name, ref, part), = paired_parts(source, [grad], to_interleaved(grad))
+    (name, _, part), = paired_parts(source, [grad], to_interleaved(grad))
     assert name == "q.weight" and torch.equal(part, grad)
     as_numpy = paired_parts(source, [grad.numpy()], to_interleaved(grad).numpy())
     assert np.array_equal(as_numpy[0][2], grad.numpy())
