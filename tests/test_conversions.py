@@ -115,6 +115,32 @@ class InterleavedAttention(nn.Module):
         return self.wo(_attend(*rotated, self.wv(x).view(b, T, HEADS, HEAD_DIM), self.mask))
 
 
+class FusedInterleavedAttention(InterleavedAttention):
+    """The port with q and k fused into one projection, interleaved; ``k_grad_scale`` plants a
+    backward bug in k's part alone."""
+
+    k_grad_scale = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.wq, self.wk
+        self.wqk = nn.Linear(DIM, 2 * DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        cos, sin = (a[:, None] for a in _angles())
+        q, k = self.wqk(x).split(DIM, -1)
+        if self.k_grad_scale != 1.0 and k.requires_grad:
+            k.register_hook(lambda g: g * self.k_grad_scale)
+        rotated = []
+        for t in (q, k):
+            pairs = t.view(b, T, HEADS, HEAD_DIM // 2, 2)
+            even, odd = pairs[..., 0], pairs[..., 1]
+            rotated.append(torch.stack([even * cos - odd * sin, even * sin + odd * cos],
+                                       -1).flatten(3))
+        return self.wo(_attend(*rotated, self.wv(x).view(b, T, HEADS, HEAD_DIM), self.mask))
+
+
 class Net(nn.Module):
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
@@ -126,8 +152,9 @@ class Net(nn.Module):
 
 def _case(attn: type[nn.Module], name: str = "") -> Case:
     seed_everything(0)
+    x = torch.randn(2, T, DIM)  # before the model: a port's init draws other numbers
     model = Net(attn())
-    return Case(model=model, inputs=(torch.randn(2, T, DIM),),
+    return Case(model=model, inputs=(x,),
                 loss_fn=lambda out: out.pow(2).mean(), seed=0, name=name)
 
 
@@ -270,6 +297,51 @@ def test_swap_and_replay_judge_the_attention_through_the_conversion(reference, t
     replayed = replay(reference, port_case(), mapping=mapping, propagated=False)
     assert replayed.diff.passed
     assert "attn#0" in set(replayed.diff.rows["site"])
+
+
+FUSED_MAP = """version = 1
+
+[[site]]
+reference = "attn.v"
+port = "attn.wv"
+
+[[site]]
+reference = "attn.o"
+port = "attn.wo"
+
+[[unmatched]]
+reference = "attn.[qk]"
+
+[[unmatched]]
+port = "attn.wqk"
+
+[[unmatched]]
+port = "attn.mask"
+
+[[param]]
+port = "attn.wqk.weight"
+reference = ["attn.q.weight", "attn.k.weight"]
+transform = ["tests.test_conversions:to_interleaved", "concat"]
+"""
+
+
+@pytest.mark.parametrize("k_grad_scale", [1.0, 1.5])
+def test_a_fused_converted_gradient_says_which_part_is_off(reference, tmp_path, k_grad_scale):
+    """Each reference tensor's gradient is compared with the port's pulled back to it: a
+    function-then-concat chain gives a row for q and one for k, and a bug in k's part of the
+    fused gradient is named at k alone."""
+    mapping = _mapping(tmp_path, FUSED_MAP)
+    port = _case(FusedInterleavedAttention)
+    load_weights(port.model, reference, mapping)
+    port.model.attn.k_grad_scale = k_grad_scale
+    result = diff(reference, capture(port, tmp_path / "port.h5"), mapping=mapping)
+    verdicts = {site: _rows(result, "weight_grad", site).iloc[0]["verdict"]
+                for site in ("attn.q#0", "attn.k#0")}
+    weights = _rows(result, "weight", "attn.q#0")
+    assert len(weights) == 1 and weights.iloc[0]["port_shape"] == f"{2 * DIM},{DIM}"
+    assert weights.iloc[0]["verdict"] in PASSING
+    assert verdicts["attn.q#0"] in PASSING
+    assert (verdicts["attn.k#0"] == Verdict.OUT) == (k_grad_scale != 1.0)
 
 
 # ---------------------------------------------------------------- errors and port-only tensors
