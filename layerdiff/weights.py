@@ -276,17 +276,25 @@ def apply_chain(source: ParamSource, parts: Sequence[torch.Tensor], *,
     functions = conversions(source)
 
     def call(step: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _call_conversion(functions[step], source, tensor, port)
+        return _call_conversion(step, functions[step], source, tensor, port)
 
-    return _chain(source, list(parts), lambda p, axis: torch.cat(p, dim=axis),
-                  lambda t, n, axis: torch.chunk(t, n, dim=axis) if t.shape[axis] % n == 0
-                  else _uneven(t, n, axis),
+    return _chain(source, list(parts), _torch_concat, _torch_split,
                   lambda t: t.permute(*range(t.ndim - 1, -1, -1)), call)
 
 
-def _uneven(tensor: torch.Tensor, parts: int, axis: int):
-    raise ValueError(f"a tensor of {tensor.shape[axis]} along axis {axis} does not split "
-                     f"into {parts} equal parts")
+def _torch_concat(parts: list[torch.Tensor], axis: int) -> torch.Tensor:
+    """torch.cat, with numpy's ValueError for parts that do not fit (a shape problem)."""
+    try:
+        return torch.cat(parts, dim=axis)
+    except (RuntimeError, IndexError) as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _torch_split(tensor: torch.Tensor, parts: int, axis: int) -> tuple[torch.Tensor, ...]:
+    if not -tensor.ndim <= axis < tensor.ndim or tensor.shape[axis] % parts:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not split into "
+                         f"{parts} equal parts along axis {axis}")
+    return torch.chunk(tensor, parts, dim=axis)
 
 
 def _chain(source: ParamSource, parts: list, concat, split, transpose,
@@ -309,11 +317,10 @@ def conversions(source: ParamSource) -> dict[str, Callable[..., Any]]:
     return {ref.spec: ref.resolve() for ref in source.code_refs()}
 
 
-def _call_conversion(function: Callable[..., Any], source: ParamSource, tensor: torch.Tensor,
-                     port: str) -> torch.Tensor:
+def _call_conversion(name: str, function: Callable[..., Any], source: ParamSource,
+                     tensor: torch.Tensor, port: str) -> torch.Tensor:
     """One conversion step: the user's function on a torch tensor; what it raises, or a result
     that is not a tensor, is one sentence naming the rule, the port tensor and the function."""
-    name = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', '?')}"
     target = f" for port {port}" if port else ""
     try:
         value = function(tensor)

@@ -475,3 +475,14 @@ def test_capture_records_the_conversions_provenance(reference, tmp_path, run):
         assert source_warnings(trace, [item]) == []
         warning, = source_warnings(changed, [item])
         assert "not the one port.h5 was captured with" in warning and "000000000000" in warning
+
+
+def test_parts_a_conversion_cannot_join_are_a_shape_problem_not_a_traceback(reference,
+                                                                            tmp_path):
+    """Parts that do not concatenate after a conversion: a shape mismatch naming the rule's
+    tensors, as without one."""
+    text = FUSED_MAP.replace('["attn.q.weight", "attn.k.weight"]',
+                             '["attn.q.weight", "head.weight"]') + "axis = 1\n"
+    with pytest.raises(MappingError, match=r"cannot be combined by .* for port attn\.wqk"):
+        load_weights(_case(FusedInterleavedAttention).model, reference,
+                     _mapping(tmp_path, text))
