@@ -125,7 +125,8 @@ class MapCheck:
     def verdict(self) -> str:
         checked = sum(entry.errors is not None for entry in self.entries)
         if self.passed:
-            text = (f"PASS  {len(self.entries)} port tensors, each with a source that fits; "
+            text = (f"PASS  {len(self.entries) - self.count(PORT_OWN)} port tensors, each "
+                    "with a source that fits; "
                     f"{checked} checked for a transpose")
             if self.count(NOT_CHECKED):
                 text += f", {self.count(NOT_CHECKED)} could not be"
@@ -133,7 +134,7 @@ class MapCheck:
             if converted:
                 text += f"; {converted} conversions checked"
             if self.count(PORT_OWN):
-                text += f"; {self.count(PORT_OWN)} kept as the port's own"
+                text += f"; {self.count(PORT_OWN)} more kept as the port's own"
             return "\n      ".join(textwrap.wrap(text, WIDTH - 6))
         problems = [f"{self.count(status)} {label}" for status, label in (
             (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
@@ -182,7 +183,8 @@ def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
     probe = _ConversionProbe(assignments, targets, runner, reference)
     entries = []
     for found in assignments:
-        entry = MapEntry(found.port, list(found.source.reference), found.source.transforms,
+        entry = MapEntry(found.port, [] if found.problem == PORT_OWN
+                         else list(found.source.reference), found.source.transforms,
                          found.source.axis, found.problem or OK, found.note,
                          functions=[ref.provenance() for ref in found.source.code_refs()])
         if found.problem == SHAPE_MISMATCH and _transposed_fits(found):
