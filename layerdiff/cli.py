@@ -689,14 +689,17 @@ def _load_reference_weights(case, trace: str, mapping: str | None) -> dict:
     from layerdiff.capture.torch_capture import weights_meta
     from layerdiff.case import ExternalCase
     from layerdiff.errors import CaptureError
-    from layerdiff.weights import load_weights
+    from layerdiff.weights import conversions_provenance, load_weights
 
     if isinstance(case, ExternalCase):
         raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
                            "weights; load them from the reference in the port's own code")
     report = load_weights(case.model, trace, mapping)
     click.echo(f"weights from {trace}: {report.summary()}")
-    return weights_meta(trace, mapping)
+    meta = weights_meta(trace, mapping)
+    if mapping is not None:  # which code made the port's weights, beside the mapping's text
+        meta["weights"]["conversions"] = conversions_provenance(mapping)
+    return meta
 
 
 def _print_capture_result(path: Path, seconds: float) -> None:

@@ -6,7 +6,10 @@ and buffer, the reference tensors and transform chain it would receive; the port
 nothing provides; the reference tensors nothing uses; the shapes that do not fit. A square
 matrix fits both ways round, so a missing or extra ``transpose`` loads without complaint: each
 one is checked by running the module that owns it on the reference's recorded inputs at the
-paired site, loaded as declared and transposed, against the reference's recorded output.
+paired site, loaded as declared and transposed, against the reference's recorded output. A
+chain with a conversion function is applied as the load applies it (shapes checked after it),
+reported with the function's source digest, and checked the same way: the module that owns
+the tensor, or the nearest paired module around it, runs with and without the conversion.
 
 The port model is left as it was: its tensors are put back after the dry run.
 """
@@ -26,15 +29,17 @@ from layerdiff.capture.hooks import flatten
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
-from layerdiff.mapping import Mapping
+from layerdiff.mapping import TRANSFORMS, Mapping, ParamSource
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
 from layerdiff.replay.torch_replay import NotReplayable, TorchPort, restored
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.weights import (
     NO_SOURCE,
+    PORT_OWN,
     SHAPE_MISMATCH,
     Assignment,
     as_mapping,
+    combine,
     port_tensors,
     resolve_weights,
     trace_weights,
@@ -43,8 +48,10 @@ from layerdiff.weights import (
 
 OK = "ok"
 SUSPICIOUS = "suspicious-transpose"
+SUSPICIOUS_CONVERSION = "suspicious-conversion"
 NOT_CHECKED = "not-checked"
-FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS)
+FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS, SUSPICIOUS_CONVERSION)
+LEVELS = 4           # a conversion is checked at the owner and at most this many modules out
 BETTER = 10.0        # a transposed load this many times closer to the reference is suspicious
 ROUNDING_ULPS = 16   # a declared load's error below this many ULPs is rounding, not a layout
 WIDTH = 100
@@ -58,15 +65,21 @@ class MapEntry:
     reference: list[str]
     transform: tuple[str, ...]
     axis: int
-    status: str            # ok | no-source | shape-mismatch | suspicious-transpose | not-checked
+    status: str            # ok | no-source | shape-mismatch | suspicious-transpose |
+    #                        suspicious-conversion | not-checked | port-own
     note: str = ""
     errors: tuple[float, float] | None = None  # square matrix: (as declared, transposed)
+    functions: list[dict[str, str]] = field(default_factory=list)  # {function, source_sha256}
+    # conversion checked: {"site", "with", "without"} relative errors at the deciding site
+    conversion: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"port": self.port, "reference": list(self.reference),
                 "transform": list(self.transform), "axis": self.axis, "status": self.status,
                 "note": self.note, "errors": None if self.errors is None else {
-                    "declared": self.errors[0], "transposed": self.errors[1]}}
+                    "declared": self.errors[0], "transposed": self.errors[1]},
+                "functions": [dict(f) for f in self.functions],
+                "conversion": None if self.conversion is None else dict(self.conversion)}
 
 
 @dataclass
@@ -112,14 +125,21 @@ class MapCheck:
     def verdict(self) -> str:
         checked = sum(entry.errors is not None for entry in self.entries)
         if self.passed:
-            text = (f"PASS  {len(self.entries)} port tensors, each with a source that fits; "
+            text = (f"PASS  {len(self.entries) - self.count(PORT_OWN)} port tensors, each "
+                    "with a source that fits; "
                     f"{checked} checked for a transpose")
             if self.count(NOT_CHECKED):
                 text += f", {self.count(NOT_CHECKED)} could not be"
-            return _clip(text, WIDTH)
+            converted = sum(entry.conversion is not None for entry in self.entries)
+            if converted:
+                text += f"; {converted} conversions checked"
+            if self.count(PORT_OWN):
+                text += f"; {self.count(PORT_OWN)} more kept as the port's own"
+            return "\n      ".join(textwrap.wrap(text, WIDTH - 6))
         problems = [f"{self.count(status)} {label}" for status, label in (
             (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
-            (SUSPICIOUS, "likely transposed")) if self.count(status)]
+            (SUSPICIOUS, "likely transposed"),
+            (SUSPICIOUS_CONVERSION, "worse with their conversion")) if self.count(status)]
         return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
                      f"fix {self.mapping or 'the mapping (--map)'}", WIDTH)
 
@@ -143,7 +163,7 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
         model = port_case.model
         with restored([*model.parameters(), *model.buffers()]):
             assignments = resolve_weights(model, reference, mapping)
-            entries = _checked_entries(ref, model, mapping, assignments)
+            entries = _checked_entries(ref, model, mapping, assignments, reference)
     return MapCheck(str(reference_trace), port_case.name or type(model).__name__,
                     str(mapping.path) if mapping.path else None, entries,
                     unused_reference(reference, assignments))
@@ -152,21 +172,27 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
 
 
 def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
-                     assignments: list[Assignment]) -> list[MapEntry]:
+                     assignments: list[Assignment],
+                     reference: dict[str, np.ndarray]) -> list[MapEntry]:
     targets = port_tensors(model)
     with torch.no_grad():  # the declared load, so each module runs as the port would
         for found in assignments:
             if not found.problem:
                 targets[found.port].copy_(_tensor(found.value, targets[found.port]))
     runner = _SiteRunner(ref, model, mapping)
+    probe = _ConversionProbe(assignments, targets, runner, reference)
     entries = []
     for found in assignments:
-        entry = MapEntry(found.port, list(found.source.reference), found.source.transforms,
-                         found.source.axis, found.problem or OK, found.note)
+        entry = MapEntry(found.port, [] if found.problem == PORT_OWN
+                         else list(found.source.reference), found.source.transforms,
+                         found.source.axis, found.problem or OK, found.note,
+                         functions=[ref.provenance() for ref in found.source.code_refs()])
         if found.problem == SHAPE_MISMATCH and _transposed_fits(found):
             entry.note += "; transposed it would fit: does the rule need a 'transpose'?"
         elif not found.problem and _transposed_fits(found):
             _check_transpose(entry, found, targets[found.port], runner)
+        if not found.problem and found.source.functions and entry.status != SUSPICIOUS:
+            _check_conversion(entry, found, probe)
         entries.append(entry)
     return entries
 
@@ -207,6 +233,136 @@ def _check_transpose(entry: MapEntry, found: Assignment, target: torch.Tensor,
                       f"output far better ({errors}): add or remove a 'transpose' in the rule")
     else:
         entry.note = f"transpose checked at {declared.site}: {errors}"
+
+
+class _ConversionProbe:
+    """Runs a module on the reference's recorded call at its paired site loaded as declared,
+    and loaded without the conversions of every converted tensor under it (the chains'
+    built-in steps alone: a RoPE permutation of q without that of k shows nothing), against
+    the reference's recorded outputs; once per module."""
+
+    def __init__(self, assignments: list[Assignment], targets: dict[str, torch.Tensor],
+                 runner: _SiteRunner, reference: dict[str, np.ndarray]) -> None:
+        self.targets, self.runner = targets, runner
+        self.plain: dict[str, np.ndarray] = {}   # port tensor -> its load without conversions
+        self.why: dict[str, str] = {}            # port tensor -> why it has none
+        self.declared = {found.port: found.value for found in assignments}
+        self._measured: dict[str, tuple[_Measure, _Measure] | Exception] = {}
+        for found in assignments:
+            if found.problem or not found.source.functions:
+                continue
+            source = found.source
+            steps = tuple(t for t in source.transforms if t not in source.functions)
+            plain = ParamSource(source.reference, steps or ("copy",), source.axis,
+                                source.part, source.parts, where=source.where)
+            try:
+                value = combine(plain, [reference[n] for n in source.reference])
+            except ValueError as exc:
+                self.why[found.port] = str(exc)
+                continue
+            if tuple(value.shape) != found.shape:
+                self.why[found.port] = (f"without it the chain gives shape "
+                                        f"{tuple(value.shape)}, not the port's {found.shape}")
+            else:
+                self.plain[found.port] = value
+
+    def measure(self, module: str) -> tuple[_Measure, _Measure]:
+        """(as declared, without the conversions under ``module``); raises what the run
+        raises (a module with no paired site, one that cannot be replayed)."""
+        if module not in self._measured:
+            try:
+                self._measured[module] = self._run(module)
+            except Exception as exc:
+                self._measured[module] = exc
+        found = self._measured[module]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def _run(self, module: str) -> tuple[_Measure, _Measure]:
+        declared = self.runner.declared(module)
+        under = [name for name in self.plain
+                 if module == schema.ROOT_MODULE or name.startswith(module + ".")]
+        try:
+            with torch.no_grad():
+                for name in under:
+                    self.targets[name].copy_(_tensor(self.plain[name], self.targets[name]))
+            return declared, self.runner.measure(module)
+        finally:
+            with torch.no_grad():
+                for name in under:
+                    self.targets[name].copy_(_tensor(self.declared[name], self.targets[name]))
+
+
+def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProbe) -> None:
+    """Judge a converted tensor by the modules around it, innermost first.
+
+    A conversion changes the layout, so a module's own output may be in the port's layout
+    (a permuted projection): only where the two loads differ tenfold does a site decide. The
+    conversion holds where its load is the far closer one at some site; it is suspicious
+    where only the load without it is (and its own error is above rounding)."""
+    names = ", ".join(found.source.functions)
+    if found.port not in probe.plain:
+        _not_checked(entry, f"conversion {names} not checked: {probe.why[found.port]}")
+        return
+    if np.array_equal(probe.plain[found.port], found.value):
+        entry.note = _join(entry.note, f"conversion {names} changes nothing in this tensor")
+        return
+    module = found.port.rpartition(".")[0] or schema.ROOT_MODULE
+    hurts, reasons = None, []
+    for candidate in _around(module, LEVELS):
+        try:
+            declared, plain = probe.measure(candidate)
+        except Exception as exc:  # not paired or not replayable here: try the next one out
+            known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+            reasons.append(str(exc) if known else f"port module {candidate} raised "
+                           f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
+            continue
+        measured = {"site": declared.site, "with": declared.error, "without": plain.error}
+        errors = (f"relative error {declared.error:.1e} with the conversion, "
+                  f"{plain.error:.1e} without")
+        if declared.error * BETTER < plain.error:
+            entry.conversion = measured
+            said = f"conversion {names} checked at {declared.site}: {errors}"
+            if entry.status == NOT_CHECKED and declared.error <= declared.rounding:
+                # the declared load reproduces the module around it: its layout holds, a
+                # transpose the owner could not be run to check included
+                entry.status, entry.note = OK, said
+            else:
+                entry.note = _join(entry.note, said)
+            return
+        if plain.error * BETTER < declared.error and declared.error > declared.rounding:
+            hurts = hurts or (measured, errors)
+    if hurts is not None:
+        entry.conversion, errors = hurts
+        entry.status = SUSPICIOUS_CONVERSION
+        entry.note = _join(entry.note, f"at {entry.conversion['site']} the load without "
+                           f"conversion {names} reproduces the reference's output far better "
+                           f"({errors}), and no module around it does better with it: check "
+                           "the function, or whether the port needs it")
+        return
+    _not_checked(entry, f"conversion {names} not checked: no paired module around "
+                 f"{found.port} tells the loads with and without it apart"
+                 + (f" ({reasons[-1]})" if reasons else ""))
+
+
+def _not_checked(entry: MapEntry, why: str) -> None:
+    if entry.status == OK:
+        entry.status = NOT_CHECKED
+    entry.note = _join(entry.note, why)
+
+
+def _around(module: str, levels: int) -> list[str]:
+    """``module`` and the modules that hold it, innermost first (the root last)."""
+    chain = [module]
+    while module != schema.ROOT_MODULE and len(chain) <= levels:
+        module = module.rpartition(".")[0] or schema.ROOT_MODULE
+        chain.append(module)
+    return chain
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
 
 
 def _tensor(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -304,7 +460,7 @@ def _table(entries: list[MapEntry], width: int) -> list[str]:
         lines.append(f"{_clip_left(entry.port, port_w):<{port_w}}  "
                      f"{_clip_left(source, from_w):<{from_w}}  "
                      f"{_clip(_chain(entry), transform_w):<{transform_w}}  {entry.status}")
-        if entry.status != OK and entry.note:
+        if entry.note and (entry.status != OK or entry.conversion is not None):
             lines += textwrap.wrap(entry.note, width, initial_indent="    ",
                                    subsequent_indent="    ")
     return lines
@@ -322,9 +478,11 @@ def _sources(names: list[str]) -> str:
 
 
 def _chain(entry: MapEntry) -> str:
-    """The transform chain in a few characters: concat(1),transpose."""
+    """The transform chain in a few characters: concat(1),transpose; a conversion function
+    by its name, permute_rope() (the note and the JSON give its module and digest)."""
     return ",".join(f"{step}({entry.axis})" if step in ("concat", "split") and entry.axis
-                    else step for step in entry.transform)
+                    else step if step in TRANSFORMS else step.rpartition(":")[2] + "()"
+                    for step in entry.transform)
 
 
 def _clip(text: str, width: int) -> str:

@@ -5,12 +5,18 @@ of the port from the reference's ``weight`` records of step 0: renamed, transpos
 concatenated (or a chain of these, in order) as the mapping says, shape-checked, cast to the
 port's dtype. :func:`resolve_weights` says what each port tensor would get without setting
 anything; ``load_weights`` and ``map_check`` both stand on it.
+
+A chain may hold conversion functions (``"pkg.module:function"``, tensor -> tensor), applied in
+order with the built-ins (:func:`combine`); a port tensor whose chain has one is compared with
+the reference through it: weights as ``f(reference)`` against the port's, weight gradients
+pulled back through the chain (:func:`pull_back`). Port tensors that nothing in the reference
+provides and that an ``[[unmatched]] port =`` entry declares are kept as the port's own.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +25,8 @@ import torch
 from torch import nn
 
 from layerdiff.errors import MappingError
-from layerdiff.mapping import Mapping, ParamSource, Slice
+from layerdiff.mapping import CodeRef, Mapping, ParamSource, Slice
+from layerdiff.mapping.code import is_code
 from layerdiff.trace import Trace, open_trace, schema
 
 
@@ -28,11 +35,16 @@ class WeightsReport:
     loaded: dict[str, list[str]] = field(default_factory=dict)  # port name -> reference names
     unused: list[str] = field(default_factory=list)             # reference tensors not used
     cast: dict[str, int] = field(default_factory=dict)          # "float32 -> bfloat16": count
+    kept: dict[str, str] = field(default_factory=dict)  # port-only tensors left as they were: why
 
     def summary(self) -> str:
         text = f"loaded {len(self.loaded)} port tensors from the reference"
         if self.cast:
             text += " (cast " + ", ".join(f"{n} {how}" for how, n in self.cast.items()) + ")"
+        if self.kept:
+            shown = "; ".join(f"{name} ({why})" for name, why in list(self.kept.items())[:4])
+            text += (f"; kept the port's own: {shown}"
+                     + (f" and {len(self.kept) - 4} more" if len(self.kept) > 4 else ""))
         if self.unused:
             shown = ", ".join(self.unused[:4]) + (" ..." if len(self.unused) > 4 else "")
             text += f"; {len(self.unused)} reference tensors unused ({shown})"
@@ -98,10 +110,15 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
         raise MappingError(f"weights from {source}: nothing in the reference gives port "
                            f"{shown} ({len(missing)} tensors); {rules}")
     targets = port_tensors(model)
-    report = WeightsReport({found.port: found.source.reference for found in assignments},
-                           unused_reference(reference, assignments))
+    report = WeightsReport({found.port: found.source.reference for found in assignments
+                            if found.problem != PORT_OWN},
+                           unused_reference(reference, assignments),
+                           kept={found.port: found.note.removeprefix(KEPT)
+                                 for found in assignments if found.problem == PORT_OWN})
     with torch.no_grad():
         for found in assignments:
+            if found.problem == PORT_OWN:
+                continue
             target = targets[found.port]
             value = torch.from_numpy(np.array(found.value, order="C"))
             if value.is_floating_point() and value.dtype != target.dtype:
@@ -116,6 +133,8 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
 
 NO_SOURCE = "no-source"
 SHAPE_MISMATCH = "shape-mismatch"
+PORT_OWN = "port-own"  # no source, and declared the port's own ([[unmatched]] port = ...)
+KEPT = "kept the port's own: "
 
 
 @dataclass
@@ -126,7 +145,7 @@ class Assignment:
     shape: tuple[int, ...]        # its shape
     source: ParamSource           # reference names and the transform chain
     value: np.ndarray | None = None  # what the chain makes (None when it cannot make one)
-    problem: str = ""             # "" | NO_SOURCE | SHAPE_MISMATCH
+    problem: str = ""             # "" | NO_SOURCE | SHAPE_MISMATCH | PORT_OWN
     note: str = ""                # the problem, said for people
 
 
@@ -159,6 +178,11 @@ def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray], mapping:
         found = mapping.param_source(name, partner) or ParamSource([name])
         shape = tuple(tensor.shape)
         absent = [ref for ref in found.reference if ref not in reference]
+        why = mapping.why_unmatched("port", name) if absent else None
+        if why is not None:  # only where nothing provides it: a declaration never hides a load
+            assignments.append(Assignment(name, shape, found, problem=PORT_OWN,
+                                          note=KEPT + why))
+            continue
         if absent:
             note = f"the reference has no {', '.join(absent)}" + (
                 "; no [[param]] rule names it and its module pairs with none by name"
@@ -201,7 +225,7 @@ def _shard(found: Assignment, mapping: Mapping, world: tuple[int, int]) -> Assig
 def unused_reference(reference: dict[str, np.ndarray],
                      assignments: list[Assignment]) -> list[str]:
     """Reference tensors that no port tensor takes anything from."""
-    used = {ref for found in assignments if found.problem != NO_SOURCE
+    used = {ref for found in assignments if found.problem not in (NO_SOURCE, PORT_OWN)
             for ref in found.source.reference}
     return sorted(set(reference) - used)
 
@@ -209,7 +233,8 @@ def unused_reference(reference: dict[str, np.ndarray],
 def _combined(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:
     names = " + ".join(found.source.reference)
     try:
-        value = combine(found.source, [reference[n] for n in found.source.reference])
+        value = combine(found.source, [reference[n] for n in found.source.reference],
+                        port=found.port)
     except ValueError as exc:  # parts that do not concatenate or split: a shape problem too
         found.problem = SHAPE_MISMATCH
         found.note = (f"reference {names} cannot be combined by ({found.source.transform}) "
@@ -230,23 +255,115 @@ def _checked(found: Assignment) -> Assignment:
     return found
 
 
-def combine(source: ParamSource, parts: list[np.ndarray]) -> np.ndarray:
+def combine(source: ParamSource, parts: list[np.ndarray], *, port: str = "") -> np.ndarray:
     """The port's tensor made from the reference tensors ``parts``: the source's transform
-    chain applied in order (a transpose before a concat transposes every part)."""
+    chain applied in order (a transpose, or a conversion function, before a concat applies to
+    every part). A chain with a function runs in torch and comes back as numpy in the
+    reference's dtype; ``port`` names the port tensor in its errors."""
+    if not source.functions:
+        return _chain(source, list(parts), np.concatenate, np.split, lambda a: a.T, None)
+    dtypes = [part.dtype for part in parts]
+    tensors = [torch.from_numpy(np.array(part, order="C")) for part in parts]
+    with torch.no_grad():
+        value = apply_chain(source, tensors, port=port)
+    return _to_numpy(value).astype(dtypes[0], copy=False)
+
+
+def apply_chain(source: ParamSource, parts: Sequence[torch.Tensor], *,
+                port: str = "") -> torch.Tensor:
+    """:func:`combine` on torch tensors, differentiable (the gradient is pulled back through
+    it); conversion functions imported and called here."""
+    functions = conversions(source)
+
+    def call(step: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _call_conversion(step, functions[step], source, tensor, port)
+
+    return _chain(source, list(parts), _torch_concat, _torch_split,
+                  lambda t: t.permute(*range(t.ndim - 1, -1, -1)), call)
+
+
+def _torch_concat(parts: list[torch.Tensor], axis: int) -> torch.Tensor:
+    """torch.cat, with numpy's ValueError for parts that do not fit (a shape problem)."""
+    try:
+        return torch.cat(parts, dim=axis)
+    except (RuntimeError, IndexError) as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _torch_split(tensor: torch.Tensor, parts: int, axis: int) -> tuple[torch.Tensor, ...]:
+    if not -tensor.ndim <= axis < tensor.ndim or tensor.shape[axis] % parts:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not split into "
+                         f"{parts} equal parts along axis {axis}")
+    return torch.chunk(tensor, parts, dim=axis)
+
+
+def _chain(source: ParamSource, parts: list, concat, split, transpose,
+           call: Callable[[str, Any], Any] | None):
     for step in source.transforms:
         if step == "concat":
-            parts = [np.concatenate(parts, axis=source.axis)]
+            parts = [concat(parts, source.axis)]
         elif step == "split":
-            parts = [np.split(parts[0], source.parts, axis=source.axis)[source.part]]
+            parts = [split(parts[0], source.parts, source.axis)[source.part]]
         elif step == "transpose":
-            parts = [part.T for part in parts]
+            parts = [transpose(part) for part in parts]
+        elif is_code(step) and call is not None:
+            parts = [call(step, part) for part in parts]
     return parts[0]
 
 
-def paired_parts(source: ParamSource, references: list, port: Any) -> list[tuple[str, Any, Any]]:
+def conversions(source: ParamSource) -> dict[str, Callable[..., Any]]:
+    """The chain's conversion functions, imported (MappingError naming the rule when one does
+    not import)."""
+    return {ref.spec: ref.resolve() for ref in source.code_refs()}
+
+
+def _call_conversion(name: str, function: Callable[..., Any], source: ParamSource,
+                     tensor: torch.Tensor, port: str) -> torch.Tensor:
+    """One conversion step: the user's function on a torch tensor; what it raises, or a result
+    that is not a tensor, is one sentence naming the rule, the port tensor and the function."""
+    target = f" for port {port}" if port else ""
+    try:
+        value = function(tensor)
+    except Exception as exc:
+        raise MappingError(f"{source.where or 'mapping'}: conversion {name} raised "
+                           f"{type(exc).__name__} on reference {' + '.join(source.reference)} "
+                           f"of shape {tuple(tensor.shape)}{target}: {exc}; fix the function "
+                           "(it takes the reference's tensor and returns the port's)") from None
+    if not torch.is_tensor(value):
+        raise MappingError(f"{source.where or 'mapping'}: conversion {name} returned a "
+                           f"{type(value).__name__}{target}, not a torch.Tensor; return the "
+                           "port's tensor")
+    return value.to(tensor.dtype) if value.is_floating_point() and tensor.is_floating_point() \
+        else value
+
+
+def conversion_refs(mapping: Mapping) -> list[CodeRef]:
+    """The conversion functions a mapping's [[param]] rules name (not its call adapters)."""
+    names = {step for rule in mapping.param_rules for step in rule.transforms if is_code(step)}
+    return [ref for ref in mapping.code_refs() if ref.spec in names]
+
+
+def conversions_provenance(mapping: str | os.PathLike | Mapping) -> list[dict[str, str]]:
+    """What a port trace records of the conversions its weights were loaded through: each
+    function's name and its module's source sha256 (``meta.weights.conversions``)."""
+    return [ref.provenance() for ref in conversion_refs(as_mapping(mapping))]
+
+
+def paired_parts(source: ParamSource, references: list, port: Any, *,
+                 at: list | None = None) -> list[tuple[str, Any, Any]]:
     """``(reference name, reference tensor, the part of the port's tensor that is it)`` for
     each reference tensor of ``source``: the chain undone. Numpy arrays or torch tensors (a
-    weight gradient is paired with its reference's this way)."""
+    weight gradient is paired with its reference's this way).
+
+    A chain with a conversion function cannot be undone by slices: there ``references`` and
+    ``port`` are gradients, and the port's is pulled back to each reference tensor through the
+    chain (:func:`pull_back`) at the reference's weights ``at``. Without ``at`` the chain must
+    be linear (a permutation, a reshape: its pull-back is the same everywhere), which is
+    checked; a weight is compared with its reference through :func:`combine` instead."""
+    if source.functions:
+        pulled = pull_back(source, at, port, like=references)
+        return [(name, ref, part) for name, ref, part
+                in zip(source.reference, references, pulled, strict=True)]
     shapes = [tuple(r.shape) for r in references]
     pairs = []
     for view in source.views(shapes, tuple(port.shape)):
@@ -260,6 +377,60 @@ def paired_parts(source: ParamSource, references: list, port: Any) -> list[tuple
                 else part.T
         pairs.append((source.reference[view.reference], ref, part))
     return pairs
+
+
+def pull_back(source: ParamSource, at: list | None, port_grad: Any, *,
+              like: list | None = None, port: str = "") -> list[Any]:
+    """The port's weight gradient as gradients of each reference tensor: the chain's
+    vector-Jacobian product at the reference's weights ``at`` (chain rule: a port tensor
+    ``p = f(w)`` gives ``dL/dw = J_f(w)^T dL/dp``). Exact for any differentiable chain.
+    Numpy in, numpy out; torch in, torch out; each in the dtype of ``like`` (the reference's
+    gradients) where given, else the port gradient's.
+
+    ``at`` None: the chain is taken to be linear (a permutation, a reshape), pulled back at
+    zeros and at a random point of the shapes of ``like``, and refused when the two disagree
+    (a nonlinear conversion needs the weights)."""
+    numpy_in = not torch.is_tensor(port_grad)
+    grad = _as_torch(port_grad)
+    given = at if at is not None else like
+    if not given:
+        raise ValueError("pull_back needs the reference tensors (at=) or their gradients "
+                         "(like=)")
+    dtype = grad.dtype if grad.is_floating_point() else torch.float64
+    shapes = [tuple(r.shape) for r in given]
+    if at is not None:
+        points = [[_as_torch(a).to(dtype) for a in at]]
+    else:
+        generator = torch.Generator().manual_seed(0)
+        points = [[torch.zeros(s, dtype=dtype) for s in shapes],
+                  [torch.randn(s, generator=generator, dtype=dtype) for s in shapes]]
+    results = []
+    for primals in points:
+        _, vjp = torch.func.vjp(lambda *w: apply_chain(source, w, port=port), *primals)
+        results.append(vjp(grad.to(dtype)))
+    scale = float(grad.abs().max()) if grad.numel() else 0.0
+    if len(results) > 1 and not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+                                    for a, b in zip(*results, strict=True)):
+        raise MappingError(f"{source.where or 'mapping'}: conversion "
+                           f"{', '.join(source.functions)} is not linear, so its gradient "
+                           "cannot be pulled back without the reference's weights; pass them "
+                           "(at=)")
+    pulled = []
+    for number, value in enumerate(results[0]):
+        ref = like[number] if like is not None else None
+        if numpy_in:
+            value = _to_numpy(value)
+            pulled.append(value.astype(ref.dtype, copy=False) if isinstance(ref, np.ndarray)
+                          else value)
+        else:
+            pulled.append(value.to(ref.dtype) if torch.is_tensor(ref) else value)
+    return pulled
+
+
+def _as_torch(value: Any) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.detach()
+    return torch.from_numpy(np.array(value, order="C"))
 
 
 def _index(part: Slice, ndim: int) -> tuple[slice, ...]:

@@ -169,6 +169,10 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     grad_factor = ref.loss_scale / port.loss_scale
     comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
     rows = comparer.run(records.pairs, progress)
+    converted_said: list[str] = []
+    if records.converted:  # parameters made through a conversion function: compared through it
+        from layerdiff.compare.converted import converted_rows
+        rows, converted_said = converted_rows(comparer, rows, records.converted)
     _refuse_guessed_names(ref, port, sites, rows, mapping)
     _refuse_other_models(ref, port, rows)
     _excuse_inner_ops(rows)
@@ -192,7 +196,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                                    "factor": baseline.factor},
         "warnings": ([] if baseline is None else list(baseline.warnings))
         + mapping.unused_site_rules(ref.sites["module"].unique())
-        + tolerances.unmatched(rows),
+        + tolerances.unmatched(rows) + converted_said,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
         "ops_commands": ops_commands(ref, port, origins, first_step),

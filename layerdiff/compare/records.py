@@ -40,6 +40,19 @@ class RecordPairing:
     # reference inputs a mapping ``args`` rule drops: the port takes no such argument, and
     # computes what it holds itself (a causal mask), so the site stays judgeable
     dropped: list[tuple[int, str, str, str]] = field(default_factory=list)  # step, site, role, arg
+    # weights and weight gradients whose chain has a conversion function: no slice of the
+    # port's tensor is a reference tensor, so compare/converted.py compares them through it
+    converted: list[ConvertedParam] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConvertedParam:
+    """A port weight or weight_grad record made from reference records through a chain with a
+    conversion function (compared by :mod:`layerdiff.compare.converted`)."""
+
+    port: int                   # position in the port index
+    source: ParamSource         # the reference names and the chain
+    refs: tuple[int, ...]       # positions in the reference index, one per reference name
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
@@ -75,8 +88,8 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         used_port.add(port_pos)
         pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
 
-    param_pairs, param_unmatched, param_used = _pair_params(ref_index, port_index, sites,
-                                                            mapping)
+    param_pairs, param_unmatched, param_used, converted = _pair_params(ref_index, port_index,
+                                                                       sites, mapping)
     pairs += param_pairs
     unmatched += param_unmatched
     used_port |= param_used
@@ -88,12 +101,13 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             unmatched.append(("port", int(step), site, role, arg,
                               "no reference record pairs with it"))
     pairs.sort(key=lambda p: p.ref)
-    return RecordPairing(pairs, unmatched, dropped)
+    return RecordPairing(pairs, unmatched, dropped, converted)
 
 
 def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
                  mapping: Mapping):
-    """Weight and weight-gradient records, paired through the parameter mapping."""
+    """Weight and weight-gradient records, paired through the parameter mapping; those whose
+    chain has a conversion function set aside (returned last) to be compared through it."""
     ref_params = ref_index[ref_index["role"].isin(PARAM_ROLES)]
     ref_by_name = {(step, role, param_name(site, arg)): pos for pos, step, role, site, arg in zip(
         ref_params.index, ref_params["step"], ref_params["role"], ref_params["site"],
@@ -102,6 +116,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     unmatched: list[tuple[str, int, str, str, str, str]] = []
     used_port: set[int] = set()
     used_ref: set[int] = set()
+    converted: list[ConvertedParam] = []
     port_params = port_index[port_index["role"].isin(PARAM_ROLES)]
     for port_pos, step, role, site, arg, shape in zip(
             port_params.index, port_params["step"], port_params["role"], port_params["site"],
@@ -112,12 +127,18 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         positions = [ref_by_name.get((step, role, n)) for n in source.reference]
         if any(p is None for p in positions):
             missing = [n for n, p in zip(source.reference, positions, strict=True) if p is None]
+            why = mapping.why_unmatched("port", name)
             unmatched.append(("port", int(step), site, role, arg,
+                              f"the port's own ({why})" if why is not None else
                               f"parameter {name} comes from reference {', '.join(missing)}, "
                               "which the reference trace does not record"))
             continue
         match = "exact" if source.reference == [name] else "mapped"
         used_port.add(int(port_pos))
+        if source.functions:
+            converted.append(ConvertedParam(int(port_pos), source, tuple(positions)))
+            used_ref.update(positions)
+            continue
         # shapes only where a concat or split needs them: a row lookup costs ~10 us
         ref_shapes = ([schema.parse_shape(ref_index.at[p, "shape"]) for p in positions]
                       if source.reshapes else [])
@@ -132,7 +153,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             if row["site"] in paired_sites:
                 unmatched.append(("reference", int(row["step"]), row["site"], row["role"],
                                   row["arg"], "no port parameter is mapped from it"))
-    return pairs, unmatched, used_port
+    return pairs, unmatched, used_port, converted
 
 
 def _views(source: ParamSource, ref_shapes: list[tuple[int, ...]],
