@@ -401,8 +401,10 @@ class Swapper:
                 refs = [ref_params.get(n) for n in found.reference]
                 if param.grad is None or any(r is None or r.grad is None for r in refs):
                     continue
+                # a conversion's pull-back needs the reference weights (exact for a linear one)
                 for ref_name, ref_grad, port_grad in paired_parts(
-                        found, [r.grad for r in refs], param.grad):
+                        found, [r.grad for r in refs], param.grad,
+                        at=[r.detach() for r in refs]):
                     module, _, leaf = ref_name.rpartition(".")
                     rows.append(self._compare(
                         f"weight_grad {ref_name} (port {port_module}.{name}), step {steps - 1}",
