@@ -21,6 +21,8 @@ import pandas as pd
 
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
+from layerdiff.compare.adapted import adapt_calls
+from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
@@ -160,24 +162,26 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
           baseline: Baseline | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
-    records = pair_records(ref_index, port_index, sites, mapping)
-    if not records.pairs:
+    records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port))
+    adapted = adapt_calls(ref, port, records, mapping, tolerances)  # call = "...": imports it
+    if not records.pairs and adapted.empty:
         raise DiffError(f"{ref.path} and {port.path} have nothing in common: no site of one "
                         "pairs with a site of the other (first reference sites: "
                         f"{', '.join(ref.sites['site'][:3])}; first port sites: "
                         f"{', '.join(port.sites['site'][:3])}); pass --map with a mapping file")
     grad_factor = ref.loss_scale / port.loss_scale
     comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
-    rows = comparer.run(records.pairs, progress)
+    rows = adapted.join(comparer.run(records.pairs, progress))
     _refuse_guessed_names(ref, port, sites, rows, mapping)
     _refuse_other_models(ref, port, rows)
     _excuse_inner_ops(rows)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
-         in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
-        columns=R.UNMATCHED_COLUMNS)
+         in sites.unmatched] + [(*entry, False) for entry in records.unmatched]
+        + [(*entry, True) for entry in records.declared], columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
-                                       ref_index=ref_index, dropped=set(records.dropped))
+                                       ref_index=ref_index, dropped=records.excused,
+                                       port_missing=records.port_missing)
     attach_hints(origins, ref, port, grad_factor=grad_factor)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
@@ -198,7 +202,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "ops_commands": ops_commands(ref, port, origins, first_step),
         "full_commands": full_commands(ref, port, origins, first_step),
     }
-    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS))
 
 
 def _excuse_inner_ops(rows: pd.DataFrame) -> None:
