@@ -389,10 +389,13 @@ class _Comparer:
                        note="" if same else f"values differ: reference {r['value'] or 'tensor'}"
                        f", port {p['value'] or 'tensor'}")
             return row
-        if ref_shape != port_shape:
+        if ref_shape != port_shape and not _unit_axes_apart(ref_shape, port_shape):
             row.update(verdict=Verdict.SHAPE_MISMATCH, ratio=np.inf,
                        note=f"shapes differ: reference ({r['shape']}), port ({p['shape']})")
             return row
+        if ref_shape != port_shape:
+            notes.append(f"shapes differ by axes of size 1 (reference ({r['shape']}), port "
+                         f"({p['shape']})): the same elements in the same order, compared")
         if r["dtype"] != p["dtype"]:
             notes.append(f"dtypes differ ({r['dtype']} vs {p['dtype']}): compared in float64 "
                          f"at {dtype}'s tolerance")
@@ -518,6 +521,12 @@ class _Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two shapes differ only by axes of size 1 (HF's position ids (1, T) against a
+    port's (T)): row-major order puts the same elements in the same places."""
+    return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
 
 
 def _over(value: float, limit: float) -> float:
