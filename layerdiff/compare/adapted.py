@@ -194,7 +194,7 @@ class _Call:
         if role == "input":
             self.records.port_missing = [
                 m for m in self.records.port_missing
-                if m != (self.step, self.pair.reference, self.pair.port, port_path)]
+                if m[:4] != (self.step, self.pair.reference, self.pair.port, port_path)]
 
     def _gradients(self, passed: dict[str, str]) -> None:
         """grad_input pairs for the reference tensors passed through unchanged; the rest is

@@ -87,10 +87,15 @@ def head_of(path: str) -> tuple[str, str]:
     return head, dot + rest
 
 
-def pair_arguments(ref_heads: dict[str, list[str]], port_heads: list[str],
+Leaves = dict[str, str]  # rest of the path -> "tensor <shape>", or the value's JSON text
+
+
+def pair_arguments(ref_heads: dict[str, Leaves], port_heads: dict[str, Leaves],
                    ref_sig: Signature | None, port_sig: Signature | None) -> ArgumentPairing:
-    """Pair reference heads (each with the JSON values of its leaves, ``""`` for a tensor)
-    with port heads by the rules in the module docstring."""
+    """Pair reference heads with port heads (each with its leaves) by the rules in the module
+    docstring. Rules 2 and 3 pair arguments of other names by their place alone, so they
+    also ask for the same structure (leaf paths, tensor shapes): a causal mask at the place
+    of a port's rotary table is not its partner."""
     if port_sig is None:
         return ArgumentPairing({head: head for head in ref_heads if head in port_heads})
     port_param = {head: name for head in port_heads
@@ -105,16 +110,24 @@ def pair_arguments(ref_heads: dict[str, list[str]], port_heads: list[str],
         else:
             left.append(head)
     free = [p for p in port_sig.positional if p.name not in bound]
+    unlike: dict[str, str] = {}       # head -> the port parameter at its place, unlike it
     for head in sorted((h for h in left if h.isdigit()), key=int):  # 2. by position
         if free:
-            bound[free.pop(0).name] = head
+            param = free.pop(0).name
+            if _alike(ref_heads[head], port_heads.get(by_param.get(param, ""))):
+                bound[param] = head
+            else:
+                unlike[head] = param
     placed = set(bound.values())
     for head in left:                 # 3. a keyword by the reference's position
         if head in placed or head.isdigit() or _holds_nothing(ref_heads[head], head, ref_sig):
             continue
         target = _by_reference_position(head, ref_sig, port_sig, bound)
-        if target is not None:
+        if target is not None and _alike(ref_heads[head], port_heads.get(by_param.get(target,
+                                                                                      ""))):
             bound[target] = head
+        elif target is not None:
+            unlike[head] = target
     pairing = ArgumentPairing()
     for name, head in bound.items():
         if name in by_param:
@@ -123,8 +136,13 @@ def pair_arguments(ref_heads: dict[str, list[str]], port_heads: list[str],
     for head in ref_heads:
         if head in placed:
             continue
-        if head in port_heads and head not in pairing.partner.values():  # 4. *args, **kwargs
+        if head in port_heads and head not in pairing.partner.values() and _alike(
+                ref_heads[head], port_heads[head]):  # 4. *args, **kwargs
             pairing.partner[head] = head
+        elif head in unlike:
+            pairing.not_taken[head] = (
+                f"the port's {port_sig.describe()} has no parameter for it: '{unlike[head]}', "
+                "at its place, holds something of another structure or shape")
         elif not _has_room(head, port_sig):
             pairing.not_taken[head] = f"the port's {port_sig.describe()} has no parameter for it"
     return pairing
@@ -145,10 +163,32 @@ def _has_room(head: str, port: Signature) -> bool:
     return port.var_positional if head.isdigit() else port.var_keyword
 
 
-def _holds_nothing(values: list[str], head: str, signature: Signature | None) -> bool:
+def _alike(ref: Leaves, port: Leaves | None) -> bool:
+    """The same leaves, and tensors where tensors are, of the same shapes (a port that did not
+    record the argument: nothing to tell them apart by)."""
+    if port is None:
+        return True
+    if set(ref) != set(port):
+        return False
+    return all(_unit_free(ref[k]) == _unit_free(port[k])
+               or not (ref[k].startswith(_TENSOR) or port[k].startswith(_TENSOR)) for k in ref)
+
+
+def _unit_free(leaf_text: str) -> str:
+    """A tensor leaf without its axes of size 1 (position ids (1, T) and (T) are alike)."""
+    if not leaf_text.startswith(_TENSOR):
+        return leaf_text
+    return ",".join(n for n in leaf_text[len(_TENSOR):].split(",") if n != "1")
+
+
+_TENSOR = "tensor "
+
+
+def _holds_nothing(leaves: Leaves, head: str, signature: Signature | None) -> bool:
     """None, or the reference's own default: nothing to pass into a parameter of another name
     (replay's rule: GPT-2's ``past_key_values=None`` must not fill a port's mask)."""
-    if any(value == "" for value in values):
+    values = list(leaves.values())
+    if any(value.startswith(_TENSOR) for value in values):
         return False  # a tensor is never a default
     parsed = [_json(value) for value in values]
     if all(value is None for value in parsed):
@@ -157,6 +197,11 @@ def _holds_nothing(values: list[str], head: str, signature: Signature | None) ->
     if param is None or param.default is None or len(values) != 1:
         return False
     return _same(parsed[0], _json(param.default))
+
+
+def leaf(kind: str, shape: str, value: str) -> str:
+    """A recorded leaf as :func:`pair_arguments` compares it."""
+    return f"{_TENSOR}{shape}" if kind == "tensor" else (value or "null")
 
 
 def _json(text: str) -> Any:

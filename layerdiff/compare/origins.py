@@ -69,7 +69,7 @@ class _Site:
 def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
                  ref_index: pd.DataFrame | None = None,
                  dropped: set[tuple[int, str, str, str]] | None = None,
-                 port_missing: list[tuple[int, str, str, str]] | None = None
+                 port_missing: list[tuple[int, str, str, str, str]] | None = None
                  ) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
@@ -80,8 +80,8 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     ``dropped``: reference records (step, site, role, arg) whose lack of a partner never keeps
     their site from being judged (arguments the port does not take, outputs without partner
     and their gradients, records the mapping declares). ``port_missing``: port inputs that
-    nothing pairs, (step, reference site, port site, port argument): their site cannot be
-    judged."""
+    nothing pairs, (step, reference site, port site, port argument, its name): their site
+    cannot be judged."""
     failing = ~rows["verdict"].isin(PASSING)
     if not failing.any():
         return [], None
@@ -91,14 +91,19 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     norms: dict[int, float] = {}
     if ref_index is not None:
         _find_missing(sites, rows, ref_index, step, dropped or set())
-    for missing_step, site, port_site, arg in port_missing or []:
+    lone: dict[tuple[str, str], list[str]] = {}
+    for missing_step, site, port_site, _, name in port_missing or []:
         if missing_step == step and site in sites:
-            sites[site].missing.add("input")
-            sites[site].why_missing.append(
-                f"the port's input '{arg}' at {port_site} has nothing in the reference to be "
-                "compared with: write a call adapter that makes it from the reference's "
-                f"arguments (call = \"pkg.module:function\" on the mapping rule of "
-                f"{schema.split_site(site)[0]})")
+            lone.setdefault((site, port_site), []).append(name)
+    for (site, port_site), names in lone.items():
+        sites[site].missing.add("input")
+        sites[site].why_missing.append(
+            f"the port's {'input' if len(names) == 1 else 'inputs'} "
+            f"{', '.join(repr(n) for n in names)} at {port_site} "
+            f"{'has' if len(names) == 1 else 'have'} no partner in the reference: write a call "
+            f"adapter that makes {'it' if len(names) == 1 else 'them'} from the reference's "
+            f"arguments (call = \"pkg.module:function\" on the mapping's [[site]] rule for "
+            f"{schema.split_site(site)[0]}; see docs/diff.md)")
         norms = _norms(rows, in_step, ref_index)
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
@@ -107,6 +112,13 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
     backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
     unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
+    # a container around a site that cannot be judged cannot be judged either: the fault may
+    # be that site's (an attention whose rotary tables have no partner, inside its block)
+    around = {a: s.name for s in unjudged for a in _ancestors(s.name, parents)}
+    for site in forward_all + backward_all:
+        if site.name in around and site not in unjudged:
+            site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
+            unjudged.append(site)
     forward = [s for s in forward_all if s not in unjudged]
     backward = [s for s in backward_all if s not in unjudged]
     if norms and not independent:

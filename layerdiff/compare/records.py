@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from layerdiff.compare.arguments import ArgumentPairing, CallSignatures, head_of, pair_arguments
+from layerdiff.compare.arguments import (
+    ArgumentPairing,
+    CallSignatures,
+    head_of,
+    leaf,
+    pair_arguments,
+)
 from layerdiff.compare.matching import SiteMatching, SitePair
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping, ParamSource, PartView, Slice
@@ -54,8 +60,8 @@ class RecordPairing:
     # above, inputs the port's call did not pass, outputs without partner and their gradients
     excused: set[Key] = field(default_factory=set)
     # port inputs (floating-point tensors) that nothing pairs: their site cannot be judged;
-    # (step, reference site, port site, port arg)
-    port_missing: list[tuple[int, str, str, str]] = field(default_factory=list)
+    # (step, reference site, port site, port arg, its parameter's name or the arg)
+    port_missing: list[tuple[int, str, str, str, str]] = field(default_factory=list)
     adapted: list = field(default_factory=list)  # SitePairs with a call adapter (adapted.py)
 
 
@@ -157,7 +163,12 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         result.unmatched.append(("port", int(step), site, role, arg,
                                  "no reference record pairs with it"))
         if role == "input" and kind == "tensor" and _floating(dtype):
-            result.port_missing.append((int(step), partner_of_port[site], site, arg))
+            head, rest = head_of(arg)
+            port_sig = None if signatures is None else signatures.signature("port", site)
+            name = head if port_sig is None or not head.isdigit() or int(head) >= len(
+                port_sig.positional) else port_sig.positional[int(head)].name
+            result.port_missing.append((int(step), partner_of_port[site], site, arg,
+                                        name + rest))
     result.pairs.sort(key=lambda p: p.ref)
     return result
 
@@ -174,19 +185,19 @@ class _Calls:
         self._inputs: dict[str, dict[str, dict[str, list[str]]]] = {}
         self._outputs: dict[str, dict[str, dict[str, str]]] = {}
 
-    def inputs(self, side: str, site: str) -> dict[str, list[str]]:
-        """head -> the JSON values of its leaves ("" for a tensor), over every step."""
+    def inputs(self, side: str, site: str) -> dict[str, dict[str, str]]:
+        """head -> its leaves (see :func:`arguments.leaf`), first step each is in."""
         if side not in self._inputs:
             index = self._index[side]
             found: dict[str, dict[str, dict[str, str]]] = {}
             frame = index[index["role"] == "input"]
-            for name, arg, value, kind in zip(frame["site"], frame["arg"], frame["value"],
-                                              frame["kind"], strict=True):
+            for name, arg, value, kind, shape in zip(frame["site"], frame["arg"],
+                                                     frame["value"], frame["kind"],
+                                                     frame["shape"], strict=True):
                 head, rest = head_of(arg)
                 found.setdefault(name, {}).setdefault(head, {}).setdefault(
-                    rest, "" if kind == "tensor" else value)
-            self._inputs[side] = {name: {h: list(leaves.values()) for h, leaves in heads.items()}
-                                  for name, heads in found.items()}
+                    rest, leaf(kind, shape, value))
+            self._inputs[side] = found
         return self._inputs[side].get(site, {})
 
     def outputs(self, side: str, site: str) -> dict[str, str]:
@@ -217,7 +228,7 @@ def _input_partner(arg: str, pair: SitePair, signatures: CallSignatures | None, 
         return arg, None
     if pair.reference not in cache:
         cache[pair.reference] = pair_arguments(
-            calls.inputs("reference", pair.reference), list(calls.inputs("port", pair.port)),
+            calls.inputs("reference", pair.reference), calls.inputs("port", pair.port),
             signatures.signature("reference", pair.reference),
             signatures.signature("port", pair.port))
     pairing = cache[pair.reference]
