@@ -136,15 +136,18 @@ def pair_arguments(ref_heads: dict[str, Leaves], port_heads: dict[str, Leaves],
     for head in ref_heads:
         if head in placed:
             continue
+        named = _param_name(head, ref_sig) if head.isdigit() else None
+        which = f"the reference's '{named}'; " if named else ""
         if head in port_heads and head not in pairing.partner.values() and _alike(
                 ref_heads[head], port_heads[head]):  # 4. *args, **kwargs
             pairing.partner[head] = head
         elif head in unlike:
             pairing.not_taken[head] = (
-                f"the port's {port_sig.describe()} has no parameter for it: '{unlike[head]}', "
-                "at its place, holds something of another structure or shape")
+                f"{which}the port's {port_sig.describe()} has no parameter for it: "
+                f"'{unlike[head]}', at its place, holds something of another structure or shape")
         elif not _has_room(head, port_sig):
-            pairing.not_taken[head] = f"the port's {port_sig.describe()} has no parameter for it"
+            pairing.not_taken[head] = (f"{which}the port's {port_sig.describe()} has no "
+                                       "parameter for it")
     return pairing
 
 
