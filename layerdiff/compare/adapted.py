@@ -175,6 +175,8 @@ class _Call:
             ref_values = ref_values.astype(np.float64)
             port_values = port_values.astype(np.float64)
         shape = tuple(ref_values.shape)
+        self.records.norms[(self.step, self.pair.reference, "input", arg)] = float(
+            np.linalg.norm(ref_values.astype(np.float64).reshape(-1)))
         batch = shape[0] if len(shape) >= 2 else 0
         same_float = ref_dtype == port_dtype and np.dtype(ref_values.dtype).kind == "f"
         metrics = PairMetrics(tolerance.rtol, tolerance.atol, int(ref_values.size), batch,

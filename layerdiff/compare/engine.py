@@ -181,7 +181,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         + [(*entry, True) for entry in records.declared], columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
                                        ref_index=ref_index, dropped=records.excused,
-                                       port_missing=records.port_missing)
+                                       port_missing=records.port_missing,
+                                       extra_norms=records.norms)
     attach_hints(origins, ref, port, grad_factor=grad_factor)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},

@@ -69,7 +69,8 @@ class _Site:
 def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
                  ref_index: pd.DataFrame | None = None,
                  dropped: set[tuple[int, str, str, str]] | None = None,
-                 port_missing: list[tuple[int, str, str, str, str]] | None = None
+                 port_missing: list[tuple[int, str, str, str, str]] | None = None,
+                 extra_norms: dict[tuple[int, str, str, str], float] | None = None
                  ) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
@@ -81,7 +82,8 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     their site from being judged (arguments the port does not take, outputs without partner
     and their gradients, records the mapping declares). ``port_missing``: port inputs that
     nothing pairs, (step, reference site, port site, port argument, its name): their site
-    cannot be judged."""
+    cannot be judged. ``extra_norms``: L2 norms of compared reference tensors the index lacks (what
+    a call adapter made), keyed as ``dropped``."""
     failing = ~rows["verdict"].isin(PASSING)
     if not failing.any():
         return [], None
@@ -104,7 +106,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             f"adapter that makes {'it' if len(names) == 1 else 'them'} from the reference's "
             f"arguments (call = \"pkg.module:function\" on the mapping's [[site]] rule for "
             f"{schema.split_site(site)[0]}; see docs/diff.md)")
-        norms = _norms(rows, in_step, ref_index)
+        norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
 
@@ -234,12 +236,14 @@ def _cannot_judge(site: _Site) -> bool:
     return site.lacks("grad_output", "input")
 
 
-def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame
-           ) -> dict[int, float]:
-    """Row position -> L2 norm of its reference tensor (the index has it for every record)."""
+def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame,
+           extra: dict[tuple[int, str, str, str], float]) -> dict[int, float]:
+    """Row position -> L2 norm of its reference tensor (the index has it for every record;
+    ``extra``, for what a call adapter made)."""
     keys = zip(ref_index["step"], ref_index["site"], ref_index["role"], ref_index["arg"],
                strict=True)
-    l2 = dict(zip(keys, ref_index["l2"], strict=True))
+    l2 = dict(extra)
+    l2.update(zip(keys, ref_index["l2"], strict=True))
     frame = rows.loc[positions]
     return {pos: float(l2.get((int(step), site, role, arg), np.nan))
             for pos, step, site, role, arg in zip(frame.index, frame["step"], frame["site"],

@@ -63,6 +63,8 @@ class RecordPairing:
     # (step, reference site, port site, port arg, its parameter's name or the arg)
     port_missing: list[tuple[int, str, str, str, str]] = field(default_factory=list)
     adapted: list = field(default_factory=list)  # SitePairs with a call adapter (adapted.py)
+    # L2 norms of compared tensors the reference index does not hold (an adapter's products)
+    norms: dict[Key, float] = field(default_factory=dict)
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
@@ -96,7 +98,8 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue  # the site itself is reported unmatched
         key = (int(step), site, role, arg)
         inputs = role in ("input", "grad_input")
-        declared = mapping.why_unmatched_record("reference", site, role, arg)
+        declared = (mapping.why_unmatched_record("reference", site, role, arg)
+                    if mapping.unmatched_records else None)
         if declared is not None:
             result.declared.append(("reference", *key, declared))
             result.excused.add(key)
