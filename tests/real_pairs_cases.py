@@ -17,7 +17,7 @@ Two independent ports compute the same numbers:
   :func:`block_call`) can make from the reference's arguments.
 Planted bugs: ``*_bug_scale`` (block 0's attention scores not scaled), ``port_freqs_bug_rotary``
 (block 1's rotation turns the wrong way), ``port_self_bug_mlp`` (block 0's MLP without its
-activation).
+activation), ``port_self_bug_norm`` (block 1's second norm with epsilon 1).
 """
 
 from __future__ import annotations
@@ -285,6 +285,12 @@ def port_self_bug_scale() -> Case:
 def port_self_bug_mlp() -> Case:
     case = _bug(port_self(), "port_self_bug_mlp")
     case.model.layers[0].mlp.activation = False  # BUG: no GELU
+    return case
+
+
+def port_self_bug_norm() -> Case:
+    case = _bug(port_self(), "port_self_bug_norm")
+    case.model.layers[1].norm2.eps = 1.0  # BUG: epsilon 1 instead of 1e-5
     return case
 
 

@@ -100,9 +100,11 @@ def test_a_bug_in_the_attention_is_named_at_the_attention(self_bug):
     assert "cannot-judge" not in set(self_bug.rows["status"])
 
 
-def test_a_bug_in_the_mlp_is_named_at_the_mlp(folder, reference):
-    result = _diff(folder, reference, "port_self_bug_mlp")
-    assert [(o.site, o.pass_) for o in result.origins] == [("layers.0.mlp#0", "forward")]
+@pytest.mark.parametrize("name, site", [("port_self_bug_mlp", "layers.0.mlp#0"),
+                                        ("port_self_bug_norm", "layers.1.norm2#0")])
+def test_a_bug_in_the_mlp_or_a_norm_is_named_there(folder, reference, name, site):
+    result = _diff(folder, reference, name)
+    assert [(o.site, o.pass_) for o in result.origins] == [(site, "forward")]
 
 
 def test_the_faithful_port_passes_and_the_loss_and_root_are_judged(folder, reference):
