@@ -225,6 +225,15 @@ def test_pairing_by_name_position_and_reference_position():
     assert found.partner == {"0": "hidden_states", "1": "mask"}
 
 
+def test_without_a_port_signature_a_keyword_pairs_by_the_references_place():
+    """A port in another framework records no signature: ``hidden_states=`` still finds the
+    port's first positional argument, a mask of another shape at the second place does not."""
+    ref = _sig("Ref.forward", "hidden_states", "mask")
+    found = pair_arguments({"hidden_states": {"": "tensor 4,8"}, "mask": {"": "tensor 8,8"}},
+                           {"0": {"": "tensor 4,8"}, "1": {"": "tensor 8,4"}}, ref, None)
+    assert found.partner == {"hidden_states": "0"}
+
+
 def test_a_root_model_output_pairs_with_a_plain_tensor_only_when_unambiguous():
     assert _output_partners({"logits": "2,8,32", "loss": "", "past": ""},
                             {"0": "2,8,32", "1": ""}, {}) == {"logits": "0"}

@@ -97,7 +97,7 @@ def pair_arguments(ref_heads: dict[str, Leaves], port_heads: dict[str, Leaves],
     also ask for the same structure (leaf paths, tensor shapes): a causal mask at the place
     of a port's rotary table is not its partner."""
     if port_sig is None:
-        return ArgumentPairing({head: head for head in ref_heads if head in port_heads})
+        return _by_same_head(ref_heads, port_heads, ref_sig)
     port_param = {head: name for head in port_heads
                   if (name := _param_name(head, port_sig)) is not None}
     by_param = {name: head for head, name in port_param.items()}
@@ -149,6 +149,25 @@ def pair_arguments(ref_heads: dict[str, Leaves], port_heads: dict[str, Leaves],
             pairing.not_taken[head] = (f"{which}the port's {port_sig.describe()} has no "
                                        "parameter for it")
     return pairing
+
+
+def _by_same_head(ref_heads: dict[str, Leaves], port_heads: dict[str, Leaves],
+                  ref_sig: Signature | None) -> ArgumentPairing:
+    """No port signature (a port in another framework, an older trace): the same head; a
+    reference keyword the port did not record by name pairs with the port's positional
+    argument at the place the reference's signature gives it, when alike."""
+    partner = {head: head for head in ref_heads if head in port_heads}
+    taken = set(partner.values())
+    names = [] if ref_sig is None else [p.name for p in ref_sig.positional]
+    for head, leaves in ref_heads.items():
+        if head in partner or head not in names:
+            continue
+        place = str(names.index(head))
+        if place in port_heads and place not in taken and place not in ref_heads \
+                and _alike(leaves, port_heads[place]):
+            partner[head] = place
+            taken.add(place)
+    return ArgumentPairing(partner)
 
 
 def _param_name(head: str, signature: Signature | None) -> str | None:
