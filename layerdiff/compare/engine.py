@@ -21,6 +21,8 @@ import pandas as pd
 
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
+from layerdiff.compare.adapted import adapt_calls
+from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import match_sites
@@ -160,15 +162,16 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
           baseline: Baseline | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
-    records = pair_records(ref_index, port_index, sites, mapping)
-    if not records.pairs:
+    records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port))
+    adapted = adapt_calls(ref, port, records, mapping, tolerances)  # call = "...": imports it
+    if not records.pairs and adapted.empty:
         raise DiffError(f"{ref.path} and {port.path} have nothing in common: no site of one "
                         "pairs with a site of the other (first reference sites: "
                         f"{', '.join(ref.sites['site'][:3])}; first port sites: "
                         f"{', '.join(port.sites['site'][:3])}); pass --map with a mapping file")
     grad_factor = ref.loss_scale / port.loss_scale
     comparer = _Comparer(ref, port, tolerances, grad_factor, baseline)
-    rows = comparer.run(records.pairs, progress)
+    rows = adapted.join(comparer.run(records.pairs, progress))
     converted_said: list[str] = []
     if records.converted:  # parameters made through a conversion function: compared through it
         from layerdiff.compare.converted import converted_rows
@@ -178,10 +181,12 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     _excuse_inner_ops(rows)
     unmatched = pd.DataFrame(
         [(side, None, site, "", "", why, declared) for side, site, why, declared
-         in sites.unmatched] + [(*entry, False) for entry in records.unmatched],
-        columns=R.UNMATCHED_COLUMNS)
+         in sites.unmatched] + [(*entry, False) for entry in records.unmatched]
+        + [(*entry, True) for entry in records.declared], columns=R.UNMATCHED_COLUMNS)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
-                                       ref_index=ref_index, dropped=set(records.dropped))
+                                       ref_index=ref_index, dropped=records.excused,
+                                       port_missing=records.port_missing,
+                                       extra_norms=records.norms)
     attach_hints(origins, ref, port, grad_factor=grad_factor)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
@@ -202,7 +207,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "ops_commands": ops_commands(ref, port, origins, first_step),
         "full_commands": full_commands(ref, port, origins, first_step),
     }
-    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta)
+    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS))
 
 
 def _excuse_inner_ops(rows: pd.DataFrame) -> None:
@@ -388,10 +394,13 @@ class _Comparer:
                        note="" if same else f"values differ: reference {r['value'] or 'tensor'}"
                        f", port {p['value'] or 'tensor'}")
             return row
-        if ref_shape != port_shape:
+        if ref_shape != port_shape and not _unit_axes_apart(ref_shape, port_shape):
             row.update(verdict=Verdict.SHAPE_MISMATCH, ratio=np.inf,
                        note=f"shapes differ: reference ({r['shape']}), port ({p['shape']})")
             return row
+        if ref_shape != port_shape:
+            notes.append(f"shapes differ by axes of size 1 (reference ({r['shape']}), port "
+                         f"({p['shape']})): the same elements in the same order, compared")
         if r["dtype"] != p["dtype"]:
             notes.append(f"dtypes differ ({r['dtype']} vs {p['dtype']}): compared in float64 "
                          f"at {dtype}'s tolerance")
@@ -517,6 +526,12 @@ class _Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two shapes differ only by axes of size 1 (HF's position ids (1, T) against a
+    port's (T)): row-major order puts the same elements in the same places."""
+    return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
 
 
 def _over(value: float, limit: float) -> float:

@@ -57,6 +57,7 @@ class _Site:
     rows: dict[str, list[int]] = field(default_factory=dict)  # role -> every compared row
     missing: set[str] = field(default_factory=set)  # roles the reference has, unpaired here
     explained: tuple[float, float] | None = None  # (error, bound) when its inputs explain it
+    why_missing: list[str] = field(default_factory=list)  # what has no partner, in sentences
 
     def is_bad(self, *roles: str) -> bool:
         return any(self.bad.get(role) for role in roles)
@@ -67,14 +68,22 @@ class _Site:
 
 def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
                  ref_index: pd.DataFrame | None = None,
-                 dropped: set[tuple[int, str, str, str]] | None = None
+                 dropped: set[tuple[int, str, str, str]] | None = None,
+                 port_missing: list[tuple[int, str, str, str, str]] | None = None,
+                 extra_norms: dict[tuple[int, str, str, str], float] | None = None
                  ) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
     ``independent``: every site ran on the reference's own inputs and gradients (a replay), so
     no site's backward inherits another's error and every qualifying site is an origin.
     ``ref_index``: the reference's index, to tell a site whose inputs have no partner (it
-    cannot be judged) and to bound the error its inputs can produce (their norms)."""
+    cannot be judged) and to bound the error its inputs can produce (their norms).
+    ``dropped``: reference records (step, site, role, arg) whose lack of a partner never keeps
+    their site from being judged (arguments the port does not take, outputs without partner
+    and their gradients, records the mapping declares). ``port_missing``: port inputs that
+    nothing pairs, (step, reference site, port site, port argument, its name): their site
+    cannot be judged. ``extra_norms``: L2 norms of compared reference tensors the index lacks (what
+    a call adapter made), keyed as ``dropped``."""
     failing = ~rows["verdict"].isin(PASSING)
     if not failing.any():
         return [], None
@@ -84,7 +93,20 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     norms: dict[int, float] = {}
     if ref_index is not None:
         _find_missing(sites, rows, ref_index, step, dropped or set())
-        norms = _norms(rows, in_step, ref_index)
+    lone: dict[tuple[str, str], list[str]] = {}
+    for missing_step, site, port_site, _, name in port_missing or []:
+        if missing_step == step and site in sites:
+            lone.setdefault((site, port_site), []).append(name)
+    for (site, port_site), names in lone.items():
+        sites[site].missing.add("input")
+        sites[site].why_missing.append(
+            f"the port's {'input' if len(names) == 1 else 'inputs'} "
+            f"{', '.join(repr(n) for n in names)} at {port_site} "
+            f"{'has' if len(names) == 1 else 'have'} no partner in the reference: write a call "
+            f"adapter that makes {'it' if len(names) == 1 else 'them'} from the reference's "
+            f"arguments (call = \"pkg.module:function\" on the mapping's [[site]] rule for "
+            f"{schema.split_site(site)[0]}; see docs/diff.md)")
+        norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
 
@@ -92,6 +114,13 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
     backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
     unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
+    # a container around a site that cannot be judged cannot be judged either: the fault may
+    # be that site's (an attention whose rotary tables have no partner, inside its block)
+    around = {a: s.name for s in unjudged for a in _ancestors(s.name, parents)}
+    for site in forward_all + backward_all:
+        if site.name in around and site not in unjudged:
+            site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
+            unjudged.append(site)
     forward = [s for s in forward_all if s not in unjudged]
     backward = [s for s in backward_all if s not in unjudged]
     if norms and not independent:
@@ -181,18 +210,23 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
         if (site, role, arg) in paired:
             digests.setdefault((site, role), set()).add(digest)
         elif (step, site, role, arg) not in dropped:
-            unpaired.append((site, role, digest))
+            unpaired.append((site, role, arg, digest))
     root = f"{schema.ROOT_MODULE}#0"
-    for site, role, digest in unpaired:
+    # what the loss takes: the model's outputs that a gradient arrived at
+    fed = set(wanted.loc[(wanted["site"] == root) & (wanted["role"] == "grad_output"), "arg"])
+    for site, role, arg, digest in unpaired:
         if digest in digests.get((site, role), set()):
             continue
-        if site in sites:
+        if site == root and role == "output":
+            if arg in fed and schema.LOSS_SITE in sites:
+                sites[schema.LOSS_SITE].missing.add("input")
+                sites[schema.LOSS_SITE].why_missing.append(
+                    f"the model's output '{arg}', which the loss takes, has no partner in the "
+                    "port (name its partner with outputs = { ... } on a [[site]] rule for "
+                    "<root>)")
+        elif site in sites:
             sites[site].missing.add(role)
-        elif site == root and role == "output" and schema.LOSS_SITE in sites:
-            sites[schema.LOSS_SITE].missing.add("input")
-    loss = sites.get(schema.LOSS_SITE)
-    if loss is not None and root in sites and sites[root].lacks("output"):
-        loss.missing.add("input")  # the model's output, which the loss takes, has no partner
+            sites[site].why_missing.append(f"its {role} '{arg}' has no partner in the port")
 
 
 def _cannot_judge(site: _Site) -> bool:
@@ -202,12 +236,14 @@ def _cannot_judge(site: _Site) -> bool:
     return site.lacks("grad_output", "input")
 
 
-def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame
-           ) -> dict[int, float]:
-    """Row position -> L2 norm of its reference tensor (the index has it for every record)."""
+def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame,
+           extra: dict[tuple[int, str, str, str], float]) -> dict[int, float]:
+    """Row position -> L2 norm of its reference tensor (the index has it for every record;
+    ``extra``, for what a call adapter made)."""
     keys = zip(ref_index["step"], ref_index["site"], ref_index["role"], ref_index["arg"],
                strict=True)
-    l2 = dict(zip(keys, ref_index["l2"], strict=True))
+    l2 = dict(extra)
+    l2.update(zip(keys, ref_index["l2"], strict=True))
     frame = rows.loc[positions]
     return {pos: float(l2.get((int(step), site, role, arg), np.nan))
             for pos, step, site, role, arg in zip(frame.index, frame["step"], frame["site"],
@@ -320,10 +356,11 @@ def _unexplained(rows: pd.DataFrame, candidates: list[_Site], roles: tuple[str, 
 
 def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site]) -> None:
     for site in unjudged:
+        cause = "; ".join(site.why_missing) or "its inputs have no partner in the port"
         for positions in site.bad.values():
             for pos in positions:
                 rows.at[pos, "status"] = Status.CANNOT_JUDGE
-                rows.at[pos, "cause"] = "its inputs have no partner in the port"
+                rows.at[pos, "cause"] = cause
 
 
 def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from layerdiff.compare.matching import SiteMatching
+from layerdiff.compare.arguments import (
+    ArgumentPairing,
+    CallSignatures,
+    head_of,
+    leaf,
+    pair_arguments,
+)
+from layerdiff.compare.matching import SiteMatching, SitePair
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping, ParamSource, PartView, Slice
 from layerdiff.trace import schema
@@ -33,13 +40,31 @@ class RecordPair:
     transpose_port: bool = False
 
 
+Entry = tuple[str, int, str, str, str, str]  # side, step, site, role, arg, reason
+Key = tuple[int, str, str, str]               # step, reference site, role, arg
+
+
 @dataclass
 class RecordPairing:
     pairs: list[RecordPair]
-    unmatched: list[tuple[str, int, str, str, str, str]]  # side, step, site, role, arg, reason
+    unmatched: list[Entry]
     # reference inputs a mapping ``args`` rule drops: the port takes no such argument, and
     # computes what it holds itself (a causal mask), so the site stays judgeable
-    dropped: list[tuple[int, str, str, str]] = field(default_factory=list)  # step, site, role, arg
+    dropped: list[Key] = field(default_factory=list)
+    # records without a partner the mapping declares so ([[unmatched]] input/output)
+    declared: list[Entry] = field(default_factory=list)
+    # reference arguments the port's forward has no parameter for:
+    # (step, site, port site, role, arg, dtype, shape, why)
+    not_taken: list[tuple[int, str, str, str, str, str, str, str]] = field(default_factory=list)
+    # reference records without partner that never keep their site from being judged: the
+    # above, inputs the port's call did not pass, outputs without partner and their gradients
+    excused: set[Key] = field(default_factory=set)
+    # port inputs (floating-point tensors) that nothing pairs: their site cannot be judged;
+    # (step, reference site, port site, port arg, its parameter's name or the arg)
+    port_missing: list[tuple[int, str, str, str, str]] = field(default_factory=list)
+    adapted: list = field(default_factory=list)  # SitePairs with a call adapter (adapted.py)
+    # L2 norms of compared tensors the reference index does not hold (an adapter's products)
+    norms: dict[Key, float] = field(default_factory=dict)
     # weights and weight gradients whose chain has a conversion function: no slice of the
     # port's tensor is a reference tensor, so compare/converted.py compares them through it
     converted: list[ConvertedParam] = field(default_factory=list)
@@ -56,52 +81,203 @@ class ConvertedParam:
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
-                 mapping: Mapping) -> RecordPairing:
-    pairs: list[RecordPair] = []
-    unmatched: list[tuple[str, int, str, str, str, str]] = []
-    dropped: list[tuple[int, str, str, str]] = []
+                 mapping: Mapping, signatures: CallSignatures | None = None) -> RecordPairing:
+    """Pair every reference record with its port record. Inputs pair by the recorded
+    signatures (``signatures``; by the same path without them, see :mod:`arguments`),
+    outputs by the mapping's ``outputs`` renames, the same path, then shape (see
+    :func:`_output_partners`). Inputs of a site with a call adapter are left to
+    :mod:`layerdiff.compare.adapted`."""
+    result = RecordPairing([], [])
     by_ref = sites.by_reference()
     port_keys = {key: pos for pos, key in enumerate(zip(
         port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
         strict=True))}
     used_port: set[int] = set()
+    calls = _Calls(ref_index, port_index)
+    arguments: dict[str, ArgumentPairing] = {}
+    outputs: dict[str, dict[str, str]] = {}
+    adapted = {pair.reference for pair in sites.pairs
+               if mapping.call_adapter(pair.reference) is not None}
+    result.adapted = [pair for pair in sites.pairs if pair.reference in adapted]
 
     ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
-                   ref_index["role"], ref_index["arg"], ref_index["value"], strict=True)
-    for pos, step, site, role, arg, value in ref_rows:
+                   ref_index["role"], ref_index["arg"], ref_index["value"], ref_index["kind"],
+                   ref_index["dtype"], ref_index["shape"], strict=True)
+    for pos, step, site, role, arg, value, kind, dtype, shape in ref_rows:
         if role in PARAM_ROLES:
             continue
         pair = by_ref.get(site)
         if pair is None:
             continue  # the site itself is reported unmatched
-        port_arg = _port_argument(arg, pair.args) if role in ("input", "grad_input") else arg
-        if port_arg is None:
-            dropped.append((int(step), site, role, arg))
+        key = (int(step), site, role, arg)
+        inputs = role in ("input", "grad_input")
+        declared = (mapping.why_unmatched_record("reference", site, role, arg)
+                    if mapping.unmatched_records else None)
+        if declared is not None:
+            result.declared.append(("reference", *key, declared))
+            result.excused.add(key)
             continue
-        port_pos = port_keys.get((step, pair.port, role, port_arg))
+        if inputs and site in adapted:
+            result.excused.add(key)  # given to the call adapter (adapted.py)
+            continue
+        if inputs:
+            port_arg, why = _input_partner(arg, pair, signatures, calls, arguments)
+        else:
+            if site not in outputs:
+                outputs[site] = _output_partners(calls.outputs("reference", site),
+                                                 calls.outputs("port", pair.port),
+                                                 mapping.output_names(site))
+            port_arg, why = outputs[site].get(arg), None
+        if port_arg is None and why == MAPPING_DROPS:
+            result.dropped.append(key)
+            result.excused.add(key)
+            continue
+        if port_arg is None and why is not None:  # the port's forward takes no such argument
+            result.excused.add(key)
+            if kind != "tensor" and value == "null":
+                continue  # a None carries nothing
+            result.not_taken.append((*key[:2], pair.port, role, arg, dtype if kind == "tensor"
+                                     else "", shape if kind == "tensor" else value, why))
+            result.excused.add(key)
+            continue
+        port_pos = None if port_arg is None else port_keys.get((step, pair.port, role,
+                                                                 port_arg))
         if port_pos is None and role == "input" and value == "null":
             continue  # a None the reference passed and the port does not take carries nothing
         if port_pos is None:
-            unmatched.append(("reference", int(step), site, role, arg,
-                              f"the port recorded no {role} '{port_arg}' at {pair.port}"))
+            shown = port_arg if port_arg is not None else arg
+            reason = f"the port recorded no {role} '{shown}' at {pair.port}"
+            if not inputs and port_arg is None:
+                # an output without partner, and the gradient at it, never block its site
+                reason = (f"{pair.port} has no output that pairs with it (name it with "
+                          "outputs = { ... } on the site's rule, or declare it [[unmatched]])")
+                result.excused.add(key)
+            elif inputs and signatures is not None and signatures.signature(
+                    "port", pair.port) is not None:
+                reason += " (its forward has a parameter for it, which its caller left out)"
+                result.excused.add(key)
+            result.unmatched.append(("reference", *key, reason))
             continue
         used_port.add(port_pos)
-        pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
+        result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
 
     param_pairs, param_unmatched, param_used, converted = _pair_params(ref_index, port_index,
                                                                        sites, mapping)
-    pairs += param_pairs
-    unmatched += param_unmatched
+    result.pairs += param_pairs
+    result.unmatched += param_unmatched
+    result.converted = converted
     used_port |= param_used
-    matched_port_sites = {p.port for p in sites.pairs}
-    for pos, (step, site, role, arg) in enumerate(zip(
+    partner_of_port = {p.port: p.reference for p in sites.pairs}
+    for pos, (step, site, role, arg, kind, dtype) in enumerate(zip(
             port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
-            strict=True)):
-        if pos not in used_port and site in matched_port_sites:
-            unmatched.append(("port", int(step), site, role, arg,
-                              "no reference record pairs with it"))
-    pairs.sort(key=lambda p: p.ref)
-    return RecordPairing(pairs, unmatched, dropped, converted)
+            port_index["kind"], port_index["dtype"], strict=True)):
+        if pos in used_port or site not in partner_of_port:
+            continue
+        declared = mapping.why_unmatched_record("port", site, role, arg)
+        if declared is not None:
+            result.declared.append(("port", int(step), site, role, arg, declared))
+            continue
+        result.unmatched.append(("port", int(step), site, role, arg,
+                                 "no reference record pairs with it"))
+        if role == "input" and kind == "tensor" and _floating(dtype):
+            head, rest = head_of(arg)
+            port_sig = None if signatures is None else signatures.signature("port", site)
+            name = head if port_sig is None or not head.isdigit() or int(head) >= len(
+                port_sig.positional) else port_sig.positional[int(head)].name
+            result.port_missing.append((int(step), partner_of_port[site], site, arg,
+                                        name + rest))
+    result.pairs.sort(key=lambda p: p.ref)
+    return result
+
+
+def _floating(dtype: str) -> bool:
+    return str(dtype).startswith(("float", "bfloat", "complex"))
+
+
+class _Calls:
+    """Each site's recorded input heads (with their leaves' values) and outputs, per side."""
+
+    def __init__(self, ref_index: pd.DataFrame, port_index: pd.DataFrame) -> None:
+        self._index = {"reference": ref_index, "port": port_index}
+        self._inputs: dict[str, dict[str, dict[str, list[str]]]] = {}
+        self._outputs: dict[str, dict[str, dict[str, str]]] = {}
+
+    def inputs(self, side: str, site: str) -> dict[str, dict[str, str]]:
+        """head -> its leaves (see :func:`arguments.leaf`), first step each is in."""
+        if side not in self._inputs:
+            index = self._index[side]
+            found: dict[str, dict[str, dict[str, str]]] = {}
+            frame = index[index["role"] == "input"]
+            for name, arg, value, kind, shape in zip(frame["site"], frame["arg"],
+                                                     frame["value"], frame["kind"],
+                                                     frame["shape"], strict=True):
+                head, rest = head_of(arg)
+                found.setdefault(name, {}).setdefault(head, {}).setdefault(
+                    rest, leaf(kind, shape, value))
+            self._inputs[side] = found
+        return self._inputs[side].get(site, {})
+
+    def outputs(self, side: str, site: str) -> dict[str, str]:
+        """output path -> its shape ("" for a value that is no tensor), first step it has."""
+        if side not in self._outputs:
+            index = self._index[side]
+            found: dict[str, dict[str, str]] = {}
+            frame = index[index["role"] == "output"]
+            for name, arg, kind, shape in zip(frame["site"], frame["arg"], frame["kind"],
+                                              frame["shape"], strict=True):
+                found.setdefault(name, {}).setdefault(arg, shape if kind == "tensor" else "")
+            self._outputs[side] = found
+        return self._outputs[side].get(site, {})
+
+
+MAPPING_DROPS = "the mapping drops it"
+
+
+def _input_partner(arg: str, pair: SitePair, signatures: CallSignatures | None, calls: _Calls,
+                   cache: dict[str, ArgumentPairing]) -> tuple[str | None, str | None]:
+    """The port's argument path for a reference input (or grad_input) path, or None and why:
+    the mapping's ``args`` rule first, then the signatures."""
+    head, rest = head_of(arg)
+    if arg in pair.args or head in pair.args:
+        port_arg = _port_argument(arg, pair.args)
+        return port_arg, (MAPPING_DROPS if port_arg is None else None)
+    if signatures is None:
+        return arg, None
+    if pair.reference not in cache:
+        cache[pair.reference] = pair_arguments(
+            calls.inputs("reference", pair.reference), calls.inputs("port", pair.port),
+            signatures.signature("reference", pair.reference),
+            signatures.signature("port", pair.port))
+    pairing = cache[pair.reference]
+    if head in pairing.not_taken:
+        return None, pairing.not_taken[head]
+    port_head = pairing.partner.get(head)
+    return (None, None) if port_head is None else (port_head + rest, None)
+
+
+def _output_partners(ref: dict[str, str], port: dict[str, str],
+                     renames: dict[str, str]) -> dict[str, str]:
+    """Reference output path -> port output path: the mapping's ``outputs`` renames (of a path
+    or of its head), then the same path, then, for what is left, a tensor whose shape no other
+    tensor left on either side has (a ``ModelOutput``'s ``logits`` and a port's plain logits:
+    ``logits`` -> ``0``, or ``""`` for a bare tensor)."""
+    partner: dict[str, str] = {}
+    for arg in ref:
+        head, rest = head_of(arg)
+        if arg in renames:
+            partner[arg] = renames[arg]
+        elif head in renames:
+            partner[arg] = renames[head] + rest
+        elif arg in port:
+            partner[arg] = arg
+    taken = set(partner.values())
+    ref_left = {arg: shape for arg, shape in ref.items() if arg not in partner and shape}
+    port_left = {arg: shape for arg, shape in port.items() if arg not in taken and shape}
+    for arg, shape in ref_left.items():
+        same = [p for p, s in port_left.items() if s == shape]
+        if len(same) == 1 and list(ref_left.values()).count(shape) == 1:
+            partner[arg] = same[0]
+    return partner
 
 
 def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,

@@ -32,6 +32,15 @@ ROW_COLUMNS = [
 # declared: the mapping file says this site has no partner (and why)
 UNMATCHED_COLUMNS = ["side", "step", "site", "role", "arg", "reason", "declared"]
 
+# Reference arguments the port's forward has no parameter for: left out of the input check,
+# never a reason not to judge the site (the port layer computed its output from what it took).
+# shape: the tensor's shape, or the recorded value (JSON) when it is no tensor.
+NOT_TAKEN_COLUMNS = ["step", "site", "port_site", "role", "arg", "dtype", "shape", "reason"]
+
+
+def _no_rows() -> pd.DataFrame:
+    return pd.DataFrame(columns=NOT_TAKEN_COLUMNS)
+
 
 @dataclass
 class Origin:
@@ -82,6 +91,7 @@ class Diff:
     unmatched: pd.DataFrame
     first_failing_step: int | None
     meta: dict[str, Any] = field(default_factory=dict)  # loss scales, steps, mapping, options
+    not_taken: pd.DataFrame = field(default_factory=_no_rows)  # see NOT_TAKEN_COLUMNS
 
     @property
     def passed(self) -> bool:
@@ -143,6 +153,7 @@ class Diff:
             "origin": self.origin.as_json() if self.origin else None,
             "origins": [origin.as_json() for origin in self.origins],
             "unmatched": _records(self.unmatched),
+            "not_taken": _records(self.not_taken),
             "rows": _records(self.rows),
             "meta": self.meta,
         }

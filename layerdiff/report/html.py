@@ -137,6 +137,7 @@ def render_html(diff: Diff) -> str:
         _failing_section(diff),
         _origins_section(diff),
         _unmatched_section(diff),
+        _not_taken_section(diff),
         _meta_section(diff),
     ]
     title = f"layerdiff {diff.verdict.upper()}: {Path(diff.port).name}"
@@ -607,6 +608,17 @@ def _unmatched_section(diff: Diff) -> str:
     if diff.unmatched.empty:
         return head + "<p class=\"note\">None: every record found its partner.</p>"
     return head + _table(diff.unmatched, list(diff.unmatched.columns))
+
+
+def _not_taken_section(diff: Diff) -> str:
+    """Reference arguments the port's layers have no parameter for: left out of the input
+    check, never a reason not to judge (the port computed its output from what it took)."""
+    if diff.not_taken.empty:
+        return ""
+    return ("<h2>Not taken by the port</h2><p class=\"note\">Reference arguments the port's "
+            "layer has no parameter for: left out of the input check; the port layer computed "
+            "its output from what it took.</p>"
+            + _table(diff.not_taken, list(diff.not_taken.columns)))
 
 
 def _meta_section(diff: Diff) -> str:

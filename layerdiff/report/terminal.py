@@ -34,6 +34,9 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
         lines += ["", "every compared record:", format_rows(diff.rows, width)]
         if not diff.unmatched.empty:
             lines += ["", "without partner:", _format_unmatched(diff.unmatched, width)]
+        if not diff.not_taken.empty:
+            lines += ["", "not taken by the port (left out of the input check):",
+                      _format_not_taken(diff.not_taken, width)]
     elif not diff.passed:
         failing = failing_sites(diff.rows)
         shown = failing.head(MAX_SITES)
@@ -145,6 +148,11 @@ def _summary(diff: Diff, width: int) -> list[str]:
              f"compared  {len(rows):,} records at {len(sites)} site pairs ({how})",
              f"unpaired  {len(diff.unmatched):,} sites or records"
              + ("" if diff.unmatched.empty else " (--verbose lists them, with why)")]
+    if not diff.not_taken.empty:
+        names = ", ".join(dict.fromkeys(diff.not_taken["arg"].astype(str)))
+        lines += textwrap.wrap(f"not taken {len(diff.not_taken):,} reference arguments the "
+                               f"port's layers have no parameter for ({names}): left out of "
+                               "the input check", width, subsequent_indent=" " * 10)
     if meta.get("mapping"):
         lines.append(f"mapping   {meta['mapping']}")
     scales = meta.get("loss_scale", {})
@@ -235,6 +243,14 @@ def _format_unmatched(unmatched: pd.DataFrame, width: int) -> str:
     for row in unmatched.itertuples(index=False):
         what = row.site if not row.role else f"{row.site} {row.role} {row.arg}"
         lines.append(_clip(f"  {row.side:<9} {what}: {row.reason}", width))
+    return "\n".join(lines)
+
+
+def _format_not_taken(not_taken: pd.DataFrame, width: int) -> str:
+    lines = []
+    for row in not_taken.itertuples(index=False):
+        what = f"{row.dtype} ({row.shape})" if row.dtype else str(row.shape)
+        lines.append(_clip(f"  {row.site} {row.role} {row.arg}: {what}; {row.reason}", width))
     return "\n".join(lines)
 
 

@@ -1,0 +1,300 @@
+"""Inputs of a site with a call adapter: the port's recorded inputs against what the adapter
+makes of the reference's recorded arguments.
+
+A ``[[site]]`` (or ``[[pair]]``) rule with ``call = "pkg.module:function"`` says how the
+reference's call becomes the port's: Hugging Face passes ``position_embeddings=(cos, sin)`` of
+shape (1, T, hd), a Meta-style port takes ``freqs_cos, freqs_sin`` of shape (T, hd/2). The
+diff rebuilds the reference's call as it was passed (tensors as torch tensors, None and plain
+values as recorded), runs the adapter, and compares each tensor it returns with what the port
+recorded for the parameter it fills (bound by the port's recorded signature, as replay binds
+it). So a port-only input (``freqs_cos``) is judged, not left without partner; the reference's
+inputs at such a site are the adapter's to take, never listed as unmatched.
+
+Gradients: the port's ``grad_input`` is taken with respect to the port's arguments, which the
+adapter made. Only a reference tensor the adapter passes through unchanged (the very object)
+has the same gradient on both sides: those are compared; every other ``grad_input`` is listed
+as not compared, saying why.
+
+torch is imported only here, and only when a mapping names a call adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.compare import judge
+from layerdiff.compare import result as R
+from layerdiff.compare.arguments import CallSignatures, head_of
+from layerdiff.compare.metrics import PairMetrics
+from layerdiff.compare.records import RecordPair, RecordPairing
+from layerdiff.compare.tolerances import Tolerances, looser_dtype
+from layerdiff.errors import MappingError
+from layerdiff.mapping import Mapping
+from layerdiff.signature import Signature
+from layerdiff.trace import Trace, schema
+
+
+@dataclass
+class AdaptedRows:
+    """Rows (the engine's columns) of the inputs compared through call adapters."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+    def join(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """The engine's rows with these added, in recording order."""
+        if not self.rows:
+            return rows
+        extra = pd.DataFrame(self.rows, columns=R.ROW_COLUMNS)
+        joined = pd.concat([rows, extra], ignore_index=True) if len(rows) else extra
+        return joined.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+
+
+def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mapping,
+                tolerances: Tolerances) -> AdaptedRows:
+    """Compare the inputs of every site pair in ``records.adapted``; marks what it compared as
+    paired in ``records`` (grad_input pairs are added to ``records.pairs``)."""
+    found = AdaptedRows()
+    if not records.adapted:
+        return found
+    signatures = CallSignatures.of(ref, port)
+    for pair in records.adapted:
+        code = mapping.call_adapter(pair.reference)
+        adapter = code.resolve()
+        port_sig = signatures.signature("port", pair.port)
+        for step in sorted(set(ref.records(site=pair.reference, role="input")["step"])):
+            _Call(ref, port, records, tolerances, pair, int(step), code.spec, port_sig,
+                  found).compare(adapter)
+    return found
+
+
+class _Call:
+    """One adapted call: one site pair in one step."""
+
+    def __init__(self, ref: Trace, port: Trace, records: RecordPairing, tolerances: Tolerances,
+                 pair, step: int, spec: str, port_sig: Signature | None,
+                 found: AdaptedRows) -> None:
+        self.ref, self.port, self.records, self.tolerances = ref, port, records, tolerances
+        self.pair, self.step, self.spec, self.port_sig = pair, step, spec, port_sig
+        self.found = found
+
+    def compare(self, adapter) -> None:
+        ref_rows = self.ref.records(self.step, self.pair.reference, "input")
+        if ref_rows.empty:
+            return
+        values, origin = self._reference_call(ref_rows)
+        args, kwargs = _rebuild(values)
+        try:
+            result = adapter(*args, **kwargs)
+            new_args, new_kwargs = result
+            new_args, new_kwargs = tuple(new_args), dict(new_kwargs)
+        except Exception as exc:  # the user's code: say where, never a traceback
+            raise MappingError(
+                f"call adapter {self.spec} failed on the reference's call of "
+                f"{self.pair.reference} (step {self.step}): {type(exc).__name__}: {exc}; it "
+                "must take the reference's arguments as they were passed and return "
+                "(args, kwargs) for the port layer") from None
+        made = _flatten_call(new_args, new_kwargs)
+        port_rows = self.port.records(self.step, self.pair.port, "input")
+        port_paths = {str(arg): row for (_, row), arg in zip(port_rows.iterrows(),
+                                                              port_rows["arg"], strict=True)}
+        paths = _bind(list(made), list(port_paths), self.port_sig)
+        seq = int(ref_rows["seq"].min())
+        passed: dict[str, str] = {}   # port path -> the reference path passed through unchanged
+        for path, value in made.items():
+            port_path = paths.get(path)
+            if port_path is None or not hasattr(value, "shape"):
+                continue
+            row = port_paths[port_path]
+            if row["kind"] != "tensor":
+                continue
+            source = origin.get(id(value))
+            if source is not None:
+                passed[port_path] = source
+            self.found.rows.append(self._row(value, row, seq, source, port_path))
+            self._paired(port_path, "input")
+        self._gradients(passed)
+
+    def _reference_call(self, rows: pd.DataFrame) -> tuple[list[tuple[str, Any]], dict]:
+        """The reference's arguments as (path, value), tensors as torch tensors, and which
+        reference path each tensor object came from."""
+        import torch
+
+        values: list[tuple[str, Any]] = []
+        origin: dict[int, str] = {}
+        for _, row in rows.iterrows():
+            arg = str(row["arg"])
+            if row["kind"] == "tensor":
+                tensor = torch.from_numpy(np.ascontiguousarray(self.ref.read(row)))
+                origin[id(tensor)] = arg
+                values.append((arg, tensor))
+            else:
+                values.append((arg, _plain(row["value"])))
+        return values, origin
+
+    def _row(self, value, port_row: pd.Series, seq: int, source: str | None,
+             port_path: str) -> dict[str, Any]:
+        ref_values = value.detach().cpu()
+        ref_dtype = str(ref_values.dtype).removeprefix("torch.")
+        if ref_values.dtype.is_floating_point and ref_values.dtype not in (
+                _torch().float32, _torch().float64, _torch().float16):
+            ref_values = ref_values.float()  # numpy has no bfloat16
+        ref_values = ref_values.numpy()
+        port_values = self.port.read(port_row)
+        port_dtype = str(port_row["dtype"])
+        arg = source if source is not None else _parameter_path(port_path, self.port_sig)
+        dtype = looser_dtype(ref_dtype, port_dtype)
+        tolerance = self.tolerances.lookup(self.pair.reference, "input", arg, dtype)
+        how = (f"the reference's '{source}', passed through by call adapter {self.spec}"
+               if source is not None else
+               f"made by call adapter {self.spec} from the reference's arguments")
+        row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
+        row.update({
+            "step": self.step, "pass": "forward", "seq": seq, "site": self.pair.reference,
+            "role": "input", "arg": arg, "port_site": self.pair.port, "port_arg": port_path,
+            "match": "adapted", "confidence": 1.0,
+            "shape": schema.format_shape(tuple(ref_values.shape)),
+            "port_shape": schema.format_shape(tuple(port_values.shape)),
+            "dtype": ref_dtype, "port_dtype": port_dtype, "numel": int(ref_values.size),
+            "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
+            "verdict": "", "note": how, "status": "", "cause": "",
+        })
+        if ref_values.shape != port_values.shape:
+            row.update(verdict=judge.Verdict.SHAPE_MISMATCH, ratio=np.inf,
+                       note=f"{how}; shapes differ: adapter gives ({row['shape']}), port has "
+                            f"({row['port_shape']})")
+            return row
+        if ref_dtype != port_dtype:
+            ref_values = ref_values.astype(np.float64)
+            port_values = port_values.astype(np.float64)
+        shape = tuple(ref_values.shape)
+        self.records.norms[(self.step, self.pair.reference, "input", arg)] = float(
+            np.linalg.norm(ref_values.astype(np.float64).reshape(-1)))
+        batch = shape[0] if len(shape) >= 2 else 0
+        same_float = ref_dtype == port_dtype and np.dtype(ref_values.dtype).kind == "f"
+        metrics = PairMetrics(tolerance.rtol, tolerance.atol, int(ref_values.size), batch,
+                              1.0 if same_float and ref_dtype != "bfloat16" else None)
+        metrics.update(np.ascontiguousarray(ref_values).reshape(-1),
+                       np.ascontiguousarray(port_values).reshape(-1), 0)
+        row.update(metrics.result(shape))
+        row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
+                                       port_nan=row["port_nan"], port_inf=row["port_inf"],
+                                       finite_ratio=row.get("finite_ratio"))
+        return row
+
+    def _paired(self, port_path: str, role: str) -> None:
+        """A port record the adapter's call paired: no longer without partner."""
+        key = ("port", self.step, self.pair.port, role, port_path)
+        self.records.unmatched = [e for e in self.records.unmatched if e[:5] != key]
+        if role == "input":
+            self.records.port_missing = [
+                m for m in self.records.port_missing
+                if m[:4] != (self.step, self.pair.reference, self.pair.port, port_path)]
+
+    def _gradients(self, passed: dict[str, str]) -> None:
+        """grad_input pairs for the reference tensors passed through unchanged; the rest is
+        listed as not compared."""
+        ref_rows = self.ref.records(self.step, self.pair.reference, "grad_input")
+        port_rows = self.port.records(self.step, self.pair.port, "grad_input")
+        ref_at = {str(arg): int(pos) for pos, arg in zip(ref_rows.index, ref_rows["arg"],
+                                                          strict=True)}
+        compared = set()
+        for pos, arg in zip(port_rows.index, port_rows["arg"], strict=True):
+            source = passed.get(str(arg))
+            if source is not None and source in ref_at:
+                self.records.pairs.append(RecordPair(ref_at[source], int(pos), "adapted", 1.0))
+                self._paired(str(arg), "grad_input")
+                compared.add(source)
+                continue
+            key = ("port", self.step, self.pair.port, "grad_input", str(arg))
+            self.records.unmatched = [
+                (*e[:5], _NOT_COMPARED) if e[:5] == key else e for e in self.records.unmatched]
+        for arg in ref_at:
+            if arg not in compared:
+                self.records.unmatched.append(("reference", self.step, self.pair.reference,
+                                               "grad_input", arg, _NOT_COMPARED))
+        self.records.pairs.sort(key=lambda p: p.ref)
+
+
+_NOT_COMPARED = ("not compared: at a site with a call adapter, a gradient is compared only for "
+                 "a reference tensor the adapter passes to the port unchanged (the port's "
+                 "grad_input is taken with respect to the arguments the adapter made)")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _plain(text: str) -> Any:
+    """A recorded non-tensor argument; what capture could keep only as a repr (a cache
+    object) is None: there is nothing of it to rebuild."""
+    import json
+
+    value = json.loads(text) if text else None
+    if isinstance(value, dict) and set(value) == {"repr", "type"}:
+        return None
+    return value
+
+
+def _rebuild(values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+    from layerdiff.replay.arguments import rebuild_call
+
+    return rebuild_call(values)
+
+
+def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """(argument path -> leaf) as capture records a call: ``f(x, (h, c), mask=m)`` gives
+    ``0``, ``1.0``, ``1.1`` and ``mask``."""
+    found: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, (tuple, list)) and not hasattr(value, "shape"):
+            for number, item in enumerate(value):
+                walk(item, f"{prefix}.{number}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}.{key}")
+        else:
+            found[prefix] = value
+
+    for number, value in enumerate(args):
+        walk(value, str(number))
+    for key, value in kwargs.items():
+        walk(value, str(key))
+    return found
+
+
+def _bind(made: list[str], recorded: list[str], port: Signature | None) -> dict[str, str]:
+    """Adapter path -> the port's recorded path for the same parameter (by the port's
+    signature: the adapter may pass by position what the port's caller passed by keyword)."""
+    if port is None:
+        return {path: path for path in made if path in recorded}
+    by_name: dict[str, str] = {}
+    for path in recorded:
+        head, rest = head_of(path)
+        by_name[_name(head, port) + rest] = path
+    return {path: by_name[key] for path in made
+            if (key := _name(head_of(path)[0], port) + head_of(path)[1]) in by_name}
+
+
+def _name(head: str, port: Signature) -> str:
+    if head.isdigit() and int(head) < len(port.positional):
+        return port.positional[int(head)].name
+    return head
+
+
+def _parameter_path(path: str, port: Signature | None) -> str:
+    """A port path named by its parameter (``1`` -> ``freqs_cos``), for the row's ``arg``."""
+    if port is None:
+        return path
+    head, rest = head_of(path)
+    return _name(head, port) + rest
