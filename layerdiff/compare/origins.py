@@ -114,15 +114,22 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
     backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
     unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
-    # a container around a site that cannot be judged cannot be judged either: the fault may
-    # be that site's (an attention whose rotary tables have no partner, inside its block)
-    around = {a: s.name for s in unjudged for a in _ancestors(s.name, parents)}
-    for site in forward_all + backward_all:
-        if site.name in around and site not in unjudged:
-            site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
-            unjudged.append(site)
-    forward = [s for s in forward_all if s not in unjudged]
-    backward = [s for s in backward_all if s not in unjudged]
+    # a container around a site that cannot be judged cannot be judged either, in that pass:
+    # the fault may be that site's (an attention whose rotary tables have no partner, inside
+    # its block). A child unjudged only backward (a weight gradient at a projection whose
+    # output has no partner) says nothing of the container's forward.
+    blocked: dict[str, list[_Site]] = {}
+    for pass_, candidates in (("forward", forward_all), ("backward", backward_all)):
+        inner = [s for s in candidates if s in unjudged]
+        around = {a: s.name for s in inner for a in _ancestors(s.name, parents)}
+        blocked[pass_] = list(inner)
+        for site in candidates:
+            if site.name in around and site not in unjudged:
+                site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
+                blocked[pass_].append(site)
+    unjudged += [s for s in blocked["forward"] + blocked["backward"] if s not in unjudged]
+    forward = [s for s in forward_all if s not in blocked["forward"]]
+    backward = [s for s in backward_all if s not in blocked["backward"]]
     if norms and not independent:
         forward = _unexplained(rows, forward, ("output",), norms, sites)
         backward = _unexplained(rows, backward, ("grad_input", "weight_grad"), norms, sites)

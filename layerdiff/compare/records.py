@@ -304,6 +304,8 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if any(p is None for p in positions):
             missing = [n for n, p in zip(source.reference, positions, strict=True) if p is None]
             why = mapping.why_unmatched("port", name)
+            if why is not None:
+                used_port.add(int(port_pos))  # declared: listed here once, as the port's own
             unmatched.append(("port", int(step), site, role, arg,
                               f"the port's own ({why})" if why is not None else
                               f"parameter {name} comes from reference {', '.join(missing)}, "
