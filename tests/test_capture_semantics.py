@@ -83,6 +83,7 @@ def test_an_output_the_module_used_and_nobody_else_has_no_grad_output(tmp_path):
     _, expected = _full_hook_grads(_case(), "block.attn")
     assert expected[1] is None   # torch's hook: nothing arrives at the weights from outside
     with open_trace(tmp_path / "t.h5") as trace:
+        assert trace.meta["grad_output"] == "outside"   # replay reads the definition here
         grad_output = _records(trace, "block.attn#0", "grad_output")
         assert set(grad_output) == {"0"}, "the weights' internal use was recorded as arriving"
         np.testing.assert_allclose(grad_output["0"], expected[0].numpy(), rtol=1e-6,
@@ -344,3 +345,41 @@ def test_a_bug_in_an_attention_called_through_forward_is_named_there(tmp_path):
     capture(_llama_case(direct=True, bug=True), tmp_path / "port.h5")
     result = diff(tmp_path / "ref.h5", tmp_path / "port.h5")
     assert [origin.site for origin in result.origins] == ["layers.0.attention#0"]
+
+
+def _llama_port(bug: bool = False):
+    return lambda: _llama_case(direct=True, bug=bug, steps=2)
+
+
+def _llama_reference():
+    return _llama_case(direct=False, steps=2)
+
+
+def test_replay_judges_a_port_layer_called_through_forward(tmp_path):
+    from layerdiff.replay import replay
+
+    capture(_llama_reference(), tmp_path / "ref.h5")
+    result = replay(tmp_path / "ref.h5", _llama_port(bug=True)())
+    assert not result.cannot_judge
+    local = result.local
+    local = local[local["verdict"] == "LOCAL ERROR"]
+    assert "layers.0.attention#0" in set(local["port_site"])
+    assert not {s for s in local["port_site"] if not s.startswith("layers.0.attention")}
+    assert replay(tmp_path / "ref.h5", _llama_port()()).passed
+
+
+def test_swap_and_bisect_treat_a_layer_called_through_forward_as_a_layer():
+    from layerdiff.replay.bisect import bisect
+    from layerdiff.replay.swap import Swapper, swap
+
+    swapper = Swapper(_llama_reference, _llama_port(bug=True))
+    assert "layers.0.attention" in swapper.pairs
+    assert swap(_llama_reference, _llama_port(bug=True), ["layers.0.attention"]).breaks
+    assert not swap(_llama_reference, _llama_port(bug=True), ["layers.1.attention"]).breaks
+    # the reference's attention in the port, which calls it through .forward(), fixes it
+    assert not swap(_llama_reference, _llama_port(bug=True), ["layers.0.attention"],
+                    into="port").breaks
+    assert swap(_llama_reference, _llama_port(bug=True), ["layers.1.attention"],
+                into="port").breaks
+    result = bisect(swapper)
+    assert [port for _, port in result.culprits] == ["layers.0.attention"]
