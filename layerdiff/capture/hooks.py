@@ -12,7 +12,8 @@ the counter read when it returned; the nodes numbered after are outside it.
   (:meth:`ModuleRecorder.record_loss`). A gradient of the module's own use of a tensor it also
   returns (attention weights it multiplied with the values) is left out, and an output nothing
   outside uses gets no record. A later in-place op on the output consumes the value too: its
-  gradient is what arrives.
+  gradient is what arrives (on an output that is a view, autograd sends it to the view's base:
+  the view's part is cut out of it there).
 - grad_input: the nodes created during the call that consume the call's input tensors are found
   by walking the graph from the outputs; a hook on each of those nodes sees this call's own
   gradient contribution to the input, not the sum over every consumer. An input returned
@@ -84,6 +85,26 @@ def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+# the node an in-place op on a view puts on the view's base: it sends the base its gradient,
+# the view's region holding what the op sends back to the view's values before it ran
+_COPY_SLICES = torch._C._functions.CopySlices
+
+
+@dataclass(frozen=True, slots=True)
+class _ViewGeometry:
+    """Where an output that is a view lies in its base, to cut its part out of the base's
+    gradient (as autograd's CopySlices does)."""
+
+    base_size: tuple[int, ...]
+    base_stride: tuple[int, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def cut(self, base_grad: torch.Tensor) -> torch.Tensor:
+        laid = base_grad.new_empty_strided(self.base_size, self.base_stride)
+        laid.copy_(base_grad)
+        return laid.as_strided(self.size, self.stride, self.offset)
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple:
@@ -222,8 +243,9 @@ class ModuleRecorder:
         # (site, role, arg) -> [contributions still to come, their sum so far]
         self._partial_grads: dict[tuple[str, str, str], list] = {}
         # output values of this step's calls whose consumers outside the call are hooked when
-        # the loss is recorded: (node, output_nr, first sequence number outside, site, role, arg)
-        self._watched: list[tuple[Any, int, int, str, str, str]] = []
+        # the loss is recorded: (node, output_nr, first sequence number outside, site, role,
+        # arg, None; or for the base of an output that is a view, the view's geometry)
+        self._watched: list[tuple[Any, int, int, str, str, str, _ViewGeometry | None]] = []
         self._handles: list[Any] = []
         # ``child.forward(...)`` called directly runs these hooks too (OpRecorder adds its own)
         self.direct = DirectCalls()
@@ -377,7 +399,9 @@ class ModuleRecorder:
             watched = self._watched
             for arg, tensor in grads:
                 watched.append((tensor.grad_fn, tensor.output_nr, outside, site,
-                                "grad_output", arg))
+                                "grad_output", arg, None))
+                if tensor._is_view():   # changed in place later, its gradient goes to the base
+                    self._watch_base(tensor, outside, site, "grad_output", arg)
             if opened.inputs:
                 self._hook_grad_inputs(opened, grads, outside)
 
@@ -413,20 +437,33 @@ class ModuleRecorder:
             "parent": parent, "enter_seq": enter_seq, "exit_seq": self.stager.recorder.seq})
 
     # ---- backward hooks ----
-    def _hook_outside_consumers(self, root: Any,
-                                watched: list[tuple[Any, int, int, str, str, str]]) -> None:
+    def _watch_base(self, view: torch.Tensor, outside: int, site: str, role: str,
+                    arg: str) -> None:
+        """An output that is a view and that the caller changes in place (``y += x`` on a
+        Linear's 3-D output) has its gradient sent to its base by a CopySlices node: watch the
+        base for those, to cut the view's part out."""
+        base = view._base
+        if base is None or base.grad_fn is None:
+            return
+        geometry = _ViewGeometry(tuple(base.shape), base.stride(), tuple(view.shape),
+                                 view.stride(), view.storage_offset() - base.storage_offset())
+        self._watched.append((base.grad_fn, base.output_nr, outside, site, role, arg, geometry))
+
+    def _hook_outside_consumers(self, root: Any, watched: list[tuple[
+            Any, int, int, str, str, str, _ViewGeometry | None]]) -> None:
         """Hook every node that consumes a watched output value and was created after that
         value's call returned: what those nodes send to the value is the gradient arriving from
         outside the call. One walk of the step's graph from the loss serves every call."""
-        by_value: dict[tuple[int, int], list[tuple[int, tuple[str, str, str]]]] = {}
+        by_value: dict[tuple[int, int], list[tuple[int, tuple[str, str, str],
+                                                   _ViewGeometry | None]]] = {}
         partials = self._partial_grads
-        for node, output_nr, outside, site, role, arg in watched:
+        for node, output_nr, outside, site, role, arg, geometry in watched:
             key = (site, role, arg)
             partials.setdefault(key, [0, None])
-            by_value.setdefault((id(node), output_nr), []).append((outside, key))
+            by_value.setdefault((id(node), output_nr), []).append((outside, key, geometry))
         # a node older than every call's end consumes nothing from outside a call, and neither
         # do the nodes it leads to (they are older still): the walk stops there
-        earliest = min(outside for _, _, outside, _, _, _ in watched)
+        earliest = min(entry[2] for entry in watched)
         seen: dict[int, Any] = {}   # held until the walk ends: ids stay unique (see below)
         todo = [root]
         while todo:
@@ -435,15 +472,17 @@ class ModuleRecorder:
                 continue
             seen[id(node)] = node
             number = node._sequence_nr()
-            slots: list[tuple[int, tuple[str, str, str]]] = []
+            slots: list[tuple[int, tuple[str, str, str], _ViewGeometry | None]] = []
             for slot, (child, output_nr) in enumerate(node.next_functions):
                 if child is None or type(child) is _ACCUMULATE_GRAD:
                     continue
                 watchers = by_value.get((id(child), output_nr))
                 if watchers is not None:
-                    for outside, key in watchers:
-                        if number >= outside:
-                            slots.append((slot, key))
+                    for outside, key, geometry in watchers:
+                        # a view's base is watched for in-place changes of the view alone
+                        if number >= outside and (geometry is None or (
+                                slot == 0 and type(node) is _COPY_SLICES)):
+                            slots.append((slot, key, geometry))
                             partials[key][0] += 1
                 if id(child) not in seen and child._sequence_nr() >= earliest:
                     todo.append(child)
@@ -474,7 +513,9 @@ class ModuleRecorder:
                 if arg not in passed_through:   # passes through to the input
                     passed_through.add(arg)
                     self._watched.append((tensor.grad_fn, tensor.output_nr, outside,
-                                          opened.site, "grad_input", arg))
+                                          opened.site, "grad_input", arg, None))
+                    if tensor._is_view():
+                        self._watch_base(tensor, outside, opened.site, "grad_input", arg)
             elif tensor.grad_fn._sequence_nr() >= opened.first_node:  # else made before the call
                 todo.append(tensor.grad_fn)
         # The walk runs once per call, over every node the call created (a parent's walk covers
@@ -499,8 +540,8 @@ class ModuleRecorder:
                         todo.append(child)
                 if arg is not None:
                     key = (opened.site, "grad_input", arg)
-                    boundary.setdefault(id(node), (node, []))[1].append((slot, key))
-        expected = Counter(key for _, slots in boundary.values() for _, key in slots)
+                    boundary.setdefault(id(node), (node, []))[1].append((slot, key, None))
+        expected = Counter(key for _, slots in boundary.values() for _, key, _ in slots)
         for arg in passed_through:   # its outside consumers are counted in when hooked
             self._partial_grads[(opened.site, "grad_input", arg)] = [0, None]
         for key, count in expected.items():
@@ -508,16 +549,18 @@ class ModuleRecorder:
         for node, slots in boundary.values():
             node.register_hook(partial(self._on_gradients, slots))
 
-    def _on_gradients(self, slots: list[tuple[int, tuple[str, str, str]]], grad_inputs: tuple,
-                      grad_outputs: tuple) -> None:
+    def _on_gradients(self, slots: list[tuple[int, tuple[str, str, str], _ViewGeometry | None]],
+                      grad_inputs: tuple, grad_outputs: tuple) -> None:
         """A hooked node ran: add what it sent along each hooked edge to that record's sum, and
         record the sum once its last contribution has come (in the order autograd adds them)."""
         partials = self._partial_grads
-        for slot, key in slots:
+        for slot, key, geometry in slots:
             entry = partials.get(key)
             if entry is None:
                 continue
             grad = grad_inputs[slot]
+            if grad is not None and geometry is not None:
+                grad = geometry.cut(grad)
             entry[0] -= 1
             if grad is not None:
                 entry[1] = grad if entry[1] is None else entry[1] + grad
