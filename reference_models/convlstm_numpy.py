@@ -186,12 +186,14 @@ class NumpyConvLSTM:
         grads = {name: np.zeros_like(value) for name, value in p.items()}
         site = "{}#{}".format  # backward records name the forward's sites: module#call
         rec.record("<root>#0", "grad_output", grad)
+        # what arrives at each frame's head from outside it: all at once, from the stacking
+        for t in range(len(tape.frames)):
+            rec.record(site("head", t), "grad_output", np.ascontiguousarray(grad[:, t]))
         d_h_next = d_c_next = None
         for t in range(len(tape.frames) - 1, -1, -1):
             frame = tape.frames[t]
             s_i, s_f, s_o, tanh_g = frame.gates
             d_out = np.ascontiguousarray(grad[:, t])
-            rec.record(site("head", t), "grad_output", d_out)
             batch, _, height, width = d_out.shape
             flat = d_out.reshape(batch, -1, height * width)
             d_h = (p["head.weight"].reshape(-1, hidden).T @ flat).reshape(frame.h.shape)
