@@ -186,12 +186,14 @@ class NumpyConvLSTM:
         grads = {name: np.zeros_like(value) for name, value in p.items()}
         site = "{}#{}".format  # backward records name the forward's sites: module#call
         rec.record("<root>#0", "grad_output", grad)
+        # what arrives at each frame's head from outside it: all at once, from the stacking
+        for t in range(len(tape.frames)):
+            rec.record(site("head", t), "grad_output", np.ascontiguousarray(grad[:, t]))
         d_h_next = d_c_next = None
         for t in range(len(tape.frames) - 1, -1, -1):
             frame = tape.frames[t]
             s_i, s_f, s_o, tanh_g = frame.gates
             d_out = np.ascontiguousarray(grad[:, t])
-            rec.record(site("head", t), "grad_output", d_out)
             batch, _, height, width = d_out.shape
             flat = d_out.reshape(batch, -1, height * width)
             d_h = (p["head.weight"].reshape(-1, hidden).T @ flat).reshape(frame.h.shape)
@@ -206,10 +208,12 @@ class NumpyConvLSTM:
             if d_c_next is not None:
                 d_c = d_c + d_c_next
             rec.record(site("cell", t), "grad_output", d_h, arg="0")
-            rec.record(site("cell", t), "grad_output", d_c, arg="1")
             if t > 0:  # the first frame's state is a constant: no gradient to send
                 d_c_next = d_c * s_f
                 rec.record(site("cell", t), "grad_input", d_c_next, arg="2")
+                # grad_output is what arrives from outside the call: the earlier frame's c
+                # gets the next cell's gradient alone (its own h's use of c is inside it)
+                rec.record(site("cell", t - 1), "grad_output", d_c_next, arg="1")
             d_pre = np.concatenate([
                 d_c * tanh_g * s_i * (1 - s_i),            # input gate
                 d_c * frame.c_prev * s_f * (1 - s_f),      # forget gate
@@ -338,7 +342,9 @@ class _CellLayer:
     def backward(self, context: Any, grads: dict) -> tuple[dict, dict]:
         cols, c_prev, (s_i, s_f, s_o, tanh_g), tanh_c, channels = context
         d_h = grads.get("0", np.zeros_like(tanh_c))
-        d_c = grads.get("1", d_h * s_o * (1 - tanh_c**2))  # the recorded total, when given
+        d_c = d_h * s_o * (1 - tanh_c**2)   # c feeds this call's own h
+        if "1" in grads:  # plus what arrived at c from outside the call (the next frame's)
+            d_c = d_c + grads["1"]
         d_pre = np.concatenate([d_c * tanh_g * s_i * (1 - s_i),
                                 d_c * c_prev * s_f * (1 - s_f),
                                 d_c * s_i * (1 - tanh_g**2),

@@ -330,7 +330,7 @@ def _recorder_out_of_mode() -> contextlib.AbstractContextManager:
                                  value=_without_mode(Stager.value)))
     stack.enter_context(_patched(ModuleRecorder, **{
         name: _without_mode(ModuleRecorder.__dict__[name])
-        for name in ("_before", "_after", "_on_grad_output", "_on_grad_input",
+        for name in ("_before", "_after", "_on_gradients", "_hook_outside_consumers",
                      "after_backward")}))
     return stack
 
@@ -442,8 +442,9 @@ def profile_step(spec: str, steps: int, directory: Path) -> dict[str, Any]:
             [entry(hooks, "ModuleRecorder._before"), entry(hooks, "ModuleRecorder._after")],
         "op records, forward (OpRecorder._record less the op's own compute)": [record],
         "backward hooks (grad_output / grad_input records, incl. staging)":
-            [entry(hooks, "ModuleRecorder._on_grad_output"),
-             entry(hooks, "ModuleRecorder._on_grad_input")],
+            [entry(hooks, "ModuleRecorder._on_gradients")],
+        "graph walk for grad_output, once a step (ModuleRecorder._hook_outside_consumers)":
+            [entry(hooks, "ModuleRecorder._hook_outside_consumers")],
         "weight gradients after backward (ModuleRecorder.after_backward)":
             [entry(hooks, "ModuleRecorder.after_backward")],
         "frames (OpRecorder._push/_start/_stop/_pop)":

@@ -1,14 +1,23 @@
 """Torch hooks that turn every module call into trace records, forward and backward.
 
-How the backward records are taken without perturbing the run:
-- grad_output: a pre-hook on the autograd node that produced each output tensor; it sees the
-  gradient of that exact value, even if a later in-place op rebases the tensor.
-- grad_input: the nodes created during the call (sequence numbers at or above the counter read
-  when the call began) that consume the call's input tensors are found by walking the graph
-  from the outputs; a hook on each of those nodes sees this call's own gradient contribution to
-  the input, not the sum over every consumer. Nothing is inserted into the graph (unlike
-  ``register_full_backward_hook``), so in-place layers work and the order of gradient
-  accumulation is untouched.
+How the backward records are taken without perturbing the run (nothing is inserted into the
+graph, unlike ``register_full_backward_hook``, so in-place layers and views work and the order of
+gradient accumulation is untouched). Autograd numbers its nodes in creation order (sequence
+numbers), so the nodes a call created are those numbered from the counter read when it began to
+the counter read when it returned; the nodes numbered after are outside it.
+- grad_output: the gradient arriving at an output value *from outside the call*, what torch's
+  full backward hooks report: the sum of what the nodes created after the call returned send to
+  that value. Those consumers exist only once the forward is over: when the loss is recorded,
+  one walk of the graph from the loss finds them for every output of the step and hooks them
+  (:meth:`ModuleRecorder.record_loss`). A gradient of the module's own use of a tensor it also
+  returns (attention weights it multiplied with the values) is left out, and an output nothing
+  outside uses gets no record. A later in-place op on the output consumes the value too: its
+  gradient is what arrives (on an output that is a view, autograd sends it to the view's base:
+  the view's part is cut out of it there).
+- grad_input: the nodes created during the call that consume the call's input tensors are found
+  by walking the graph from the outputs; a hook on each of those nodes sees this call's own
+  gradient contribution to the input, not the sum over every consumer. An input returned
+  unchanged adds what arrives at it from outside, as its grad_output does.
 
 Weights: a parameter or buffer object is recorded once per step however many modules hold it
 (a tied embedding and output head), as ``weight`` and ``weight_grad`` of the first selected
@@ -39,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.stage import Stager
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
@@ -75,6 +85,26 @@ def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor
+# the node an in-place op on a view puts on the view's base: it sends the base its gradient,
+# the view's region holding what the op sends back to the view's values before it ran
+_COPY_SLICES = torch._C._functions.CopySlices
+
+
+@dataclass(frozen=True, slots=True)
+class _ViewGeometry:
+    """Where an output that is a view lies in its base, to cut its part out of the base's
+    gradient (as autograd's CopySlices does)."""
+
+    base_size: tuple[int, ...]
+    base_stride: tuple[int, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def cut(self, base_grad: torch.Tensor) -> torch.Tensor:
+        laid = base_grad.new_empty_strided(self.base_size, self.base_stride)
+        laid.copy_(base_grad)
+        return laid.as_strided(self.size, self.stride, self.offset)
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple:
@@ -210,8 +240,15 @@ class ModuleRecorder:
         self._calls: Counter[str] = Counter()
         # (site, name prefix, tensors) in recording order: their gradients follow the backward
         self._weight_sites: list[tuple[str, str, _Owned]] = []
-        self._partial_grads: dict[tuple[str, str], list] = {}  # (site, arg) -> [left, sum]
+        # (site, role, arg) -> [contributions still to come, their sum so far]
+        self._partial_grads: dict[tuple[str, str, str], list] = {}
+        # output values of this step's calls whose consumers outside the call are hooked when
+        # the loss is recorded: (node, output_nr, first sequence number outside, site, role,
+        # arg, None; or for the base of an output that is a view, the view's geometry)
+        self._watched: list[tuple[Any, int, int, str, str, str, _ViewGeometry | None]] = []
         self._handles: list[Any] = []
+        # ``child.forward(...)`` called directly runs these hooks too (OpRecorder adds its own)
+        self.direct = DirectCalls()
         self._slots: dict[str, _Slot] = {}
         # until the first recorded step has run: which owners are never called is being learnt
         self._learning = False
@@ -222,14 +259,17 @@ class ModuleRecorder:
     def attach(self) -> None:
         self._slots = _slots(self.modules, owned_tensors(self.modules) if self.weights else {})
         self._learning = any(slot.below for slot in self._slots.values())
+        own = self.direct.own
         for path, module in self.modules:
             slot = self._slots[path]
-            self._handles.append(module.register_forward_pre_hook(
-                partial(self._before, path, slot), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                partial(self._after, path, slot), with_kwargs=True))
+            self._handles.append(own(module.register_forward_pre_hook(
+                partial(self._before, path, slot), with_kwargs=True)))
+            self._handles.append(own(module.register_forward_hook(
+                partial(self._after, path, slot), with_kwargs=True)))
+            self.direct.wrap(module)
 
     def detach(self) -> None:
+        self.direct.unwrap()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -241,22 +281,30 @@ class ModuleRecorder:
         self.recording = self.record_steps is None or step in self.record_steps
         self._calls.clear()
         self._weight_sites.clear()
+        self._watched.clear()
+        self._partial_grads.clear()
         self.open.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
+        """Record the loss, and hook the gradients that will arrive at the step's outputs from
+        outside their calls: the graph is complete now, before the backward runs."""
         if not self.recording:
+            self._watched.clear()
             return
         seq = self.stager.recorder.seq
         self.stager.tensor(self.step, "forward", schema.LOSS_SITE, "output", "0", loss)
         self._site_row(schema.LOSS_SITE, "<loss>", 0, "loss", "", seq)
+        watched, self._watched = self._watched, []
+        if watched and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            self._hook_outside_consumers(loss.grad_fn, watched)
 
     def after_backward(self) -> None:
         """Emit grad_input sums still waiting for a contribution, then weight gradients."""
         if not self.recording:
             return
-        for (site, arg), (_, total) in self._partial_grads.items():
+        for (site, role, arg), (_, total) in self._partial_grads.items():
             if total is not None:
-                self.stager.tensor(self.step, "backward", site, "grad_input", arg, total)
+                self.stager.tensor(self.step, "backward", site, role, arg, total)
         self._partial_grads.clear()
         for site, prefix, owned in reversed(self._weight_sites):
             for store, name in owned.params:
@@ -345,11 +393,17 @@ class ModuleRecorder:
         if torch.is_grad_enabled():
             grads = [(arg, t) for arg, t in outputs
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            if not grads:
+                return
+            outside = _next_sequence_nr()   # nodes numbered from here on are outside the call
+            watched = self._watched
             for arg, tensor in grads:
-                tensor.grad_fn.register_prehook(
-                    partial(self._on_grad_output, site, "grad_output", arg, tensor.output_nr))
-            if opened.inputs and grads:
-                self._hook_grad_inputs(opened, grads)
+                watched.append((tensor.grad_fn, tensor.output_nr, outside, site,
+                                "grad_output", arg, None))
+                if tensor._is_view():   # changed in place later, its gradient goes to the base
+                    self._watch_base(tensor, outside, site, "grad_output", arg)
+            if opened.inputs:
+                self._hook_grad_inputs(opened, grads, outside)
 
     # ---- owners that are never called: learnt in the first recorded step ----
     def _adopt_uncalled(self, path: str, site: str, slot: _Slot) -> None:
@@ -383,14 +437,64 @@ class ModuleRecorder:
             "parent": parent, "enter_seq": enter_seq, "exit_seq": self.stager.recorder.seq})
 
     # ---- backward hooks ----
-    def _on_grad_output(self, site: str, role: str, arg: str, output_nr: int,
-                        grad_outputs: tuple) -> None:
-        grad = grad_outputs[output_nr]
-        if grad is not None:
-            self.stager.tensor(self.step, "backward", site, role, arg, grad)
+    def _watch_base(self, view: torch.Tensor, outside: int, site: str, role: str,
+                    arg: str) -> None:
+        """An output that is a view and that the caller changes in place (``y += x`` on a
+        Linear's 3-D output) has its gradient sent to its base by a CopySlices node: watch the
+        base for those, to cut the view's part out."""
+        base = view._base
+        if base is None or base.grad_fn is None:
+            return
+        geometry = _ViewGeometry(tuple(base.shape), base.stride(), tuple(view.shape),
+                                 view.stride(), view.storage_offset() - base.storage_offset())
+        self._watched.append((base.grad_fn, base.output_nr, outside, site, role, arg, geometry))
 
-    def _hook_grad_inputs(self, opened: _OpenCall,
-                          outputs: list[tuple[str, torch.Tensor]]) -> None:
+    def _hook_outside_consumers(self, root: Any, watched: list[tuple[
+            Any, int, int, str, str, str, _ViewGeometry | None]]) -> None:
+        """Hook every node that consumes a watched output value and was created after that
+        value's call returned: what those nodes send to the value is the gradient arriving from
+        outside the call. One walk of the step's graph from the loss serves every call."""
+        by_value: dict[tuple[int, int], list[tuple[int, tuple[str, str, str],
+                                                   _ViewGeometry | None]]] = {}
+        partials = self._partial_grads
+        for node, output_nr, outside, site, role, arg, geometry in watched:
+            key = (site, role, arg)
+            partials.setdefault(key, [0, None])
+            by_value.setdefault((id(node), output_nr), []).append((outside, key, geometry))
+        # a node older than every call's end consumes nothing from outside a call, and neither
+        # do the nodes it leads to (they are older still): the walk stops there
+        earliest = min(entry[2] for entry in watched)
+        seen: dict[int, Any] = {}   # held until the walk ends: ids stay unique (see below)
+        todo = [root]
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            number = node._sequence_nr()
+            slots: list[tuple[int, tuple[str, str, str], _ViewGeometry | None]] = []
+            for slot, (child, output_nr) in enumerate(node.next_functions):
+                if child is None or type(child) is _ACCUMULATE_GRAD:
+                    continue
+                watchers = by_value.get((id(child), output_nr))
+                if watchers is not None:
+                    for outside, key, geometry in watchers:
+                        # a view's base is watched for in-place changes of the view alone
+                        if number >= outside and (geometry is None or (
+                                slot == 0 and type(node) is _COPY_SLICES)):
+                            slots.append((slot, key, geometry))
+                            partials[key][0] += 1
+                if id(child) not in seen and child._sequence_nr() >= earliest:
+                    todo.append(child)
+            if slots:
+                node.register_hook(partial(self._on_gradients, slots))
+        # an output that nothing outside its call consumes gets no record at all
+        for key, (left, _) in list(partials.items()):
+            if left == 0 and key[1] == "grad_output":
+                del partials[key]
+
+    def _hook_grad_inputs(self, opened: _OpenCall, outputs: list[tuple[str, torch.Tensor]],
+                          outside: int) -> None:
         # An input passed under several argument paths (attn(x, x, x)) is one value with one
         # gradient: it is recorded under its first path.
         targets: dict[tuple, str] = {}
@@ -405,12 +509,13 @@ class ModuleRecorder:
         passed_through: set[str] = set()
         for _, tensor in outputs:
             arg = targets.get(_tensor_key(tensor))
-            if arg is not None:  # returned its input unchanged: the gradient passes through
-                if arg not in passed_through:
+            if arg is not None:  # returned its input unchanged: what arrives from outside
+                if arg not in passed_through:   # passes through to the input
                     passed_through.add(arg)
-                    tensor.grad_fn.register_prehook(
-                        partial(self._on_grad_output, opened.site, "grad_input", arg,
-                                tensor.output_nr))
+                    self._watched.append((tensor.grad_fn, tensor.output_nr, outside,
+                                          opened.site, "grad_input", arg, None))
+                    if tensor._is_view():
+                        self._watch_base(tensor, outside, opened.site, "grad_input", arg)
             elif tensor.grad_fn._sequence_nr() >= opened.first_node:  # else made before the call
                 todo.append(tensor.grad_fn)
         # The walk runs once per call, over every node the call created (a parent's walk covers
@@ -433,29 +538,37 @@ class ModuleRecorder:
                     arg = targets.get((id(child), output_nr))
                     if arg is None and child._sequence_nr() >= first:
                         todo.append(child)
-                # an input that passes through is recorded whole there: one record per input
-                if arg is not None and arg not in passed_through:
-                    boundary.setdefault(id(node), (node, []))[1].append((slot, arg))
-        expected = Counter(arg for _, slots in boundary.values() for _, arg in slots)
-        for arg, count in expected.items():
-            self._partial_grads[(opened.site, arg)] = [count, None]
+                if arg is not None:
+                    key = (opened.site, "grad_input", arg)
+                    boundary.setdefault(id(node), (node, []))[1].append((slot, key, None))
+        expected = Counter(key for _, slots in boundary.values() for _, key, _ in slots)
+        for arg in passed_through:   # its outside consumers are counted in when hooked
+            self._partial_grads[(opened.site, "grad_input", arg)] = [0, None]
+        for key, count in expected.items():
+            self._partial_grads[key] = [count, None]
         for node, slots in boundary.values():
-            node.register_hook(partial(self._on_grad_input, opened.site, slots))
+            node.register_hook(partial(self._on_gradients, slots))
 
-    def _on_grad_input(self, site: str, slots: list[tuple[int, str]], grad_inputs: tuple,
-                       grad_outputs: tuple) -> None:
-        for slot, arg in slots:
-            entry = self._partial_grads.get((site, arg))
+    def _on_gradients(self, slots: list[tuple[int, tuple[str, str, str], _ViewGeometry | None]],
+                      grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """A hooked node ran: add what it sent along each hooked edge to that record's sum, and
+        record the sum once its last contribution has come (in the order autograd adds them)."""
+        partials = self._partial_grads
+        for slot, key, geometry in slots:
+            entry = partials.get(key)
             if entry is None:
                 continue
             grad = grad_inputs[slot]
+            if grad is not None and geometry is not None:
+                grad = geometry.cut(grad)
             entry[0] -= 1
             if grad is not None:
                 entry[1] = grad if entry[1] is None else entry[1] + grad
             if entry[0] == 0:
-                del self._partial_grads[(site, arg)]
+                del partials[key]
                 if entry[1] is not None:
-                    self.stager.tensor(self.step, "backward", site, "grad_input", arg, entry[1])
+                    site, role, arg = key
+                    self.stager.tensor(self.step, "backward", site, role, arg, entry[1])
 
 
 def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -> dict[str, _Slot]:

@@ -181,14 +181,17 @@ class OpRecorder:
 
     # ---- lifecycle: attach after the ModuleRecorder, so these hooks wrap its hooks ----
     def attach(self) -> None:
+        own = self.hooks.direct.own   # a module called as child.forward(...) runs them too
         for path, module in self.model.named_modules():
             path = path or schema.ROOT_MODULE
-            self._handles.append(module.register_forward_pre_hook(self._push, prepend=True))
+            self._handles.append(own(module.register_forward_pre_hook(self._push,
+                                                                      prepend=True)))
             if path in self.selected:
-                self._handles.append(module.register_forward_pre_hook(self._start))
-                self._handles.append(module.register_forward_hook(
-                    self._stop, prepend=True, always_call=True))
-            self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+                self._handles.append(own(module.register_forward_pre_hook(self._start)))
+                self._handles.append(own(module.register_forward_hook(
+                    self._stop, prepend=True, always_call=True)))
+            self._handles.append(own(module.register_forward_hook(self._pop,
+                                                                  always_call=True)))
         _wrap_apply()
         self._token = _ACTIVE.set(self)
 

@@ -280,6 +280,9 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         # the tensors of modules never called are recorded at their nearest called ancestor
         # (traces without this key predate that and lack them)
         "uncalled_weights": "ancestor",
+        # grad_output is the gradient arriving from outside each call (traces without this key
+        # predate that: theirs held everything that reached the output, internal uses too)
+        "grad_output": "outside",
         # what replay and swap bind the recorded calls against (layerdiff.replay.calling)
         "signatures": _signatures(case.model),
         # torch's own module types: a leaf of these runs one op (the diff suggests --ops

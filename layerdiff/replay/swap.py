@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
@@ -489,14 +490,17 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
         return hook
 
     handles = []
+    direct = DirectCalls()  # a module called as child.forward(...) (llama2.c) is called too
     for name, module in case.model.named_modules():
         name = name or schema.ROOT_MODULE
-        handles += [module.register_forward_pre_hook(before(name)),
-                    module.register_forward_hook(after(name))]
+        handles += [direct.own(module.register_forward_pre_hook(before(name))),
+                    direct.own(module.register_forward_hook(after(name)))]
+        direct.wrap(module)
     try:
         with torch.no_grad(), _direct_forward_calls(case.model, before, after):
             case.call_model()
     finally:
+        direct.unwrap()
         for handle in handles:
             handle.remove()
     return list(order), outputs

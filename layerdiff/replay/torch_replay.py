@@ -61,6 +61,9 @@ class TorchPort:
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
         self._port_signatures: dict[str, Signature | None] = {}
         self._ref_signatures: dict[str, Signature | None] = {}
+        # a trace made before grad_output meant "from outside the call" holds everything that
+        # reached each output, the layer's own later use of it included (docs/trace-format.md)
+        self._grad_output_whole = ref.meta.get("grad_output") != "outside"
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -213,10 +216,11 @@ class TorchPort:
             writer.record(site, "grad_output", grad, arg=arg)
             grad = torch.from_numpy(grad).to(value.device, value.dtype)
             grads.append(grad)
-            # The recorded gradient of an output is everything that reached it, including what
-            # came back through the layer's own later use of it (an LSTM cell's c feeds its h):
-            # it replaces whatever arrives here, so that path is not counted twice.
-            value.register_hook(lambda _arrived, grad=grad: grad)
+            # The recorded gradient is what arrived from outside the call: autograd adds the
+            # layer's own later use of the output (an LSTM cell's c feeds its h). An older
+            # trace's holds that use already: it replaces what arrives, not to count it twice.
+            if self._grad_output_whole:
+                value.register_hook(lambda _arrived, grad=grad: grad)
         params = [(n, p) for n, p in module._parameters.items()
                   if p is not None and p.requires_grad]
         targets = list(leaves.values()) + [p for _, p in params]
