@@ -3,10 +3,6 @@
 Hugging Face's GPT2LMHeadModel against nanoGPT (reference_models/hf_gpt2.py against
 tests/gpt_cases.py, hf_gpt2.map.toml). Tiny random configs, no downloads; skipped without
 transformers.
-
-The tests marked xfail need issue 27's features (conversion functions and call adapters in the
-mapping, `outputs`/`[[unmatched]] output|input|port`, `.forward()` calls recorded, judging with
-what pairs): they state what must hold once those land.
 """
 
 from __future__ import annotations
@@ -29,15 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_MAP = ROOT / "reference_models" / "hf_llama.map.toml"
 GPT2_MAP = ROOT / "reference_models" / "hf_gpt2.map.toml"
 LOSS_SCALE = 2**20
-
-needs_conversions = pytest.mark.xfail(
-    reason="issue 27: needs conversion functions and call adapters in the mapping", strict=False)
-needs_judging = pytest.mark.xfail(
-    reason="issue 27: needs `outputs`, [[unmatched]] output/port rules and judging with what "
-           "pairs (HF's attention weights, arguments not taken)", strict=False)
-needs_forward_sites = pytest.mark.xfail(
-    reason="issue 27: needs conversion functions, call adapters and `.forward()` calls recorded "
-           "as sites", strict=False)
 
 
 # ---- the pair itself, checked directly (no layerdiff): what every other test stands on
@@ -251,8 +238,6 @@ def test_sdpa_reference_records_no_attention_weights_and_no_mask(traces):
     assert "attention_mask" not in tensors(sdpa, "input")
 
 
-@pytest.mark.xfail(reason="issue 27: needs grad_output to be the gradient from outside the call",
-                   strict=False)
 def test_eager_attention_weights_get_no_gradient_record(traces):
     """The decoder layer throws the weights away: no gradient arrives at them from outside."""
     from layerdiff import open_trace
@@ -270,7 +255,6 @@ def test_sdpa_and_eager_references_compute_the_same_logits():
                                    eager.model(**eager.inputs).logits, rtol=1e-5, atol=1e-6)
 
 
-@needs_conversions
 def test_llama_mapping_loads_and_map_check_passes(traces, tmp_path):
     from layerdiff import Mapping
 
@@ -281,7 +265,6 @@ def test_llama_mapping_loads_and_map_check_passes(traces, tmp_path):
     assert result["verdict"] == "pass", result
 
 
-@needs_conversions
 @pytest.mark.parametrize("reference_spec", ["reference_models.hf_llama:reference",
                                             "reference_models.hf_llama:reference_sdpa"])
 def test_faithful_llama_port_passes(traces, reference_spec):
@@ -299,7 +282,6 @@ LLAMA_BUGS = [("port_bug_attention", "layers.1.attention#0"),
               ("port_bug_rotary", "layers.0.attention#0")]
 
 
-@needs_forward_sites
 @pytest.mark.parametrize(("bug", "port_site"), LLAMA_BUGS)
 def test_llama_bug_is_named_at_its_layer_forward(traces, bug, port_site):
     from layerdiff import diff
@@ -315,7 +297,6 @@ def test_llama_bug_is_named_at_its_layer_forward(traces, bug, port_site):
                                                                for o in result.origins]
 
 
-@needs_judging
 def test_faithful_gpt2_port_passes(traces):
     from layerdiff import diff
 
@@ -325,7 +306,6 @@ def test_faithful_gpt2_port_passes(traces):
     assert result, [origin.describe() for origin in result.origins]
 
 
-@needs_judging
 @pytest.mark.parametrize("bug", ["port_bug_attn_scale", "port_bug_causal_mask"])
 def test_gpt2_attention_bug_is_named_at_the_attention(traces, bug):
     from layerdiff import diff
@@ -338,7 +318,6 @@ def test_gpt2_attention_bug_is_named_at_the_attention(traces, bug):
         "transformer.h.0.attn#0", "forward"), result.origin.describe()
 
 
-@needs_judging
 def test_gpt2_replay_names_the_attention_without_drop_rules(traces, tmp_path):
     reference = traces("reference_models.hf_gpt2:reference")
     result = _json_of(tmp_path, "replay", reference, "tests.gpt_cases:port_bug_attn_scale",
@@ -347,7 +326,6 @@ def test_gpt2_replay_names_the_attention_without_drop_rules(traces, tmp_path):
     assert result["origin"]["port_site"] == "transformer.h.0.attn#0"
 
 
-@needs_forward_sites
 def test_llama_replay_judges_the_attention_through_the_adapter(traces, tmp_path):
     reference = traces("reference_models.hf_llama:reference")
     result = _json_of(tmp_path, "replay", reference,
@@ -357,7 +335,6 @@ def test_llama_replay_judges_the_attention_through_the_adapter(traces, tmp_path)
         "layers.1.attention#0", "forward")
 
 
-@needs_forward_sites
 @pytest.mark.parametrize(("port_case", "outcome"), [("port_bug_attention", "breaks"),
                                                     ("port", "within")])
 def test_llama_swap_judges_the_attention_through_the_adapter(tmp_path, port_case, outcome):
@@ -367,7 +344,6 @@ def test_llama_swap_judges_the_attention_through_the_adapter(tmp_path, port_case
     assert result["outcome"] == outcome, result
 
 
-@needs_forward_sites
 def test_llama_bisect_finds_the_attention(tmp_path):
     result = _json_of(tmp_path, "bisect", "reference_models.hf_llama:reference",
                       "reference_models.llama_port:port_bug_attention", "--map", LLAMA_MAP)

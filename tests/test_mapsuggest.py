@@ -275,5 +275,5 @@ def test_a_summary_reference_is_refused_with_what_to_do(tmp_path):
     from layerdiff.errors import TraceError
 
     ref = capture(_case([("up", "down")]), tmp_path / "ref.h5", summary=True)
-    with pytest.raises(TraceError, match="summary trace.*capture the reference without --summary"):
+    with pytest.raises(TraceError, match=r"summary trace.*capture the reference without --summary"):
         suggest_mapping(ref, _case([("w1", "w2")]))

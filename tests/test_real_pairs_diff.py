@@ -75,9 +75,9 @@ def self_bug(folder, reference):
 def test_a_keyword_argument_pairs_with_the_ports_positional_one(self_bug):
     rows = self_bug.rows
     inputs = rows[(rows["site"] == ATTN0) & (rows["role"] == "input")]
-    assert list(zip(inputs["arg"], inputs["port_arg"])) == [("hidden_states", "0")]
+    assert list(zip(inputs["arg"], inputs["port_arg"], strict=True)) == [("hidden_states", "0")]
     grads = rows[(rows["site"] == ATTN0) & (rows["role"] == "grad_input")]
-    assert list(zip(grads["arg"], grads["port_arg"])) == [("hidden_states", "0")]
+    assert list(zip(grads["arg"], grads["port_arg"], strict=True)) == [("hidden_states", "0")]
 
 
 def test_arguments_the_port_does_not_take_are_listed_not_unmatched(self_bug):
@@ -112,7 +112,7 @@ def test_the_faithful_port_passes_and_the_loss_and_root_are_judged(folder, refer
     assert result, result.failing()
     rows = result.rows
     root = rows[(rows["site"] == "<root>#0") & (rows["role"] == "output")]
-    assert list(zip(root["arg"], root["port_arg"])) == [("logits", "0")]
+    assert list(zip(root["arg"], root["port_arg"], strict=True)) == [("logits", "0")]
     assert (rows["site"] == "<loss>#0").any()
 
 
@@ -182,7 +182,7 @@ def test_with_call_adapters_the_faithful_port_passes_and_its_own_inputs_are_judg
     assert result, result.failing()
     rows = result.rows
     made = rows[(rows["site"] == ATTN0) & (rows["role"] == "input")]
-    assert set(zip(made["arg"], made["port_arg"], made["match"])) == {
+    assert set(zip(made["arg"], made["port_arg"], made["match"], strict=True)) == {
         ("hidden_states", "0", "adapted"), ("freqs_cos", "1", "adapted"),
         ("freqs_sin", "2", "adapted")}
     assert (made["verdict"] == "within").all()

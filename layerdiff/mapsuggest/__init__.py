@@ -40,5 +40,11 @@ from layerdiff.mapsuggest.draft import suggest_mapping
 from layerdiff.mapsuggest.names import SYNONYMS, module_kind, name_similarity
 from layerdiff.mapsuggest.result import MapSuggestion, Suggestion
 
-__all__ = ["MapSuggestion", "SYNONYMS", "Suggestion", "module_kind", "name_similarity",
-           "suggest_mapping"]
+__all__ = [
+           "SYNONYMS",
+           "MapSuggestion",
+           "Suggestion",
+           "module_kind",
+           "name_similarity",
+           "suggest_mapping",
+]

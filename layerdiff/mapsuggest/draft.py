@@ -367,7 +367,8 @@ class _Drafter:
         out = []
         named = [(s.group or (s.port,)) for s in ruled]
         for key_glob, others, members in _generalise(
-                [(ports[0], [*ports[1:], *s.reference]) for ports, s in zip(named, ruled)],
+                [(ports[0], [*ports[1:], *s.reference])
+                 for ports, s in zip(named, ruled, strict=True)],
                 universe):
             found = [ruled[k] for k in members]
             parts = len(named[members[0]])

@@ -176,7 +176,7 @@ def _common_caller(sites: list[str], calls: dict[str, _Call]) -> str | None:
 
     chains = [chain(s) for s in sites]
     common = None
-    for level in zip(*chains):
+    for level in zip(*chains, strict=False):  # up to the shortest chain
         if len(set(level)) != 1:
             break
         common = level[0]

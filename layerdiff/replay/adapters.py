@@ -29,8 +29,8 @@ from torch import nn
 
 from layerdiff.capture.hooks import _arguments, flatten
 from layerdiff.errors import DiffError
-from layerdiff.replay.arguments import dropped_arguments, map_argument
 from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.arguments import dropped_arguments, map_argument
 from layerdiff.replay.calling import CannotCall, adapted_call, bind_call
 from layerdiff.signature import Signature
 

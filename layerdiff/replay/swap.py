@@ -497,54 +497,13 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
                     direct.own(module.register_forward_hook(after(name)))]
         direct.wrap(module)
     try:
-        with torch.no_grad(), _direct_forward_calls(case.model, before, after):
+        with torch.no_grad():
             case.call_model()
     finally:
         direct.unwrap()
         for handle in handles:
             handle.remove()
     return list(order), outputs
-
-
-@contextlib.contextmanager
-def _direct_forward_calls(model: nn.Module, before, after):
-    """Modules the model's code calls through ``child.forward(...)`` (a Llama port's
-    ``self.attention.forward(x, ...)``) run no hooks: while inside, each module's instance
-    ``forward`` is wrapped to call ``before(name)`` and ``after(name)``'s hooks itself, except
-    within a normal ``child(...)`` call, whose hooks already do."""
-    inside: dict[int, int] = {}  # id(module) -> depth of its normal calls
-
-    def enter(module, _args) -> None:
-        inside[id(module)] = inside.get(id(module), 0) + 1
-
-    def leave(module, _args, _out) -> None:
-        inside[id(module)] -= 1
-
-    def wrapped(name: str, module: nn.Module, forward):
-        def direct(*args, **kwargs):
-            if inside.get(id(module)):
-                return forward(*args, **kwargs)
-            before(name)(module, args)
-            out = forward(*args, **kwargs)
-            after(name)(module, args, out)
-            return out
-        return direct
-
-    handles, patched = [], []
-    for name, module in model.named_modules():
-        if "forward" in module.__dict__:
-            continue  # already an instance attribute: left as it is
-        handles += [module.register_forward_pre_hook(enter),
-                    module.register_forward_hook(leave, always_call=True)]
-        module.forward = wrapped(name or schema.ROOT_MODULE, module, module.forward)
-        patched.append(module)
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module in patched:
-            del module.forward
 
 
 def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,

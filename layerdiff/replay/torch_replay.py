@@ -27,7 +27,12 @@ from layerdiff.capture.hooks import flatten
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.arguments import (
-    NotPlainData, dropped_arguments, map_argument, rebuild_call, recorded_value)
+    NotPlainData,
+    dropped_arguments,
+    map_argument,
+    rebuild_call,
+    recorded_value,
+)
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
