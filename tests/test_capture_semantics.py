@@ -381,3 +381,36 @@ def test_swap_and_bisect_treat_a_layer_called_through_forward_as_a_layer():
                 into="port").breaks
     result = bisect(swapper)
     assert [port for _, port in result.culprits] == ["layers.0.attention"]
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h
+
+
+def test_a_tensor_returned_twice_carries_what_arrives_at_it_under_each_path(tmp_path):
+    """One value under two paths: each path's grad_output is the whole gradient arriving at it
+    from outside (2 + 3 here), and the numbers are those of a run without capture."""
+    def make():
+        seed_everything(0)
+        return Case(model=nn.Sequential(_Twice()), inputs=(torch.randn(3, 4),), steps=2,
+                    loss_fn=lambda out: (2 * out[0] + 3 * out[1]).sum(),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+    plain, captured = make(), make()
+    run_case(plain)
+    capture(captured, tmp_path / "t.h5")
+    for a, b in zip(plain.model.parameters(), captured.model.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    with open_trace(tmp_path / "t.h5") as trace:
+        grad_output = _records(trace, "0#0", "grad_output")
+        assert set(grad_output) == {"0", "1"}
+        for value in grad_output.values():
+            np.testing.assert_array_equal(value, np.full((3, 4), 5.0, np.float32))
+        np.testing.assert_array_equal(_records(trace, "0.lin#0", "grad_output")["0"],
+                                      np.full((3, 4), 5.0, np.float32))
