@@ -275,14 +275,7 @@ class _Drafter:
         if site_rules:
             lines.append("# ---- sites: reference module -> port module")
         for rule in site_rules:
-            lines += _comment(rule)
-            table = "site" if rule.kind == "site" else "pair"
-            lines += [f"[[{table}]]", f"reference = {_q(rule.reference[0])}",
-                      f"port = {_q(rule.port[0])}"]
-            if rule.args:
-                lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
-                                                      for k, v in rule.args.items()) + " }")
-            lines.append("")
+            lines += [*_comment(rule), *_site_lines(rule), ""]
         unmatched = self._unmatched(pairs, sources)
         if unmatched:
             lines.append("# ---- calls with no partner")
@@ -421,14 +414,18 @@ def _q(text: str) -> str:
 def _site_text(rules: list[Suggestion]) -> str:
     lines = ["version = 1", ""]
     for rule in rules:
-        table = "site" if rule.kind == "site" else "pair"
-        lines += [f"[[{table}]]", f"reference = {_q(rule.reference[0])}",
-                  f"port = {_q(rule.port[0])}"]
-        if rule.args:
-            lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
-                                                  for k, v in rule.args.items()) + " }")
-        lines.append("")
+        lines += [*_site_lines(rule), ""]
     return "\n".join(lines)
+
+
+def _site_lines(rule: Suggestion) -> list[str]:
+    """A [[site]] (or [[pair]]) rule's TOML lines."""
+    table = "site" if rule.kind == "site" else "pair"
+    lines = [f"[[{table}]]", f"reference = {_q(rule.reference[0])}", f"port = {_q(rule.port[0])}"]
+    if rule.args:
+        lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
+                                              for k, v in rule.args.items()) + " }")
+    return lines
 
 
 def _names_text(names: list[str] | tuple[str, ...]) -> str:
