@@ -3,26 +3,42 @@
 A *baseline* is the reference run the way the port runs (its dtype, autocast or device). Its
 error against the reference at a record is what that precision does there, accumulated through
 every layer before it. A faithful port in that precision makes an error of the same size but
-not the same bits (other kernels, other summation orders), so the port may have at most
-``FACTOR`` times the baseline's error, plus a floor of a few roundings in the compared dtype:
+not the same bits (other kernels, other summation orders, another CPU's vector width), so the
+port's error may be at most ``FACTOR`` times the baseline's, plus a floor of a few roundings in
+the compared dtype. The error is measured over the whole record, as a root mean square:
 
-    allowed max |port - ref| = FACTOR * max |base - ref|  + rtol * max |ref|
-    allowed rms (port - ref) = FACTOR * rms (base - ref)  + rtol * rms(ref)
+    allowed rms (port - ref) = FACTOR * rms (base - ref) + rtol * rms(ref)
+
+that is, the port's relative L2 error at most ``FACTOR`` times the baseline's, plus ``rtol``
+(the record-level gate of the AWS Neuron accuracy tooling, which holds module outputs to 1.5x
+the relative L2 error of a same-dtype CPU run, with a factor measured here for other kernels).
+
+Why not the worst element (this module's rule before, ``max |port - ref| <= FACTOR * max |base
+- ref| + ...``): two faithful runs do not round the same elements the same way, and the worst
+element is where that shows most. Measured across kernel paths of one CPU
+(docs/tolerances.md, scripts/precision_study.py): a ReLU whose input rounds across zero in one
+run and not the other moves that one gradient element by its whole value (11x the baseline's
+worst element in a faithful bfloat16 MLP after one step); a key projection's bias gradient,
+which softmax makes zero so that its value is cancellation noise, has a worst element 4.8x the
+baseline's. Both are one element, or one noise draw, against another; the rms over the record
+averages them (the same records are 2.2x and 2.9x in rms), and the planted bugs, which move many
+elements, stay out by as much.
 
 ``rtol`` is the relative part of the compared dtype's ``torch.testing`` tolerance (float32
 1.3e-6, about 22 roundings; bfloat16 1.6e-2, about 4; float16 1e-3, about 2): what a kernel
 written another way in the same precision may differ by. It covers records the baseline
 computes exactly like the reference (autocast leaves layer norms in float32, so the baseline's
-error there is 0) while a port with its own kernel cannot (measured: a hand-written layer norm
-under autocast, 2.4 float32 roundings at the largest element). There is no absolute term:
+error there is 0) while a port with its own kernel cannot. There is no absolute term:
 ``torch.testing``'s atol of 1e-5 is 10% of an unscaled gradient of 1e-4, and hid a bfloat16
 ReLU backward bug behind it; only the dtype's smallest normal number stands in for it, so that
 zeros compare. This is the dual-golden standard of practice: the port's error against the
 golden may be at most K times the trusted run's error against the same golden.
 
-The max rule is an element-wise test with one absolute tolerance for the whole tensor
-(``rtol = 0``), so the ratio, the worst element, the fraction out and the per-batch-element
-errors of a row keep their meaning; the rms rule is checked on top of it.
+The row's element-wise tolerance (``rtol = 0``, ``atol``) is the rms allowance times the square
+root of the record's size: the most one element may be off while the record's rms is within its
+allowance, so the element rule never decides alone (the rms rule, ``rms_tol``, does) and an
+element over it is out by itself. A baseline without an rms (not finite) keeps the worst-element
+rule.
 """
 
 from __future__ import annotations
@@ -34,8 +50,10 @@ import pandas as pd
 
 from layerdiff.compare.tolerances import DEFAULTS, Tolerance
 
-# Measured (docs/tolerances.md, scripts/precision_study.py): faithful ports with other
-# kernels reach 3.9 times the baseline's error at one record; planted bugs 14-43x but one.
+# Measured (docs/tolerances.md, scripts/precision_study.py, 8 kernel paths of one CPU and a
+# baseline from one judging ports from another): faithful ports reach RMS_MEASURED times the
+# baseline's rms error at one record; the planted bugs that bfloat16 can resolve BUG_MEASURED
+# times or more.
 FACTOR = 4.0
 
 # Unit roundoff (half the machine epsilon): which of two dtypes is the coarser.
@@ -105,18 +123,20 @@ class Baseline:
         u = DEFAULTS.get(dtype, (0.0, 0.0))[0]  # the dtype's rtol: a few roundings
         tiny = float(np.finfo(np.float32 if dtype == "bfloat16" else dtype).tiny) * scale \
             if dtype in UNIT_ROUNDOFF else 0.0
-        largest = max(abs(float(ref["min"])), abs(float(ref["max"])))
-        ref_rms = float(ref["l2"]) / np.sqrt(max(int(ref["numel"]), 1))
-        allowed_max = self.factor * error.max_abs + u * largest + tiny
-        allowed_rms = (None if error.rms is None
-                       else self.factor * error.rms + u * ref_rms + tiny)
-        rms_text = "" if error.rms is None else f", rms {error.rms:.3g}"
-        source = (f"baseline {self.name}: {self.factor:g} x its error here (max "
-                  f"{error.max_abs:.3g}{rms_text}) + {dtype} rtol {u:g} x the largest "
-                  "element")
-        if allowed_rms is not None:
-            source += f"; rms <= {allowed_rms:.3g}"
-        return Limit(Tolerance(0.0, allowed_max, source, "baseline"), allowed_rms)
+        numel = max(int(ref["numel"]), 1)
+        if error.rms is None:  # no rms to judge by: the worst element, as before
+            largest = max(abs(float(ref["min"])), abs(float(ref["max"])))
+            allowed_max = self.factor * error.max_abs + u * largest + tiny
+            source = (f"baseline {self.name}: {self.factor:g} x its worst error here "
+                      f"({error.max_abs:.3g}) + {dtype} rtol {u:g} x the largest element")
+            return Limit(Tolerance(0.0, allowed_max, source, "baseline"), None)
+        ref_rms = float(ref["l2"]) / np.sqrt(numel)
+        allowed_rms = self.factor * error.rms + u * ref_rms + tiny
+        # max |d| <= rms(d) * sqrt(n): an element over this is over the record's allowance alone
+        element = allowed_rms * np.sqrt(numel)
+        source = (f"baseline {self.name}: rms <= {self.factor:g} x its rms error here "
+                  f"({error.rms:.3g}) + {dtype} rtol {u:g} x rms(ref) = {allowed_rms:.3g}")
+        return Limit(Tolerance(0.0, float(element), source, "baseline"), float(allowed_rms))
 
 
 def _looser(a: str, b: str) -> str:
