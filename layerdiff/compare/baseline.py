@@ -56,7 +56,7 @@ import pandas as pd
 from layerdiff.compare.tolerances import DEFAULTS, Tolerance
 
 # Measured (docs/tolerances.md, scripts/precision_study.py: 8 kernel paths of one CPU, and
-# baselines from one path judging ports from another): faithful ports pass for K >= K_MIN;
+# baselines from one path judging ports from another): faithful ports pass for K >= 2.75;
 # the weakest planted bug bfloat16 can resolve is lost past K = 5.3.
 FACTOR = 4.0
 
