@@ -17,7 +17,8 @@ carries bfloat16 matmuls) and the thread count (how reductions are split). Three
 
 ``records.csv`` holds, per record, the baseline's error and the port's against the same
 reference (max and rms), and the reference's scale, so any rule can be judged from it without
-capturing again; ``table`` judges the one :mod:`layerdiff.compare.baseline` implements.
+capturing again; ``table`` judges the one :mod:`layerdiff.compare.baseline` implements (and
+the worst-element rule it replaced), ``origins`` runs the diff itself on each bug.
 """
 
 from __future__ import annotations
@@ -90,13 +91,12 @@ def capture_path(out: Path, threads: int) -> None:
     refs = sorted({ref for _, ref, _ in faithful_ports()})
     failed: dict[str, str] = {}
     for ref in refs:
-        path = capture(load_case(ref), out / f"ref-{_file(ref)}.h5")
+        capture(load_case(ref), out / f"ref-{_file(ref)}.h5")
         for name, precision in PRECISIONS.items():
             try:
                 capture(load_case(ref), out / f"base-{_file(ref)}-{name}.h5", **precision)
             except CaptureError as exc:
                 failed[f"base {ref} {name}"] = str(exc)[:200]
-        del path
     for spec, ref, mapping in faithful_ports():
         for name, precision in PRECISIONS.items():
             try:
@@ -142,7 +142,7 @@ def measure(paths: list[Path], out: Path, hubs: list[str],
         out.unlink(missing_ok=True)
     for a in paths:
         bases = {}
-        for spec, ref, mapping in faithful_ports():
+        for _spec, ref, _mapping in faithful_ports():
             for name in PRECISIONS:
                 base = a / f"base-{_file(ref)}-{name}.h5"
                 if (ref, name) not in bases and base.exists():
