@@ -3,30 +3,51 @@
 A *baseline* is the reference run the way the port runs (its dtype, autocast or device). Its
 error against the reference at a record is what that precision does there, accumulated through
 every layer before it. A faithful port in that precision makes an error of the same size but
-not the same bits (other kernels, other summation orders), so the port may have at most
-``FACTOR`` times the baseline's error, plus a floor of a few roundings in the compared dtype:
+not the same bits (other kernels, other summation orders, another CPU's vector width), so the
+port's error may be at most ``FACTOR`` times the baseline's, plus a floor of a few roundings in
+the compared dtype. The error is measured over the whole record, as a root mean square:
 
-    allowed max |port - ref| = FACTOR * max |base - ref|  + rtol * max |ref|
-    allowed rms (port - ref) = FACTOR * rms (base - ref)  + rtol * rms(ref)
+    allowed rms (port - ref) = FACTOR * c(n) * rms (base - ref) + rtol * rms(ref)
+
+that is, the port's relative L2 error at most ``FACTOR`` times the baseline's, plus ``rtol``
+(the record-level gate of the AWS Neuron accuracy tooling, which holds module outputs to 1.5x
+the relative L2 error of a same-dtype CPU run, with a factor measured here for other kernels).
+``c(n)`` (:func:`sampling_factor`) is how far apart two rms estimates of one error level fall
+by chance from ``n`` elements: a scalar loss is one draw of its error, and its two runs' draws
+were 34x apart across kernel paths; 64 elements of a cancelled bias gradient, 1.48.
+
+Why not the worst element (this module's rule before, ``max |port - ref| <= FACTOR * max |base
+- ref| + ...``): two faithful runs do not round the same elements the same way, and the worst
+element is where that shows most. Measured across kernel paths of one CPU
+(docs/tolerances.md, scripts/precision_study.py): a ReLU whose input rounds across zero in one
+run and not the other moves that one gradient element by its whole value (11x the baseline's
+worst element in a faithful bfloat16 MLP after one step); a key projection's bias gradient,
+which softmax makes zero so that its value is cancellation noise, has a worst element 4.8x the
+baseline's. Both are one element, or one noise draw, against another; the rms over the record
+averages them (the same records are 2.2x and 2.9x in rms), ``c(n)`` allows for the draws that
+remain, and the planted bugs, which move many elements, stay out by as much.
 
 ``rtol`` is the relative part of the compared dtype's ``torch.testing`` tolerance (float32
 1.3e-6, about 22 roundings; bfloat16 1.6e-2, about 4; float16 1e-3, about 2): what a kernel
 written another way in the same precision may differ by. It covers records the baseline
 computes exactly like the reference (autocast leaves layer norms in float32, so the baseline's
-error there is 0) while a port with its own kernel cannot (measured: a hand-written layer norm
-under autocast, 2.4 float32 roundings at the largest element). There is no absolute term:
+error there is 0) while a port with its own kernel cannot. There is no absolute term:
 ``torch.testing``'s atol of 1e-5 is 10% of an unscaled gradient of 1e-4, and hid a bfloat16
 ReLU backward bug behind it; only the dtype's smallest normal number stands in for it, so that
 zeros compare. This is the dual-golden standard of practice: the port's error against the
 golden may be at most K times the trusted run's error against the same golden.
 
-The max rule is an element-wise test with one absolute tolerance for the whole tensor
-(``rtol = 0``), so the ratio, the worst element, the fraction out and the per-batch-element
-errors of a row keep their meaning; the rms rule is checked on top of it.
+The row's element-wise tolerance (``rtol = 0``, ``atol``) is the rms allowance times the square
+root of the record's size: the most one element may be off while the record's rms is within its
+allowance, so the element rule never decides alone (the rms rule, ``rms_tol``, does) and an
+element over it is out by itself. A baseline without an rms (not finite) keeps the worst-element
+rule.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +55,9 @@ import pandas as pd
 
 from layerdiff.compare.tolerances import DEFAULTS, Tolerance
 
-# Measured (docs/tolerances.md, scripts/precision_study.py): faithful ports with other
-# kernels reach 3.9 times the baseline's error at one record; planted bugs 14-43x but one.
+# Measured (docs/tolerances.md, scripts/precision_study.py: 8 kernel paths of one CPU, and
+# baselines from one path judging ports from another): faithful ports pass for K >= 2.75;
+# the weakest planted bug bfloat16 can resolve is lost past K = 5.3.
 FACTOR = 4.0
 
 # Unit roundoff (half the machine epsilon): which of two dtypes is the coarser.
@@ -43,6 +65,31 @@ UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8,
                  "float16": 2.0**-11}
 
 Key = tuple[int, str, str, str]  # step, site, role, arg (the reference's names)
+
+# How rarely two runs with the same error level may be told apart by chance, record by record.
+CHANCE = 1e-3
+
+
+@functools.lru_cache(maxsize=4096)
+def sampling_factor(n: int, chance: float = CHANCE) -> float:
+    """How far apart the rms of two samples of ``n`` elements of the same noise may fall:
+    the ``1 - chance`` quantile of their ratio, ``sqrt(F(n, n))``.
+
+    A record's rms error is an estimate of its error level from ``n`` elements; one element
+    (a loss) is one draw, and the ratio of two draws of one normal distribution is Cauchy's,
+    past 600 once in a thousand. With ``X/(X+Y) = sin^2 t`` for ``X, Y ~ chi^2_n`` the density
+    of ``t`` is proportional to ``sin(2t)^(n-1)`` on ``[0, pi/2]``, and the ratio is ``tan t``:
+    integrated on a grid; past 1000 elements, ``log`` of the ratio is normal with variance
+    ``1/n``."""
+    if n <= 0:
+        return 1.0
+    if n > 1000:  # within 1e-4 of the exact quantile there
+        return math.exp(3.090232306167813 / math.sqrt(n))  # the normal's 0.999 quantile
+    t = np.linspace(0.0, np.pi / 2, 50_001)[1:-1]
+    log_density = (n - 1) * np.log(np.sin(2 * t))
+    density = np.exp(log_density - log_density.max())
+    tail = np.cumsum(density[::-1])[::-1] / density.sum()
+    return float(np.tan(t[np.searchsorted(-tail, -chance)]))
 
 
 @dataclass(frozen=True)
@@ -105,18 +152,23 @@ class Baseline:
         u = DEFAULTS.get(dtype, (0.0, 0.0))[0]  # the dtype's rtol: a few roundings
         tiny = float(np.finfo(np.float32 if dtype == "bfloat16" else dtype).tiny) * scale \
             if dtype in UNIT_ROUNDOFF else 0.0
-        largest = max(abs(float(ref["min"])), abs(float(ref["max"])))
-        ref_rms = float(ref["l2"]) / np.sqrt(max(int(ref["numel"]), 1))
-        allowed_max = self.factor * error.max_abs + u * largest + tiny
-        allowed_rms = (None if error.rms is None
-                       else self.factor * error.rms + u * ref_rms + tiny)
-        rms_text = "" if error.rms is None else f", rms {error.rms:.3g}"
-        source = (f"baseline {self.name}: {self.factor:g} x its error here (max "
-                  f"{error.max_abs:.3g}{rms_text}) + {dtype} rtol {u:g} x the largest "
-                  "element")
-        if allowed_rms is not None:
-            source += f"; rms <= {allowed_rms:.3g}"
-        return Limit(Tolerance(0.0, allowed_max, source, "baseline"), allowed_rms)
+        numel = max(int(ref["numel"]), 1)
+        if error.rms is None:  # no rms to judge by: the worst element, as before
+            largest = max(abs(float(ref["min"])), abs(float(ref["max"])))
+            allowed_max = self.factor * error.max_abs + u * largest + tiny
+            source = (f"baseline {self.name}: {self.factor:g} x its worst error here "
+                      f"({error.max_abs:.3g}) + {dtype} rtol {u:g} x the largest element")
+            return Limit(Tolerance(0.0, allowed_max, source, "baseline"), None)
+        ref_rms = float(ref["l2"]) / np.sqrt(numel)
+        chance = sampling_factor(numel)
+        allowed_rms = self.factor * chance * error.rms + u * ref_rms + tiny
+        # max |d| <= rms(d) * sqrt(n): an element over this is over the record's allowance alone
+        element = allowed_rms * np.sqrt(numel)
+        sampled = "" if chance < 1.0005 else f" x {chance:.3g} for {numel} element(s)"
+        source = (f"baseline {self.name}: rms <= {self.factor:g} x its rms error here "
+                  f"({error.rms:.3g}){sampled} + {dtype} rtol {u:g} x rms(ref) = "
+                  f"{allowed_rms:.3g}")
+        return Limit(Tolerance(0.0, float(element), source, "baseline"), float(allowed_rms))
 
 
 def _looser(a: str, b: str) -> str:
