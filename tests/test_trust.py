@@ -247,12 +247,20 @@ class _Net(nn.Module):
 
 
 class _DictPort(_Net):
-    """Returns its output under another structure, and scales it in its own code after its
-    last child: nothing records that product but the model's output, which has no partner."""
+    """Returns its output under another structure, two tensors of one shape (which of them is
+    the reference's is a guess), and scales it in its own code after its last child: nothing
+    records that product but the model's output, which has no partner."""
 
     def forward(self, x: torch.Tensor):
         logits = self.fc2(torch.relu(self.fc1(x)))
-        return {"logits": logits * 1.5}
+        return {"logits": logits * 1.5, "unscaled": logits}
+
+
+class _OneTensorDictPort(_Net):
+    """Returns its one output in a dict, scaled in its own code after its last child."""
+
+    def forward(self, x: torch.Tensor):
+        return {"logits": self.fc2(torch.relu(self.fc1(x))) * 1.5}
 
 
 class _WeightGradTimes(torch.autograd.Function):
@@ -301,6 +309,18 @@ def test_a_loss_whose_input_has_no_partner_is_not_named_an_origin(restructured):
     assert result.origins == [] and result.origin is None
     unpaired = result.unmatched[result.unmatched["site"] == "<root>#0"]
     assert {"output", "grad_output"} <= set(unpaired["role"])
+
+
+def test_a_dict_holding_one_tensor_pairs_with_the_plain_output_and_names_the_root(tmp_path):
+    reference = capture(_tiny_case(_Net), tmp_path / "ref.h5")
+    port = capture(_tiny_case(_OneTensorDictPort, lambda out: out["logits"]),
+                   tmp_path / "port.h5")
+    result = diff(reference, port)
+    root = result.rows[(result.rows["site"] == "<root>#0") & (result.rows["role"] == "output")]
+    assert list(root["port_arg"]) == ["logits"]
+    assert [(o.site, o.pass_, o.role) for o in result.origins] == [
+        ("<root>#0", "forward", "output")]
+    assert "own code" in result.origin.reason
 
 
 def test_the_terminal_report_says_it_cannot_judge(restructured):

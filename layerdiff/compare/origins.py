@@ -106,6 +106,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             f"adapter that makes {'it' if len(names) == 1 else 'them'} from the reference's "
             f"arguments (call = \"pkg.module:function\" on the mapping's [[site]] rule for "
             f"{schema.split_site(site)[0]}; see docs/diff.md)")
+    if ref_index is not None:
         norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)

@@ -40,6 +40,7 @@ class RecordPair:
     transpose_port: bool = False
 
 
+_ROOT = f"{schema.ROOT_MODULE}#0"
 Entry = tuple[str, int, str, str, str, str]  # side, step, site, role, arg, reason
 Key = tuple[int, str, str, str]               # step, reference site, role, arg
 
@@ -81,7 +82,8 @@ class ConvertedParam:
 
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
-                 mapping: Mapping, signatures: CallSignatures | None = None) -> RecordPairing:
+                 mapping: Mapping, signatures: CallSignatures | None = None, *,
+                 outside_gradients: bool = False) -> RecordPairing:
     """Pair every reference record with its port record. Inputs pair by the recorded
     signatures (``signatures``; by the same path without them, see :mod:`arguments`),
     outputs by the mapping's ``outputs`` renames, the same path, then shape (see
@@ -100,6 +102,8 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                if mapping.call_adapter(pair.reference) is not None}
     result.adapted = [pair for pair in sites.pairs if pair.reference in adapted]
 
+    graded = ref_index[ref_index["role"] == "grad_output"]
+    fed = set(zip(graded["step"].astype(int), graded["site"], graded["arg"], strict=True))
     ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
                    ref_index["role"], ref_index["arg"], ref_index["value"], ref_index["kind"],
                    ref_index["dtype"], ref_index["shape"], strict=True)
@@ -148,10 +152,16 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             shown = port_arg if port_arg is not None else arg
             reason = f"the port recorded no {role} '{shown}' at {pair.port}"
             if not inputs and port_arg is None:
-                # an output without partner, and the gradient at it, never block its site
                 reason = (f"{pair.port} has no output that pairs with it (name it with "
                           "outputs = { ... } on the site's rule, or declare it [[unmatched]])")
-                result.excused.add(key)
+                # An output without partner that no gradient arrives at from outside the call
+                # (eager attention's weights) never blocks its site. One that a gradient
+                # arrives at does: what its users received cannot be judged. The model's own
+                # output feeds the loss in any trace; elsewhere only a trace whose grad_output
+                # is the outside gradient (meta grad_output = "outside") can tell.
+                arrives = (int(step), site, arg) in fed
+                if not (arrives and (site == _ROOT or outside_gradients)):
+                    result.excused.add(key)
             elif inputs and signatures is not None and signatures.signature(
                     "port", pair.port) is not None:
                 reason += " (its forward has a parameter for it, which its caller left out)"
