@@ -414,3 +414,23 @@ def test_a_tensor_returned_twice_carries_what_arrives_at_it_under_each_path(tmp_
             np.testing.assert_array_equal(value, np.full((3, 4), 5.0, np.float32))
         np.testing.assert_array_equal(_records(trace, "0.lin#0", "grad_output")["0"],
                                       np.full((3, 4), 5.0, np.float32))
+
+
+def test_a_copy_made_while_forward_is_wrapped_runs_its_own_weights():
+    import copy
+
+    from layerdiff.capture.direct import DirectCalls
+
+    layer = nn.Linear(3, 3)
+    calls = DirectCalls()
+    calls.wrap(layer)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.zero_()
+    x = torch.ones(1, 3)
+    assert torch.equal(twin(x), torch.zeros(1, 3))
+    assert torch.equal(twin.forward(x), torch.zeros(1, 3))
+    assert not torch.equal(layer(x), torch.zeros(1, 3))
+    calls.unwrap()
+    assert "forward" not in layer.__dict__

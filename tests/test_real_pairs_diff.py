@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from layerdiff import diff, load_weights
 from layerdiff.capture import capture
@@ -273,3 +274,51 @@ def test_hugging_face_gpt2_attention_bug_is_named_at_the_attention(folder, hf_re
 def test_hugging_face_gpt2_against_the_faithful_nanogpt_port_passes(folder, hf_reference):
     result = _gpt_diff(folder, hf_reference, "port")
     assert result, result.failing()[["site", "role", "arg", "ratio", "note"]]
+
+
+def test_a_keyword_at_a_later_place_is_not_paired_by_place():
+    """Only the reference's first parameter pairs by place with the port's first (replay's
+    rule): the third place of two signatures often holds different things."""
+    def ref_forward(hidden_states, attention_mask=None, position_ids=None): ...
+
+    def port_forward(x, mask, pos_scale=None): ...
+
+    pairing = pair_arguments(
+        {"hidden_states": {"": "tensor 2,8,16"}, "position_ids": {"": "tensor 1,8"}},
+        {"0": {"": "tensor 2,8,16"}, "1": {"": "tensor 8,8"}, "2": {"": "tensor 8"}},
+        Signature.of(ref_forward), Signature.of(port_forward))
+    assert pairing.partner == {"hidden_states": "0"}
+    assert set(pairing.not_taken) == {"position_ids"}
+
+
+class _DetachingBlock(torch.nn.Module):
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        self.lin, self.detach = torch.nn.Linear(8, 8), detach
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x.detach() if self.detach else x))
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), _DetachingBlock(detach)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_an_input_the_port_sends_no_gradient_is_said_so(tmp_path):
+    from layerdiff import Case
+
+    def case(detach: bool) -> Case:
+        torch.manual_seed(0)
+        return Case(model=_Chain(detach), inputs=(torch.randn(4, 8),),
+                    loss_fn=lambda out: out.pow(2).mean(), name="chain")
+
+    result = diff(capture(case(False), tmp_path / "ref.h5"),
+                  capture(case(True), tmp_path / "port.h5"))
+    missing = result.unmatched[(result.unmatched["site"] == "b#0")
+                               & (result.unmatched["role"] == "grad_input")]
+    assert "sent it no gradient (detached" in missing.iloc[0]["reason"]

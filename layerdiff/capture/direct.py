@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import warnings
 from types import CodeType
 from typing import Any
@@ -43,14 +44,20 @@ class DirectCalls:
         """Shadow ``module.forward`` until :meth:`unwrap`."""
         had = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        original = module.forward
         hook_ids = self.hook_ids
 
-        @functools.wraps(original)   # inspect.signature(module.forward) is unchanged
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code in _CALL_IMPL:   # module(...): its hooks have run
-                return original(*args, **kwargs)
-            return _call_directly(module, original, hook_ids, args, kwargs)
+        if had:   # someone's instance forward (an accelerate hook's): wrapped as it is
+            @functools.wraps(previous)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                return _dispatch(module, previous, hook_ids, args, kwargs)
+        else:
+            # a method bound to the module, calling the class's forward of the module it is
+            # bound to: a copy made while capturing (copy.deepcopy rebinds a bound method) runs
+            # its own weights, not this module's
+            @functools.wraps(type(module).forward)   # inspect.signature is unchanged
+            def bound(this: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return _dispatch(this, type(this).forward.__get__(this), hook_ids, args, kwargs)
+            forward = types.MethodType(bound, module)
 
         module.__dict__["forward"] = forward
         self._wrapped.append((module, had, previous, forward))
@@ -65,6 +72,13 @@ class DirectCalls:
                 del module.__dict__["forward"]
         self._wrapped.clear()
         self.hook_ids.clear()
+
+
+def _dispatch(module: nn.Module, forward: Any, hook_ids: set[int], args: tuple,
+              kwargs: dict) -> Any:
+    if sys._getframe(2).f_code in _CALL_IMPL:   # module(...): its hooks have run
+        return forward(*args, **kwargs)
+    return _call_directly(module, forward, hook_ids, args, kwargs)
 
 
 def _call_directly(module: nn.Module, forward: Any, ours: set[int], args: tuple,

@@ -239,13 +239,13 @@ def _same(a: Any, b: Any) -> bool:
 
 def _by_reference_position(head: str, ref_sig: Signature | None, port_sig: Signature,
                            bound: dict[str, str]) -> str | None:
-    if ref_sig is None:
+    """The port's first positional parameter, when free and ``head`` is the reference's first
+    (the layer's input under another name: HF's ``hidden_states=`` for a port's ``x``). Later
+    places are not guessed, as replay binds (replay/calling.py): the same place in two
+    signatures often holds different things (``position_ids`` against a scale)."""
+    if ref_sig is None or not ref_sig.positional:
         return None
-    names = [p.name for p in ref_sig.positional]
-    if head not in names:
-        return None
-    position = names.index(head)
     ports = port_sig.positional
-    if position < len(ports) and ports[position].name not in bound:
-        return ports[position].name
+    if ref_sig.positional[0].name == head and ports and ports[0].name not in bound:
+        return ports[0].name
     return None

@@ -128,7 +128,6 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             if site.name in around and site not in unjudged:
                 site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
                 blocked[pass_].append(site)
-    unjudged += [s for s in blocked["forward"] + blocked["backward"] if s not in unjudged]
     forward = [s for s in forward_all if s not in blocked["forward"]]
     backward = [s for s in backward_all if s not in blocked["backward"]]
     if norms and not independent:
@@ -166,7 +165,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             origin = _origin(rows, site, step, role, text)
             origin.holders = sorted(holders.get(site.name, []))
             origins.append(origin)
-    _mark_unjudged(rows, unjudged)
+    _mark_unjudged(rows, unjudged, blocked)
     _mark(rows, origins, sites, step, failing)
     return origins, step
 
@@ -362,13 +361,29 @@ def _unexplained(rows: pd.DataFrame, candidates: list[_Site], roles: tuple[str, 
     return kept
 
 
-def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site]) -> None:
+_PASS_ROLES = {"forward": ("input", "output"),
+               "backward": ("grad_output", "grad_input", "weight_grad")}
+
+
+def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site],
+                   blocked: dict[str, list[_Site]]) -> None:
+    """Every failing row of a site that cannot be judged; of a container blocked by a child,
+    the rows of the pass it is blocked in."""
     for site in unjudged:
-        cause = "; ".join(site.why_missing) or "its inputs have no partner in the port"
-        for positions in site.bad.values():
-            for pos in positions:
-                rows.at[pos, "status"] = Status.CANNOT_JUDGE
-                rows.at[pos, "cause"] = cause
+        _mark_rows(rows, site, site.bad)
+    for pass_, sites in blocked.items():
+        for site in sites:
+            if site not in unjudged:
+                _mark_rows(rows, site, {role: site.bad[role] for role in _PASS_ROLES[pass_]
+                                        if role in site.bad})
+
+
+def _mark_rows(rows: pd.DataFrame, site: _Site, bad: dict[str, list[int]]) -> None:
+    cause = "; ".join(site.why_missing) or "its inputs have no partner in the port"
+    for positions in bad.values():
+        for pos in positions:
+            rows.at[pos, "status"] = Status.CANNOT_JUDGE
+            rows.at[pos, "cause"] = cause
 
 
 def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:

@@ -162,8 +162,12 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                 arrives = (int(step), site, arg) in fed
                 if not (arrives and (site == _ROOT or outside_gradients)):
                     result.excused.add(key)
-            elif inputs and signatures is not None and signatures.signature(
-                    "port", pair.port) is not None:
+            elif role == "grad_input" and port_arg is not None and (
+                    step, pair.port, "input", port_arg) in port_keys:
+                reason = (f"the port recorded input '{port_arg}' at {pair.port} but sent it no "
+                          "gradient (detached, or computed outside autograd)")
+            elif role == "input" and port_arg is not None and signatures is not None \
+                    and signatures.signature("port", pair.port) is not None:
                 reason += " (its forward has a parameter for it, which its caller left out)"
                 result.excused.add(key)
             result.unmatched.append(("reference", *key, reason))
