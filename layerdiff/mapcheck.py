@@ -144,8 +144,13 @@ class MapCheck:
             (SUSPICIOUS_CONVERSION, "worse with their conversion"),
             (MISMATCH_AROUND, "not reproduced by the module around them"))
             if self.count(status)]
-        return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
-                     f"fix {self.mapping or 'the mapping (--map)'}", WIDTH)
+        mapping = self.mapping or "the mapping (--map)"
+        # a module off around tensors nothing else checks: the rule, or the port's own code
+        advice = (f"check {mapping}, or the port modules named above"
+                  if len(self.failing()) == self.count(MISMATCH_AROUND) else f"fix {mapping}")
+        return "\n      ".join(textwrap.wrap(
+            f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; {advice}",
+            WIDTH - 6))
 
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
@@ -388,7 +393,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
         # neither load reproduces the module: a conversion is only right where its load does
         entry.conversion = {"site": declared.site, "with": declared.error,
                             "without": plain.error}
-        entry.status = SUSPICIOUS_CONVERSION
+        entry.status = MISMATCH_AROUND
         entry.note = _join(entry.note, f"conversion {names} not confirmed: at {declared.site}, "
                            "the nearest paired module around it, neither load reproduces the "
                            f"reference's output (relative error {declared.error:.1e} with the "
