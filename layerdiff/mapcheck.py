@@ -142,15 +142,14 @@ class MapCheck:
             (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
             (SUSPICIOUS, "likely transposed"),
             (SUSPICIOUS_CONVERSION, "worse with their conversion"),
-            (MISMATCH_AROUND, "not reproduced by the module around them"))
+            (MISMATCH_AROUND, "off in the module around them"))
             if self.count(status)]
         mapping = self.mapping or "the mapping (--map)"
         # a module off around tensors nothing else checks: the rule, or the port's own code
-        advice = (f"check {mapping}, or the port modules named above"
+        advice = (f"check the port modules named above, or {mapping}"
                   if len(self.failing()) == self.count(MISMATCH_AROUND) else f"fix {mapping}")
-        return "\n      ".join(textwrap.wrap(
-            f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; {advice}",
-            WIDTH - 6))
+        return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
+                     + advice, WIDTH)
 
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
