@@ -146,7 +146,7 @@ class MapCheck:
             if self.count(status)]
         mapping = self.mapping or "the mapping (--map)"
         # a module off around tensors nothing else checks: the rule, or the port's own code
-        advice = (f"check the port modules named above, or {mapping}"
+        advice = ("check their rules, or the port there"
                   if len(self.failing()) == self.count(MISMATCH_AROUND) else f"fix {mapping}")
         return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
                      + advice, WIDTH)
