@@ -28,6 +28,7 @@ from torch import nn
 from layerdiff.capture.hooks import flatten
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
+from layerdiff.compare.records import _output_partners
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
 from layerdiff.mapping import TRANSFORMS, Mapping, ParamSource
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
@@ -49,8 +50,9 @@ from layerdiff.weights import (
 OK = "ok"
 SUSPICIOUS = "suspicious-transpose"
 SUSPICIOUS_CONVERSION = "suspicious-conversion"
+MISMATCH_AROUND = "mismatch-around"  # unchecked at its own module; the one around it is off
 NOT_CHECKED = "not-checked"
-FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS, SUSPICIOUS_CONVERSION)
+FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS, SUSPICIOUS_CONVERSION, MISMATCH_AROUND)
 LEVELS = 4           # a conversion is checked at the owner and at most this many modules out
 BETTER = 10.0        # a transposed load this many times closer to the reference is suspicious
 ROUNDING_ULPS = 16   # a declared load's error below this many ULPs is rounding, not a layout
@@ -66,7 +68,7 @@ class MapEntry:
     transform: tuple[str, ...]
     axis: int
     status: str            # ok | no-source | shape-mismatch | suspicious-transpose |
-    #                        suspicious-conversion | not-checked | port-own
+    #                        suspicious-conversion | mismatch-around | not-checked | port-own
     note: str = ""
     errors: tuple[float, float] | None = None  # square matrix: (as declared, transposed)
     functions: list[dict[str, str]] = field(default_factory=list)  # {function, source_sha256}
@@ -139,9 +141,15 @@ class MapCheck:
         problems = [f"{self.count(status)} {label}" for status, label in (
             (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
             (SUSPICIOUS, "likely transposed"),
-            (SUSPICIOUS_CONVERSION, "worse with their conversion")) if self.count(status)]
+            (SUSPICIOUS_CONVERSION, "worse with their conversion"),
+            (MISMATCH_AROUND, "off in the module around them"))
+            if self.count(status)]
+        mapping = self.mapping or "the mapping (--map)"
+        # a module off around tensors nothing else checks: the rule, or the port's own code
+        advice = ("check their rules, or the port there"
+                  if len(self.failing()) == self.count(MISMATCH_AROUND) else f"fix {mapping}")
         return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
-                     f"fix {self.mapping or 'the mapping (--map)'}", WIDTH)
+                     + advice, WIDTH)
 
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
@@ -193,8 +201,45 @@ def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
             _check_transpose(entry, found, targets[found.port], runner)
         if not found.problem and found.source.functions and entry.status != SUSPICIOUS:
             _check_conversion(entry, found, probe)
+        elif not found.problem and not runner.pairs(_owner(found.port)):
+            _check_around(entry, found, runner)
         entries.append(entry)
     return entries
+
+
+def _owner(port_tensor: str) -> str:
+    return port_tensor.rpartition(".")[0] or schema.ROOT_MODULE
+
+
+def _check_around(entry: MapEntry, found: Assignment, runner: _SiteRunner) -> None:
+    """A tensor whose own module has no paired site: nothing checks its layout there (a
+    q/k projection declared without partner, loaded without the conversion it needs), so
+    the nearest paired module around it runs with the declared load. Failing where that
+    module does not reproduce the reference's output: the tensor's rule is wrong, or the
+    port computes something else there (a diff after loading tells which)."""
+    measured, _ = _first_measure(_around(_owner(found.port), LEVELS)[1:], runner.declared)
+    if measured is None or measured.error <= BETTER * measured.rounding:
+        return
+    entry.status = MISMATCH_AROUND
+    entry.note = _join(entry.note, (
+        f"its own module has no paired site, and at {measured.site}, the nearest paired "
+        f"module around it, the declared load gives relative error {measured.error:.1e} "
+        f"(rounding is below {measured.rounding:.0e}): check its rule (does it need a "
+        "conversion?), or whether the port computes something else there"))
+
+
+def _first_measure(modules: list[str], measure: Any) -> tuple[Any, list[str]]:
+    """The first of ``modules`` that ``measure`` can run, with its result, and why each one
+    before it could not."""
+    reasons = []
+    for module in modules:
+        try:
+            return measure(module), reasons
+        except Exception as exc:  # not paired or not replayable here: try the next one out
+            known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+            reasons.append(str(exc) if known else f"port module {module} raised "
+                           f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
+    return None, reasons
 
 
 def _transposed_fits(found: Assignment) -> bool:
@@ -221,9 +266,9 @@ def _check_transpose(entry: MapEntry, found: Assignment, target: torch.Tensor,
     except Exception as exc:  # a module that cannot run on the recorded call is not checked
         known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
         entry.status = NOT_CHECKED
-        entry.note = str(exc) if known else (f"port module {module} raised "
-                                             f"{type(exc).__name__} on the reference's recorded "
-                                             f"inputs: {exc}")
+        entry.note = "transpose not checked: " + (
+            str(exc) if known else f"port module {module} raised {type(exc).__name__} on the "
+            f"reference's recorded inputs: {exc}")
         return
     entry.errors = (declared.error, transposed.error)
     errors = f"relative error {declared.error:.1e} as declared, {transposed.error:.1e} transposed"
@@ -309,7 +354,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
         entry.note = _join(entry.note, f"conversion {names} changes nothing in this tensor")
         return
     module = found.port.rpartition(".")[0] or schema.ROOT_MODULE
-    hurts, reasons = None, []
+    hurts, reasons, innermost = None, [], None
     for candidate in _around(module, LEVELS):
         try:
             declared, plain = probe.measure(candidate)
@@ -318,6 +363,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
             reasons.append(str(exc) if known else f"port module {candidate} raised "
                            f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
             continue
+        innermost = innermost or (declared, plain)
         measured = {"site": declared.site, "with": declared.error, "without": plain.error}
         errors = (f"relative error {declared.error:.1e} with the conversion, "
                   f"{plain.error:.1e} without")
@@ -340,6 +386,19 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
                            f"conversion {names} reproduces the reference's output far better "
                            f"({errors}), and no module around it does better with it: check "
                            "the function, or whether the port needs it")
+        return
+    if innermost is not None and innermost[0].error > BETTER * innermost[0].rounding:
+        declared, plain = innermost
+        # neither load reproduces the module: a conversion is only right where its load does
+        entry.conversion = {"site": declared.site, "with": declared.error,
+                            "without": plain.error}
+        entry.status = MISMATCH_AROUND
+        entry.note = _join(entry.note, f"conversion {names} not confirmed: at {declared.site}, "
+                           "the nearest paired module around it, neither load reproduces the "
+                           f"reference's output (relative error {declared.error:.1e} with the "
+                           f"conversion, {plain.error:.1e} without; rounding is below "
+                           f"{declared.rounding:.0e}): check the function, or whether the port "
+                           "computes something else there")
         return
     _not_checked(entry, f"conversion {names} not checked: no paired module around "
                  f"{found.port} tells the loads with and without it apart"
@@ -378,12 +437,15 @@ class _Measure:
 
 class _SiteRunner:
     """Runs a port module on the reference's first recorded call at its paired site (paired
-    by name, as replay pairs them) and measures its outputs against the recorded ones."""
+    by name, as replay pairs them; through the site's call adapter where the mapping names
+    one) and measures its outputs against the recorded ones, paired as the diff pairs them
+    (the mapping's ``outputs`` renames, the same path, then a shape no other output has)."""
 
     def __init__(self, ref: Trace, model: nn.Module, mapping: Mapping) -> None:
         self.ref, self.mapping = ref, mapping
         self.port = TorchPort(model, ref)
-        self._calls: dict[str, tuple[RecordedCall, str, dict[str, str], list]] | None = None
+        self._calls = self._paired_calls()  # an adapter that does not import: refused here
+        self._inputs: dict[str, list] = {}
         self._expected: dict[str, dict[str, np.ndarray]] = {}
         self._declared: dict[str, _Measure] = {}
 
@@ -394,50 +456,82 @@ class _SiteRunner:
         return self._declared[module]
 
     def measure(self, module: str) -> _Measure:
-        call, port_site, args, values = self._call_for(module)
-        outputs = self.port.outputs(call, module, args, values)
+        call, port_site, args, adapter = self._call_for(module)
+        if module not in self._inputs:  # inputs read once: each run gets clones of them
+            self._inputs[module] = self.port.inputs(call, args)
+        outputs = self.port.outputs(call, module, args, self._inputs[module], adapter=adapter)
+        got = {arg: value.detach().cpu().double().numpy() for arg, value in flatten(outputs, "")
+               if torch.is_tensor(value) and value.is_floating_point()
+               and self.mapping.why_unmatched_record("port", port_site, "output", arg) is None}
+        eps = max([torch.finfo(value.dtype).eps for _, value in flatten(outputs, "")
+                   if torch.is_tensor(value) and value.is_floating_point()], default=0.0)
         expected = self._recorded_outputs(call.site)
-        gap = norm = eps = 0.0
-        for arg, value in flatten(outputs, ""):
-            if arg not in expected or not torch.is_tensor(value) or \
-                    not value.is_floating_point():
+        partners = _output_partners(
+            {arg: schema.format_shape(value.shape) for arg, value in expected.items()},
+            {arg: schema.format_shape(value.shape) for arg, value in got.items()},
+            self.mapping.output_names(call.site))
+        gap = norm = 0.0
+        compared = 0
+        for arg, port_arg in partners.items():
+            if port_arg not in got:
                 continue
-            got = value.detach().cpu().double().numpy()
-            if got.shape != expected[arg].shape:
-                raise ValueError(f"port site {port_site} gives output {arg} of shape "
-                                 f"{got.shape}, the reference's {call.site} "
-                                 f"{expected[arg].shape}; the transpose was not checked")
-            gap += float(np.sum((got - expected[arg]) ** 2))
+            if got[port_arg].shape != expected[arg].shape:
+                raise ValueError(f"port site {port_site} gives output {port_arg or '0'} of shape "
+                                 f"{got[port_arg].shape}, the reference's {call.site} output "
+                                 f"{arg} {expected[arg].shape}, so nothing can be measured there")
+            gap += float(np.sum((got[port_arg] - expected[arg]) ** 2))
             norm += float(np.sum(expected[arg] ** 2))
-            eps = max(eps, torch.finfo(value.dtype).eps)
-        if not eps:
-            raise ValueError(f"port site {port_site} gives no floating-point output that the "
-                             f"reference records at {call.site}; the transpose was not checked")
+            compared += 1
+        if not compared:
+            raise ValueError(f"port site {port_site} gives no floating-point output that pairs "
+                             f"with one the reference records at {call.site} (reference: "
+                             f"{', '.join(expected) or 'none'}; port: {', '.join(got) or 'none'}"
+                             "), so nothing can be measured there; name them with outputs = "
+                             "{ ... } on the site's rule")
         return _Measure(call.site, float(np.sqrt(gap / max(norm, np.finfo(float).tiny))),
                         ROUNDING_ULPS * eps)
 
-    def _call_for(self, module: str) -> tuple[RecordedCall, str, dict[str, str], list]:
-        """The first recorded call whose site pairs with ``module``, with its inputs."""
-        if self._calls is None:
-            self._calls = {}
-            for call in recorded_calls(self.ref):
-                target = port_site_for(call.site, self.mapping, set(self.port.modules))
-                if target is not None:
-                    self._calls.setdefault(schema.split_site(target[0])[0],
-                                           (call, *target, None))
+    def _paired_calls(self) -> dict[str, tuple[RecordedCall, str, dict[str, str], Any]]:
+        """Port module -> the first recorded call whose site pairs with it, the port site, its
+        argument map and its call adapter (the mapping's ref and function, or None)."""
+        calls: dict[str, tuple[RecordedCall, str, dict[str, str], Any]] = {}
+        functions: dict[Any, Any] = {}
+        for call in recorded_calls(self.ref):
+            target = port_site_for(call.site, self.mapping, set(self.port.modules))
+            module = None if target is None else schema.split_site(target[0])[0]
+            if target is None or module in calls:
+                continue
+            code = self.mapping.call_adapter(call.site)
+            adapter = None
+            if code is not None:
+                if code not in functions:
+                    functions[code] = code.resolve()
+                adapter = (code, functions[code])
+            port_site, args = target
+            # the adapter makes the whole call from the reference's arguments, as in replay
+            calls[module] = (call, port_site, {} if adapter else args, adapter)
+        return calls
+
+    def pairs(self, module: str) -> bool:
+        """Whether a reference site pairs with port ``module``."""
+        return module in self._calls
+
+    def _call_for(self, module: str) -> tuple[RecordedCall, str, dict[str, str], Any]:
         if module not in self._calls:
-            raise LookupError(f"no reference site pairs with port module {module} by name, so "
-                              "its transpose was not checked; a [[site]] rule would pair it")
-        call, port_site, args, values = self._calls[module]
-        if values is None:  # inputs read once: each run gets clones of them
-            self._calls[module] = (call, port_site, args, self.port.inputs(call, args))
+            raise LookupError(f"no reference site pairs with port module {module} by name; a "
+                              "[[site]] rule would pair it")
         return self._calls[module]
 
     def _recorded_outputs(self, site: str) -> dict[str, np.ndarray]:
+        """The reference's recorded tensor outputs of ``site``, less those the mapping
+        declares without a partner."""
         if site not in self._expected:
             rows = self.ref.records(0, site, "output", kind="tensor")
-            self._expected[site] = {row["arg"]: read_array(self.ref, row).astype(np.float64)
-                                    for _, row in rows.iterrows()}
+            self._expected[site] = {
+                row["arg"]: read_array(self.ref, row).astype(np.float64)
+                for _, row in rows.iterrows()
+                if self.mapping.why_unmatched_record("reference", site, "output",
+                                                     row["arg"]) is None}
         return self._expected[site]
 
 
