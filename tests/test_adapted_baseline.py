@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from layerdiff import diff  # noqa: E402
-from layerdiff.cli import main  # noqa: E402
+from layerdiff import diff
+from layerdiff.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_MAP = ROOT / "reference_models" / "hf_llama.map.toml"
