@@ -10,6 +10,14 @@ recorded for the parameter it fills (bound by the port's recorded signature, as 
 it). So a port-only input (``freqs_cos``) is judged, not left without partner; the reference's
 inputs at such a site are the adapter's to take, never listed as unmatched.
 
+With a baseline (``--baseline``) an adapted input is judged like any record: a reference
+tensor the adapter passes through unchanged by the baseline's limit at that argument's record
+(its rms rule included); a tensor the adapter made as a view of one reference argument (a slice
+of ``cos``) holds a subset of that argument's elements, so each element's baseline error is at
+most the argument's worst: the worst-element rule with the argument's worst error (its rms says
+nothing of a part's). Any other tensor the adapter made has no baseline record: it keeps the
+compared dtype's tolerance, and its row says so.
+
 Gradients: the port's ``grad_input`` is taken with respect to the port's arguments, which the
 adapter made. Only a reference tensor the adapter passes through unchanged (the very object)
 has the same gradient on both sides: those are compared; every other ``grad_input`` is listed
@@ -29,9 +37,10 @@ import pandas as pd
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.arguments import CallSignatures, head_of
+from layerdiff.compare.baseline import Baseline, BaselineError, Limit
 from layerdiff.compare.metrics import PairMetrics
 from layerdiff.compare.records import RecordPair, RecordPairing
-from layerdiff.compare.tolerances import Tolerances, looser_dtype
+from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
@@ -58,9 +67,10 @@ class AdaptedRows:
 
 
 def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mapping,
-                tolerances: Tolerances) -> AdaptedRows:
-    """Compare the inputs of every site pair in ``records.adapted``; marks what it compared as
-    paired in ``records`` (grad_input pairs are added to ``records.pairs``)."""
+                tolerances: Tolerances, baseline: Baseline | None = None) -> AdaptedRows:
+    """Compare the inputs of every site pair in ``records.adapted`` (by ``baseline``'s limits
+    where it has them); marks what it compared as paired in ``records`` (grad_input pairs are
+    added to ``records.pairs``, which the engine judges by the baseline itself)."""
     found = AdaptedRows()
     if not records.adapted:
         return found
@@ -71,7 +81,7 @@ def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mappin
         port_sig = signatures.signature("port", pair.port)
         for step in sorted(set(ref.records(site=pair.reference, role="input")["step"])):
             _Call(ref, port, records, tolerances, pair, int(step), code.spec, port_sig,
-                  found).compare(adapter)
+                  found, baseline).compare(adapter)
     return found
 
 
@@ -80,16 +90,18 @@ class _Call:
 
     def __init__(self, ref: Trace, port: Trace, records: RecordPairing, tolerances: Tolerances,
                  pair, step: int, spec: str, port_sig: Signature | None,
-                 found: AdaptedRows) -> None:
+                 found: AdaptedRows, baseline: Baseline | None = None) -> None:
         self.ref, self.port, self.records, self.tolerances = ref, port, records, tolerances
         self.pair, self.step, self.spec, self.port_sig = pair, step, spec, port_sig
-        self.found = found
+        self.found, self.baseline = found, baseline
+        self.ref_index: dict[str, dict] = {}  # reference path -> its index row
 
     def compare(self, adapter) -> None:
         ref_rows = self.ref.records(self.step, self.pair.reference, "input")
         if ref_rows.empty:
             return
         values, origin = self._reference_call(ref_rows)
+        self.ref_index = {str(row["arg"]): row for row in ref_rows.to_dict("records")}
         args, kwargs = _rebuild(values)
         try:
             result = adapter(*args, **kwargs)
@@ -118,7 +130,8 @@ class _Call:
             source = origin.get(id(value))
             if source is not None:
                 passed[port_path] = source
-            self.found.rows.append(self._row(value, row, seq, source, port_path))
+            self.found.rows.append(self._row(value, row, seq, source, port_path,
+                                             _viewed(value, origin, values)))
             self._paired(port_path, "input")
         self._gradients(passed)
 
@@ -140,7 +153,7 @@ class _Call:
         return values, origin
 
     def _row(self, value, port_row: pd.Series, seq: int, source: str | None,
-             port_path: str) -> dict[str, Any]:
+             port_path: str, viewed: str | None = None) -> dict[str, Any]:
         ref_values = value.detach().cpu()
         ref_dtype = str(ref_values.dtype).removeprefix("torch.")
         if ref_values.dtype.is_floating_point and ref_values.dtype not in (
@@ -152,6 +165,11 @@ class _Call:
         arg = source if source is not None else _parameter_path(port_path, self.port_sig)
         dtype = looser_dtype(ref_dtype, port_dtype)
         tolerance = self.tolerances.lookup(self.pair.reference, "input", arg, dtype)
+        rms_tol = None
+        if self.baseline is not None and tolerance.kind not in ("rule", "flags"):
+            # what the user said wins, as in the engine
+            tolerance, rms_tol = self._baseline_limit(tolerance, ref_values, port_dtype,
+                                                      source, viewed)
         how = (f"the reference's '{source}', passed through by call adapter {self.spec}"
                if source is not None else
                f"made by call adapter {self.spec} from the reference's arguments")
@@ -164,7 +182,7 @@ class _Call:
             "port_shape": schema.format_shape(tuple(port_values.shape)),
             "dtype": ref_dtype, "port_dtype": port_dtype, "numel": int(ref_values.size),
             "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
-            "verdict": "", "note": how, "status": "", "cause": "",
+            "rms_tol": rms_tol, "verdict": "", "note": how, "status": "", "cause": "",
         })
         if ref_values.shape != port_values.shape:
             row.update(verdict=judge.Verdict.SHAPE_MISMATCH, ratio=np.inf,
@@ -184,10 +202,42 @@ class _Call:
         metrics.update(np.ascontiguousarray(ref_values).reshape(-1),
                        np.ascontiguousarray(port_values).reshape(-1), 0)
         row.update(metrics.result(shape))
+        if rms_tol is not None:  # the baseline's second rule, as the engine folds it in
+            row["ratio"] = judge.worst([row["ratio"], _over(row["rms"], rms_tol)])
         row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
                                        port_nan=row["port_nan"], port_inf=row["port_inf"],
                                        finite_ratio=row.get("finite_ratio"))
         return row
+
+    def _baseline_limit(self, tolerance: Tolerance, ref_values: np.ndarray, port_dtype: str,
+                        source: str | None, viewed: str | None) -> tuple[Tolerance, float | None]:
+        """The baseline's (tolerance, rms limit) for one adapted input, or ``tolerance`` (the
+        compared dtype's) with a tol_source saying why no baseline applies."""
+        assert self.baseline is not None
+        argument = source or viewed
+        key = (self.step, self.pair.reference, "input", argument)
+        limit: Limit | None = None
+        if source is not None:  # the very tensor: the argument's own record and rule
+            limit = self.baseline.limit(key, self.ref_index[source], port_dtype, 1.0)
+        elif viewed is not None and (error := self.baseline.errors.get(key)) is not None:
+            # a view holds some of the argument's elements: each is off by at most the
+            # argument's worst error; the whole's rms bounds no part's, so the worst element
+            part = Baseline(self.baseline.name,
+                            {key: BaselineError(error.max_abs, None, error.dtype)},
+                            factor=self.baseline.factor)
+            limit = part.limit(key, _statistics(ref_values), port_dtype, 1.0)
+            if limit is not None:
+                limit = Limit(Tolerance(limit.tolerance.rtol, limit.tolerance.atol,
+                                        f"{limit.tolerance.source} (of '{viewed}', which "
+                                        f"call adapter {self.spec} took a view of)",
+                                        limit.tolerance.kind), None)
+        if limit is not None:
+            return limit.tolerance, limit.rms
+        why = (f"no baseline record of '{argument}'" if argument is not None else
+               f"no baseline: a tensor call adapter {self.spec} computed (not a reference "
+               "argument or a view of one) has no baseline error to scale")
+        return Tolerance(tolerance.rtol, tolerance.atol, f"{tolerance.source}; {why}",
+                         tolerance.kind), None
 
     def _paired(self, port_path: str, role: str) -> None:
         """A port record the adapter's call paired: no longer without partner."""
@@ -226,6 +276,33 @@ class _Call:
 _NOT_COMPARED = ("not compared: at a site with a call adapter, a gradient is compared only for "
                  "a reference tensor the adapter passes to the port unchanged (the port's "
                  "grad_input is taken with respect to the arguments the adapter made)")
+
+
+def _over(value: float, limit: float) -> float:
+    """How far an rms error is over its limit (the engine's rule)."""
+    if value == 0:
+        return 0.0
+    return value / limit if limit > 0 else np.inf
+
+
+def _viewed(value, origin: dict[int, str], values: list[tuple[str, Any]]) -> str | None:
+    """The reference path whose tensor ``value`` is a view of (same storage, same dtype),
+    when it is not that very tensor. Each reference tensor was made here with storage of its
+    own elements only, so a view's elements are among them."""
+    if id(value) in origin or not hasattr(value, "untyped_storage"):
+        return None
+    for path, tensor in values:
+        if (id(tensor) in origin and tensor.dtype == value.dtype
+                and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):
+            return path
+    return None
+
+
+def _statistics(values: np.ndarray) -> dict[str, float]:
+    """The index fields Baseline.limit reads, of values the adapter made."""
+    flat = values.astype(np.float64).reshape(-1)
+    return {"numel": int(flat.size), "min": float(flat.min(initial=0.0)),
+            "max": float(flat.max(initial=0.0)), "l2": float(np.linalg.norm(flat))}
 
 
 def _torch():

@@ -164,7 +164,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
                            outside_gradients=ref.meta.get("grad_output") == "outside")
-    adapted = adapt_calls(ref, port, records, mapping, tolerances)  # call = "...": imports it
+    # call = "...": imports the adapter; its inputs judged by the baseline as any record
+    adapted = adapt_calls(ref, port, records, mapping, tolerances, baseline)
     if not records.pairs and adapted.empty:
         raise DiffError(f"{ref.path} and {port.path} have nothing in common: no site of one "
                         "pairs with a site of the other (first reference sites: "
