@@ -96,7 +96,14 @@ def _check_sums(got: Stats, values: np.ndarray) -> None:
     std = math.sqrt(math.fsum((finite - mean) ** 2) / finite.size)
     scale = RTOL * rms + 1e-300
     assert abs(got.mean - mean) <= scale
-    assert abs(got.std - std) <= scale
+    # A one-pass variance, E[x^2] - mean^2, is off by up to n float64 roundings of rms^2; the
+    # std then by that over 2 std (or its square root, when std is smaller still). Where the
+    # spread is small next to the values (a constant tensor with one zero in it: std 0.29 of
+    # values 12.6) this exceeds RTOL * rms: a hypothesis example failed by 0.25% of it.
+    var_error = 2 * finite.size * 2.0**-53 * rms * rms
+    std_error = min(math.sqrt(var_error), var_error / (2 * std)) if std > 0 else \
+        math.sqrt(var_error)
+    assert abs(got.std - std) <= scale + std_error
     if not (got.nan or got.inf):
         assert got.l2 == pytest.approx(math.sqrt(math.fsum(finite * finite)), rel=RTOL)
 
