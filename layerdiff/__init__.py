@@ -58,6 +58,8 @@ _LAZY = {
     "WeightsReport": "layerdiff.weights",
     "map_check": "layerdiff.mapcheck",
     "MapCheck": "layerdiff.mapcheck",
+    "suggest_mapping": "layerdiff.mapsuggest",
+    "MapSuggestion": "layerdiff.mapsuggest",
     "ReplayResult": "layerdiff.replay",
     "swap": "layerdiff.replay",
     "Swapper": "layerdiff.replay",
@@ -73,12 +75,13 @@ _CALLABLE_PACKAGES = ("capture", "replay")
 
 __all__ = [  # every name in _LAZY and _CALLABLE_PACKAGES, the errors and __version__
     "BisectResult", "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase",
-    "Interrupted", "LayerdiffError", "MapCheck", "Mapping", "MappingError", "Origin",
+    "Interrupted", "LayerdiffError", "MapCheck", "MapSuggestion", "Mapping", "MappingError",
+    "Origin",
     "OutputError", "Pass", "ReplayResult",
     "Role", "RunResult", "Session", "Status", "SwapResult", "Swapper", "Tolerance",
     "ToleranceError", "Tolerances", "Trace", "TraceError", "TraceWriter", "Verdict",
     "WeightsReport", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",
-    "map_check", "open_trace", "replay", "run_case", "seed_everything", "swap",
+    "map_check", "open_trace", "replay", "run_case", "seed_everything", "suggest_mapping", "swap",
 ]
 
 
