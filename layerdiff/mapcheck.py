@@ -28,7 +28,7 @@ from torch import nn
 from layerdiff.capture.hooks import flatten
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
-from layerdiff.compare.records import _output_partners
+from layerdiff.compare.records import output_partners
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
 from layerdiff.mapping import TRANSFORMS, Mapping, ParamSource
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
@@ -466,7 +466,7 @@ class _SiteRunner:
         eps = max([torch.finfo(value.dtype).eps for _, value in flatten(outputs, "")
                    if torch.is_tensor(value) and value.is_floating_point()], default=0.0)
         expected = self._recorded_outputs(call.site)
-        partners = _output_partners(
+        partners = output_partners(
             {arg: schema.format_shape(value.shape) for arg, value in expected.items()},
             {arg: schema.format_shape(value.shape) for arg, value in got.items()},
             self.mapping.output_names(call.site))

@@ -16,7 +16,7 @@ import torch
 from layerdiff import diff, load_weights
 from layerdiff.capture import capture
 from layerdiff.compare.arguments import pair_arguments
-from layerdiff.compare.records import _output_partners
+from layerdiff.compare.records import output_partners
 from layerdiff.errors import MappingError
 from layerdiff.report.html import render_html
 from layerdiff.signature import Parameter, Signature
@@ -236,12 +236,12 @@ def test_without_a_port_signature_a_keyword_pairs_by_the_references_place():
 
 
 def test_a_root_model_output_pairs_with_a_plain_tensor_only_when_unambiguous():
-    assert _output_partners({"logits": "2,8,32", "loss": "", "past": ""},
+    assert output_partners({"logits": "2,8,32", "loss": "", "past": ""},
                             {"0": "2,8,32", "1": ""}, {}) == {"logits": "0"}
-    assert _output_partners({"logits": "2,8,32"}, {"": "2,8,32"}, {}) == {"logits": ""}
+    assert output_partners({"logits": "2,8,32"}, {"": "2,8,32"}, {}) == {"logits": ""}
     two = {"logits": "2,8,32", "hidden": "2,8,32"}
-    assert _output_partners(two, {"0": "2,8,32"}, {}) == {}
-    assert _output_partners(two, {"0": "2,8,32"}, {"logits": "0"}) == {"logits": "0"}
+    assert output_partners(two, {"0": "2,8,32"}, {}) == {}
+    assert output_partners(two, {"0": "2,8,32"}, {"logits": "0"}) == {"logits": "0"}
 
 
 # ---- transformers' own GPT-2 (5.x, eager) against a nanoGPT port, renames and transposes only

@@ -87,7 +87,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     """Pair every reference record with its port record. Inputs pair by the recorded
     signatures (``signatures``; by the same path without them, see :mod:`arguments`),
     outputs by the mapping's ``outputs`` renames, the same path, then shape (see
-    :func:`_output_partners`). Inputs of a site with a call adapter are left to
+    :func:`output_partners`). Inputs of a site with a call adapter are left to
     :mod:`layerdiff.compare.adapted`."""
     result = RecordPairing([], [])
     by_ref = sites.by_reference()
@@ -128,7 +128,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             port_arg, why = _input_partner(arg, pair, signatures, calls, arguments)
         else:
             if site not in outputs:
-                outputs[site] = _output_partners(calls.outputs("reference", site),
+                outputs[site] = output_partners(calls.outputs("reference", site),
                                                  calls.outputs("port", pair.port),
                                                  mapping.output_names(site))
             port_arg, why = outputs[site].get(arg), None
@@ -269,7 +269,7 @@ def _input_partner(arg: str, pair: SitePair, signatures: CallSignatures | None, 
     return (None, None) if port_head is None else (port_head + rest, None)
 
 
-def _output_partners(ref: dict[str, str], port: dict[str, str],
+def output_partners(ref: dict[str, str], port: dict[str, str],
                      renames: dict[str, str]) -> dict[str, str]:
     """Reference output path -> port output path: the mapping's ``outputs`` renames (of a path
     or of its head), then the same path, then, for what is left, a tensor whose shape no other
