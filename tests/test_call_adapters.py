@@ -386,7 +386,9 @@ def test_arguments_the_port_does_not_take_are_listed_and_the_layer_judged(refere
     not_taken = dict(result.not_taken[f"{ATTN0}#0"])
     assert not_taken["attention_mask"] == "float32 (2,1,16,16)"
     assert not_taken["position_ids"] == "int64 (1,16)"
-    assert not_taken["past_key_values"] == "DynamicCache, not plain data"
+    # a cache object where transformers passes one (5.18 does, 5.24 does not): not plain data
+    assert not_taken.get("past_key_values", "DynamicCache, not plain data") == \
+        "DynamicCache, not plain data"
     assert "hidden_states" not in not_taken and "position_embeddings" not in not_taken
     assert _forward_local(result, f"{ATTN0}#0")["local"] <= 1
     rows = result.diff.rows
