@@ -309,16 +309,32 @@ class _Chain(torch.nn.Module):
         return self.b(self.a(x))
 
 
-def test_an_input_the_port_sends_no_gradient_is_said_so(tmp_path):
+def _chain(detach: bool):
     from layerdiff import Case
 
-    def case(detach: bool) -> Case:
-        torch.manual_seed(0)
-        return Case(model=_Chain(detach), inputs=(torch.randn(4, 8),),
-                    loss_fn=lambda out: out.pow(2).mean(), name="chain")
+    torch.manual_seed(0)
+    return Case(model=_Chain(detach), inputs=(torch.randn(4, 8),),
+                loss_fn=lambda out: out.pow(2).mean(), name="chain")
 
-    result = diff(capture(case(False), tmp_path / "ref.h5"),
-                  capture(case(True), tmp_path / "port.h5"))
-    missing = result.unmatched[(result.unmatched["site"] == "b#0")
-                               & (result.unmatched["role"] == "grad_input")]
-    assert "sent it no gradient (detached" in missing.iloc[0]["reason"]
+
+def test_a_port_that_detaches_an_input_fails_where_the_gradient_stops(tmp_path):
+    """A detached input leaves the port's gradient None: compared with zeros, the diff fails
+    at the innermost call whose input got none (the detach is in it or just before it), and
+    the layer before, which never trains, fails its weight gradient."""
+    result = diff(capture(_chain(False), tmp_path / "ref.h5"),
+                  capture(_chain(True), tmp_path / "port.h5"))
+    assert not result.passed
+    assert [(o.site, o.pass_, o.role) for o in result.origins] == [
+        ("b.lin#0", "backward", "grad_input")]
+    assert "b#0" in result.origin.holders
+    absent = result.rows[result.rows["match"] == "absent"]
+    assert {(site, role) for site, role in zip(absent["site"], absent["role"], strict=True)} \
+        >= {("b.lin#0", "grad_input"), ("b#0", "grad_input"), ("a#0", "weight_grad")}
+    assert absent["note"].str.contains("the port sent no gradient here").all()
+    assert (absent["verdict"] == "out").all()
+
+
+def test_a_faithful_chain_has_no_absent_gradient(tmp_path):
+    result = diff(capture(_chain(False), tmp_path / "ref.h5"),
+                  capture(_chain(False), tmp_path / "port.h5"))
+    assert result.passed and not (result.rows["match"] == "absent").any()

@@ -21,6 +21,7 @@ import pandas as pd
 
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
+from layerdiff.compare.absent import absent_rows
 from layerdiff.compare.adapted import adapt_calls
 from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
@@ -178,6 +179,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     if records.converted:  # parameters made through a conversion function: compared through it
         from layerdiff.compare.converted import converted_rows
         rows, converted_said = converted_rows(comparer, rows, records.converted)
+    if not independent:  # a replay records only the calls it made: absent is not None there
+        rows = absent_rows(comparer, rows, records.absent)  # gradients the port never sent
     _refuse_guessed_names(ref, port, sites, rows, mapping)
     _refuse_other_models(ref, port, rows)
     _excuse_inner_ops(rows)

@@ -66,6 +66,11 @@ class RecordPairing:
     adapted: list = field(default_factory=list)  # SitePairs with a call adapter (adapted.py)
     # L2 norms of compared tensors the reference index does not hold (an adapter's products)
     norms: dict[Key, float] = field(default_factory=dict)
+    # reference gradients whose port record is absent although the port recorded the value
+    # they belong to (its input, its weight): the port sent no gradient there (a detached
+    # input, a parameter that never trains), compared with zeros by compare/absent.py;
+    # (reference position, port position of the input or weight)
+    absent: list[tuple[int, int]] = field(default_factory=list)
     # weights and weight gradients whose chain has a conversion function: no slice of the
     # port's tensor is a reference tensor, so compare/converted.py compares them through it
     converted: list[ConvertedParam] = field(default_factory=list)
@@ -164,8 +169,9 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                     result.excused.add(key)
             elif role == "grad_input" and port_arg is not None and (
                     step, pair.port, "input", port_arg) in port_keys:
-                reason = (f"the port recorded input '{port_arg}' at {pair.port} but sent it no "
-                          "gradient (detached, or computed outside autograd)")
+                # the port took the input and sent it no gradient: a zero gradient, compared
+                result.absent.append((pos, port_keys[(step, pair.port, "input", port_arg)]))
+                continue
             elif role == "input" and port_arg is not None and signatures is not None \
                     and signatures.signature("port", pair.port) is not None:
                 reason += " (its forward has a parameter for it, which its caller left out)"
@@ -175,11 +181,12 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         used_port.add(port_pos)
         result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
 
-    param_pairs, param_unmatched, param_used, converted = _pair_params(ref_index, port_index,
-                                                                       sites, mapping)
+    param_pairs, param_unmatched, param_used, converted, absent = _pair_params(
+        ref_index, port_index, sites, mapping)
     result.pairs += param_pairs
     result.unmatched += param_unmatched
     result.converted = converted
+    result.absent += absent
     used_port |= param_used
     partner_of_port = {p.port: p.reference for p in sites.pairs}
     for pos, (step, site, role, arg, kind, dtype) in enumerate(zip(
@@ -339,13 +346,24 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                                     view.ref_slice, view.port_slice, view.transpose_port))
         used_ref.update(positions)
     paired_sites = sites.by_reference()
+    # a reference weight paired whole with a port weight whose gradient the port lacks: the
+    # parameter got no gradient in the port (it never trains), compared with zeros
+    weight_partner = {(int(ref_index.at[pair.ref, "step"]), ref_index.at[pair.ref, "site"],
+                       ref_index.at[pair.ref, "arg"]): pair.port for pair in pairs
+                      if ref_index.at[pair.ref, "role"] == "weight"
+                      and pair.ref_slice is None and pair.port_slice is None
+                      and not pair.transpose_port}
+    absent: list[tuple[int, int]] = []
     for pos in ref_params.index:
         if pos not in used_ref:
             row = ref_index.loc[pos]
-            if row["site"] in paired_sites:
+            partner = weight_partner.get((int(row["step"]), row["site"], row["arg"]))
+            if row["role"] == "weight_grad" and partner is not None:
+                absent.append((int(pos), partner))
+            elif row["site"] in paired_sites:
                 unmatched.append(("reference", int(row["step"]), row["site"], row["role"],
                                   row["arg"], "no port parameter is mapped from it"))
-    return pairs, unmatched, used_port, converted
+    return pairs, unmatched, used_port, converted, absent
 
 
 def _views(source: ParamSource, ref_shapes: list[tuple[int, ...]],
