@@ -323,15 +323,18 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Where to write the gathered one-process trace.")
 @workers_option
+@force_option
 def gather_command(manifest: str, mapping: str | None, output: str,
-                   workers: int | None) -> None:
+                   workers: int | None, force: bool) -> None:
     """Join a multi-rank capture's rank files into one trace by the mapping's [[shard]] rules,
     as if one process had run the whole model (the diff does this by itself)."""
     from layerdiff.mapping import Mapping
     from layerdiff.progress import CountProgress
     from layerdiff.trace.gather import gather
 
-    refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping})
+    refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping},
+                  gathers=False)
+    refuse_existing(output, "-o", force)
     rules = Mapping.load(mapping) if mapping else Mapping()
     with CountProgress("gather", "records") as bar:
         done = gather(manifest, rules, output, progress=bar.progress, workers=workers)
