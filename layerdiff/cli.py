@@ -28,7 +28,7 @@ from layerdiff.cli_options import (
 )
 from layerdiff.cli_ranks import COMMANDS as RANKS_COMMANDS
 from layerdiff.errors import Interrupted, LayerdiffError
-from layerdiff.outputs import refuse_existing, refuse_inputs
+from layerdiff.outputs import make_folder, refuse_existing, refuse_inputs
 
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
 
@@ -637,8 +637,7 @@ def demo_command(output_dir: str, port_spec: str) -> None:
     info = find(port_spec)
     if info is None or info.reference is None:
         raise CaseError(f"{port_spec} is not a bundled port; `layerdiff cases` lists them")
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(output_dir, "-o")
     start = time.perf_counter()
     reference = capture(load_case(info.reference), out / "reference.h5", progress=True)
     click.echo(f"reference {info.reference}\n          -> {reference}")

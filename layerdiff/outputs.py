@@ -83,6 +83,18 @@ def refuse_existing(path: PathLike, option: str, force: bool) -> None:
                           "choose another path")
 
 
+def make_folder(path: PathLike, what: str) -> Path:
+    """Create the folder ``path`` (and its parents) where it is missing; an OutputError naming
+    ``what`` it is for (an option) when it cannot be (a read-only disk, a file in the way)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create the {what} folder {folder}: {exc.strerror or exc}; "
+                          "choose a folder you can write to") from exc
+    return folder
+
+
 @contextlib.contextmanager
 def replacing(path: PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; renamed over ``path`` when the block ends
