@@ -164,3 +164,21 @@ def test_the_gathered_trace_is_redone_when_the_ranks_were_captured_again(pair):
     found = diff(reference, port)
     assert not found.passed  # the new ranks were compared, not the kept trace of the old
     assert (os.stat(cache).st_mtime_ns, os.stat(cache).st_ino) != stamp
+
+
+def test_a_gathered_trace_that_is_a_link_or_another_users_is_not_trusted(pair, tmp_path):
+    # its key is no secret: a link planted beside the manifest (an artifact folder received
+    # as a tar keeps links), or a file another user left in the shared temporary folder
+    reference, port = pair
+    cache = port.with_name("port.gathered.h5")
+    assert diff(reference, port).passed
+    elsewhere = tmp_path / "elsewhere.h5"
+    cache.rename(elsewhere)
+    cache.symlink_to(elsewhere)
+    before = elsewhere.read_bytes()
+    assert diff(reference, port).passed
+    assert not cache.is_symlink() and elsewhere.read_bytes() == before  # replaced, not written
+    if os.geteuid() == 0:  # only root can give a file to another user
+        os.chown(cache, 65534, 65534)
+        assert diff(reference, port).passed
+        assert os.stat(cache).st_uid == 0

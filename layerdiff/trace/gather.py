@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,8 +67,15 @@ def gather_key(manifest: Trace, mapping: Mapping) -> str:
 
 
 def up_to_date(path: Path, key: str) -> bool:
-    """Whether ``path`` is a complete gathered trace made with ``key``."""
-    if not path.is_file():
+    """Whether ``path`` is a complete gathered trace made with ``key``, by this user: a link,
+    or a file another user put there (the key is no secret, and the fallback folder is the
+    shared temporary one), is gathered again (and replaced, not written through)."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(status.st_mode) or (hasattr(os, "geteuid")
+                                            and status.st_uid != os.geteuid()):
         return False
     try:
         with open_trace(path) as trace:
