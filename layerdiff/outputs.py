@@ -59,13 +59,14 @@ def refuse_inputs(outputs: Mapping[str, PathLike | None],
             for option, output in outputs.items():
                 if same_file(output, companion.path):
                     raise OutputError(
-                        f"{option} {output} is the {companion.what} ({what}), which this "
-                        "command " + ("writes" if companion.rewritten else "reads")
+                        f"{option} {output} is {companion.what} (the {what}), which this "
+                        "command " + ("writes and reads back" if companion.rewritten else
+                                      "reads")
                         + ": writing it would destroy that file; choose another path")
             for other_what, other in inputs.items():
                 if companion.rewritten and same_file(companion.path, other):
                     raise OutputError(
-                        f"the {other_what} {other} is the {companion.what} ({what}), which "
+                        f"the {other_what} {other} is {companion.what} (the {what}), which "
                         "this command rewrites when the rank files or shard rules differ from "
                         "the ones it was gathered from; copy it to another name and pass that")
 

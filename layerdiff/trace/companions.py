@@ -21,7 +21,7 @@ from layerdiff.errors import LayerdiffError
 
 @dataclass(frozen=True)
 class Companion:
-    """One file a trace path stands for: ``what`` it is, phrased to follow "is the"."""
+    """One file a trace path stands for: ``what`` it is, phrased to follow "is"."""
 
     path: Path
     what: str
@@ -51,4 +51,4 @@ def companions(path: str | os.PathLike) -> list[Companion]:
     named = f"the manifest {os.fspath(path)}"
     return [*(Companion(rank_file, f"rank {rank}'s file of {named}", False)
               for rank, rank_file in enumerate(ranks)),
-            Companion(gathered_path(path), f"gathered trace kept beside {named}", True)]
+            Companion(gathered_path(path), f"the gathered trace kept beside {named}", True)]
