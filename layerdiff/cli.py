@@ -135,6 +135,8 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         capture_one(output=output, **options)
         return
     world = nproc or launched[1]
+    refuse_inputs({f"-o's rank {r} file": rank_path(output, r) for r in range(world)},
+                  {"--weights-from trace": weights_from, "mapping file": mapping})
     if launched is None or launched[0] == 0:
         for path in [output, *(rank_path(output, r) for r in range(world))]:
             refuse_existing(str(path), "-o", force)

@@ -182,3 +182,13 @@ def test_a_gathered_trace_that_is_a_link_or_another_users_is_not_trusted(pair, t
         os.chown(cache, 65534, 65534)
         assert diff(reference, port).passed
         assert os.stat(cache).st_uid == 0
+
+
+def test_a_multi_rank_capture_never_writes_a_rank_file_over_the_weights_it_loads(pair, run):
+    # --force replaces outputs, never inputs
+    _, port = pair
+    source = rank_path(port, 1)
+    before = _unchanged([source])
+    _refused(run("capture", "reference_models.mlp:reference", "--nproc", "2", "-o", port,
+                 "--weights-from", source, "--force"), "-o's rank 1 file")
+    assert _unchanged([source]) == before
