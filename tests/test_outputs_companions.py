@@ -192,3 +192,15 @@ def test_a_multi_rank_capture_never_writes_a_rank_file_over_the_weights_it_loads
     _refused(run("capture", "reference_models.mlp:reference", "--nproc", "2", "-o", port,
                  "--weights-from", source, "--force"), "-o's rank 1 file")
     assert _unchanged([source]) == before
+
+
+def test_the_library_diff_never_rewrites_its_own_reference(pair):
+    from layerdiff.errors import DiffError
+
+    _, port = pair
+    cache = port.with_name("port.gathered.h5")
+    _write(cache, X * 2)
+    before = _unchanged([cache])
+    with pytest.raises(DiffError, match="copy it to another name"):
+        diff(cache, port)
+    assert _unchanged([cache]) == before
