@@ -106,7 +106,7 @@ def replacing(path: PathLike) -> Iterator[Path]:
     except OSError as exc:
         raise OutputError(f"cannot create the folder of {target}: {exc.strerror or exc}; "
                           "choose a folder you can write to") from exc
-    temporary = temporary_path(target)
+    temporary = _temporary_path(target)
     try:
         yield temporary
         os.replace(temporary, target)
@@ -119,7 +119,7 @@ def replacing(path: PathLike) -> Iterator[Path]:
         raise
 
 
-def temporary_path(target: Path) -> Path:
+def _temporary_path(target: Path) -> Path:
     """A fresh hidden name beside ``target`` (not mkstemp: its files are private, 0600, and a
     report should get the usual mode). Its part of ``target``'s name is cut short so that a
     name the file system takes (255 bytes) still gives a temporary name it takes."""
