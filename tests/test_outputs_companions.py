@@ -153,10 +153,19 @@ def test_the_gathered_trace_is_reused_while_nothing_changed(pair):
 
 
 def test_the_gathered_trace_is_redone_when_the_ranks_were_captured_again(pair):
+    from layerdiff.errors import TraceError
+
     reference, port = pair
     cache = port.with_name("port.gathered.h5")
     assert diff(reference, port).passed
     stamp = os.stat(cache).st_mtime_ns, os.stat(cache).st_ino
+    # one rank file replaced under the same manifest: refused, never the kept trace of the old
+    kept = rank_path(port, 1).read_bytes()
+    rank_path(port, 1).unlink()
+    _write(rank_path(port, 1), X + 1, {"rank": 1, "world_size": 2})
+    with pytest.raises(TraceError, match="rank 1's file"):
+        diff(reference, port)
+    rank_path(port, 1).write_bytes(kept)
     for rank in range(2):  # captured again, with a bug this time
         rank_path(port, rank).unlink()
     port.unlink()
