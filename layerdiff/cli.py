@@ -28,7 +28,7 @@ from layerdiff.cli_options import (
 )
 from layerdiff.cli_ranks import COMMANDS as RANKS_COMMANDS
 from layerdiff.errors import Interrupted, LayerdiffError
-from layerdiff.outputs import refuse_existing, refuse_inputs
+from layerdiff.outputs import make_folder, refuse_existing, refuse_inputs
 
 DEFAULT_DEMO_PORT = "reference_models.transformer_port:bug_softmax_axis"
 
@@ -135,6 +135,8 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         capture_one(output=output, **options)
         return
     world = nproc or launched[1]
+    refuse_inputs({f"-o's rank {r} file": rank_path(output, r) for r in range(world)},
+                  {"--weights-from trace": weights_from, "mapping file": mapping})
     if launched is None or launched[0] == 0:
         for path in [output, *(rank_path(output, r) for r in range(world))]:
             refuse_existing(str(path), "-o", force)
@@ -323,15 +325,18 @@ def _write_reports(result, json_path: str | None, csv_path: str | None,
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Where to write the gathered one-process trace.")
 @workers_option
+@force_option
 def gather_command(manifest: str, mapping: str | None, output: str,
-                   workers: int | None) -> None:
+                   workers: int | None, force: bool) -> None:
     """Join a multi-rank capture's rank files into one trace by the mapping's [[shard]] rules,
     as if one process had run the whole model (the diff does this by itself)."""
     from layerdiff.mapping import Mapping
     from layerdiff.progress import CountProgress
     from layerdiff.trace.gather import gather
 
-    refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping})
+    refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping},
+                  gathers=False)
+    refuse_existing(output, "-o", force)
     rules = Mapping.load(mapping) if mapping else Mapping()
     with CountProgress("gather", "records") as bar:
         done = gather(manifest, rules, output, progress=bar.progress, workers=workers)
@@ -634,8 +639,7 @@ def demo_command(output_dir: str, port_spec: str) -> None:
     info = find(port_spec)
     if info is None or info.reference is None:
         raise CaseError(f"{port_spec} is not a bundled port; `layerdiff cases` lists them")
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(output_dir, "-o")
     start = time.perf_counter()
     reference = capture(load_case(info.reference), out / "reference.h5", progress=True)
     click.echo(f"reference {info.reference}\n          -> {reference}")

@@ -57,26 +57,31 @@ def nan_command(case_spec: str, steps: int | None, output: str | None, force: bo
 @tolerances_option
 @tolerance_flags
 @click.option("--keep", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Keep each run's trace in DIR (run0.h5, run1.h5, ...).")
+              help="Keep each run's trace in DIR (run1.h5, run2.h5, ...; refused where one "
+                   "exists, unless --force).")
+@force_option
 @click.option("--parallel", is_flag=True,
               help="Start the runs at once instead of one after another (needs the cores).")
 @json_option
 def determinism_command(case_spec: str, runs: int, steps: int | None, tolerances: str | None,
-                        rtol: float | None, atol: float | None, keep: str | None,
+                        rtol: float | None, atol: float | None, keep: str | None, force: bool,
                         parallel: bool, json_path: str | None) -> None:
     """Capture CASE --runs times, each in a fresh process, and compare the traces bit for bit.
 
     Exit 0 when every run recorded the same bits, 1 when a record differs (the first is named,
     with whether the difference stays within tolerance), 2 for bad input.
     """
-    from layerdiff.debug.determinism import check_determinism
+    from layerdiff.debug.determinism import check_determinism, kept_paths
     from layerdiff.progress import CountProgress
 
-    refuse_inputs({"--json": json_path}, {"tolerance file": tolerances})
+    kept = kept_paths(keep, runs) if keep else []
+    refuse_inputs({"--json": json_path}, {"tolerance file": tolerances, **{
+        f"trace of run {number} kept in --keep": path for number, path in enumerate(kept, 1)}})
     with CountProgress("determinism", "runs", enabled=json_path != "-") as bar:
         result = check_determinism(case_spec, runs=runs, steps=steps,
                                    tolerances=tolerances_from(tolerances, rtol, atol),
-                                   progress=bar.progress, keep=keep, parallel=parallel)
+                                   progress=bar.progress, keep=keep, force=force,
+                                   parallel=parallel)
     finish_result(result, json_path)
 
 

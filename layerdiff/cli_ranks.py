@@ -46,7 +46,7 @@ def ranks_command(port: str, mapping: str | None, tolerance: bool, tolerances: s
     from layerdiff.progress import CountProgress
 
     refuse_inputs({"--json": json_path}, {"manifest": port, "mapping file": mapping,
-                                          "tolerance file": tolerances})
+                                          "tolerance file": tolerances}, gathers=False)
     judged = tolerance or tolerances is not None or rtol is not None or atol is not None
     with CountProgress("ranks", "records", enabled=json_path != "-") as bar:
         result = check_ranks(port, mapping=mapping,

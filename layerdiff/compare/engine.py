@@ -83,8 +83,9 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         replicas = None
         if manifest is not None:
             replicas = replica_disagreement(port_trace, mapping)
-            port_trace, told = stack.enter_context(gathered(port_trace, mapping,
-                                                            workers=workers))
+            port_trace, told = stack.enter_context(gathered(
+                port_trace, mapping, workers=workers,
+                others=[t.path for t in (ref_trace, base_trace) if t is not None]))
             said += told
         if base_trace is not None and (
                 base_trace.path.resolve() == port_trace.path.resolve()

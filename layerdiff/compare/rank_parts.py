@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from layerdiff.compare import result as R
 from layerdiff.errors import DiffError, LayerdiffError
 from layerdiff.mapping import Mapping
+from layerdiff.outputs import same_file
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.gather import gather, gather_key, gathered_path, up_to_date
 
@@ -35,12 +36,13 @@ def refuse_multi_rank_reference(ref: Trace) -> None:
 
 
 @contextlib.contextmanager
-def gathered(port: Trace, mapping: Mapping, *,
-             workers: int | None = None) -> Iterator[tuple[Trace, list[str]]]:
+def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
+             others: Sequence[Path] = ()) -> Iterator[tuple[Trace, list[str]]]:
     """The one-trace view of a multi-rank ``port``, and warnings for the user. It is kept
     beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
     the same), so that reports can read it after the diff; in the system's temporary folder
-    where the manifest's folder is not writable."""
+    where the manifest's folder is not writable. Raises DiffError when that is one of the
+    ``others`` traces the diff reads (it would rewrite its own reference)."""
     warnings = []
     if not mapping.shard_rules and len(port.rank_paths) > 1:
         warnings.append(f"{port.path} is a {len(port.rank_paths)}-rank capture and "
@@ -51,6 +53,11 @@ def gathered(port: Trace, mapping: Mapping, *,
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
         warnings.append(f"{port.path.parent} is not writable: the gathered trace is {path}")
+    for other in others:
+        if same_file(path, other):
+            raise DiffError(f"{other} is the gathered trace kept beside the manifest {port.path}, "
+                            "which the diff rewrites from its rank files: copy it to another "
+                            "name and diff against that")
     fresh = not up_to_date(path, key)
     if fresh:
         warnings += gather(port, mapping, path, workers=workers).unused_rules

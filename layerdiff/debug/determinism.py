@@ -38,6 +38,7 @@ from layerdiff import errors
 from layerdiff.compare import Tolerances, diff
 from layerdiff.compare.judge import PASSING
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
+from layerdiff.outputs import make_folder, refuse_existing
 from layerdiff.trace import Trace, open_trace
 
 Progress = Callable[[int, int], None]  # (runs done, runs in all)
@@ -195,7 +196,7 @@ class DeterminismResult:
 def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
                       tolerances: str | os.PathLike | Tolerances | None = None,
                       progress: Progress | None = None, *,
-                      keep: str | os.PathLike | None = None,
+                      keep: str | os.PathLike | None = None, force: bool = False,
                       parallel: bool = False) -> DeterminismResult:
     """Capture ``case_spec`` (``package.module:name``) ``runs`` times, each in a fresh Python
     process, and compare the traces bit for bit; see :class:`DeterminismResult`.
@@ -203,7 +204,9 @@ def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
     ``steps`` overrides the case's step count; ``tolerances`` (a file or
     :class:`layerdiff.Tolerances`) judges whether a difference is within tolerance; ``progress``
     is called as ``progress(runs_done, runs)``. The traces go to a temporary directory, deleted
-    afterwards, unless ``keep`` names a directory to write them to (``run1.h5``, ...).
+    afterwards, unless ``keep`` names a directory to write them to (:func:`kept_paths`); a run
+    file already there raises :class:`OutputError` unless ``force`` (it may be what another
+    check kept, and a failed run would leave runs of two checks side by side).
     ``parallel`` starts every run at once (faster for small cases; each run needs the case's
     memory, on the GPU too), instead of one after the other.
     """
@@ -213,6 +216,9 @@ def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
     if steps is not None and steps < 1:
         raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case_spec}")
     tolerances = Tolerances.build(tolerances)  # a bad tolerance file fails before any run
+    if keep is not None:
+        for path in kept_paths(keep, runs):
+            refuse_existing(path, "--keep", force)
     root = _import_root(case_spec)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -220,9 +226,8 @@ def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
             directory = Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="layerdiff-determinism-")))
         else:
-            directory = Path(keep)
-            directory.mkdir(parents=True, exist_ok=True)
-        paths = [directory / f"run{run + 1}.h5" for run in range(runs)]
+            directory = make_folder(keep, "--keep")
+        paths = kept_paths(directory, runs)
         if parallel:
             children = [_start(case_spec, path, steps, root) for path in paths]
             for run, child in enumerate(children):
@@ -243,6 +248,11 @@ def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,
                              time.perf_counter() - started,
                              os.environ.get("PYTHONHASHSEED", "random") or "random",
                              [str(p) for p in paths] if keep is not None else [])
+
+
+def kept_paths(keep: str | os.PathLike, runs: int) -> list[Path]:
+    """Where ``check_determinism(keep=...)`` keeps each run's trace: ``run1.h5``, ..."""
+    return [Path(keep) / f"run{run + 1}.h5" for run in range(runs)]
 
 
 def compare_runs(first: Trace, other: Trace, run: int,

@@ -59,6 +59,7 @@ from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, CaseError
 from layerdiff.mapping import Mapping
+from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
 from layerdiff.weights import load_weights_from
 
@@ -250,9 +251,8 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     if steps < 1:
         raise CaseError(f"--steps must be at least 1 (got {steps}) to diverge {port_case.name} "
                         f"from {ref_case.name}")
-    out = Path(output_dir) if output_dir is not None else Path(
-        tempfile.mkdtemp(prefix="layerdiff-diverge-"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(output_dir if output_dir is not None else tempfile.mkdtemp(
+        prefix="layerdiff-diverge-"), "-o")
     warnings: list[str] = []
     extra_meta = _load_port_weights(ref_case, port_case, mapping, warnings)
     starts = {side: _snapshot(case) for side, case in (("reference", ref_case),

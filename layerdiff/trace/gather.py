@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +31,14 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.mapping import Mapping, ShardRule
 from layerdiff.trace import schema
+from layerdiff.trace.companions import gathered_path  # noqa: F401  (imported from here too)
 from layerdiff.trace.h5file import TraceFile
 from layerdiff.trace.reader import Trace, open_trace
 from layerdiff.trace.stats import Stats, tensor_stats
 from layerdiff.trace.verify import describe
 
 PRODUCER = "layerdiff.gather"
+GATHER_VERSION = 1  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
 _KEY = ["step", "pass", "site", "role", "arg"]
@@ -53,21 +56,26 @@ class Gathered:
     unused_rules: list[str] = field(default_factory=list)  # rules that cut no record
 
 
-def gathered_path(manifest: Path) -> Path:
-    """Where the diff keeps a manifest's gathered trace: ``port.h5`` -> ``port.gathered.h5``."""
-    return manifest.with_name(f"{manifest.stem}.gathered{manifest.suffix}")
-
-
 def gather_key(manifest: Trace, mapping: Mapping) -> str:
-    """What a gathered trace was made from: the rank files (their digests) and the rules."""
+    """What a gathered trace was made from: the rank files (their table and meta digests, which
+    the manifest records and checks each rank file against), the rules, and how this version
+    of gather joins them."""
     rules = [(r.site.text, r.tensor, r.dim) for r in mapping.shard_rules]
-    text = json.dumps([manifest.meta.get("manifest"), rules], sort_keys=True, default=str)
+    text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def up_to_date(path: Path, key: str) -> bool:
-    """Whether ``path`` is a complete gathered trace made with ``key``."""
-    if not path.is_file():
+    """Whether ``path`` is a complete gathered trace made with ``key``, by this user: a link,
+    or a file another user put there (the key is no secret, and the fallback folder is the
+    shared temporary one), is gathered again (and replaced, not written through)."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(status.st_mode) or (hasattr(os, "geteuid")
+                                            and status.st_uid != os.geteuid()):
         return False
     try:
         with open_trace(path) as trace:
@@ -94,13 +102,13 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
         lookups = [_lookup(rank.index) for rank in ranks]
         checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
         meta = dict(first.meta)
-        for key in ("rank", "manifest"):
-            meta.pop(key, None)
+        for name in ("rank", "manifest"):
+            meta.pop(name, None)
         source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
         meta["gathered"] = {
             "manifest": str(source), "world_size": len(ranks), "mapping": mapping.name,
             "rules": [rule.describe() for rule in mapping.shard_rules],
-            "sharded_records": len(cut)}
+            "sharded_records": len(cut), "key": key}  # what up_to_date compares
         meta["world_size"] = 1
         writer = _Packer(TraceFile(output, meta, first.summary))
         try:
