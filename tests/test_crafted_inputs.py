@@ -100,3 +100,145 @@ def test_a_recorded_mapping_without_regex_is_still_applied():
     mapping = Mapping.from_text('[[site]]\nreference = "enc.*"\nport = "e.*"\n', "m.toml",
                                 recorded_in="port.h5")
     assert mapping.rename("enc.3")[0] == "e.3"
+
+
+# ---- B: root attributes of the wrong type -------------------------------------------------
+
+ROOT_ATTRIBUTES = ["layerdiff_format", "layerdiff_version", "complete", "summary", "meta",
+                   "meta_digest", "index_digest", "sites_digest"]
+
+
+def _wrong_values():
+    import h5py
+
+    return {"int": np.int64(3), "float array": np.array([1.0, 2.0]),
+            "opaque": np.void(b"layerdiff"), "fixed string": np.bytes_(b"layerdiff-trace"),
+            "vlen bytes": (b"\xff\xfe", h5py.string_dtype("ascii")),
+            "compound": np.array((1, 2.0), dtype=[("a", "<i4"), ("b", "<f8")])}
+
+
+@pytest.mark.parametrize("attribute", ROOT_ATTRIBUTES)
+def test_a_root_attribute_of_another_type_is_refused_as_damage(tmp_path, attribute):
+    import h5py
+
+    from layerdiff import open_trace
+    from layerdiff.errors import TraceError
+
+    good = _trace(tmp_path / "good.h5", ["m"])
+    for kind, value in _wrong_values().items():
+        if (attribute, kind) == ("layerdiff_version", "int"):
+            continue  # its own type: a value, judged as one
+        path = tmp_path / f"{kind.replace(' ', '_')}.h5"
+        path.write_bytes(good.read_bytes())
+        with h5py.File(path, "r+") as h5:
+            del h5.attrs[attribute]
+            if isinstance(value, tuple):
+                h5.attrs.create(attribute, value[0], dtype=value[1])
+            else:
+                h5.attrs[attribute] = value
+        for verify in (True, False):
+            if (attribute, kind, verify) == ("meta_digest", "vlen bytes", False):
+                continue  # a string still, and an unverifying reader never looks at it
+            with pytest.raises(TraceError) as info:
+                open_trace(path, verify=verify).close()
+            message = str(info.value)
+            assert message.startswith(f"{path}") and "\n" not in message, (kind, message)
+            assert "damaged" in message or "not a layerdiff trace" in message, (kind, message)
+
+
+def _datatype_flips(data: bytes, name: bytes) -> list[bytes]:
+    """Copies of a trace's bytes with one byte changed in the attribute message of ``name``:
+    its datatype, which follows the name, and the dataspace after it."""
+    at = data.find(name + b"\0")
+    assert at > 0
+    flips = []
+    for offset in range(at + len(name), at + len(name) + 32):
+        for value in (0x00, 0xFF, data[offset] ^ 0x01, data[offset] ^ 0x80):
+            damaged = bytearray(data)
+            damaged[offset] = value
+            flips.append(bytes(damaged))
+    return flips
+
+
+CHECK_ALL = """
+import sys
+from pathlib import Path
+from layerdiff import open_trace
+from layerdiff.errors import TraceError
+for path in sys.argv[1:]:
+    try:
+        open_trace(path, verify=False).close()
+    except TraceError as exc:
+        assert "\\n" not in str(exc), str(exc)
+"""
+
+
+@pytest.mark.parametrize("attribute", ["layerdiff_format", "meta_digest", "layerdiff_version",
+                                       "complete"])
+def test_one_damaged_byte_in_a_root_attribute_type_is_never_a_crash(tmp_path, attribute):
+    # a string attribute's datatype turned into a variable-length sequence segfaulted h5py
+    good = _trace(tmp_path / "good.h5", ["m"])
+    paths = []
+    for number, damaged in enumerate(_datatype_flips(good.read_bytes(), attribute.encode())):
+        paths.append(tmp_path / f"flip{number}.h5")
+        paths[-1].write_bytes(damaged)
+    done = subprocess.run([sys.executable, "-c", CHECK_ALL, *map(str, paths)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_show_of_a_trace_whose_format_attribute_type_is_damaged_exits_2(tmp_path):
+    good = _trace(tmp_path / "good.h5", ["m"])
+    data = bytearray(good.read_bytes())
+    at = data.find(b"layerdiff_format\0") + len(b"layerdiff_format")
+    vlen = data.index(0x19, at)       # datatype version 1, class 9: variable-length
+    data[vlen + 1] = 0xFF             # its kind: a string no more
+    damaged = tmp_path / "damaged.h5"
+    damaged.write_bytes(data)
+    for command in (["show", damaged], ["diff", good, damaged]):
+        done = _layerdiff(*command)
+        assert done.returncode == 2, (command, done.returncode, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        assert "layerdiff_format" in done.stderr and "damaged" in done.stderr
+
+
+# ---- C: manifests that name themselves or another manifest -------------------------------
+
+def _manifest_naming(path: Path, target: Path) -> Path:
+    """A manifest whose one rank file is ``target``, with digests that match it (a crafted
+    file can hold any): the meta digest is left out, as a verifying reader then skips it."""
+    import json
+
+    import h5py
+
+    with TraceWriter(path, summary=True):
+        pass
+    with h5py.File(target if target.exists() else path, "r") as h5:
+        digests = {"index": h5.attrs["index_digest"], "sites": h5.attrs["sites_digest"],
+                   "meta": None}
+    with h5py.File(path, "r+") as h5:
+        meta = json.loads(h5.attrs["meta"])
+        meta["manifest"] = {"world_size": 1, "ranks": [{"rank": 0, "file": target.name,
+                                                        "digests": digests}]}
+        h5.attrs["meta"] = json.dumps(meta)
+        del h5.attrs["meta_digest"]
+    return path
+
+
+def test_a_manifest_naming_itself_is_refused_in_one_sentence(tmp_path):
+    manifest = _manifest_naming(tmp_path / "port.h5", tmp_path / "port.h5")
+    done = _layerdiff("show", manifest)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "rank 0's file" in done.stderr and "is itself a manifest" in done.stderr
+
+
+def test_a_manifest_naming_another_manifest_is_refused(tmp_path):
+    from layerdiff import open_trace
+    from layerdiff.errors import TraceError
+
+    inner = _manifest_naming(tmp_path / "inner.h5", tmp_path / "inner.h5")
+    outer = _manifest_naming(tmp_path / "outer.h5", inner)
+    with pytest.raises(TraceError, match="inner.h5 is itself a manifest"):
+        open_trace(outer)

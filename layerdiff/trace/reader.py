@@ -17,6 +17,7 @@ import pandas as pd
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
+from layerdiff.trace.attributes import read_root_attributes
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
 from layerdiff.trace.segments import segment_dataset
@@ -276,16 +277,9 @@ _H5_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, AttributeE
 
 
 def _root_attributes(h5: h5py.File, path: Path) -> dict[str, Any]:
-    """The root attributes read once, as plain values; a damaged one is a TraceError."""
-    values: dict[str, Any] = {}
-    try:
-        names = list(h5.attrs)[:64]  # a trace has five; a damaged file may claim any number
-        for name in names:
-            values[name] = h5.attrs[name]
-    except _H5_ERRORS as exc:
-        raise TraceError(f"{path}: its root attributes cannot be read ({_short(exc)}); the file "
-                         "is damaged, capture it again") from exc
-    return values
+    """The root attributes read once, as plain values, each type-checked before it is read
+    (a damaged type segfaulted h5py); a damaged one is a TraceError."""
+    return read_root_attributes(h5, path)
 
 
 # libhdf5 (1.14) walks a global heap collection (where variable-length strings live: the meta
