@@ -47,6 +47,8 @@ def read_root_attributes(h5: h5py.File, path: Path) -> dict[str, Any]:
             if expected is None:
                 continue
             found = _type_problem(h5, name, expected)
+            if found is not None and name == schema.ATTR_COMPLETE:
+                continue  # a flag of another type is no promise: left unread, incomplete
             if found is not None:
                 raise TraceError(f"{path}: its root attribute {name!r} is {found}, not "
                                  f"{expected}; the file is damaged, capture it again")
