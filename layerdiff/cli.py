@@ -47,7 +47,10 @@ class _Group(click.Group):
         except LayerdiffError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{exc}", err=True)
+            from layerdiff.trace.printable import visible
+
+            message = visible(str(exc))  # one line, which may quote a name from a trace
+            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{message}", err=True)
             ctx.exit(exc.exit_code)
 
 

@@ -244,3 +244,58 @@ def test_a_manifest_naming_another_manifest_is_refused(tmp_path):
     outer = _manifest_naming(tmp_path / "outer.h5", inner)
     with pytest.raises(TraceError, match="inner.h5 is itself a manifest"):
         open_trace(outer)
+
+
+# ---- D: control characters in names ------------------------------------------------------
+
+EVIL = "e\x1b[2J\x1b]0;x\x07\t\x9bm"  # clears, retitles the window, a tab, a C1 CSI
+
+
+def _no_controls(text: str) -> None:
+    assert not any(ord(c) < 32 and c != "\n" or 0x7F <= ord(c) <= 0x9F for c in text), text
+
+
+def test_a_crafted_site_name_reaches_the_terminal_as_visible_escapes(tmp_path, run):
+    trace = _trace(tmp_path / "port.h5", [EVIL, "dec"], meta={"case": "case\x1b[2J"})
+    for command in (["show", trace, "--by-site"], ["show", trace]):
+        result = run(*command)
+        assert result.exit_code == 0, result.output
+        _no_controls(result.output)
+        assert ("e\\x1b[2J\\x1b]0;x\\x07\\x09\\x9bm#0" if "--by-site" in command
+                else "\\x9bm#0") in result.output  # the records table clips from the left
+        assert "case\\x1b[2J" in result.output or "--by-site" in command
+
+
+def test_a_site_name_with_a_newline_is_refused_in_one_escaped_line(tmp_path, run):
+    trace = _trace(tmp_path / "port.h5", ["enc\x1b[2J\nFAIL  everything"])
+    result = run("show", trace, "--by-site")
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1
+    _no_controls(result.output)
+    assert "enc\\x1b[2J\\nFAIL  everything" in result.output
+
+
+def test_a_diff_report_of_crafted_names_escapes_them(tmp_path, run):
+    ref = _trace(tmp_path / "ref.h5", [EVIL])
+    with TraceWriter(tmp_path / "port.h5") as writer:
+        with writer.site(EVIL) as site:
+            writer.record(site, "output", np.arange(4, dtype=np.float32) + 1)
+    result = run("diff", ref, tmp_path / "port.h5", "--verbose")
+    assert result.exit_code == 1, result.output
+    _no_controls(result.output)
+    assert "\\x1b[2J" in result.output
+
+
+def test_an_error_quoting_a_crafted_name_escapes_it(tmp_path, run, monkeypatch):
+    from layerdiff.errors import TraceError
+
+    def fail(*args, **kwargs):
+        raise TraceError(f"{EVIL}\n is damaged")
+
+    trace = _trace(tmp_path / "port.h5", ["m"])
+    monkeypatch.setattr("layerdiff.show.select_records", fail)
+    result = run("show", trace)
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1
+    _no_controls(result.output)
+    assert "e\\x1b[2J\\x1b]0;x\\x07\\x09\\x9bm\\x0a is damaged" in result.output

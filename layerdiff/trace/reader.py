@@ -20,6 +20,7 @@ from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
+from layerdiff.trace.printable import make_visible
 from layerdiff.trace.segments import segment_dataset
 from layerdiff.trace.stats import table_digest, text_digest
 from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
@@ -126,6 +127,7 @@ class Trace:
         index = _read_table(self._h5, schema.INDEX_GROUP, schema.INDEX_COLUMNS, self.path,
                             "seq", self._table_digests[schema.INDEX_GROUP])
         check_index(index, str(self.path))
+        make_visible(index, ("site", "arg"))  # names reach terminals: no control characters
         if self.summary and (index["segment"] >= 0).any():
             raise TraceError(f"{self.path} says it is a summary trace (no tensor data) but its "
                              "index points into tensor segments; the file is damaged")
@@ -161,6 +163,7 @@ class Trace:
         sites = _read_table(self._h5, schema.SITES_GROUP, schema.SITES_COLUMNS, self.path,
                             "enter_seq", self._table_digests[schema.SITES_GROUP])
         check_sites(sites, str(self.path))
+        make_visible(sites, ("site", "module", "type", "parent"))
         return sites
 
     def records(self, step: int | None = None, site: str | None = None,
