@@ -299,3 +299,32 @@ def test_an_error_quoting_a_crafted_name_escapes_it(tmp_path, run, monkeypatch):
     assert result.output.count("\n") == 1
     _no_controls(result.output)
     assert "e\\x1b[2J\\x1b]0;x\\x07\\x09\\x9bm\\x0a is damaged" in result.output
+
+
+# ---- E: bad command lines ------------------------------------------------------------------
+
+def test_a_negative_batch_axis_is_refused_in_one_sentence(run):
+    result = run("batch-independence", "reference_models.mlp:reference", "--batch-axis", "-9")
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.output.count("\n") == 1
+    assert "--batch-axis -9 is negative" in result.output and "2 dimensions" in result.output
+
+
+@pytest.mark.parametrize("margin", ["nan", "inf", "-inf", "0", "-1"])
+def test_golden_refuses_a_margin_that_is_no_factor_before_writing(tmp_path, run, margin):
+    golden = tmp_path / "golden.h5"
+    result = run("golden", "reference_models.mlp:reference", "-o", golden, "--calibrate", "2",
+                 "--margin", margin)
+    assert result.exit_code == 2, result.output
+    assert "--margin" in result.output
+    assert list(tmp_path.iterdir()) == []  # neither the golden nor a tolerance file
+
+
+def test_calibrate_refuses_a_margin_that_is_no_factor(tmp_path):
+    from layerdiff.ci import calibrate
+    from layerdiff.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="finite number above 0"):
+        calibrate("reference_models.mlp:reference", tmp_path / "t.toml", margin=float("nan"))
+    assert list(tmp_path.iterdir()) == []
