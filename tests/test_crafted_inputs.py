@@ -48,7 +48,9 @@ LONG = "a" * 60
 
 def test_a_glob_of_many_stars_recorded_in_a_trace_does_not_hang_the_diff(tmp_path):
     # each '*' used to become its own '(.*)': C(76, 16) ways to fail on a 60-letter name
-    rules = '[[site]]\nreference = "****************Z"\nport = "****************Z"\n'
+    rules = ('[[site]]\nreference = "****************Z"\nport = "****************Z"\n'
+             '[[unmatched]]\nport = "*a*a*a*a*a*a*a*a*a*a*a*a*a*a*a*aZ"\n'
+             '[[param]]\nport = "*.*.*.*.*.*.*.*.*.*.*.*.*.*.*.*Z"\nreference = "w"\n')
     ref = _trace(tmp_path / "ref.h5", [LONG])
     port = _trace(tmp_path / "port.h5", [LONG], _recorded(rules))
     done = _layerdiff("diff", ref, port)
