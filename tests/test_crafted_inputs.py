@@ -244,7 +244,7 @@ def test_a_manifest_naming_another_manifest_is_refused(tmp_path):
 
     inner = _manifest_naming(tmp_path / "inner.h5", tmp_path / "inner.h5")
     outer = _manifest_naming(tmp_path / "outer.h5", inner)
-    with pytest.raises(TraceError, match="inner.h5 is itself a manifest"):
+    with pytest.raises(TraceError, match=r"inner\.h5 is itself a manifest"):
         open_trace(outer)
 
 
@@ -254,7 +254,7 @@ EVIL = "e\x1b[2J\x1b]0;x\x07\t\x9bm"  # clears, retitles the window, a tab, a C1
 
 
 def _no_controls(text: str) -> None:
-    assert not any(ord(c) < 32 and c != "\n" or 0x7F <= ord(c) <= 0x9F for c in text), text
+    assert not any((ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F for c in text), text
 
 
 def test_a_crafted_site_name_reaches_the_terminal_as_visible_escapes(tmp_path, run):
@@ -279,9 +279,8 @@ def test_a_site_name_with_a_newline_is_refused_in_one_escaped_line(tmp_path, run
 
 def test_a_diff_report_of_crafted_names_escapes_them(tmp_path, run):
     ref = _trace(tmp_path / "ref.h5", [EVIL])
-    with TraceWriter(tmp_path / "port.h5") as writer:
-        with writer.site(EVIL) as site:
-            writer.record(site, "output", np.arange(4, dtype=np.float32) + 1)
+    with TraceWriter(tmp_path / "port.h5") as writer, writer.site(EVIL) as site:
+        writer.record(site, "output", np.arange(4, dtype=np.float32) + 1)
     result = run("diff", ref, tmp_path / "port.h5", "--verbose")
     assert result.exit_code == 1, result.output
     _no_controls(result.output)
