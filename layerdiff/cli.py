@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import textwrap
@@ -47,7 +48,10 @@ class _Group(click.Group):
         except LayerdiffError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{exc}", err=True)
+            from layerdiff.trace.printable import visible
+
+            message = visible(str(exc))  # one line, which may quote a name from a trace
+            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{message}", err=True)
             ctx.exit(exc.exit_code)
 
 
@@ -514,6 +518,14 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
     sys.exit(0 if result.passed else 1)
 
 
+def _finite_margin(value: float) -> float:
+    """A margin the tolerance file can hold: nan or inf passed FloatRange and wrote a file of
+    no tolerances, after the golden trace."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number; give a factor such as 10")
+    return value
+
+
 @main.command("golden")
 @click.argument("case_spec", metavar="CASE")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
@@ -527,7 +539,7 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
               help="Also run the case K times and once in float64, and write the measured "
                    "noise floor times --margin as a tolerance file beside the golden.")
 @click.option("--margin", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True,
+              show_default=True, callback=lambda ctx, param, value: _finite_margin(value),
               help="Calibrated tolerance = margin x the noise seen at each site.")
 @force_option
 def golden_command(case_spec: str, output: str, summary: bool, steps: int | None,

@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from layerdiff.trace.printable import printable, visible
 from layerdiff.trace.reader import Trace
 
 WIDTH = 100
@@ -46,6 +47,11 @@ def site_summary(trace: Trace, step: int = 0) -> pd.DataFrame:
 
 
 def header_lines(trace: Trace) -> list[str]:
+    """What the trace is, from its meta (a crafted one's control characters made visible)."""
+    return [visible(line) for line in _header_lines(trace)]
+
+
+def _header_lines(trace: Trace) -> list[str]:
     meta, index = trace.meta, trace.index
     tensors = index[index["kind"] == "tensor"]
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
@@ -69,6 +75,7 @@ def header_lines(trace: Trace) -> list[str]:
     return lines
 
 
+@printable
 def format_records(records: pd.DataFrame, width: int = WIDTH) -> str:
     """A fixed-width table of index rows that fits ``width`` columns."""
     columns = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l"),
@@ -94,6 +101,7 @@ def format_records(records: pd.DataFrame, width: int = WIDTH) -> str:
     return "\n".join(out)
 
 
+@printable
 def format_sites(summary: pd.DataFrame, width: int = WIDTH) -> str:
     columns = [("site", 0, "l"), ("type", 14, "l"), ("input", 3, "r"), ("output", 3, "r"),
                ("weight", 6, "r"), ("grad_output", 8, "r"), ("grad_input", 7, "r"),

@@ -9,6 +9,7 @@ dtype default, in a tolerance file that says where every number came from.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
     if runs < 2:
         raise CaptureError(f"--calibrate needs at least 2 runs to see run-to-run noise "
                            f"(got {runs})")
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0):
+        raise CaptureError(f"--margin must be a finite number above 0, such as 10 (got "
+                           f"{margin!r}): it multiplies the noise into each tolerance")
 
     def capture(case, path):
         return capture_trace(case, path, steps=steps, loss_scale=loss_scale)

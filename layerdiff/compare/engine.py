@@ -117,7 +117,8 @@ def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Ma
     if given is None:
         if not recorded:
             return Mapping(), []
-        mapping = Mapping.from_text(recorded["text"], recorded["name"])
+        mapping = Mapping.from_text(recorded["text"], recorded["name"],
+                                    recorded_in=port.path.name)
         mapping.origin = f"recorded in {port.path.name} at capture"
         return mapping, []
     mapping = Mapping.load(given)

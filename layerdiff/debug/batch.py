@@ -228,6 +228,11 @@ def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axi
 
 
 def _batch_size(case: Case, axis: int) -> int:
+    if axis < 0:  # counted from the end it would name another axis in inputs of other ranks
+        dims = sorted({value.dim() for _, value in _case_tensors(case)})
+        raise CaseError(f"case {case.name}: --batch-axis {axis} is negative; pass the axis that "
+                        f"holds the samples counted from 0 (its input tensors have "
+                        f"{' or '.join(map(str, dims)) or 'no'} dimensions)")
     for _, value in _case_tensors(case):
         if value.dim() > axis:
             batch = int(value.shape[axis])

@@ -157,9 +157,15 @@ class Mapping:
         return _load(ConfigFile.load(path, MappingError))
 
     @classmethod
-    def from_text(cls, text: str, name: str) -> Mapping:
-        """A mapping from its text (as a port trace records it); ``name`` says TOML or YAML."""
-        return _load(ConfigFile.parse(Path(name), text, MappingError))
+    def from_text(cls, text: str, name: str, *, recorded_in: str = "the port trace") -> Mapping:
+        """A mapping from its text as a trace records it (``recorded_in`` names the trace);
+        ``name`` says TOML or YAML.
+
+        A trace comes from whoever made it, so its mapping's ``reference_regex`` rules are
+        refused: Python's regular expressions backtrack, and a crafted one can take hours on
+        one name. Globs are matched in linear time and stay. The user who trusts the file
+        passes it with ``--map`` (:meth:`load`), which runs its regular expressions."""
+        return _load(ConfigFile.parse(Path(name), text, MappingError), recorded_in=recorded_in)
 
     @property
     def name(self) -> str:
@@ -273,7 +279,7 @@ class Mapping:
         return None
 
 
-def _load(config: ConfigFile) -> Mapping:
+def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
     config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param", "shard"},
                       "the top level")
     version = config.data.get("version", 1)
@@ -290,6 +296,11 @@ def _load(config: ConfigFile) -> Mapping:
         port = _string(config, entry, "port", where, line)
         if "reference_regex" in entry:
             text = _string(config, entry, "reference_regex", where, line)
+            if recorded_in is not None:
+                config.fail(f"{where} is a reference_regex, and this mapping was read from "
+                            f"{recorded_in}, where a regular expression is not run (a crafted "
+                            f"one can take hours to match a name); pass the mapping file with "
+                            f"--map {config.path.name} to trust it", line)
             try:
                 pattern = Pattern(text, regex=True)
             except re.error as exc:

@@ -11,9 +11,11 @@ from layerdiff.compare.judge import Status
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.suggest import wrap_command
 from layerdiff.trace import schema
+from layerdiff.trace.printable import printable
 
 WIDTH = 100
 MAX_SITES = 40
+
 
 # (column, width, align); width 0 takes what the others leave.
 COLUMNS = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l"),
@@ -21,6 +23,7 @@ COLUMNS = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l
            ("status", 10, "l")]
 
 
+@printable
 def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str:
     """The whole terminal report."""
     lines = [verdict_line(diff, width)]
@@ -202,6 +205,7 @@ def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:
     return keep.sort_values(["step", "seq"], kind="stable")
 
 
+@printable
 def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
     # the arg column grows to the longest argument shown (out_proj.weight), up to 20, out of
     # the site column's share
@@ -294,6 +298,7 @@ REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propa
                   ("amplif.", 8, "r"), ("verdict", 12, "l")]
 
 
+@printable
 def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     """A replay (a ``ReplayResult``): its verdict, then local beside propagated error per
     site and pass, and the layers that could not be judged."""
@@ -339,6 +344,7 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+@printable
 def format_swap(result, width: int = WIDTH) -> str:
     """A swap: verdict, losses per step, and the worst of what was compared."""
     verdict = {"within": "WITHIN", "breaks": "BREAKS", "cannot-judge": "CANNOT JUDGE"}[
@@ -375,6 +381,7 @@ def format_swap(result, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+@printable
 def format_bisect(result, width: int = WIDTH) -> str:
     """A bisection's conclusion, and the layers it could not try."""
     outcome = str(result.outcome)

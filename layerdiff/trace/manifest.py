@@ -23,6 +23,7 @@ import numpy as np
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
+from layerdiff.trace.attributes import read_root_attributes
 
 PRODUCER = "layerdiff.capture (manifest)"
 _DIGESTS = {"index": schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP),
@@ -78,6 +79,10 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
                              "manifest; a manifest only names files in its own folder")
         path = manifest_path.parent / name
         attrs = _rank_attributes(manifest_path, rank, path)
+        if _is_manifest(attrs, path):  # itself, or another: opening it would recurse
+            raise TraceError(f"{manifest_path}: rank {rank}'s file {path} is itself a manifest "
+                             "(a manifest names rank files, never a manifest); the file is "
+                             "damaged or crafted, capture all ranks again")
         for key, attribute in _DIGESTS.items():
             if attrs.get(attribute) != entry["digests"].get(key):
                 raise TraceError(f"{manifest_path}: rank {rank}'s file {path} is not the one the "
@@ -85,6 +90,13 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
                                  "damaged; capture again")
         paths.append(path)
     return paths
+
+
+def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
+    """Whether root attributes are a manifest's (its meta holds ``manifest``)."""
+    from layerdiff.trace.reader import parse_meta
+
+    return "manifest" in parse_meta(attrs.get(schema.ATTR_META), path)
 
 
 def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, Any]:
@@ -95,9 +107,12 @@ def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, An
                else "it is missing")
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path}: {why}; capture all ranks "
                          "again")
+    from layerdiff.trace.reader import guard_global_heaps
+
     try:
         with h5py.File(path, "r") as h5:
-            attrs = dict(h5.attrs)
+            guard_global_heaps(h5, path)
+            attrs = read_root_attributes(h5, path)
     except OSError as exc:
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} cannot be read as HDF5 "
                          f"({exc}); capture all ranks again") from None

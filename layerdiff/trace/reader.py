@@ -17,8 +17,10 @@ import pandas as pd
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
+from layerdiff.trace.attributes import read_root_attributes
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
+from layerdiff.trace.printable import make_visible
 from layerdiff.trace.segments import segment_dataset
 from layerdiff.trace.stats import table_digest, text_digest
 from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
@@ -125,6 +127,7 @@ class Trace:
         index = _read_table(self._h5, schema.INDEX_GROUP, schema.INDEX_COLUMNS, self.path,
                             "seq", self._table_digests[schema.INDEX_GROUP])
         check_index(index, str(self.path))
+        make_visible(index, ("site", "arg"))  # names reach terminals: no control characters
         if self.summary and (index["segment"] >= 0).any():
             raise TraceError(f"{self.path} says it is a summary trace (no tensor data) but its "
                              "index points into tensor segments; the file is damaged")
@@ -160,6 +163,7 @@ class Trace:
         sites = _read_table(self._h5, schema.SITES_GROUP, schema.SITES_COLUMNS, self.path,
                             "enter_seq", self._table_digests[schema.SITES_GROUP])
         check_sites(sites, str(self.path))
+        make_visible(sites, ("site", "module", "type", "parent"))
         return sites
 
     def records(self, step: int | None = None, site: str | None = None,
@@ -276,16 +280,9 @@ _H5_ERRORS = (OSError, RuntimeError, ValueError, TypeError, KeyError, AttributeE
 
 
 def _root_attributes(h5: h5py.File, path: Path) -> dict[str, Any]:
-    """The root attributes read once, as plain values; a damaged one is a TraceError."""
-    values: dict[str, Any] = {}
-    try:
-        names = list(h5.attrs)[:64]  # a trace has five; a damaged file may claim any number
-        for name in names:
-            values[name] = h5.attrs[name]
-    except _H5_ERRORS as exc:
-        raise TraceError(f"{path}: its root attributes cannot be read ({_short(exc)}); the file "
-                         "is damaged, capture it again") from exc
-    return values
+    """The root attributes read once, as plain values, each type-checked before it is read
+    (a damaged type segfaulted h5py); a damaged one is a TraceError."""
+    return read_root_attributes(h5, path)
 
 
 # libhdf5 (1.14) walks a global heap collection (where variable-length strings live: the meta
