@@ -161,10 +161,11 @@ class Mapping:
         """A mapping from its text as a trace records it (``recorded_in`` names the trace);
         ``name`` says TOML or YAML.
 
-        A trace comes from whoever made it, so its mapping's ``reference_regex`` rules are
-        refused: Python's regular expressions backtrack, and a crafted one can take hours on
-        one name. Globs are matched in linear time and stay. The user who trusts the file
-        passes it with ``--map`` (:meth:`load`), which runs its regular expressions."""
+        A trace comes from whoever made it, so a mapping it records that names code
+        (conversions, call adapters) is refused, and so are its ``reference_regex`` rules:
+        Python's regular expressions backtrack, and a crafted one can take hours on one name.
+        Globs are matched in linear time and stay. The user who trusts the file passes it with
+        ``--map`` (:meth:`load`), which runs its code and regular expressions."""
         return _load(ConfigFile.parse(Path(name), text, MappingError), recorded_in=recorded_in)
 
     @property
@@ -362,6 +363,13 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
         mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
     for number, (entry, line) in enumerate(config.tables("shard"), start=1):
         mapping.shard_rules.append(_shard_rule(config, entry, number, line))
+    code = mapping.code_refs()
+    if recorded_in is not None and code:
+        # the same stance as pickle: reading a file someone sent must never run code it names
+        raise MappingError(f"{code[0].where}: {code[0].spec!r} is code, and this mapping was "
+                           f"read from {recorded_in}, where code it names is not run (a trace "
+                           f"comes from whoever made it); pass the mapping file with --map "
+                           f"{config.path.name} to trust it")
     return mapping
 
 
