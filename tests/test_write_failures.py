@@ -257,3 +257,87 @@ def test_a_directory_where_the_partial_goes_is_one_sentence(tmp_path):
                                            "choose another -o path"):
         TraceFile(target, {"case": "x"}, summary=False)
     assert not Path(f"{target}.lock").exists()
+
+
+# --- a .partial cut in the middle of writing --------------------------------------------------
+
+
+def _partial(tmp_path: Path, steps: int = 3) -> Path:
+    """A .partial as a capture that stopped leaves it: tables and segments of ``steps`` steps."""
+    writer = TraceWriter(tmp_path / "t.h5", meta={"case": "cut"}, queue_bytes=1 << 20)
+    for _ in range(steps):
+        for layer in range(4):
+            with writer.site(f"layer{layer}") as site:
+                writer.record(site, "output", np.arange(1000, dtype=np.float32) + layer)
+        writer._recorder.flush()
+        writer.step()
+    writer.close(complete=False)
+    return tmp_path / "t.h5.partial"
+
+
+def _cut_table(partial: Path, table: str, grow: list[str], by: int) -> None:
+    """What a kill between two columns' appends leaves: some columns ``by`` rows longer, those
+    rows never written (their fill values)."""
+    with h5py.File(partial, "r+") as h5:
+        for name in grow:
+            column = h5[table][name]
+            column.resize((column.shape[0] + by,))
+
+
+@pytest.mark.parametrize("table, grow", [("index", ["seq", "step", "pass"]),
+                                         ("index", ["seq", "step", "pass", "site", "role"]),
+                                         ("sites", ["step", "site"])])
+def test_a_partial_cut_mid_table_append_opens_with_allow_incomplete(tmp_path, run, table, grow):
+    partial = _partial(tmp_path)
+    _cut_table(partial, table, grow, by=5)
+    refused = run("show", partial)
+    assert refused.exit_code == 2 and "--allow-incomplete" in refused.output
+    result = run("show", partial, "--allow-incomplete")
+    assert result.exit_code == 0, result.output
+    assert "INCOMPLETE" in result.output and "layer3#0" in result.output
+    assert (f"warning: {partial}: 5 rows of table /{table} that the capture was writing when "
+            "it stopped are left out") in result.output
+    with open_trace(partial, allow_incomplete=True) as trace:
+        assert len(trace.index) == 12 and len(trace.sites) == 12
+        for position in range(len(trace.index)):
+            trace.read(position)  # every row kept reads, verified
+
+
+def test_a_partial_whose_last_segment_was_cut_keeps_the_records_before_it(tmp_path, run):
+    partial = _partial(tmp_path)
+    with h5py.File(partial, "r+") as h5:
+        last = sorted(h5["tensors"])[-1]
+        del h5["tensors"][last]  # its rows were flushed, its data never reached the disk
+    result = run("show", partial, "--allow-incomplete")
+    assert result.exit_code == 0, result.output
+    assert "records whose tensor data was cut off when the capture stopped are left out" in \
+        result.output
+    with open_trace(partial, allow_incomplete=True) as trace:
+        assert 0 < len(trace.index) < 12
+        for position in range(len(trace.index)):
+            trace.read(position)
+
+
+def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, run):
+    """SIGKILL at moments through a writer's life: whatever the .partial holds, the message
+    for it never recommends --allow-incomplete for a file that then does not open."""
+    script = ("import sys, numpy as np\nfrom layerdiff import TraceWriter\n"
+              "w = TraceWriter(sys.argv[1], meta={'case': 'loop'})\nprint('go', flush=True)\n"
+              "while True:\n"
+              "    for i in range(500):\n"
+              "        with w.site(f'layer{i}') as s:\n"
+              "            w.record(s, 'output', np.full(64, i, np.float32))\n"
+              "    w._recorder.flush()\n    w.step()\n")
+    for number, delay in enumerate([0.0, 0.02, 0.1, 0.3, 0.6]):
+        target = tmp_path / f"k{number}.h5"
+        writer = subprocess.Popen([sys.executable, "-c", script, str(target)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline().strip() == "go"
+        time.sleep(delay)
+        writer.kill()
+        writer.wait()
+        partial = Path(f"{target}.partial")
+        told = run("show", target).output
+        assert "--allow-incomplete" in told
+        shown = run("show", partial, "--allow-incomplete")
+        assert shown.exit_code == 0 or "--allow-incomplete" not in shown.output, shown.output
