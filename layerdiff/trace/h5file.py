@@ -26,7 +26,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.lock import WriterLock, remove_stale
-from layerdiff.trace.signals import file_size_signal_ignored
+from layerdiff.trace.signals import FileSizeSignalIgnored
 from layerdiff.trace.stats import table_digest, text_digest
 
 _STRING = h5py.string_dtype("utf-8")
@@ -90,7 +90,7 @@ class TraceFile:
         self._h5: h5py.File | None = None
         self._descriptor: tuple[int, os.stat_result] | None = None
         self._lock = WriterLock(self.path)  # before the .partial: one writer per path
-        self._signals = file_size_signal_ignored()
+        self._signals = FileSizeSignalIgnored()
         try:
             self._h5 = _create(self.path, self.partial)
             self._descriptor = _descriptor(self._h5)
@@ -151,6 +151,7 @@ class TraceFile:
                     self._h5.attrs[schema.ATTR_META_DIGEST] = text_digest(self._meta)
                     self._h5.attrs[schema.ATTR_COMPLETE] = True
                 self._h5.close()
+            self._h5 = self._descriptor = None  # closed: its descriptor may be reused
             if not complete:
                 return self.partial
             try:
@@ -161,7 +162,7 @@ class TraceFile:
                     f"renaming {self.partial} to {self.path}")) from exc
             return self.path
         except BaseException:
-            self._discard(remove=self.failure is not None)
+            self._discard(remove=False)
             raise
         finally:
             self._release()
@@ -170,8 +171,7 @@ class TraceFile:
         """Close without marking complete, ignoring errors (the original error is what the
         user needs). The ``.partial`` stays for ``--allow-incomplete``, unless a write failed:
         then it is cut at a point nobody knows, and the space it takes is wanted."""
-        self._discard(remove=self.failure is not None)
-        self._release()
+        self._discard(remove=False)
 
     def failure_sentence(self, doing: str | None = None) -> str:
         return (f"cannot write trace {self.path}: {doing or f'writing {self.partial}'} failed "
@@ -206,15 +206,18 @@ class TraceFile:
                     os.close(null)
 
     def _discard(self, remove: bool) -> None:
+        """Close the file, whatever state it is in; remove the ``.partial`` when ``remove`` or
+        a write failed; let the path go."""
         if self._h5 is not None:
             for _ in range(2):  # after a failure, the first close can fail where the next does not
                 try:
                     self._h5.close()
                     break
-                except Exception:  # noqa: BLE001 - the failure that led here is the one to say
+                except Exception as exc:  # the error that led here is the one to say
+                    self.failure = self.failure or exc  # closing writes: it failed too
                     self._detach()
             self._h5 = None
-        if remove:
+        if remove or self.failure is not None:
             with contextlib.suppress(OSError):
                 self.partial.unlink()
         self._release()

@@ -17,7 +17,7 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class file_size_signal_ignored:  # noqa: N801 - used like a function
+class FileSizeSignalIgnored:
     """While held, a write past ``ulimit -f`` fails with EFBIG (which the writer reports)
     instead of SIGXFSZ killing the process. Python ignores it at startup; an embedding
     program may not. ``restore`` (or leaving the ``with``) puts the old action back."""
@@ -37,7 +37,7 @@ class file_size_signal_ignored:  # noqa: N801 - used like a function
             signal.signal(signal.SIGXFSZ, self._previous)
         self._previous = None
 
-    def __enter__(self) -> file_size_signal_ignored:
+    def __enter__(self) -> FileSizeSignalIgnored:
         return self
 
     def __exit__(self, *exc: object) -> None:
