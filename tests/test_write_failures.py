@@ -345,3 +345,30 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
         assert "--allow-incomplete" in told
         shown = run("show", partial, "--allow-incomplete")
         assert shown.exit_code == 0 or "--allow-incomplete" not in shown.output, shown.output
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 1.8])
+def test_a_killed_capture_leaves_a_partial_that_opens_as_every_message_says(tmp_path, run,
+                                                                             delay):
+    """SIGKILL into a six-step capture; diff and show name the command that opens what it
+    left, and that command opens it (or the file holds nothing yet, and says so)."""
+    target = tmp_path / "t.h5"
+    process = subprocess.Popen([sys.executable, "-m", "layerdiff", "capture",
+                                "reference_models.schedule_port:reference", "-o", str(target)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    partial = Path(f"{target}.partial")
+    deadline = time.monotonic() + 60
+    while not partial.exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(delay)
+    process.kill()
+    process.communicate()
+    if target.exists():  # it finished first
+        return
+    advice = f"`layerdiff show {partial} --allow-incomplete`"
+    for told in (run("diff", target, target), run("diff", partial, partial),
+                 run("show", partial)):
+        assert told.exit_code == 2 and advice in told.output, told.output
+    shown = run("show", partial, "--allow-incomplete")
+    assert shown.exit_code == 0 or "holds nothing yet" in shown.output, shown.output

@@ -94,8 +94,9 @@ class Trace:
         self.complete = isinstance(complete, (bool, np.bool_)) and bool(complete)
         if not self.complete and not allow_incomplete:
             raise TraceError(f"{self.path} is incomplete: the capture that wrote it did not "
-                             "finish (crash, kill, full disk or an error in the model); capture "
-                             "again, or open it with --allow-incomplete to see what it holds")
+                             "finish (a crash, a kill, Ctrl-C or an error in the model); capture "
+                             f"again, or see what it holds with `layerdiff show {self.path} "
+                             "--allow-incomplete`")
         summary = attrs.get(schema.ATTR_SUMMARY)
         if not isinstance(summary, (bool, np.bool_)):
             raise TraceError(f"{self.path}: its {schema.ATTR_SUMMARY} attribute is "
@@ -269,8 +270,8 @@ def _open_h5(path: Path) -> h5py.File:
         partial = partial_path(path)
         if partial.exists():
             raise TraceError(f"trace {path} was never finished: {partial} is what a capture "
-                             "left when it stopped early; capture again, or open the .partial "
-                             "file with --allow-incomplete to see what it holds")
+                             "left when it stopped early; capture again, or see what it holds "
+                             f"with `layerdiff show {partial} --allow-incomplete`")
         raise TraceError(f"trace {path} does not exist; check the path")
     if path.is_dir():
         raise TraceError(f"{path} is a directory, not a trace file")
