@@ -228,6 +228,9 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
         raise click.UsageError("--against, --map and --tolerances go with --html")
     with open_trace(trace_path, allow_incomplete=allow_incomplete) as trace:
         records = show.select_records(trace, site=site, role=role, step=step)
+        trace.sites  # noqa: B018 - both tables read, so what a cut left out is said first
+        for note in trace.notes:
+            click.echo(f"warning: {note}", err=True)
         if as_json:
             click.echo(json.dumps(show.records_json(trace, records), indent=1))
             return

@@ -452,7 +452,8 @@ def test_a_full_disk_is_one_sentence_and_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "File too large" in lines[0] and "Traceback" not in lines[0]
-    assert not target.exists() and (tmp_path / "t.h5.partial").exists()
+    # nothing published, and nothing left: what a failed write leaves is cut at an unknown point
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("table, column", [("index", "arg"), ("index", "step"),

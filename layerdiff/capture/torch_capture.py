@@ -153,16 +153,25 @@ class PreparedCapture:
             meta["recorded_steps"] = sorted(int(step) for step in record_steps)
         self.recorder = Recorder(path, meta, summary=summary, queue_bytes=queue_bytes,
                                  keep=keep)
-        self.stager = Stager(self.recorder, async_device=async_device)
-        self.hooks = ModuleRecorder(modules, self.stager, weights=weights,
-                                    record_steps=record_steps)
-        self.ops = (OpRecorder(case.model, self.hooks, ops, all_ops=ops_all) if ops
-                    else None)
+        try:
+            self.stager = Stager(self.recorder, async_device=async_device)
+            self.hooks = ModuleRecorder(modules, self.stager, weights=weights,
+                                        record_steps=record_steps)
+            self.ops = (OpRecorder(case.model, self.hooks, ops, all_ops=ops_all) if ops
+                        else None)
+        except BaseException:  # the writer threads and the file must not outlive a failed setup
+            _close_incomplete(self.recorder)
+            raise
 
     def run(self, progress: bool = False) -> Path:
         """Run the steps with the hooks attached, then publish the trace."""
         try:
             return self._run(progress)
+        except BaseException:
+            # wherever a Ctrl-C landed (between the steps and the close, in the hooks'
+            # detaching), the writer stops and the file closes; a no-op once closed
+            _close_incomplete(self.recorder)
+            raise
         finally:
             self.stager.release()
 

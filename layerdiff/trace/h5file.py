@@ -1,13 +1,22 @@
 """The HDF5 side of writing a trace: a partial file that is published only when complete.
 
 One writer thread owns an instance; nothing here is thread-safe by itself.
+
+A write that fails (a full disk, a file size limit) ends the file: libhdf5 keeps the failed
+metadata in its cache and retries it at every later flush and close, and after some failures
+that crashes the process (a segmentation fault at exit). So once a write failed the file's
+descriptor is pointed at the null device (libhdf5 can then close without touching the disk),
+the ``.partial`` is removed and the error is one sentence for the user.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno as errnos
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +25,45 @@ import numpy as np
 
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
-from layerdiff.trace.lock import WriterLock
+from layerdiff.trace.lock import WriterLock, remove_stale
+from layerdiff.trace.signals import FileSizeSignalIgnored
 from layerdiff.trace.stats import table_digest, text_digest
 
 _STRING = h5py.string_dtype("utf-8")
 # Tables are written once per step, so compressing them costs little and keeps summary traces
 # (index only) small enough to commit as CI goldens.
 _CHUNK_ROWS = 1024
+# what the system's words for a write error mean for someone capturing a trace
+_HINTS = {errnos.ENOSPC: "the disk is full", errnos.EFBIG: "a file size limit (ulimit -f) was "
+          "reached", errnos.EROFS: "the file system is read-only",
+          errnos.EDQUOT: "the disk quota is used up"}
 
 
-def _reason(exc: OSError) -> str:
-    """The operating system's words for an h5py error (its message is long and technical)."""
-    return os.strerror(exc.errno) if exc.errno else str(exc).split("(")[0].strip()
+def _reason(exc: BaseException) -> str:
+    """The operating system's words for an h5py error (its message is long and technical:
+    libhdf5 names the errno inside it when the error did not come with one)."""
+    number = getattr(exc, "errno", None)
+    if not number:
+        found = re.search(r"errno = (\d+)", str(exc))
+        number = int(found.group(1)) if found else None
+    if number:
+        hint = _HINTS.get(number)
+        return f"{os.strerror(number)}: {hint}" if hint else os.strerror(number)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.split("(")[0].strip()[:120]
 
 
 def _create(path: Path, partial: Path) -> h5py.File:
+    """A new, empty ``.partial``, created (never opened: ``x`` mode is O_CREAT|O_EXCL, which
+    refuses a symbolic link as any existing name) after removing what a stopped capture
+    left. Called under the writer lock, so what is at that name is no live writer's."""
+    remove_stale(partial, f"cannot write trace {path}")
     try:
-        return h5py.File(partial, "w")
+        return h5py.File(partial, "x")
+    except FileExistsError as exc:  # planted between the removal and the creation
+        raise CaptureError(f"cannot write trace {path}: {partial} appeared while it was being "
+                           "created (another program is writing there); choose another -o "
+                           "path") from exc
     except OSError as exc:  # /proc, a full or read-only disk, a name the file system refuses
         raise CaptureError(f"cannot write trace {path}: creating {partial} failed "
                            f"({_reason(exc)}); choose another -o path") from exc
@@ -43,23 +74,30 @@ def partial_path(path: str | os.PathLike) -> Path:
 
 
 class TraceFile:
-    """Creates ``<path>.partial``, appends segments and table rows, renames to ``path`` at close."""
+    """Creates ``<path>.partial``, appends segments and table rows, renames to ``path`` at close.
+
+    Every write that fails raises :class:`CaptureError` (one sentence: the file, the system's
+    reason, what to do); the file is then dead: later writes raise the same, ``abandon`` and
+    ``close`` remove the ``.partial``.
+    """
 
     def __init__(self, path: str | os.PathLike, meta: dict[str, Any], summary: bool) -> None:
         self.path = Path(path)
         self.partial = partial_path(path)
         self.summary = summary
+        self.failure: BaseException | None = None  # the first write that failed
         self._segments = 0
+        self._h5: h5py.File | None = None
+        self._descriptor: tuple[int, os.stat_result] | None = None
         self._lock = WriterLock(self.path)  # before the .partial: one writer per path
+        self._signals = FileSizeSignalIgnored()
         try:
             self._h5 = _create(self.path, self.partial)
-            try:
+            self._descriptor = _descriptor(self._h5)
+            with self._writing():
                 self._skeleton(meta, summary)
-            except BaseException:
-                self._h5.close()
-                raise
-        except BaseException:  # Ctrl-C or a full disk at the very start: let the path go
-            self._lock.release()
+        except BaseException:  # Ctrl-C or a full disk at the very start: nothing was recorded
+            self._discard(remove=True)
             raise
 
     def _skeleton(self, meta: dict[str, Any], summary: bool) -> None:
@@ -89,37 +127,115 @@ class TraceFile:
     def write_segment(self, data: np.ndarray) -> int:
         """Store one contiguous run of packed tensor bytes; returns its segment number."""
         number = self._segments
-        self._h5.create_dataset(schema.segment_name(number), data=data)
+        with self._writing():
+            self._h5.create_dataset(schema.segment_name(number), data=data)
         self._segments += 1
         return number
 
     def append_rows(self, table: str, columns: dict[str, list]) -> None:
-        self._tables[table].append(columns)
+        with self._writing():
+            self._tables[table].append(columns)
 
     def flush(self) -> None:
-        self._h5.flush()
+        with self._writing():
+            self._h5.flush()
 
     def close(self, complete: bool) -> Path:
         """Close the file; publish it under its final name only when complete."""
         try:
-            if complete:
-                for name, table in self._tables.items():  # what a reader checks the tables by
-                    self._h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=name)] = table.digest()
-                self._h5.attrs[schema.ATTR_META_DIGEST] = text_digest(self._meta)
-                self._h5.attrs[schema.ATTR_COMPLETE] = True
-            self._h5.close()
+            with self._writing():
+                if complete:
+                    for name, table in self._tables.items():  # what a reader checks them by
+                        self._h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=name)] = \
+                            table.digest()
+                    self._h5.attrs[schema.ATTR_META_DIGEST] = text_digest(self._meta)
+                    self._h5.attrs[schema.ATTR_COMPLETE] = True
+                self._h5.close()
+            self._h5 = self._descriptor = None  # closed: its descriptor may be reused
             if not complete:
                 return self.partial
-            os.replace(self.partial, self.path)
+            try:
+                os.replace(self.partial, self.path)
+            except OSError as exc:
+                self.failure = exc
+                raise CaptureError(self.failure_sentence(
+                    f"renaming {self.partial} to {self.path}")) from exc
             return self.path
+        except BaseException:
+            self._discard(remove=False)
+            raise
         finally:
-            self._lock.release()
+            self._release()
 
     def abandon(self) -> None:
-        """Close without marking complete, ignoring errors (the disk may be full)."""
-        with contextlib.suppress(Exception):  # the original error is what the user needs
-            self._h5.close()
+        """Close without marking complete, ignoring errors (the original error is what the
+        user needs). The ``.partial`` stays for ``--allow-incomplete``, unless a write failed:
+        then it is cut at a point nobody knows, and the space it takes is wanted."""
+        self._discard(remove=False)
+
+    def failure_sentence(self, doing: str | None = None) -> str:
+        return (f"cannot write trace {self.path}: {doing or f'writing {self.partial}'} failed "
+                f"({_reason(self.failure)}); nothing was published; free space or choose "
+                "another -o path")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Any h5py error inside becomes the file's failure, and a CaptureError."""
+        if self.failure is not None:
+            raise CaptureError(self.failure_sentence())
+        try:
+            yield
+        except (OSError, RuntimeError) as exc:
+            self.failure = exc
+            self._detach()
+            raise CaptureError(self.failure_sentence()) from exc
+
+    def _detach(self) -> None:
+        """Point libhdf5's descriptor at the null device: what it retries after a failed
+        write goes nowhere, and closing the file cannot crash the process."""
+        if self._descriptor is None:
+            return
+        fd, opened = self._descriptor
+        self._descriptor = None
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), opened):  # still the .partial's descriptor
+                null = os.open(os.devnull, os.O_RDWR)
+                try:
+                    os.dup2(null, fd)
+                finally:
+                    os.close(null)
+
+    def _discard(self, remove: bool) -> None:
+        """Close the file, whatever state it is in; remove the ``.partial`` when ``remove`` or
+        a write failed; let the path go."""
+        if self._h5 is not None:
+            for _ in range(2):  # after a failure, the first close can fail where the next does not
+                try:
+                    self._h5.close()
+                    break
+                except Exception as exc:  # the error that led here is the one to say
+                    self.failure = self.failure or exc  # closing writes: it failed too
+                    self._detach()
+            self._h5 = None
+        if remove or self.failure is not None:
+            with contextlib.suppress(OSError):
+                self.partial.unlink()
+        self._release()
+
+    def _release(self) -> None:
         self._lock.release()
+        self._signals.restore()
+
+
+def _descriptor(h5: h5py.File) -> tuple[int, os.stat_result] | None:
+    """The POSIX descriptor libhdf5 writes the file through, and what it was opened on."""
+    if os.name != "posix":
+        return None
+    try:
+        fd = int(h5.id.get_vfd_handle())
+        return fd, os.fstat(fd)
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return None
 
 
 class _ColumnTable:

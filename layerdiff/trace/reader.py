@@ -40,6 +40,9 @@ class Trace:
         self.verify = verify
         # a multi-rank capture's manifest: the rank files it names (see trace.manifest)
         self.rank_paths: list[Path] = []
+        # what reading an incomplete trace dropped, cut off when its capture stopped (one
+        # sentence each, for the reader to show as warnings)
+        self.notes: list[str] = []
         self._h5 = _open_h5(self.path)
         try:
             self._check(allow_incomplete)
@@ -93,8 +96,9 @@ class Trace:
         self.complete = isinstance(complete, (bool, np.bool_)) and bool(complete)
         if not self.complete and not allow_incomplete:
             raise TraceError(f"{self.path} is incomplete: the capture that wrote it did not "
-                             "finish (crash, kill, full disk or an error in the model); capture "
-                             "again, or open it with --allow-incomplete to see what it holds")
+                             "finish (a crash, a kill, Ctrl-C or an error in the model); capture "
+                             f"again, or see what it holds with `layerdiff show {self.path} "
+                             "--allow-incomplete`")
         summary = attrs.get(schema.ATTR_SUMMARY)
         if not isinstance(summary, (bool, np.bool_)):
             raise TraceError(f"{self.path}: its {schema.ATTR_SUMMARY} attribute is "
@@ -125,7 +129,10 @@ class Trace:
     def index(self) -> pd.DataFrame:
         """One row per stored tensor or value, in recording order (see docs/trace-format.md)."""
         index = _read_table(self._h5, schema.INDEX_GROUP, schema.INDEX_COLUMNS, self.path,
-                            "seq", self._table_digests[schema.INDEX_GROUP])
+                            "seq", self._table_digests[schema.INDEX_GROUP],
+                            None if self.complete else self.notes)
+        if not self.complete:
+            index = self._intact_rows(index)
         check_index(index, str(self.path))
         make_visible(index, ("site", "arg"))  # names reach terminals: no control characters
         if self.summary and (index["segment"] >= 0).any():
@@ -133,6 +140,26 @@ class Trace:
                              "index points into tensor segments; the file is damaged")
         if self.verify:
             self._check_segments(index)
+        return index
+
+    def _intact_rows(self, index: pd.DataFrame) -> pd.DataFrame:
+        """An incomplete trace's index without the rows whose tensor data was cut off (a
+        segment missing or shorter than they say): the capture stopped while writing it."""
+        stored = index[(index["kind"] == "tensor") & (index["segment"] >= 0)]
+        cut = np.zeros(len(index), dtype=bool)
+        for segment, rows in stored.groupby("segment"):
+            try:
+                dataset = segment_dataset(self._h5, int(segment), str(self.path),
+                                          describe(rows.iloc[0]))
+                length = dataset.shape[0]
+            except TraceError:
+                length = -1
+            ends = rows["offset"] + rows["nbytes"]
+            cut[rows.index[(ends > length).to_numpy()]] = True
+        if cut.any():
+            self.notes.append(f"{self.path}: {int(cut.sum()):,} records whose tensor data was "
+                              "cut off when the capture stopped are left out")
+            index = index[~cut].reset_index(drop=True)
         return index
 
     def _check_segments(self, index: pd.DataFrame) -> None:
@@ -161,7 +188,8 @@ class Trace:
     def sites(self) -> pd.DataFrame:
         """One row per module call per step, in call order."""
         sites = _read_table(self._h5, schema.SITES_GROUP, schema.SITES_COLUMNS, self.path,
-                            "enter_seq", self._table_digests[schema.SITES_GROUP])
+                            "enter_seq", self._table_digests[schema.SITES_GROUP],
+                            None if self.complete else self.notes)
         check_sites(sites, str(self.path))
         make_visible(sites, ("site", "module", "type", "parent"))
         return sites
@@ -246,8 +274,8 @@ def _open_h5(path: Path) -> h5py.File:
         partial = partial_path(path)
         if partial.exists():
             raise TraceError(f"trace {path} was never finished: {partial} is what a capture "
-                             "left when it stopped early; capture again, or open the .partial "
-                             "file with --allow-incomplete to see what it holds")
+                             "left when it stopped early; capture again, or see what it holds "
+                             f"with `layerdiff show {partial} --allow-incomplete`")
         raise TraceError(f"trace {path} does not exist; check the path")
     if path.is_dir():
         raise TraceError(f"{path} is a directory, not a trace file")
@@ -350,6 +378,19 @@ def _walk_heap(data: mmap.mmap, at: int, size: int, path: Path) -> None:
                              f"at byte {position} is {length} bytes long), and HDF5 would "
                              "never finish reading it; the file is damaged, capture it again")
         position += need
+
+
+def _rows_written(data: dict[str, Any], table: str, path: Path,
+                  cut: list[str]) -> dict[str, Any]:
+    """The rows of a table cut mid-append that every column holds and that were written (an
+    appended row always names its site; a row made room for but never written is empty)."""
+    length = min(len(values) for values in data.values())
+    written = np.asarray(data["site"][:length]) != ""
+    left = max(len(values) for values in data.values()) - int(written.sum())
+    if left:
+        cut.append(f"{path}: {left:,} rows of table /{table} that the capture was writing "
+                   "when it stopped are left out")
+    return {name: np.asarray(values)[:length][written] for name, values in data.items()}
 
 
 def _is_int(value: Any) -> bool:
@@ -476,9 +517,11 @@ _ROWS_PER_FILE_BYTE = 300
 
 
 def _read_table(h5: h5py.File, group_name: str, columns: dict[str, Any], path: Path,
-                order: str, claimed: str | None) -> pd.DataFrame:
+                order: str, claimed: str | None, cut: list[str] | None = None) -> pd.DataFrame:
     """The table's columns, checked for type and length, and against ``claimed`` (the digest
-    its writer left) when there is one."""
+    its writer left) when there is one. ``cut`` (an incomplete trace's notes) reads a table
+    its writer stopped in the middle of appending to: the rows every column holds, written
+    (site not empty), are kept, and what was left out is noted in ``cut``."""
     group = _member(h5, group_name, h5py.Group, path)
     limit = max(path.stat().st_size, 1) * _ROWS_PER_FILE_BYTE
     data: dict[str, Any] = {}
@@ -500,6 +543,8 @@ def _read_table(h5: h5py.File, group_name: str, columns: dict[str, Any], path: P
                 if length > limit:
                     raise TraceError(f"{path}: table /{group_name} claims {length:,} rows, "
                                      "more than the file could hold; the file is damaged")
+            elif dataset.shape[0] != length and cut is not None:
+                length = min(length, dataset.shape[0])
             elif dataset.shape[0] != length:
                 raise TraceError(f"{path}: column {where} has {dataset.shape[0]} rows where "
                                  f"the table's other columns have {length}; the file is "
@@ -520,6 +565,8 @@ def _read_table(h5: h5py.File, group_name: str, columns: dict[str, Any], path: P
         except _H5_ERRORS as exc:
             raise TraceError(f"{path}: column {where} cannot be read ({_short(exc)}); the file "
                              "is damaged or cut off; capture it again") from exc
+    if cut is not None:
+        data = _rows_written(data, group_name, path, cut)
     if claimed is not None and table_digest(data, columns) != claimed:
         raise TraceError(f"{path}: table /{group_name} does not match the digest its writer "
                          "left: the file was damaged or edited after capture; capture it again")

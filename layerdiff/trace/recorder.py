@@ -24,6 +24,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.h5file import TraceFile
+from layerdiff.trace.signals import interrupts_deferred
 from layerdiff.trace.stats import EMPTY_STATS, Stats, batch_stats, compute_stats
 
 DEFAULT_QUEUE_BYTES = 256 * 2**20
@@ -144,6 +145,9 @@ class Recorder:
         self.fence: Callable[[], Callable[[], None]] | None = None
         self.copies_in_flight = False
         self.error: BaseException | None = None
+        # set by a Ctrl-C while closing: the threads stop writing tensor data and drain
+        self.aborted = False
+        self._closed: Path | None = None
         self._batch: list[Any] = []
         self._batch_bytes = 0
         self._batch_limit = min(BATCH_BYTES, queue_bytes // 4)
@@ -221,23 +225,47 @@ class Recorder:
     def raise_if_failed(self) -> None:
         if self.error is not None:
             error = self.error
+            if isinstance(error, CaptureError):  # the file's own sentence (a write failed)
+                raise CaptureError(str(error)) from error.__cause__
             raise CaptureError(
                 f"writing trace {self.file.partial} failed ({_said(error)}); nothing was "
                 f"published ({self.file.partial} holds what was written before the failure, "
                 "delete it to free the space)") from error
 
     def close(self, complete: bool) -> Path:
-        """Stop the writer and publish the file if ``complete``; returns the path written."""
-        self._send(_STOP)
-        for thread in self._threads:
-            thread.join()
-        if self.error is not None:
-            self.file.abandon()
-            self.raise_if_failed()
-        if not complete:
-            self.file.abandon()
-            return self.file.partial
-        return self.file.close(complete=True)
+        """Stop the writer and publish the file if ``complete``; returns the path written.
+
+        The writer threads are stopped and the file closed in every case. A Ctrl-C meanwhile
+        does not cut this short (the threads would be left writing, holding libhdf5's lock,
+        and the interpreter would hang at exit waiting for it): it makes the threads drain
+        without writing more tensors, leaves the ``.partial`` and is raised once all is
+        closed, unless the file was already being published (then the capture is complete).
+        A second call returns what the first did.
+        """
+        if self._closed is not None:
+            return self._closed
+        with interrupts_deferred(self.abort) as interrupt:
+            self._send(_STOP)
+            for thread in self._threads:
+                thread.join()
+            if self.error is not None:
+                self._closed = self.file.partial
+                self.file.abandon()
+                self.raise_if_failed()
+            if not complete or interrupt.pending:
+                self._closed = self.file.partial
+                self.file.abandon()
+            else:
+                self._closed = self.file.partial  # should publishing fail
+                self._closed = self.file.close(complete=True)
+        if interrupt.pending and self._closed != self.file.path:
+            raise KeyboardInterrupt
+        return self._closed
+
+    def abort(self) -> None:
+        """Make the writer threads finish soon: they write no more tensor data, then stop at
+        the next ``close`` with the rows of what they wrote flushed."""
+        self.aborted = True
 
     def _send(self, marker: object | None = None) -> None:
         if marker is not None:
@@ -263,10 +291,10 @@ class Recorder:
             try:
                 if batch and isinstance(batch[0], _Fence):
                     batch.pop(0).wait()  # its bytes are not in the ring until then
-                if self.error is None:
+                if self.error is None and not self.aborted:
                     stage.precompute(batch)
                 for item in batch:
-                    if self.error is None:
+                    if self.error is None and not (self.aborted and isinstance(item, _Record)):
                         stage.take(item)
                     elif isinstance(item, _Record) and item.offset >= 0:
                         self.ring.release(1)  # after a failure: drain so producers never block
@@ -290,7 +318,7 @@ class Recorder:
             batch = self._io_queue.get()
             try:
                 for item in batch:
-                    if self.error is None:
+                    if self.error is None and not (self.aborted and isinstance(item, _Segment)):
                         stage.take(item)
                     elif isinstance(item, _Segment):
                         self.ring.release(len(item.records))
