@@ -96,19 +96,29 @@ def compute_stats(raw: np.ndarray, dtype_name: str) -> Stats:
     nan = inf = 0
     finite = values
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        nan = int(np.count_nonzero(np.isnan(values)))
-        inf = int(np.count_nonzero(np.isinf(values)))
-        finite = values[np.isfinite(values)]
+        lo, hi, nan, inf, finite = bounds_and_counts(values)
         if finite.size == 0:
             return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
-        lo = float(np.nanmin(values)) if nan < n else math.nan
-        hi = float(np.nanmax(values)) if nan < n else math.nan
     total, squares, k = scaled_sums(finite)
     mean, std, l2, cancelled = moments(finite.size, total, squares, k, lo, hi)
     if cancelled:
         std = two_pass_std(finite, k)
     l2 = math.nan if nan else (math.inf if inf else l2)
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
+
+
+def bounds_and_counts(values: np.ndarray) -> tuple[float, float, int, int, np.ndarray]:
+    """(min, max, NaN count, Inf count, finite values) of values holding a NaN or an Inf: min
+    and max over the values that are not NaN (NaN if every value is), as the kernel takes
+    them. Not numpy's nanmin: it returns NaN for a signaling NaN among subnormals."""
+    nans = np.isnan(values)
+    nan = int(np.count_nonzero(nans))
+    finite = values[np.isfinite(values)]
+    inf = values.size - nan - finite.size
+    if nan == values.size:
+        return math.nan, math.nan, nan, inf, finite
+    kept = values[~nans] if nan else values
+    return float(kept.min()), float(kept.max()), nan, inf, finite
 
 
 def tensor_stats(raw: np.ndarray, dtype_name: str) -> Stats:
@@ -230,7 +240,8 @@ def scale_of(k: int) -> float:
 
 def scaled_sums(values: np.ndarray) -> tuple[float, float, int]:
     """(total, squares, k) of a flat array of finite values: see "scaled sums" above."""
-    total = float(values.sum(dtype=np.float64))
+    with np.errstate(over="ignore"):  # float64 values near the range: summed scaled below
+        total = float(values.sum(dtype=np.float64))
     squares = sum_squares(values)
     if values.dtype != np.float64:
         return total, squares, 0  # widened to float64: never out of range

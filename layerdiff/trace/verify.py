@@ -21,7 +21,8 @@ import xxhash
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema, stats
-from layerdiff.trace.stats import as_float, fold_sums, scale_of, scaled_sums
+from layerdiff.trace.stats import (as_float, bounds_and_counts, fold_sums, scale_of,
+                                   scaled_sums)
 
 # Statistics are sums: the writer's order of summation and this check's differ by rounding
 # only, at most 2 gamma_n (n 2**-52) relative, far below this (stats.py, "scaled sums", has
@@ -115,15 +116,11 @@ class RecordCheck:
         """One chunk's statistics in numpy: the reference, and the path without numba."""
         lo, hi = values.min(), values.max()
         if not (math.isfinite(lo) and math.isfinite(hi)):
-            nan = np.isnan(values)
-            inf = np.isinf(values)
-            nans = int(np.count_nonzero(nan))
-            self._nan += nans
-            self._inf += int(np.count_nonzero(inf))
-            if nans < values.size:
-                lo, hi = np.nanmin(values), np.nanmax(values)
-            values = values[~(nan | inf)]
-        self._min, self._max = min(self._min, float(lo)), max(self._max, float(hi))
+            lo, hi, nan, inf, values = bounds_and_counts(values)
+            self._nan += nan
+            self._inf += inf
+        if not math.isnan(lo):  # a chunk of nothing but NaN leaves the bounds alone
+            self._min, self._max = min(self._min, float(lo)), max(self._max, float(hi))
         if values.size:
             self._finite += values.size
             self._sums = fold_sums(self._sums, scaled_sums(values))
@@ -176,30 +173,35 @@ class RecordCheck:
         # finite mean and std, and an infinite l2 only where it is beyond float64's range.
         legacy_overflow = l2 * scale >= math.sqrt(_MAX) * (1 - rtol)
         # a mean's sums never lose digits to underflow (a sum of subnormals is exact), but
-        # scaled values below 2**-1022 may: 2**-1075 each, at most that on the mean
-        checks = [("mean", mean, rtol * math.sqrt(mean_square) + 2.0**-1074)]
-        if not (self._nan or self._inf):  # else the index's norm is NaN or Inf by definition
-            checks.append(("l2", l2, rtol * l2 + math.sqrt(floor)))
-        for name, value, slack in checks:
-            claimed = float(row[name])
-            if not math.isfinite(claimed):
-                if legacy_overflow or (name == "l2" and claimed == math.inf
-                                       and l2 * (1 + rtol) * scale >= _MAX):
-                    continue
-            elif abs(claimed * unscale - value) <= slack:
-                continue
-            return f"{name}: index says {claimed:.9g}, data has {value * scale:.9g}"
-        claimed = float(row["std"])
-        std = math.sqrt(max(mean_square - mean * mean, 0.0))
-        # compared as variances: a rounding of the sum of squares moves the variance by the
-        # same amount whatever the spread, so the slack is a fraction of the mean square
+        # scaled values below 2**-1022 may: 2**-1075 each, at most that on the mean; and the
+        # index's values were rounded onto float64's grid, 2**-1075 apart at the least
+        grid = 2.0**-1074 * unscale
+        claimed = float(row["mean"])
         if math.isfinite(claimed):
-            claimed_s = claimed * unscale
-            if abs(claimed_s * claimed_s - std * std) <= rtol * mean_square + floor / count:
-                return ""
-        elif legacy_overflow:
-            return ""
-        return f"std: index says {claimed:.9g}, data has {std * scale:.9g}"
+            slack = rtol * math.sqrt(mean_square) + 2.0**-1074 + grid
+            if not abs(claimed * unscale - mean) <= slack:
+                return f"mean: index says {claimed:.9g}, data has {mean * scale:.9g}"
+        elif not legacy_overflow:
+            return f"mean: index says {claimed:.9g}, data has {mean * scale:.9g}"
+        # l2 and std compared as squares: a rounding of the sum of squares moves the variance
+        # by the same amount whatever the spread, so the slack is a fraction of the squares
+        std = math.sqrt(max(mean_square - mean * mean, 0.0))
+        # (an l2 within rtol is a square within 2 rtol; a variance within rtol of the mean
+        # square, as before)
+        compared = [("std", std, count, 1, float(row["std"]))]
+        if not (self._nan or self._inf):  # else the index's norm is NaN or Inf by definition
+            compared.append(("l2", l2, 1, 2, float(row["l2"])))
+        for name, value, per, times, claimed in compared:
+            if math.isfinite(claimed):
+                claimed_s = claimed * unscale
+                slack = (times * rtol * squares + floor) / per + (2 * value + grid) * grid
+                if abs(claimed_s * claimed_s - value * value) <= slack:
+                    continue
+            elif legacy_overflow or (name == "l2" and claimed == math.inf
+                                     and l2 * (1 + rtol) * scale >= _MAX):
+                continue  # an L2 norm beyond float64's range is stored as inf
+            return f"{name}: index says {claimed:.9g}, data has {value * scale:.9g}"
+        return ""
 
 
 def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str, *,
