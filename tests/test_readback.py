@@ -23,6 +23,7 @@ from layerdiff.capture import capture
 from layerdiff.capture.precision import cast_case
 from layerdiff.case import ExternalCase, load_case
 from layerdiff.errors import CaptureError
+from layerdiff.trace import stats
 from layerdiff.trace.reader import open_trace
 from reference_models.catalog import CATALOG
 
@@ -65,12 +66,13 @@ def finfo_min_mask() -> Case:
 
 
 def vanishing_gradients() -> Case:
-    """A deep narrow tanh stack with a loss scaled to 1e-20: its gradients are ~1e-21, whose
-    squares (~1e-42) are below float32's normal range (deep_narrow's, in the issue)."""
+    """A deep narrow tanh stack with a loss scaled to 1e-22: its gradients are ~1e-23, whose
+    squares (~1e-46, down to float32's smallest subnormal) are far below float32's normal
+    range (deep_narrow's, in the issue, are ~1e-22)."""
     seed_everything(0)
     layers = [m for _ in range(6) for m in (nn.Linear(8, 8), nn.Tanh())]
     return Case(model=nn.Sequential(*layers), inputs=(torch.randn(4, 8),),
-                loss_fn=lambda out: out.float().pow(2).mean() * 1e-20,
+                loss_fn=lambda out: out.float().pow(2).mean() * 1e-22,
                 name=f"{__name__}:vanishing_gradients")
 
 
@@ -101,16 +103,25 @@ CRAFTED = [f"{__name__}:{name}" for name in ("finfo_min_mask", "vanishing_gradie
 
 def _read_everything(path: Path) -> int:
     """Open ``path`` verified and read every stored tensor (each checked against its digest
-    and its statistics); returns how many. Raises what a reader raises."""
-    trace = open_trace(path)
-    try:
-        index = trace.index
-        stored = index[(index["kind"] == "tensor") & (index["segment"] >= 0)]
-        for position in range(len(stored)):
-            trace.read(stored.iloc[position])
-        return len(stored)
-    finally:
-        trace.close()
+    and its statistics), with the compiled statistics and with numpy's (what a process that
+    has not loaded numba checks small records with); returns how many. Raises what a reader
+    raises."""
+    counts = []
+    with pytest.MonkeyPatch.context() as patch:
+        for env in ("", "numpy"):
+            patch.setenv("LAYERDIFF_STATS", env)
+            stats.compiled.cache_clear()
+            trace = open_trace(path)
+            try:
+                index = trace.index
+                stored = index[(index["kind"] == "tensor") & (index["segment"] >= 0)]
+                for position in range(len(stored)):
+                    trace.read(stored.iloc[position])
+                counts.append(len(stored))
+            finally:
+                trace.close()
+    stats.compiled.cache_clear()
+    return counts[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d or "as-built")
