@@ -59,10 +59,15 @@ class MaskedModel(nn.Module):
         return self.out(self.attn(x, mask))
 
 
+def _sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.1)
+
+
 def finfo_min_mask() -> Case:
     seed_everything(0)
     return Case(model=MaskedModel(), inputs=(torch.randn(2, 6, 8),),
-                loss_fn=lambda out: out.float().pow(2).mean(), name=f"{__name__}:finfo_min_mask")
+                loss_fn=lambda out: out.float().pow(2).mean(), optimizer=_sgd,
+                name=f"{__name__}:finfo_min_mask")
 
 
 def vanishing_gradients() -> Case:
@@ -72,7 +77,7 @@ def vanishing_gradients() -> Case:
     seed_everything(0)
     layers = [m for _ in range(6) for m in (nn.Linear(8, 8), nn.Tanh())]
     return Case(model=nn.Sequential(*layers), inputs=(torch.randn(4, 8),),
-                loss_fn=lambda out: out.float().pow(2).mean() * 1e-22,
+                loss_fn=lambda out: out.float().pow(2).mean() * 1e-22, optimizer=_sgd,
                 name=f"{__name__}:vanishing_gradients")
 
 
@@ -93,7 +98,7 @@ class NearMax(nn.Module):
 def near_float32_max() -> Case:
     seed_everything(0)
     return Case(model=NearMax(), inputs=(torch.rand(3, 8) * 0.5 + 0.5,),
-                loss_fn=lambda out: (out.float() * 1e-30).sum(),
+                loss_fn=lambda out: (out.float() * 1e-30).sum(), optimizer=_sgd,
                 name=f"{__name__}:near_float32_max")
 
 
@@ -161,6 +166,15 @@ def test_a_finfo_min_mask_in_float64_is_what_the_index_says(tmp_path):
     assert mask["mean"] == pytest.approx(lowest / 36 * 15, rel=1e-12)  # 15 of 36 masked
     assert math.isfinite(mask["std"]) and mask["std"] > 0
     assert mask["l2"] == math.inf
+
+
+@pytest.mark.parametrize("spec", CRAFTED, ids=lambda s: s.split(":")[1])
+def test_diverge_with_its_float64_golden_runs_on_extremes(spec, run, tmp_path):
+    """diverge captures a float64 golden of the reference by default: it exited 2 on a model
+    with an HF mask ("non-finite statistic ... the file is damaged")."""
+    result = run("diverge", spec, spec, "--steps", "2", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "no step differs" in result.output
 
 
 def test_hf_llama_in_float64_reads_back(run, tmp_path):
