@@ -363,8 +363,8 @@ def span_stats(raw: np.ndarray, dtype_name: str) -> Stats | None:
     lo, hi, total, squares, nan, inf, k = kernel.chunk_stats(raw, item, table)
     dig = xxhash.xxh3_64_hexdigest(raw)
     count = raw.size // item - nan - inf
-    if not count:  # nothing finite (as _from_sums)
-        if nan:
+    if not count:  # nothing finite (as _from_sums): min and max of the infinities, if any
+        if nan == raw.size // item:
             lo = hi = math.nan
         return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
     mean, std, l2, cancelled = moments(count, total, squares, k, lo, hi)
@@ -454,8 +454,8 @@ def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: li
             nans.tolist(), infs.tolist(), count.tolist(), cancelled.tolist(), strict=True)):
         offset, nbytes, _ = spans[chosen[j]]
         dig = xxhash.xxh3_64_hexdigest(view[offset:offset + nbytes])
-        if not finite:  # nothing finite: numpy's min of an array with a NaN is NaN
-            if nan:
+        if not finite:  # nothing finite: min and max of the infinities (NaN if none)
+            if nan == nbytes // _ITEMSIZE[name]:
                 lo = hi = math.nan
             out.append(Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig))
             continue
