@@ -30,6 +30,8 @@ from layerdiff.trace.stats import (as_float, bounds_and_counts, fold_sums, scale
 # summed in blocks carry a float32 dot's error, up to ~n * 2**-30 relative.
 _SUM_RTOL = 1e-3
 _MAX = float(np.finfo(np.float64).max)
+# sqrt of float64's largest value, less a rounding: squares of values at or above overflow
+_ROOT_MAX = math.sqrt(_MAX) * (1 - 1e-9)
 
 
 def _sum_rtol(count: int) -> float:
@@ -316,8 +318,8 @@ def _check_statistics(tensors: pd.DataFrame, refuse) -> None:
     value where every element is finite and none could overflow, a NaN where none is): checked
     here because a summary trace has no data to check them against.
 
-    Where every element is finite, min and max are finite; mean, std and l2 may not be only
-    where float64 sums of the values could overflow: an L2 norm beyond float64's largest value
+    Where every element is finite, min and max are finite; mean, std and l2 may be non-finite
+    only where float64 sums of the values could overflow: an L2 norm beyond float64's largest value
     is stored as inf, and writers before the scaled sums (stats.py) stored inf or NaN for mean,
     std and l2 wherever the squares overflowed, sum(x**2) > max, which needs
     max|x| * sqrt(numel) > sqrt(max). Below that bound a non-finite statistic is damage.
@@ -345,10 +347,6 @@ def _check_statistics(tensors: pd.DataFrame, refuse) -> None:
     if row is not None:
         refuse(row, f"has statistics that contradict each other (min {row['min']:.6g}, max "
                     f"{row['max']:.6g}, mean {row['mean']:.6g}, std {row['std']:.6g})")
-
-
-# sqrt of float64's largest value, less a rounding: squares of values at or above overflow
-_ROOT_MAX = math.sqrt(_MAX) * (1 - 1e-9)
 
 
 def _is_float(name: str) -> bool:
