@@ -21,8 +21,14 @@ from hypothesis import strategies as st
 
 from layerdiff import TraceError
 from layerdiff.trace import schema, stats, stats_kernel
-from layerdiff.trace.stats import (Stats, batch_stats, compute_stats, numpy_batch_stats,
-                                   span_stats, tensor_stats)
+from layerdiff.trace.stats import (
+    Stats,
+    batch_stats,
+    compute_stats,
+    numpy_batch_stats,
+    span_stats,
+    tensor_stats,
+)
 from layerdiff.trace.verify import RecordCheck, check_index
 
 ALIGN = 64
@@ -46,7 +52,8 @@ def _floats(draw, dtype: str, n: int) -> np.ndarray:
     high = min(top, low + draw(st.sampled_from([0, 1, 3, 30, top])))
     exponents = rng.integers(low, high + 1, n, dtype=np.uint64)
     mantissas = rng.integers(0, 2**mantissa, n, dtype=np.uint64)
-    signs = rng.integers(0, 2, n, dtype=np.uint64) if draw(st.booleans()) else np.zeros(n, np.uint64)
+    signed = draw(st.booleans())
+    signs = rng.integers(0, 2, n, dtype=np.uint64) if signed else np.zeros(n, np.uint64)
     raw = (signs << np.uint64(width - 1)) | (exponents << np.uint64(mantissa)) | mantissas
     raw = raw.astype(bits_type)
     specials = draw(st.lists(st.sampled_from(

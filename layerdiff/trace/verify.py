@@ -21,8 +21,7 @@ import xxhash
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema, stats
-from layerdiff.trace.stats import (as_float, bounds_and_counts, fold_sums, scale_of,
-                                   scaled_sums)
+from layerdiff.trace.stats import as_float, bounds_and_counts, fold_sums, scale_of, scaled_sums
 
 # Statistics are sums: the writer's order of summation and this check's differ by rounding
 # only, at most 2 gamma_n (n 2**-52) relative, far below this (stats.py, "scaled sums", has
@@ -159,7 +158,7 @@ class RecordCheck:
             return ""
         for name, value in (("min", self._min), ("max", self._max)):
             claimed = float(row[name])
-            if not claimed == value:  # NaN: never equal
+            if claimed != value:  # NaN: never equal
                 return f"{name}: index says {claimed:.9g}, data has {value:.9g}"
         total, squares, k = self._sums
         scale = scale_of(k)
