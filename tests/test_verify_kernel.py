@@ -68,9 +68,9 @@ def _both(raw: np.ndarray, row: dict, pieces: int, monkeypatch) -> str:
 
 
 def _rounded(sentence: str) -> str:
-    """The sentence with its numbers to 6 digits: 'data has' is recomputed, and numpy's float32
-    dot sums squares to ~1e-7 where the kernel sums them in float64, so the 9th digit of an
-    L2 norm or a standard deviation may differ (the decision never does: its slack is 1e-3)."""
+    """The sentence with its numbers to 6 digits: 'data has' is recomputed, in another
+    summation order, so the last digits of an L2 norm or a standard deviation may differ (the
+    decision never does: its slack is 1e-3)."""
     return re.sub(r"-?\d+\.\d+(e[-+]\d+)?", lambda m: f"{float(m.group()):.6g}", sentence)
 
 

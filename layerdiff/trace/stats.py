@@ -4,9 +4,13 @@
 compiled pass (stats_kernel.py, numba, imported on first use); without numba, or with
 ``LAYERDIFF_STATS=numpy`` in the environment, it falls back to the numpy code below, which
 stays the reference: min, max, counts and digest are equal either way, mean, std and l2 equal
-up to float64 summation order (to ~1e-12 of the values' root mean square), except that the
-kernel sums float32 squares in float64 where compute_stats' BLAS dot sums them in float32
-(~n * 2**-30 relative). The digest is xxh3 (xxhash, ~20 GB/s) in both.
+up to float64 summation order. The digest is xxh3 (xxhash, ~20 GB/s) in both.
+
+Every path sums the same way (see "Scaled sums" below): values and their squares in float64,
+and for float64 data whose squares would leave float64's range, values scaled by 2**-600 (or
+2**600 when every square is below 2**-960), so that mean and std of finite data are finite
+and the L2 norm is infinite only where it exceeds float64's largest value. A reader
+verifying the statistics (verify.py) folds its chunks' sums with the same rules.
 """
 
 from __future__ import annotations
@@ -92,20 +96,29 @@ def compute_stats(raw: np.ndarray, dtype_name: str) -> Stats:
     nan = inf = 0
     finite = values
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        nan = int(np.count_nonzero(np.isnan(values)))
-        inf = int(np.count_nonzero(np.isinf(values)))
-        finite = values[np.isfinite(values)]
+        lo, hi, nan, inf, finite = bounds_and_counts(values)
         if finite.size == 0:
             return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
-        lo = float(np.nanmin(values)) if nan < n else math.nan
-        hi = float(np.nanmax(values)) if nan < n else math.nan
-    total = float(finite.sum(dtype=np.float64))
-    squares = sum_squares(finite)
-    count = finite.size
-    mean = total / count
-    std = _std(squares / count, mean, finite)
-    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
+    total, squares, k = scaled_sums(finite)
+    mean, std, l2, cancelled = moments(finite.size, total, squares, k, lo, hi)
+    if cancelled:
+        std = two_pass_std(finite, k)
+    l2 = math.nan if nan else (math.inf if inf else l2)
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
+
+
+def bounds_and_counts(values: np.ndarray) -> tuple[float, float, int, int, np.ndarray]:
+    """(min, max, NaN count, Inf count, finite values) of values holding a NaN or an Inf: min
+    and max over the values that are not NaN (NaN if every value is), as the kernel takes
+    them. Not numpy's nanmin: it returns NaN for a signaling NaN among subnormals."""
+    nans = np.isnan(values)
+    nan = int(np.count_nonzero(nans))
+    finite = values[np.isfinite(values)]
+    inf = values.size - nan - finite.size
+    if nan == values.size:
+        return math.nan, math.nan, nan, inf, finite
+    kept = values[~nans] if nan else values
+    return float(kept.min()), float(kept.max()), nan, inf, finite
 
 
 def tensor_stats(raw: np.ndarray, dtype_name: str) -> Stats:
@@ -160,10 +173,13 @@ def numpy_batch_stats(buffer: np.ndarray,
             maxs = np.maximum.reduceat(values, starts)[0::2]
             sums = np.add.reduceat(values, starts, dtype=np.float64)[0::2]
             squares = np.add.reduceat(np.square(values, dtype=np.float64), starts)[0::2]
-            means = sums / counts
+            means = np.minimum(np.maximum(sums / counts, mins), maxs)
             stds = np.sqrt(np.maximum(squares / counts - means * means, 0.0))
             norms = np.sqrt(squares)
-        finite = np.isfinite(mins) & np.isfinite(maxs)
+        # finite values whose float64 squares are in range (k = 0 in "scaled sums"); the
+        # others are compute_stats' (float32 squares always are)
+        finite = (np.isfinite(mins) & np.isfinite(maxs) & np.isfinite(squares)
+                  & ((squares >= TINY_SQUARES) | ((mins == 0) & (maxs == 0))))
         for j, i in enumerate(chosen):
             if finite[j]:
                 offset, nbytes, _ = spans[i]
@@ -175,37 +191,124 @@ def numpy_batch_stats(buffer: np.ndarray,
     return results
 
 
-# A float32 BLAS dot accumulates in float32: over 3e7 elements its sum is 2e-4 off. Blocks of
-# this size keep each partial sum accurate to ~1e-7 and add them in float64, at the same speed.
-_DOT_BLOCK = 1 << 18
+# Squares are summed in float64 blocks of this size (a float64 BLAS dot each), the partial
+# sums added with fsum. A float32 dot would square in float32, where the square of a value
+# below 2**-63 (a vanishing gradient) is subnormal or zero: the kernel squares in float64.
+# Other dtypes are widened block by block into one buffer that stays in cache (64 KiB):
+# measured 0.05 s for 16M float32 values, where a fresh 2 MiB array per block took 0.3-0.6 s.
+_DOT_BLOCK = 1 << 13
 
 
 def sum_squares(values: np.ndarray) -> float:
-    """The sum of squares of a flat array, accurate to about 1e-7 whatever its length."""
-    if values.dtype.kind != "f":
-        values = values.astype(np.float64)
+    """The float64 sum of squares of a flat array (squared in float64 whatever its dtype)."""
+    widened = None if values.dtype == np.float64 else np.empty(min(values.size, _DOT_BLOCK))
     total = []
-    for start in range(0, values.size, _DOT_BLOCK):
-        block = values[start:start + _DOT_BLOCK]
-        with np.errstate(over="ignore"):
-            part = float(np.dot(block, block))
-        if math.isinf(part) and block.dtype.itemsize < 8:  # squares past float32's range
-            part = float(np.dot(block.astype(np.float64), block.astype(np.float64)))
-        total.append(part)
-    return math.fsum(total)
+    with np.errstate(over="ignore", under="ignore"):
+        for start in range(0, values.size, _DOT_BLOCK):
+            block = values[start:start + _DOT_BLOCK]
+            if widened is not None:
+                np.copyto(widened[:block.size], block)
+                block = widened[:block.size]
+            total.append(float(np.dot(block, block)))
+    return math.fsum(total) if all(map(math.isfinite, total)) else sum(total)
+
+
+# ---------------------------------------------------------------------------- scaled sums
+#
+# A chunk of finite values is summed as (total, squares, k): the true sum is total * 2**(600k)
+# and the true sum of squares squares * 2**(1200k), k in {-1, 0, 1}. Values of every dtype but
+# float64 have float64 squares between 2**-298 and 2**256 (float32's range; integers below
+# 2**64): k = 0, nothing can over- or underflow. float64 values can: a square overflows above
+# 2**512 (an HF causal mask of finfo(float64).min) and loses digits below 2**-511. So for
+# float64: k = 1 (values times 2**-600) when the unscaled squares overflow, k = -1 (values
+# times 2**600) when their sum is below TINY_SQUARES and some value is not zero.
+#
+# Error bound (Higham, Accuracy and Stability, 4.2): a float64 sum of n terms in any order is
+# within gamma_n = n u / (1 - n u), u = 2**-53, of the exact sum relative to sum |x|; squares
+# add one rounding each. Scaling by a power of two is exact except where a scaled value
+# falls below 2**-1022: each such value or square is then off by at most 2**-1075 absolute, and
+# only happens to terms at least 2**-115 smaller, relative to the total, than the largest.
+# So any two summations (the writer's one span, a reader's chunks) agree to
+#     |d mean| <= 2 gamma_n rms,   |d squares| <= 2 gamma_{n+1} squares + n 2**-1074 (scaled)
+# and verify.py's tolerance (1e-3 relative) is far above that for any n a trace can hold.
+SCALE_EXP = 600
+SCALE_UP = 2.0**SCALE_EXP     # values times this for k = -1
+SCALE_DOWN = 2.0**-SCALE_EXP  # values times this for k = 1
+TINY_SQUARES = 2.0**-960  # below: float64 squares of the largest values may be subnormal
+
+
+def scale_of(k: int) -> float:
+    """The factor a k-scaled total or root-mean-square is multiplied by to be the true one."""
+    return SCALE_UP if k > 0 else (SCALE_DOWN if k < 0 else 1.0)
+
+
+def scaled_sums(values: np.ndarray) -> tuple[float, float, int]:
+    """(total, squares, k) of a flat array of finite values: see "scaled sums" above."""
+    with np.errstate(over="ignore"):  # float64 values near the range: summed scaled below
+        total = float(values.sum(dtype=np.float64))
+    squares = sum_squares(values)
+    if values.dtype != np.float64:
+        return total, squares, 0  # widened to float64: never out of range
+    if not math.isfinite(squares):
+        k, factor = 1, SCALE_DOWN
+    elif squares < TINY_SQUARES and values.any():
+        k, factor = -1, SCALE_UP
+    else:
+        return total, squares, 0
+    with np.errstate(under="ignore"):
+        scaled = values * factor
+    return float(scaled.sum()), sum_squares(scaled), k
+
+
+def fold_sums(a: tuple[float, float, int], b: tuple[float, float, int]
+              ) -> tuple[float, float, int]:
+    """Two chunks' scaled sums as one: the smaller-scaled brought to the larger's k (a chunk
+    of zeros, squares 0, takes any k). What a reader folding chunks adds up."""
+    if b[1] == 0.0:
+        return (a[0] + b[0], a[1], a[2])
+    if a[1] == 0.0:
+        return (a[0] + b[0], b[1], b[2])
+    k = max(a[2], b[2])
+    return (_shrink(a[0], k - a[2]) + _shrink(b[0], k - b[2]),
+            _shrink(a[1], 2 * (k - a[2])) + _shrink(b[1], 2 * (k - b[2])), k)
+
+
+def _shrink(value: float, steps: int) -> float:
+    for _ in range(steps):  # one multiplication at a time: 2**-1200 is not a float64
+        value *= SCALE_DOWN
+    return value
+
+
+def moments(count: int, total: float, squares: float, k: int, lo: float, hi: float
+            ) -> tuple[float, float, float, bool]:
+    """(mean, one-pass std, l2, cancelled) of ``count`` finite values from their scaled sums;
+    ``lo``, ``hi`` the values' bounds (the mean is clamped into them: rounding may not move a
+    mean of values at float64's largest outside its range). ``cancelled``: the one-pass std
+    lost its digits, take the two-pass one (two_pass_std)."""
+    scale = scale_of(k)
+    mean_s = total / count
+    mean_square = squares / count
+    mean = min(max(mean_s * scale, lo), hi)
+    spread = mean_square - mean_s * mean_s
+    std = math.sqrt(max(spread, 0.0)) * scale
+    bound = max(abs(lo), abs(hi))
+    if std > bound:  # a std is never above the largest magnitude (rounding near the range)
+        std = bound
+    return mean, std, math.sqrt(squares) * scale, _cancelled(mean_square, mean_s)
+
+
+def two_pass_std(values: np.ndarray, k: int) -> float:
+    """numpy's two-pass standard deviation of finite values, in the k-scaled domain."""
+    if k:
+        with np.errstate(under="ignore"):
+            values = values * (SCALE_DOWN if k > 0 else SCALE_UP)
+    return float(values.std(dtype=np.float64)) * scale_of(k)
 
 
 def _cancelled(mean_square: float, mean: float) -> bool:
-    """Whether E[x^2] - E[x]^2 lost its digits: the spread is tiny next to the mean."""
+    """Whether E[x^2] - E[x]^2 lost its digits: the spread is tiny next to the mean (values
+    far from zero with a small spread: [1000.0, 1000.001]); the two-pass std keeps them."""
     return mean_square - mean * mean < 1e-4 * mean_square
-
-
-def _std(mean_square: float, mean: float, values: np.ndarray) -> float:
-    """The one-pass standard deviation, or the two-pass one where one pass cancels out
-    (values far from zero with a small spread: [1000.0, 1000.001])."""
-    if _cancelled(mean_square, mean):
-        return float(values.std(dtype=np.float64))
-    return math.sqrt(max(mean_square - mean * mean, 0.0))
 
 
 @functools.cache
@@ -257,30 +360,27 @@ def span_stats(raw: np.ndarray, dtype_name: str) -> Stats | None:
     if kernel is None or item is None or not raw.size or raw.size % item:
         return batch_stats(raw, [(0, raw.size, dtype_name)])[0]
     table = half_table(dtype_name) if dtype_name in _HALF_DTYPES else None
-    lo, hi, total, squares, nan, inf = kernel.chunk_stats(raw, item, table)
+    lo, hi, total, squares, nan, inf, k = kernel.chunk_stats(raw, item, table)
     dig = xxhash.xxh3_64_hexdigest(raw)
     count = raw.size // item - nan - inf
-    if not count:  # nothing finite (as _from_sums)
-        if nan:
+    if not count:  # nothing finite (as _from_sums): min and max of the infinities, if any
+        if nan == raw.size // item:
             lo = hi = math.nan
         return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig)
-    mean = total / count
-    mean_square = squares / count
-    if _cancelled(mean_square, mean):
-        std = _two_pass_std(raw, dtype_name, nan or inf)
-    else:
-        std = math.sqrt(max(mean_square - mean * mean, 0.0))
-    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
+    mean, std, l2, cancelled = moments(count, total, squares, k, lo, hi)
+    if cancelled:
+        std = _two_pass_std(raw, dtype_name, nan or inf, k)
+    l2 = math.nan if nan else (math.inf if inf else l2)
     return Stats(lo, hi, mean, std, l2, nan, inf, dig)
 
 
-def _two_pass_std(raw: np.ndarray, dtype_name: str, nonfinite: bool) -> float:
+def _two_pass_std(raw: np.ndarray, dtype_name: str, nonfinite: bool, k: int) -> float:
     """numpy's two-pass standard deviation of the finite values of a tensor's bytes, as
     compute_stats takes it where one pass cancels out (rare: layer-norm weights)."""
     values = as_float(raw.view(schema.numpy_dtype(dtype_name)), dtype_name)
     if nonfinite:
         values = values[np.isfinite(values)]
-    return float(values.std(dtype=np.float64))
+    return two_pass_std(values, k)
 
 
 def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
@@ -299,6 +399,7 @@ def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
         starts = np.array([spans[i][0] // item for i in chosen], dtype=np.int64)
         stops = starts + np.array([spans[i][1] // item for i in chosen], dtype=np.int64)
         sums = np.empty((len(chosen), 2), dtype=np.float64)
+        exps = np.zeros(len(chosen), dtype=np.int64)  # k of each span's sums: float64 only
         if name in _INT_DTYPES:
             bounds = np.empty((len(chosen), 2), dtype=np.float64)
             kernel.int_spans(whole.view(_INT_DTYPES[name]), starts, stops, sums, bounds)
@@ -316,12 +417,12 @@ def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
             else:
                 shift, mask = kernel.key_shift_mask(item)
                 kernel.float_spans(whole.view(_FLOAT_DTYPES[name]), keys, starts, stops,
-                                   shift, mask, sums, counts)
+                                   shift, mask, sums, counts, exps)
                 lows = kernel.keys_to_floats(counts[:, 0], item)
                 highs = kernel.keys_to_floats(counts[:, 1], item)
             nans, infs = counts[:, 2], counts[:, 3]
         results_for = _from_sums(buffer, spans, chosen, name, stops - starts, lows, highs,
-                                 sums, nans, infs)
+                                 sums, exps, nans, infs)
         for i, stat in zip(chosen, results_for, strict=True):
             results[i] = stat
     return results
@@ -329,17 +430,23 @@ def _fused_batch_stats(kernel: ModuleType, buffer: np.ndarray,
 
 def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: list[int],
                name: str, numel: np.ndarray, lows: np.ndarray, highs: np.ndarray,
-               sums: np.ndarray, nans: np.ndarray, infs: np.ndarray) -> list[Stats]:
+               sums: np.ndarray, exps: np.ndarray, nans: np.ndarray, infs: np.ndarray
+               ) -> list[Stats]:
     """Stats from one pass's sums over the finite values, with compute_stats' rules and its
-    float64 operations (as arrays: per-tensor Python is what costs on small tensors)."""
+    float64 operations (moments, as arrays: per-tensor Python is what costs on small
+    tensors)."""
     count = (numel - nans - infs).astype(np.float64)
+    scale = np.where(exps > 0, SCALE_UP, np.where(exps < 0, SCALE_DOWN, 1.0))
     with np.errstate(all="ignore"):  # tensors with nothing finite give NaN, as they should
-        means = sums[:, 0] / count
+        scaled_means = sums[:, 0] / count
         mean_squares = sums[:, 1] / count
-        spread = mean_squares - means * means
+        means = np.minimum(np.maximum(scaled_means * scale, lows), highs)
+        spread = mean_squares - scaled_means * scaled_means
         cancelled = spread < 1e-4 * mean_squares  # _cancelled, for every tensor at once
-        stds = np.sqrt(np.maximum(spread, 0.0))
-        norms = np.where(nans > 0, np.nan, np.where(infs > 0, np.inf, np.sqrt(sums[:, 1])))
+        stds = np.minimum(np.sqrt(np.maximum(spread, 0.0)) * scale,
+                          np.maximum(np.abs(lows), np.abs(highs)))
+        norms = np.where(nans > 0, np.nan,
+                         np.where(infs > 0, np.inf, np.sqrt(sums[:, 1]) * scale))
     view = memoryview(buffer)  # slicing a memoryview costs less than slicing an array
     out = []
     for j, (lo, hi, mean, std, l2, nan, inf, finite, redo) in enumerate(zip(
@@ -347,12 +454,12 @@ def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: li
             nans.tolist(), infs.tolist(), count.tolist(), cancelled.tolist(), strict=True)):
         offset, nbytes, _ = spans[chosen[j]]
         dig = xxhash.xxh3_64_hexdigest(view[offset:offset + nbytes])
-        if not finite:  # nothing finite: numpy's min of an array with a NaN is NaN
-            if nan:
+        if not finite:  # nothing finite: min and max of the infinities (NaN if none)
+            if nan == nbytes // _ITEMSIZE[name]:
                 lo = hi = math.nan
             out.append(Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, dig))
             continue
         if redo:
-            std = _two_pass_std(buffer[offset:offset + nbytes], name, nan or inf)
+            std = _two_pass_std(buffer[offset:offset + nbytes], name, nan or inf, exps[j])
         out.append(Stats(lo, hi, mean, std, l2, nan, inf, dig))
     return out

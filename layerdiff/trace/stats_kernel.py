@@ -7,6 +7,11 @@ into sortable integers, which the compiler vectorizes without being allowed to a
 no NaNs; sums are allowed to be reassociated (vectorized) and are added in blocks of
 ``BLOCK`` elements, so their rounding error stays near numpy's pairwise summation.
 
+float64 values whose squares leave float64's range are summed scaled (a third pass, rare: see
+"scaled sums" in stats.py): ``exps[j]`` says how, k = 1 for values times 2**-600, k = -1 for
+values times 2**600, k = 0 unscaled (every other dtype: its float64 squares cannot overflow or
+underflow).
+
 The digest and the rare two-pass standard deviation stay in stats.py (xxh3, numpy).
 """
 
@@ -27,6 +32,12 @@ _FAST = {"reassoc", "contract"}  # never nnan/ninf: NaNs and Infs are what the s
 # and its result is thrown away when there is a NaN).
 _KEY_MASK = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
 _KEY_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+# stats.py's SCALE_DOWN, SCALE_UP and TINY_SQUARES (not imported: this module must not import
+# stats.py, which imports it lazily); tests/test_stats_range.py checks they are equal.
+SCALE_DOWN = 2.0**-600
+SCALE_UP = 2.0**600
+TINY_SQUARES = 2.0**-960
 
 
 # Two copies of one loop: float32 keys compared as int32 (8 lanes, vpminsd), measured 4.1 GB/s
@@ -107,9 +118,10 @@ def _fast_table(bits, keys, table, a, b):
 
 
 @njit(cache=True, nogil=True)
-def _slow(values, keys, a, b, shift, mask, out, counts, j):
-    """The pass for a tensor holding NaN or Inf: counts them, sums the finite values only, and
-    takes min and max over everything but NaN (as numpy.nanmin does)."""
+def _slow(values, keys, a, b, shift, mask, out, counts, j, factor):
+    """The pass for a tensor holding NaN or Inf, or float64 values whose squares leave the
+    range: counts NaN and Inf, sums the finite values times ``factor`` (a power of two) only,
+    and takes min and max over everything but NaN (as numpy.nanmin does)."""
     lo = np.int64(0x7FFFFFFFFFFFFFFF)
     hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
     total = 0.0
@@ -132,6 +144,7 @@ def _slow(values, keys, a, b, shift, mask, out, counts, j):
             if math.isinf(x):
                 inf += 1
                 continue
+            x *= factor
             part += x
             part_sq += x * x
         total += part
@@ -145,10 +158,10 @@ def _slow(values, keys, a, b, shift, mask, out, counts, j):
 
 
 @njit(cache=True, nogil=True)
-def float_spans(values, keys, starts, stops, shift, mask, out, counts):
+def float_spans(values, keys, starts, stops, shift, mask, out, counts, exps):
     """Per span [starts[j], stops[j]) of ``values`` (float32/float64; ``keys`` the same memory
-    as signed integers): out[j] = (sum, sum of squares) of the finite values, counts[j] = (min
-    key, max key, NaN count, Inf count)."""
+    as signed integers): out[j] = (sum, sum of squares) of the finite values, scaled by
+    2**(-600 exps[j]), counts[j] = (min key, max key, NaN count, Inf count)."""
     for j in range(starts.size):
         a = starts[j]
         b = stops[j]
@@ -156,15 +169,24 @@ def float_spans(values, keys, starts, stops, shift, mask, out, counts):
             lo, hi, total, squares = _fast_f32(values, keys, a, b)
         else:
             lo, hi, total, squares = _fast_f64(values, keys, a, b)
-        if math.isfinite(total):
+        exps[j] = 0
+        if math.isfinite(total) and math.isfinite(squares):
             out[j, 0] = total
             out[j, 1] = squares
             counts[j, 0] = lo
             counts[j, 1] = hi
             counts[j, 2] = 0
             counts[j, 3] = 0
-        else:  # a NaN or an Inf, or a float64 sum past the range: count and sum again
-            _slow(values, keys, a, b, shift, mask, out, counts, j)
+        else:  # a NaN or an Inf, or float64 squares past the range: count and sum again
+            _slow(values, keys, a, b, shift, mask, out, counts, j, 1.0)
+        if shift == 63:  # float64: squares may overflow or be subnormal (see stats.py)
+            if not math.isfinite(out[j, 1]):
+                _slow(values, keys, a, b, shift, mask, out, counts, j, SCALE_DOWN)
+                exps[j] = 1
+            elif out[j, 1] < TINY_SQUARES and not (counts[j, 0] >= -1 and counts[j, 1] <= 0):
+                # not every value is +-0 (keys -1 and 0): sum them scaled up
+                _slow(values, keys, a, b, shift, mask, out, counts, j, SCALE_UP)
+                exps[j] = -1
 
 
 @njit(cache=True, nogil=True)
@@ -184,7 +206,7 @@ def table_spans(bits, keys, table, starts, stops, out, counts):
             counts[j, 3] = 0
         else:
             values = table[bits[a:b]]  # rare: decode the span once, then the float pass
-            _slow(values, keys[a:b], 0, b - a, 15, 0x7FFF, out, counts, j)
+            _slow(values, keys[a:b], 0, b - a, 15, 0x7FFF, out, counts, j, 1.0)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -236,17 +258,19 @@ def keys_to_bits16(keys: np.ndarray) -> np.ndarray:
     return (small ^ ((small >> 15) & np.int16(0x7FFF))).view(np.uint16)
 
 
-def chunk_stats(raw: np.ndarray, itemsize: int,
-                table: np.ndarray | None = None) -> tuple[float, float, float, float, int, int]:
-    """(min, max, sum, sum of squares, NaN count, Inf count) of one piece of a float tensor
+def chunk_stats(raw: np.ndarray, itemsize: int, table: np.ndarray | None = None
+                ) -> tuple[float, float, float, float, int, int, int]:
+    """(min, max, sum, sum of squares, NaN count, Inf count, k) of one piece of a float tensor
     given as its bytes (uint8, a whole number of elements): float32 or float64 by ``itemsize``,
     or 16-bit floats whose ``table`` maps each bit pattern to its float32 value. Min and max
     are over the values that are not NaN (NaN when every value is), the sums over the finite
-    ones: what a reader checking a record chunk by chunk folds (trace/verify.py)."""
+    ones, scaled by 2**(-600 k) (stats.py, "scaled sums"): what a reader checking a record
+    chunk by chunk folds (trace/verify.py)."""
     starts = np.zeros(1, dtype=np.int64)
     stops = np.full(1, raw.size // itemsize, dtype=np.int64)
     sums = np.empty((1, 2), dtype=np.float64)
     counts = np.empty((1, 4), dtype=np.int64)
+    exps = np.zeros(1, dtype=np.int64)
     keys = raw.view(_KEY_INT[itemsize])
     if table is not None:
         table_spans(raw.view(np.uint16), keys, table, starts, stops, sums, counts)
@@ -254,9 +278,9 @@ def chunk_stats(raw: np.ndarray, itemsize: int,
     else:
         shift, mask = key_shift_mask(itemsize)
         values = raw.view(np.float32 if itemsize == 4 else np.float64)
-        float_spans(values, keys, starts, stops, shift, mask, sums, counts)
+        float_spans(values, keys, starts, stops, shift, mask, sums, counts, exps)
         lo, hi = keys_to_floats(counts[0, :2], itemsize).tolist()
     nan, inf = int(counts[0, 2]), int(counts[0, 3])
     if nan == stops[0]:  # nothing but NaN: the bounds were never set
         lo = hi = math.nan
-    return lo, hi, float(sums[0, 0]), float(sums[0, 1]), nan, inf
+    return lo, hi, float(sums[0, 0]), float(sums[0, 1]), nan, inf, int(exps[0])

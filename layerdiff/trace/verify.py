@@ -21,16 +21,29 @@ import xxhash
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema, stats
-from layerdiff.trace.stats import as_float, sum_squares
+from layerdiff.trace.stats import as_float, bounds_and_counts, fold_sums, scale_of, scaled_sums
 
 # Statistics are sums: the writer's order of summation and this check's differ by rounding
-# only, far below this. A damaged value is off by far more. Traces written before the sum of
-# squares was summed in blocks carry a float32 dot's error, up to ~n * 2**-30 relative.
+# only, at most 2 gamma_n (n 2**-52) relative, far below this (stats.py, "scaled sums", has
+# the bound). A damaged value is off by far more. Traces written before the sum of squares was
+# summed in blocks carry a float32 dot's error, up to ~n * 2**-30 relative.
 _SUM_RTOL = 1e-3
+_MAX = float(np.finfo(np.float64).max)
+# sqrt of float64's largest value, less a rounding: squares of values at or above overflow
+_ROOT_MAX = math.sqrt(_MAX) * (1 - 1e-9)
 
 
 def _sum_rtol(count: int) -> float:
     return _SUM_RTOL + count * 2.0**-30
+
+
+def _squares_floor(dtype: str) -> float:
+    """Absolute error per element, unscaled, in a sum of squares that older writers made:
+    they squared float64 values unscaled, where a square below 2**-1022 is subnormal and off
+    by up to 2**-1075. (Their numpy path squared float32 in float32, but it ran only without
+    numba, a required dependency, or for tensors over half the staging ring: not allowed for,
+    so that an edited L2 norm of vanishing gradients is still seen.)"""
+    return 2.0**-1074 if dtype == "float64" else 0.0
 
 
 _CHECKED_KINDS = "f"  # statistics of float data are checked; other dtypes by digest alone
@@ -69,7 +82,7 @@ class RecordCheck:
         self._stats = statistics and (dtype == "bfloat16"
                                       or schema.numpy_dtype(dtype).kind in _CHECKED_KINDS)
         self._min, self._max = math.inf, -math.inf
-        self._sum = self._squares = 0.0
+        self._sums = (0.0, 0.0, 0)  # (total, squares, k): stats.py's "scaled sums"
         self._nan = self._inf = self._finite = 0
         self._kernel = _compiled(dtype, int(row.get("numel", 0))) if self._stats else None
         self._table = (stats.half_table(dtype) if self._kernel is not None
@@ -90,7 +103,7 @@ class RecordCheck:
                                self.row["dtype"]))
 
     def _fold(self, count: int, lo: float, hi: float, total: float, squares: float, nan: int,
-              inf: int) -> None:
+              inf: int, k: int) -> None:
         """One chunk's compiled statistics, folded as _add folds numpy's: min and max over
         the values that are not NaN, sums and the finite count over the finite ones."""
         self._nan += nan
@@ -100,26 +113,20 @@ class RecordCheck:
         finite = count - nan - inf
         if finite:
             self._finite += finite
-            self._sum += total
-            self._squares += squares
+            self._sums = fold_sums(self._sums, (total, squares, k))
 
     def _add(self, values: np.ndarray) -> None:
         """One chunk's statistics in numpy: the reference, and the path without numba."""
         lo, hi = values.min(), values.max()
         if not (math.isfinite(lo) and math.isfinite(hi)):
-            nan = np.isnan(values)
-            inf = np.isinf(values)
-            nans = int(np.count_nonzero(nan))
-            self._nan += nans
-            self._inf += int(np.count_nonzero(inf))
-            if nans < values.size:
-                lo, hi = np.nanmin(values), np.nanmax(values)
-            values = values[~(nan | inf)]
-        self._min, self._max = min(self._min, float(lo)), max(self._max, float(hi))
+            lo, hi, nan, inf, values = bounds_and_counts(values)
+            self._nan += nan
+            self._inf += inf
+        if not math.isnan(lo):  # a chunk of nothing but NaN leaves the bounds alone
+            self._min, self._max = min(self._min, float(lo)), max(self._max, float(hi))
         if values.size:
             self._finite += values.size
-            self._sum += float(values.sum(dtype=np.float64))
-            self._squares += sum_squares(values)
+            self._sums = fold_sums(self._sums, scaled_sums(values))
 
     def finish(self) -> None:
         """Raise TraceError when the bytes fed do not match the index row."""
@@ -135,7 +142,13 @@ class RecordCheck:
                                  "edited; capture it again (--no-verify reads it anyway)")
 
     def _disagreement(self) -> str:
-        """The first statistic the index gets wrong, as 'index says ..., data has ...'."""
+        """The first statistic the index gets wrong, as 'index says ..., data has ...'.
+
+        Mean, std and l2 are compared in the scaled domain of the data's sums (the index's
+        values times the same power of two, exact), so values near float64's largest or
+        smallest compare as any other. The slack is the summations' own error (see
+        _SUM_RTOL) plus, on squares, the absolute error of older writers' squares.
+        """
         row = self.row
         counts = (("nan", self._nan), ("inf", self._inf))
         for name, value in counts:
@@ -143,25 +156,54 @@ class RecordCheck:
                 return f"{name} count: index says {int(row[name])}, data has {value}"
         if not self._finite:
             return ""
-        mean = self._sum / self._finite
-        mean_square = self._squares / self._finite
-        rms = math.sqrt(mean_square)
-        std = math.sqrt(max(mean_square - mean * mean, 0.0))
-        rtol = _sum_rtol(self._finite + self._nan + self._inf)
-        loose = rtol * rms + 1e-30  # mean and std: relative to the values' size
-        checks = [("min", self._min, 0.0), ("max", self._max, 0.0), ("mean", mean, loose)]
-        if not (self._nan or self._inf):  # else the index's norm is NaN or Inf by definition
-            l2 = math.sqrt(self._squares)
-            checks.append(("l2", l2, rtol * l2 + 1e-30))
-        for name, value, slack in checks:
+        for name, value in (("min", self._min), ("max", self._max)):
             claimed = float(row[name])
-            if not (claimed == value or abs(claimed - value) <= slack):  # NaN: never within
+            if claimed != value:  # NaN: never equal
                 return f"{name}: index says {claimed:.9g}, data has {value:.9g}"
-        claimed = float(row["std"])
-        # compared as variances: a rounding of the sum of squares moves the variance by the
-        # same amount whatever the spread, so the slack is a fraction of the mean square
-        if not abs(claimed * claimed - std * std) <= rtol * mean_square + 1e-30:
-            return f"std: index says {claimed:.9g}, data has {std:.9g}"
+        total, squares, k = self._sums
+        scale = scale_of(k)
+        unscale = 1.0 / scale  # a power of two: exact
+        count = self._finite
+        mean = total / count
+        mean_square = squares / count
+        l2 = math.sqrt(squares)
+        rtol = _sum_rtol(count + self._nan + self._inf)
+        # the absolute error of squares: older writers' (unscaled, then scaled as these sums
+        # are; left to right, so that 2**1200 is never formed), and scaled values' below 2**-1022
+        floor = count * _squares_floor(row["dtype"]) * unscale * unscale + count * 2.0**-1074
+        # Older writers summed float64 values unscaled: where the squares overflow (true L2
+        # above sqrt(max)), their mean, std and l2 came out inf or NaN. Newer ones give a
+        # finite mean and std, and an infinite l2 only where it is beyond float64's range.
+        legacy_overflow = l2 * scale >= math.sqrt(_MAX) * (1 - rtol)
+        # a mean's sums never lose digits to underflow (a sum of subnormals is exact), but
+        # scaled values below 2**-1022 may: 2**-1075 each, at most that on the mean; and the
+        # index's values were rounded onto float64's grid, 2**-1075 apart at the least
+        grid = 2.0**-1074 * unscale
+        claimed = float(row["mean"])
+        if math.isfinite(claimed):
+            slack = rtol * math.sqrt(mean_square) + 2.0**-1074 + grid
+            if not abs(claimed * unscale - mean) <= slack:
+                return f"mean: index says {claimed:.9g}, data has {mean * scale:.9g}"
+        elif not legacy_overflow:
+            return f"mean: index says {claimed:.9g}, data has {mean * scale:.9g}"
+        # l2 and std compared as squares: a rounding of the sum of squares moves the variance
+        # by the same amount whatever the spread, so the slack is a fraction of the squares
+        std = math.sqrt(max(mean_square - mean * mean, 0.0))
+        # (an l2 within rtol is a square within 2 rtol; a variance within rtol of the mean
+        # square, as before)
+        compared = [("std", std, count, 1, float(row["std"]))]
+        if not (self._nan or self._inf):  # else the index's norm is NaN or Inf by definition
+            compared.append(("l2", l2, 1, 2, float(row["l2"])))
+        for name, value, per, times, claimed in compared:
+            if math.isfinite(claimed):
+                claimed_s = claimed * unscale
+                slack = (times * rtol * squares + floor) / per + (2 * value + grid) * grid
+                if abs(claimed_s * claimed_s - value * value) <= slack:
+                    continue
+            elif legacy_overflow or (name == "l2" and claimed == math.inf
+                                     and l2 * (1 + rtol) * scale >= _MAX):
+                continue  # an L2 norm beyond float64's range is stored as inf
+            return f"{name}: index says {claimed:.9g}, data has {value * scale:.9g}"
         return ""
 
 
@@ -272,23 +314,34 @@ def _check_tensor_rows(tensors: pd.DataFrame, refuse) -> None:
 
 def _check_statistics(tensors: pd.DataFrame, refuse) -> None:
     """Statistics that contradict each other (min above max, a negative norm, a non-finite
-    value where every element is finite, a NaN where none is): checked here because a summary
-    trace has no data to check them against."""
+    value where every element is finite and none could overflow, a NaN where none is): checked
+    here because a summary trace has no data to check them against.
+
+    Where every element is finite, min and max are finite; mean, std and l2 may be non-finite
+    only where float64 sums of the values could overflow: an L2 norm beyond float64's largest value
+    is stored as inf, and writers before the scaled sums (stats.py) stored inf or NaN for mean,
+    std and l2 wherever the squares overflowed, sum(x**2) > max, which needs
+    max|x| * sqrt(numel) > sqrt(max). Below that bound a non-finite statistic is damage.
+    """
     lo, hi = tensors["min"].to_numpy(), tensors["max"].to_numpy()
     mean, std, l2 = (tensors[c].to_numpy() for c in ("mean", "std", "l2"))
+    numel = tensors["numel"].to_numpy()
     finite_data = ((tensors["nan"].to_numpy() == 0) & (tensors["inf"].to_numpy() == 0)
-                   & (tensors["numel"].to_numpy() > 0))
+                   & (numel > 0))
     floating = tensors["dtype"].map(_is_float).to_numpy(dtype=bool)
     judged = finite_data & floating
-    stats = np.stack([lo, hi, mean, std, l2])
-    with np.errstate(invalid="ignore"):
-        broken = judged & ~np.isfinite(stats).all(axis=0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        magnitude = np.maximum(np.abs(lo), np.abs(hi))
+        may_overflow = magnitude * np.sqrt(numel.astype(np.float64)) >= _ROOT_MAX
+        overflowed = ~(np.isfinite(mean) & np.isfinite(std) & np.isfinite(l2))
+        broken = judged & (~(np.isfinite(lo) & np.isfinite(hi)) | np.isnan(l2)
+                           | (overflowed & ~may_overflow))
         row = _first(tensors, broken)
         if row is not None:
             refuse(row, "has a non-finite statistic although it counts no NaN or Inf")
-        slack = 1e-6 * np.maximum(np.abs(lo), np.abs(hi)) + 1e-30
-        wrong = judged & ((lo > hi) | (mean < lo - slack) | (mean > hi + slack) | (std < 0)
-                          | (l2 < 0))
+        slack = 1e-6 * magnitude + 1e-30
+        outside = np.isfinite(mean) & ((mean < lo - slack) | (mean > hi + slack))
+        wrong = judged & ((lo > hi) | outside | (std < 0) | (l2 < 0))
     row = _first(tensors, wrong)
     if row is not None:
         refuse(row, f"has statistics that contradict each other (min {row['min']:.6g}, max "
