@@ -14,11 +14,12 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from layerdiff import Case, diff, seed_everything
+from layerdiff import Case, TraceWriter, diff, seed_everything
 from layerdiff.capture import capture
 from layerdiff.capture.precision import cast_case
 from layerdiff.case import ExternalCase, load_case
@@ -231,3 +232,22 @@ def test_every_bundled_case_reads_back_verified(spec, dtype, tmp_path):
             assert len(open_trace(path).index)  # verified: the index's own checks
         else:
             assert _read_everything(path) > 0
+
+
+@pytest.mark.parametrize("summary", [True, False])
+def test_a_float64_record_whose_norm_overflows_is_still_judged(tmp_path, summary):
+    """Values near 1e160 in float64: their squares overflow, so the index's L2 is inf. The
+    diff judges the record by its rms all the same (sqrt(mean^2 + std^2)); before, the origin
+    rule's squares raised OverflowError and the baseline's allowance became infinite."""
+    x = np.linspace(1, 2, 64) * 1e160
+
+    def write(name, values):
+        with TraceWriter(tmp_path / name, meta={}, summary=summary) as writer, \
+                writer.site("fc") as site:
+            writer.record(site, "output", values)
+        return tmp_path / name
+
+    ref = write("ref.h5", x)
+    assert diff(ref, write("same.h5", x.copy())).passed
+    off = diff(ref, write("off.h5", x * 1.01))
+    assert not off.passed and off.origin.site == "fc#0"

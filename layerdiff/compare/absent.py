@@ -18,6 +18,7 @@ import pandas as pd
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.records import RecordPair
+from layerdiff.trace.stats import record_rms
 
 NOTE = ("the port sent no gradient here ({what}): compared with zeros; look for a detach, "
         "torch.no_grad(), an in-place op on a leaf, or a value that left autograd")
@@ -43,8 +44,7 @@ def absent_rows(comparer: Any, rows: pd.DataFrame,
 
 def _against_zeros(row: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
     largest = max(abs(float(r["min"])), abs(float(r["max"])))
-    numel = max(int(r["numel"]), 1)
-    rms = float(r["l2"]) / np.sqrt(numel)
+    rms = record_rms(r)
     limit = row["atol"] + row["rtol"] * largest
     ratio = largest / limit if limit > 0 else (np.inf if largest > 0 else 0.0)
     if row["rms_tol"] is not None:   # a baseline's second rule

@@ -54,6 +54,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare.tolerances import DEFAULTS, Tolerance
+from layerdiff.trace.stats import record_rms
 
 # Measured (docs/tolerances.md, scripts/precision_study.py: 8 kernel paths of one CPU, and
 # baselines from one path judging ports from another): faithful ports pass for K >= 2.75;
@@ -159,7 +160,7 @@ class Baseline:
             source = (f"baseline {self.name}: {self.factor:g} x its worst error here "
                       f"({error.max_abs:.3g}) + {dtype} rtol {u:g} x the largest element")
             return Limit(Tolerance(0.0, allowed_max, source, "baseline"), None)
-        ref_rms = float(ref["l2"]) / np.sqrt(numel)
+        ref_rms = record_rms(ref)
         chance = sampling_factor(numel)
         allowed_rms = self.factor * chance * error.rms + u * ref_rms + tiny
         # max |d| <= rms(d) * sqrt(n): an element over this is over the record's allowance alone

@@ -43,6 +43,7 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.stats import record_rms
 
 GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
 STAT_COLUMNS = ("min", "max", "mean", "std")
@@ -559,7 +560,7 @@ def _new_metrics(tolerance: Tolerance, r: pd.Series, p: pd.Series, shape: tuple[
 def _statistics(row: pd.Series) -> np.ndarray:
     """min, max, mean, std and rms: per-element quantities, so the per-element tolerance
     applies to them (an L2 norm's error grows with the square root of the size)."""
-    rms = float(row["l2"]) / np.sqrt(max(int(row["numel"]), 1))
+    rms = record_rms(row)
     return np.array([*(float(row[c]) for c in STAT_COLUMNS), rms], dtype=np.float64)
 
 

@@ -23,6 +23,8 @@ Every other failing row is marked as propagated from the nearest origin before i
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -260,17 +262,17 @@ def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame,
 def _error(rows: pd.DataFrame, positions: list[int]) -> float:
     """Frobenius norm of the error over these rows (rms x sqrt(size)); NaN if any is unknown
     (a statistics-only row has no rms)."""
-    total = 0.0
+    parts = []
     for pos in positions:
         rms = rows.at[pos, "rms"]
         if rms is None or not np.isfinite(rms):
             return np.nan
-        total += float(rms) ** 2 * int(rows.at[pos, "numel"])
-    return float(np.sqrt(total))
+        parts.append(float(rms) * math.sqrt(int(rows.at[pos, "numel"])))
+    return math.hypot(*parts)  # no square overflows: float64 errors near the largest value
 
 
 def _norm(norms: dict[int, float], positions: list[int]) -> float:
-    return float(np.sqrt(sum(norms.get(p, np.nan) ** 2 for p in positions)))
+    return math.hypot(*(norms.get(p, np.nan) for p in positions))
 
 
 def _float_inputs(rows: pd.DataFrame, site: _Site) -> list[int]:

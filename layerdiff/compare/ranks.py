@@ -43,6 +43,7 @@ from layerdiff.compare.tolerances import DEFAULTS, Tolerance, Tolerances
 from layerdiff.errors import TraceError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.stats import record_rms
 
 Progress = Callable[[int, int], None]  # (records done, records in all)
 WIDTH = 100
@@ -605,7 +606,7 @@ def _bits(rank: int, l2: float, l2_rank: float, dtype: str) -> _Found:
 def _statistics(row: dict) -> np.ndarray:
     """min, max, mean, std and rms (per-element quantities the element tolerance applies to),
     then the L2 norm and the NaN and Inf counts."""
-    rms = float(row["l2"]) / math.sqrt(max(int(row["numel"]), 1))
+    rms = record_rms(row)
     return np.array([*(float(row[c]) for c in ("min", "max", "mean", "std")), rms,
                      float(row["l2"]), float(row["nan"]), float(row["inf"])])
 

@@ -167,8 +167,9 @@ def layer_norms(trace: Trace, rename: dict[str, str] | None = None) -> pd.DataFr
             min_count=1).pow(0.5)
 
     def bad(frame: pd.DataFrame) -> pd.Series:
-        # a NaN or Inf in any of the layer's tensors (the sum above would skip a NaN norm)
-        flags = (frame["nan"] > 0) | (frame["inf"] > 0) | ~np.isfinite(frame["l2"])
+        # a NaN or Inf in any of the layer's tensors (the sum above would skip a NaN norm);
+        # an infinite norm of finite values is a float64 norm past the range, not a bad value
+        flags = (frame["nan"] > 0) | (frame["inf"] > 0) | np.isnan(frame["l2"])
         return flags.groupby([frame["step"], frame["module"]], sort=False).any()
 
     frame = pd.DataFrame({"weight": total(weights, 1.0),

@@ -297,6 +297,17 @@ def moments(count: int, total: float, squares: float, k: int, lo: float, hi: flo
     return mean, std, math.sqrt(squares) * scale, _cancelled(mean_square, mean_s)
 
 
+def record_rms(row) -> float:
+    """The root mean square of a record from its index row (min, max, mean, std, l2, numel,
+    nan, inf): l2 / sqrt(n), or, where the L2 norm overflowed float64 although every value is
+    finite (a float64 tensor near the largest value), sqrt(mean^2 + std^2), which is the same
+    quantity computed without the overflow."""
+    l2 = float(row["l2"])
+    if math.isinf(l2) and int(row["nan"]) == 0 and int(row["inf"]) == 0:
+        return math.hypot(float(row["mean"]), float(row["std"]))
+    return l2 / math.sqrt(max(int(row["numel"]), 1))
+
+
 def two_pass_std(values: np.ndarray, k: int) -> float:
     """numpy's two-pass standard deviation of finite values, in the k-scaled domain."""
     if k:
