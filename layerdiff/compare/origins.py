@@ -24,7 +24,6 @@ Every other failing row is marked as propagated from the nearest origin before i
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import numpy as np
