@@ -119,6 +119,9 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if pair is None:
             continue  # the site itself is reported unmatched
         key = (int(step), site, role, arg)
+        if pair.roles is not None and role not in pair.roles:
+            result.excused.add(key)  # inside a group of ops: the group's last op holds it
+            continue
         inputs = role in ("input", "grad_input")
         declared = (mapping.why_unmatched_record("reference", site, role, arg)
                     if mapping.unmatched_records else None)

@@ -1,0 +1,232 @@
+"""Pairing the ops of one pair of module calls that do not pair by name.
+
+The ops that pair by name and output shapes (see :mod:`layerdiff.compare.matching`) are
+anchors; the calls' start and end are anchors too. Between two consecutive anchors lies a *gap*:
+the part of the call that the two sides compute with differently named ops (a custom
+``autograd.Function`` or a fused kernel's wrapper where the reference runs torch ops). A gap
+pairs only where position and shapes leave one reading:
+
+- the same number of ops on both sides: the k-th reference op pairs with the k-th port op when
+  their outputs have the same shapes and kinds (float, integer, bool), their floating-point
+  inputs the same paths and shapes, and no other op of the gap on either side has those
+  outputs (else which is which cannot be told: refused, and said so);
+- one port op against several reference ops: the port op computes the whole gap (a fused
+  kernel against its explicit ops), so it pairs as a *group*: its output with the last
+  reference op's, its floating-point inputs, in order, with the gap's inputs that come from
+  outside the gap (an input is inside when an earlier op of the gap output those very values,
+  by digest), when their number and shapes agree one for one (else refused, and said so);
+- anything else (several ops on each side in different numbers, one reference op against
+  several port ops): refused.
+
+Every pairing made pairs every floating-point input on both sides, so a paired op can always be
+judged: a pairing never turns its module's origin into a site that cannot be judged. Nothing
+here reads tensor values, so a bug cannot change what pairs with what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from layerdiff.trace import schema
+
+
+@dataclass(frozen=True)
+class OpInput:
+    arg: str
+    shape: str
+    kind: str      # float | int | bool | other
+    digest: str
+
+
+@dataclass(frozen=True)
+class OpRecords:
+    """What pairing looks at of one op site: its outputs' and inputs' shapes and kinds, in
+    its first step."""
+
+    site: str
+    outputs: tuple[tuple[str, str, str], ...]   # (arg, shape, kind)
+    inputs: tuple[OpInput, ...]
+    output_digests: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def output_signature(self) -> tuple[tuple[str, str], ...]:
+        return tuple((shape, kind) for _, shape, kind in self.outputs)
+
+    @property
+    def float_inputs(self) -> list[OpInput]:
+        return [i for i in self.inputs if i.kind == "float"]
+
+    @property
+    def name(self) -> str:
+        parts = schema.split_op_site(self.site)
+        return f"{parts[1]}#{parts[2]}" if parts else self.site
+
+
+@dataclass(frozen=True)
+class GapPair:
+    """A pairing made in a gap: ``reference`` compared with ``port`` for ``roles`` (None: every
+    role) with the reference's input paths renamed by ``args`` (``""``: not compared)."""
+
+    reference: str
+    port: str
+    match: str             # position | group
+    why: str
+    args: dict[str, str] = field(default_factory=dict, hash=False)
+    roles: frozenset[str] | None = None
+
+
+def _kind(dtype: str) -> str:
+    dtype = str(dtype)
+    if dtype.startswith(("float", "bfloat", "complex")):
+        return "float"
+    if dtype == "bool":
+        return "bool"
+    if dtype.startswith(("int", "uint")):
+        return "int"
+    return "other"
+
+
+def op_records(index: pd.DataFrame, sites: list[str]) -> dict[str, OpRecords]:
+    """site -> its :class:`OpRecords`, from the index rows of the first step it ran in."""
+    wanted = index[index["site"].isin(sites) & index["role"].isin(["input", "output"])]
+    found: dict[str, OpRecords] = {}
+    for site, rows in wanted.groupby("site", sort=False):
+        rows = rows[rows["step"] == rows["step"].min()]
+        tensors = rows[rows["kind"] == "tensor"]
+        outs = tensors[tensors["role"] == "output"]
+        ins = tensors[tensors["role"] == "input"]
+        found[site] = OpRecords(
+            site,
+            tuple((a, s, _kind(d)) for a, s, d in zip(outs["arg"], outs["shape"],
+                                                       outs["dtype"], strict=True)),
+            tuple(OpInput(a, s, _kind(d), str(g or "")) for a, s, d, g in zip(
+                ins["arg"], ins["shape"], ins["dtype"], ins["digest"], strict=True)),
+            frozenset(str(g) for g in outs["digest"] if g))
+    return found
+
+
+def _shapes(signature: tuple[tuple[str, str], ...]) -> str:
+    return "; ".join(f"({shape}) {kind}" for shape, kind in signature) or "nothing"
+
+
+def _between(before: str | None, after: str | None, call: str) -> str:
+    if before is None and after is None:
+        return f"in {call}"
+    if before is None:
+        return f"in {call} before {after}"
+    if after is None:
+        return f"in {call} after {before}"
+    return f"in {call} between {before} and {after}"
+
+
+def align_gap(refs: list[str], ports: list[str], records: dict[str, OpRecords],
+              port_records: dict[str, OpRecords], *, before: str | None, after: str | None,
+              call: str) -> tuple[list[GapPair], dict[str, str]]:
+    """The pairings of one gap (reference op sites ``refs``, port op sites ``ports``, in
+    execution order, between the anchors ``before`` and ``after``: reference op names, None at
+    the call's start or end), and for each reference op left unpaired, why."""
+    if not refs or not ports:
+        return [], {}
+    ref_rec = [records.get(s) or OpRecords(s, (), ()) for s in refs]
+    port_rec = [port_records.get(s) or OpRecords(s, (), ()) for s in ports]
+    where = _between(before, after, call)
+    if len(refs) == len(ports):
+        return _by_position(ref_rec, port_rec, where)
+    if len(ports) == 1:
+        return _as_group(ref_rec, port_rec[0], where)
+    names = ", ".join(r.name for r in port_rec[:6])
+    why = (f"{where} the reference runs {len(refs)} ops and the port {len(ports)} ({names}): "
+           "no pairing by position (one port op can stand for several reference ops, not "
+           "several for one); pair them with [[pair]] in a mapping")
+    return [], {r.site: why for r in ref_rec}
+
+
+def _by_position(refs: list[OpRecords], ports: list[OpRecords], where: str
+                 ) -> tuple[list[GapPair], dict[str, str]]:
+    pairs: list[GapPair] = []
+    refused: dict[str, str] = {}
+    for ref, port in zip(refs, ports, strict=True):
+        signature = ref.output_signature
+        if not signature or signature != port.output_signature:
+            refused[ref.site] = (f"{where} the port runs {port.name} in its place, whose "
+                                 f"outputs ({_shapes(port.output_signature)}) are not its "
+                                 f"({_shapes(signature)})")
+            continue
+        same_ref = [r.name for r in refs if r.output_signature == signature]
+        same_port = [p.name for p in ports if p.output_signature == signature]
+        if len(same_ref) > 1 or len(same_port) > 1:
+            refused[ref.site] = (
+                f"ambiguous: {where} the reference runs {', '.join(same_ref)} and the port "
+                f"{', '.join(same_port)}, all with outputs {_shapes(signature)}, so position "
+                "and shapes cannot tell which is which; pair them with [[pair]] in a mapping")
+            continue
+        ref_in = [(i.arg, i.shape) for i in ref.float_inputs]
+        port_in = [(i.arg, i.shape) for i in port.float_inputs]
+        if ref_in != port_in:
+            refused[ref.site] = (
+                f"{where} the port runs {port.name} in its place with the same outputs, but "
+                f"other floating-point inputs ({_inputs(port_in)} against {_inputs(ref_in)}); "
+                "pair them with [[pair]] and args in a mapping")
+            continue
+        pairs.append(GapPair(ref.site, port.site, "position",
+                             f"paired by position: port op {port.name} has the shape and place "
+                             f"of {ref.name} (the only op with outputs {_shapes(signature)} "
+                             f"{where}, on each side)"))
+    return pairs, refused
+
+
+def _inputs(inputs: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{arg} ({shape})" for arg, shape in inputs) or "none"
+
+
+def _as_group(refs: list[OpRecords], port: OpRecords, where: str
+              ) -> tuple[list[GapPair], dict[str, str]]:
+    names = ", ".join(r.name for r in refs)
+    last = refs[-1]
+    if not last.output_signature or last.output_signature != port.output_signature:
+        why = (f"{where} the port runs one op, {port.name}, where the reference runs {names}; "
+               f"its outputs ({_shapes(port.output_signature)}) are not the last one's "
+               f"({_shapes(last.output_signature)}), so it does not stand for them as a group")
+        return [], {r.site: why for r in refs}
+    outside = _outside_inputs(refs)
+    port_in = port.float_inputs
+    theirs = [(f"{r.name} input {i.arg}", i.shape) for r, i in outside]
+    ours = [(f"{port.name} input {i.arg}", i.shape) for i in port_in]
+    if [s for _, s in theirs] != [s for _, s in ours]:
+        first = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a[1] != b[1]),
+                     min(len(theirs), len(ours)))
+        detail = (f"{theirs[first][0]} ({theirs[first][1]}) against {ours[first][0]} "
+                  f"({ours[first][1]})" if first < min(len(theirs), len(ours)) else
+                  f"{len(theirs)} inputs from outside the group against {len(ours)}")
+        why = (f"{where} the port runs one op, {port.name}, where the reference runs {names}, "
+               "with the same output; not paired as a group: the inputs coming into the group "
+               f"do not line up with its inputs ({detail}), so some would go uncompared; "
+               "pair the last op with [[pair]] and args in a mapping")
+        return [], {r.site: why for r in refs}
+    partner = {(r.site, i.arg): p.arg for (r, i), p in zip(outside, port_in, strict=True)}
+    why = (f"paired as a group: port op {port.name} stands for {names} {where} (its output "
+           f"is {last.name}'s, its inputs {_inputs([(p.arg, p.shape) for p in port_in])} those "
+           "coming into the group)")
+    pairs = []
+    for ref in refs:
+        args = {i.arg: partner.get((ref.site, i.arg), "") for i in ref.inputs}
+        roles = None if ref is last else frozenset({"input", "grad_input"})
+        pairs.append(GapPair(ref.site, port.site, "group", why, args, roles))
+    return pairs, {}
+
+
+def _outside_inputs(refs: list[OpRecords]) -> list[tuple[OpRecords, OpInput]]:
+    """The group's floating-point inputs that come from outside it, in execution and argument
+    order: not the values an earlier op of the group output (by digest), and each once."""
+    made: set[str] = set()
+    seen: set[str] = set()
+    outside = []
+    for ref in refs:
+        for item in ref.float_inputs:
+            if not (item.digest and (item.digest in made or item.digest in seen)):
+                outside.append((ref, item))
+                seen.add(item.digest)
+        made |= ref.output_digests
+    return outside
