@@ -206,6 +206,14 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
                "pair the last op with [[pair]] and args in a mapping")
         return [], {r.site: why for r in refs}
     partner = {(r.site, i.arg): p.arg for (r, i), p in zip(outside, port_in, strict=True)}
+    # masks and indices: compared too where they line up one for one (they carry no error, so
+    # one left unpaired never keeps the group from being judged)
+    other_in = [i for i in port.inputs if i.kind != "float"]
+    others = _outside_inputs(refs, float_only=False)
+    others = [(r, i) for r, i in others if i.kind != "float"]
+    if [(i.shape, i.kind) for _, i in others] == [(i.shape, i.kind) for i in other_in]:
+        partner.update({(r.site, i.arg): p.arg for (r, i), p in zip(others, other_in,
+                                                                      strict=True)})
     why = (f"paired as a group: port op {port.name} stands for {names} {where} (its output "
            f"is {last.name}'s, its inputs {_inputs([(p.arg, p.shape) for p in port_in])} those "
            "coming into the group)")
@@ -217,14 +225,16 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     return pairs, {}
 
 
-def _outside_inputs(refs: list[OpRecords]) -> list[tuple[OpRecords, OpInput]]:
-    """The group's floating-point inputs that come from outside it, in execution and argument
-    order: not the values an earlier op of the group output (by digest), and each once."""
+def _outside_inputs(refs: list[OpRecords], *, float_only: bool = True
+                    ) -> list[tuple[OpRecords, OpInput]]:
+    """The group's (floating-point) inputs that come from outside it, in execution and
+    argument order: not the values an earlier op of the group output (by digest), and each
+    once."""
     made: set[str] = set()
     seen: set[str] = set()
     outside = []
     for ref in refs:
-        for item in ref.float_inputs:
+        for item in ref.float_inputs if float_only else ref.inputs:
             if not (item.digest and (item.digest in made or item.digest in seen)):
                 outside.append((ref, item))
                 seen.add(item.digest)
