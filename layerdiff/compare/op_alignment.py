@@ -137,9 +137,9 @@ def align_gap(refs: list[str], ports: list[str], records: dict[str, OpRecords],
     if len(ports) == 1:
         return _as_group(ref_rec, port_rec[0], where)
     names = ", ".join(r.name for r in port_rec[:6])
-    why = (f"{where} the reference runs {len(refs)} ops and the port {len(ports)} ({names}): "
-           "no pairing by position (one port op can stand for several reference ops, not "
-           "several for one); pair them with [[pair]] in a mapping")
+    why = (f"not paired by position ({where}; {_BY_HAND}): one port op can stand for several "
+           f"reference ops, not several for one, and there the reference runs {len(refs)} "
+           f"and the port {len(ports)} ({names})")
     return [], {r.site: why for r in ref_rec}
 
 
@@ -150,31 +150,35 @@ def _by_position(refs: list[OpRecords], ports: list[OpRecords], where: str
     for ref, port in zip(refs, ports, strict=True):
         signature = ref.output_signature
         if not signature or signature != port.output_signature:
-            refused[ref.site] = (f"{where} the port runs {port.name} in its place, whose "
-                                 f"outputs ({_shapes(port.output_signature)}) are not its "
+            refused[ref.site] = (f"not paired by position ({where}; {_BY_HAND}): the port "
+                                 f"runs {port.name} in its place, whose outputs "
+                                 f"({_shapes(port.output_signature)}) are not its "
                                  f"({_shapes(signature)})")
             continue
         same_ref = [r.name for r in refs if r.output_signature == signature]
         same_port = [p.name for p in ports if p.output_signature == signature]
         if len(same_ref) > 1 or len(same_port) > 1:
             refused[ref.site] = (
-                f"ambiguous: {where} the reference runs {', '.join(same_ref)} and the port "
-                f"{', '.join(same_port)}, all with outputs {_shapes(signature)}, so position "
-                "and shapes cannot tell which is which; pair them with [[pair]] in a mapping")
+                f"ambiguous ({_BY_HAND}): {where} the reference runs {', '.join(same_ref)} "
+                f"and the port {', '.join(same_port)}, all with outputs {_shapes(signature)}: "
+                "position and shapes cannot tell which is which")
             continue
         ref_in = [(i.arg, i.shape) for i in ref.float_inputs]
         port_in = [(i.arg, i.shape) for i in port.float_inputs]
         if ref_in != port_in:
             refused[ref.site] = (
-                f"{where} the port runs {port.name} in its place with the same outputs, but "
-                f"other floating-point inputs ({_inputs(port_in)} against {_inputs(ref_in)}); "
-                "pair them with [[pair]] and args in a mapping")
+                f"not paired by position ({where}; {_BY_HAND} and args): the port runs "
+                f"{port.name} in its place with the same outputs but other floating-point "
+                f"inputs ({_inputs(port_in)} against {_inputs(ref_in)})")
             continue
         pairs.append(GapPair(ref.site, port.site, "position",
                              f"paired by position: port op {port.name} has the shape and place "
                              f"of {ref.name} (the only op with outputs {_shapes(signature)} "
                              f"{where}, on each side)"))
     return pairs, refused
+
+
+_BY_HAND = "[[pair]] in a mapping pairs them"
 
 
 def _inputs(inputs: list[tuple[str, str]]) -> str:
@@ -186,9 +190,10 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     names = ", ".join(r.name for r in refs)
     last = refs[-1]
     if not last.output_signature or last.output_signature != port.output_signature:
-        why = (f"{where} the port runs one op, {port.name}, where the reference runs {names}; "
-               f"its outputs ({_shapes(port.output_signature)}) are not the last one's "
-               f"({_shapes(last.output_signature)}), so it does not stand for them as a group")
+        why = (f"not paired as a group with the port's {port.name} ({where}, where it runs "
+               f"that one op for {names}; {_BY_HAND}): its outputs "
+               f"({_shapes(port.output_signature)}) are not the last one's "
+               f"({_shapes(last.output_signature)})")
         return [], {r.site: why for r in refs}
     outside = _outside_inputs(refs)
     port_in = port.float_inputs
@@ -200,10 +205,9 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
         detail = (f"{theirs[first][0]} ({theirs[first][1]}) against {ours[first][0]} "
                   f"({ours[first][1]})" if first < min(len(theirs), len(ours)) else
                   f"{len(theirs)} inputs from outside the group against {len(ours)}")
-        why = (f"{where} the port runs one op, {port.name}, where the reference runs {names}, "
-               "with the same output; not paired as a group: the inputs coming into the group "
-               f"do not line up with its inputs ({detail}), so some would go uncompared; "
-               "pair the last op with [[pair]] and args in a mapping")
+        why = (f"not paired as a group with the port's {port.name} ({where}, where it runs "
+               f"that one op for {names}, with the last one's output; {_BY_HAND} and args): "
+               f"an input would go uncompared, as theirs do not line up, {detail}")
         return [], {r.site: why for r in refs}
     partner = {(r.site, i.arg): p.arg for (r, i), p in zip(outside, port_in, strict=True)}
     # masks and indices: compared too where they line up one for one (they carry no error, so
