@@ -103,17 +103,55 @@ def test_fused_function_backward_bug_is_named_at_the_group(reference, tmp_path):
 # ---- refused: SDPA against its explicit ops, and places that position cannot decide
 
 
-def test_sdpa_against_explicit_ops_is_refused_as_a_group_and_still_passes(reference, tmp_path):
+def test_sdpa_pairs_as_a_group_with_its_explicit_ops_and_passes(reference, tmp_path):
     result = diff(reference, _port(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5"))
-    assert result.passed and result.meta["op_pairings"] == []
-    lone = result.unmatched.set_index("site")["reason"]
-    why = lone["blocks.0.attn#0/matmul#1"]
-    assert why.startswith("not paired as a group with the port's scaled_dot_product_attention#0")
-    # the reference's first matmul takes k transposed, SDPA takes k: left to a mapping
-    assert ("matmul#0 input 1 (4,4,8,10) against scaled_dot_product_attention#0 input 1 "
-            "(4,4,10,8)") in why
-    assert "not paired with the reference's matmul#0" in lone[
-        "blocks.0.attn#0/scaled_dot_product_attention#0"]
+    assert result.passed and not result.origins
+    group = [p for p in result.meta["op_pairings"] if p["reference"].startswith("blocks.0.")]
+    assert [p["reference"].rpartition("/")[2] for p in group] == [
+        "matmul#0", "mul#0", "masked_fill#0", "softmax#0", "matmul#1"]
+    assert group[0]["why"].endswith("matmul#0's input 1 as its input 1 transposed)")
+    rows = result.rows[(result.rows["step"] == 0)
+                       & (result.rows["port_site"] == f"blocks.0.attn#0/{SDPA}")]
+    compared = {(site.rpartition("/")[2], role, arg, port_arg): (shape, port_shape, ratio)
+                for site, role, arg, port_arg, shape, port_shape, ratio in zip(
+                    rows["site"], rows["role"], rows["arg"], rows["port_arg"], rows["shape"],
+                    rows["port_shape"], rows["ratio"], strict=True)}
+    # q, k^T (the port's k with its last two axes swapped) and v in; the weighted sum out
+    assert set(compared) == {("matmul#0", "input", "0", "0"), ("matmul#0", "input", "1", "1"),
+                             ("matmul#1", "input", "1", "2"), ("matmul#1", "output", "0", "0"),
+                             ("matmul#1", "grad_output", "0", "0"),
+                             ("matmul#0", "grad_input", "0", "0"),
+                             ("matmul#0", "grad_input", "1", "1"),
+                             ("matmul#1", "grad_input", "1", "2")}
+    shape, port_shape, ratio = compared[("matmul#0", "input", "1", "1")]
+    assert shape == port_shape == "4,4,8,10" and ratio == 0  # the same values, transposed
+    assert not any("/" in site for site in result.unmatched["site"])
+
+
+SDPA = "scaled_dot_product_attention#0"
+
+
+class _NotCausal(op_bugs.SDPAAttention):
+    def forward(self, x):
+        batch, length, width = x.shape
+        heads = self.qkv(x).view(batch, length, 3, op_bugs.HEADS, op_bugs.HEAD).permute(
+            2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(heads[0], heads[1], heads[2])
+        return self.proj(y.permute(0, 2, 1, 3).reshape(batch, length, width))  # BUG: no mask
+
+
+def test_a_wrong_sdpa_call_is_named_at_the_group(reference, tmp_path):
+    case = load_case(f"{op_bugs.MODULE}:port")
+    case.model.blocks[1].attn.__class__ = _NotCausal
+    result = diff(reference, _port(case, reference, tmp_path / "p.h5"))
+    origin = result.origin
+    assert (origin.site, origin.port_site, origin.pass_, origin.role, origin.step) == (
+        "blocks.1.attn#0/matmul#1", f"blocks.1.attn#0/{SDPA}", "forward", "output", 0)
+    assert len(result.origins) == 1
+    assert origin.pairing.startswith(f"paired as a group: port op {SDPA} stands for matmul#0, "
+                                     "mul#0, masked_fill#0, softmax#0, matmul#1")
+    causes = result.rows.loc[result.rows["status"] == "propagated", "cause"]
+    assert set(causes) == {"blocks.1.attn#0/matmul#1", "step 0 (blocks.1.attn#0/matmul#1)"}
 
 
 class _Sigmoid(torch.autograd.Function):
@@ -210,6 +248,20 @@ def test_uneven_gaps_and_other_shapes_are_refused():
     pairs, refused = align_gap(["m#0/a#0"], ["m#0/X#0"], refs, extra, before="p#0",
                                after="q#0", call="m#0")
     assert not pairs and "other floating-point inputs" in refused["m#0/a#0"]
+
+
+def test_a_square_matmul_operand_is_refused_as_a_group_input():
+    """k^T and k of one shape: whether the fused op takes it transposed cannot be told."""
+    refs = {"m#0/matmul#0": _op("m#0/matmul#0", "2,4,4", ("0", "2,4,4"), ("1", "2,4,4")),
+            "m#0/softmax#0": _op("m#0/softmax#0", "2,4,4", ("0", "2,4,4"))}
+    refs["m#0/softmax#0"] = OpRecords("m#0/softmax#0", (("0", "2,4,4", "float"),),
+                                      (OpInput("0", "2,4,4", "float", "m#0/matmul#0:out"),))
+    fused = {"m#0/F#0": _op("m#0/F#0", "2,4,4", ("0", "2,4,4"), ("1", "2,4,4"))}
+    pairs, refused = align_gap(list(refs), list(fused), refs, fused, before=None, after=None,
+                               call="m#0")
+    assert not pairs
+    assert refused["m#0/matmul#0"].endswith(
+        "theirs do not line up, matmul#0 input 1 (2,4,4) against F#0 input 1 (2,4,4)")
 
 
 def test_a_group_whose_output_is_not_the_last_ops_is_refused():

@@ -195,8 +195,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        ref_index=ref_index, dropped=records.excused,
                                        port_missing=records.port_missing,
                                        extra_norms=records.norms)
+    explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     attach_hints(origins, ref, port, grad_factor=grad_factor)
-    explain_op_pairings(origins, sites)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"

@@ -40,6 +40,9 @@ class SitePair:
     # the roles of the reference site compared with the port site; None: every role (an op of
     # a group compares only its inputs; its last op, the output, see op_alignment.py)
     roles: frozenset[str] | None = None
+    # reference input paths whose port tensor is compared with its last two axes swapped (a
+    # matmul's second operand, which a fused op takes untransposed)
+    swapped: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -276,7 +279,7 @@ def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataF
                                                f"{next(iter(gap_refused.values()))}")
             for gap in gap_pairs:
                 matching.pairs.append(SitePair(gap.reference, gap.port, gap.match, 1.0,
-                                               gap.args, gap.why, gap.roles))
+                                               gap.args, gap.why, gap.roles, gap.swapped))
                 found_ref.add(gap.reference)
                 claimed.add(gap.port)
             for k in range(block.size):
@@ -349,11 +352,24 @@ def op_pairings(matching: SiteMatching) -> list[dict[str, str]]:
              "why": pair.label} for pair in matching.pairs if pair.match in _ACROSS_NAMES]
 
 
-def explain_op_pairings(origins: list, matching: SiteMatching) -> None:
+def explain_op_pairings(origins: list, matching: SiteMatching, rows: pd.DataFrame) -> None:
     """Each origin at an op site paired across names says how it was paired (its
-    ``pairing``), so a reader can check the pairing the verdict rests on."""
+    ``pairing``), so a reader can check the pairing the verdict rests on. An origin in a group
+    of ops is named by the op whose record it reports (the group's output is its last op's,
+    an input gradient the op's that took that input), in the origin and in the rows' causes."""
     by_reference = matching.by_reference()
     for origin in origins:
         pair = by_reference.get(origin.site)
-        if pair is not None and pair.match in _ACROSS_NAMES:
-            origin.pairing = pair.label
+        if pair is None or pair.match not in _ACROSS_NAMES:
+            continue
+        origin.pairing = pair.label
+        if pair.match != "group":
+            continue
+        held = rows[(rows["step"] == origin.step) & (rows["port_site"] == origin.port_site)
+                    & (rows["role"] == origin.role) & (rows["port_arg"] == origin.port_arg)]
+        if len(held) == 1 and held["site"].iloc[0] != origin.site:
+            named = str(held["site"].iloc[0])
+            old = origin.site   # causes name it alone, or as "step N (site)" in later steps
+            rows["cause"] = [named if c == old else c.replace(f"({old})", f"({named})")
+                             if isinstance(c, str) else c for c in rows["cause"]]
+            origin.site, origin.arg = named, str(held["arg"].iloc[0])

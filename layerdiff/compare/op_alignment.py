@@ -75,6 +75,7 @@ class GapPair:
     why: str
     args: dict[str, str] = field(default_factory=dict, hash=False)
     roles: frozenset[str] | None = None
+    swapped: frozenset[str] = frozenset()   # reference inputs compared with last axes swapped
 
 
 def _kind(dtype: str) -> str:
@@ -199,9 +200,9 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     port_in = port.float_inputs
     theirs = [(f"{r.name} input {i.arg}", i.shape) for r, i in outside]
     ours = [(f"{port.name} input {i.arg}", i.shape) for i in port_in]
-    if [s for _, s in theirs] != [s for _, s in ours]:
-        first = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a[1] != b[1]),
-                     min(len(theirs), len(ours)))
+    lined = [_lines_up(r, i, p) for (r, i), p in zip(outside, port_in)]
+    if len(theirs) != len(ours) or not all(lined):
+        first = lined.index(None) if None in lined else min(len(theirs), len(ours))
         detail = (f"{theirs[first][0]} ({theirs[first][1]}) against {ours[first][0]} "
                   f"({ours[first][1]})" if first < min(len(theirs), len(ours)) else
                   f"{len(theirs)} inputs from outside the group against {len(ours)}")
@@ -210,6 +211,8 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
                f"an input would go uncompared, as theirs do not line up, {detail}")
         return [], {r.site: why for r in refs}
     partner = {(r.site, i.arg): p.arg for (r, i), p in zip(outside, port_in, strict=True)}
+    swapped = {(r.site, i.arg) for (r, i), how in zip(outside, lined, strict=True)
+               if how == "swapped"}
     # masks and indices: compared too where they line up one for one (they carry no error, so
     # one left unpaired never keeps the group from being judged)
     other_in = [i for i in port.inputs if i.kind != "float"]
@@ -218,15 +221,39 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     if [(i.shape, i.kind) for _, i in others] == [(i.shape, i.kind) for i in other_in]:
         partner.update({(r.site, i.arg): p.arg for (r, i), p in zip(others, other_in,
                                                                       strict=True)})
+    turned = "".join(f", {r.name}'s input {i.arg} as its input {partner[(r.site, i.arg)]} "
+                     "transposed" for r, i in outside if (r.site, i.arg) in swapped)
     why = (f"paired as a group: port op {port.name} stands for {names} {where} (its output "
            f"is {last.name}'s, its inputs {_inputs([(p.arg, p.shape) for p in port_in])} those "
-           "coming into the group)")
+           f"coming into the group{turned})")
     pairs = []
     for ref in refs:
         args = {i.arg: partner.get((ref.site, i.arg), "") for i in ref.inputs}
         roles = None if ref is last else frozenset({"input", "grad_input"})
-        pairs.append(GapPair(ref.site, port.site, "group", why, args, roles))
+        mine = frozenset(arg for site, arg in swapped if site == ref.site)
+        pairs.append(GapPair(ref.site, port.site, "group", why, args, roles, mine))
     return pairs, {}
+
+
+# A matmul's second operand is contracted over its second-to-last axis: attention written out
+# passes ``k.transpose(-2, -1)`` where a fused call takes ``k`` (SDPA's definition).
+_TRANSPOSED_OPERAND = (("matmul", "1"), ("bmm", "1"))
+
+
+def _lines_up(ref: OpRecords, given: OpInput, port: OpInput) -> str | None:
+    """How a group's input compares with the fused op's: "same" shape, "swapped" (a matmul's
+    second operand whose last two axes, of different sizes, are the port input's swapped), or
+    None. A square operand is None: whether it was passed transposed cannot be told."""
+    parts = schema.split_op_site(ref.site)
+    operand = (parts[1] if parts else "", given.arg) in _TRANSPOSED_OPERAND
+    a, b = schema.parse_shape(given.shape), schema.parse_shape(port.shape)
+    if operand and len(a) >= 2 and a[-1] == a[-2]:
+        return None
+    if a == b:
+        return "same"
+    if operand and len(a) == len(b) >= 2 and a[:-2] == b[:-2] and a[-2:] == b[-2:][::-1]:
+        return "swapped"
+    return None
 
 
 def _outside_inputs(refs: list[OpRecords], *, float_only: bool = True
