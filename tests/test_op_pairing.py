@@ -5,6 +5,7 @@ such a function's backward is named at that op."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -12,8 +13,6 @@ from layerdiff import Case, capture, diff, load_case, load_weights
 from layerdiff.compare.op_alignment import OpInput, OpRecords, align_gap
 from layerdiff.report.terminal import format_diff
 from reference_models import op_bugs, op_pairing
-
-import pytest
 
 REFERENCE = f"{op_bugs.MODULE}:reference"
 

@@ -200,7 +200,7 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     port_in = port.float_inputs
     theirs = [(f"{r.name} input {i.arg}", i.shape) for r, i in outside]
     ours = [(f"{port.name} input {i.arg}", i.shape) for i in port_in]
-    lined = [_lines_up(r, i, p) for (r, i), p in zip(outside, port_in)]
+    lined = [_lines_up(r, i, p) for (r, i), p in zip(outside, port_in, strict=False)]
     if len(theirs) != len(ours) or not all(lined):
         first = lined.index(None) if None in lined else min(len(theirs), len(ours))
         detail = (f"{theirs[first][0]} ({theirs[first][1]}) against {ours[first][0]} "
