@@ -62,6 +62,7 @@ def _bug(module: str, name: str, model: str, site: str, pass_: str, description:
 
 _HINTS = "reference_models.hint_bugs"
 _OPS = "reference_models.op_bugs"
+_PAIRING = "reference_models.op_pairing"
 
 
 def _hint_bug(name: str, model: str, site: str, pass_: str, description: str, *,
@@ -178,6 +179,23 @@ CATALOG: list[CaseInfo] = [
              "batch element but the first", reference=f"{_OPS}:reference",
              site="blocks.1.mlp#0", pass_="backward", runs_in="blocks.1.mlp#0",
              op_site="blocks.1.mlp#0/SquaredReLU#0"),
+    CaseInfo(f"{_PAIRING}:custom_softmax_port", "op_lm", "port",
+             "the op-level language model with its attention softmax from a custom autograd "
+             "function (MySoftmax, backward by hand): an op of another name, paired by position",
+             reference=f"{_OPS}:reference"),
+    CaseInfo(f"{_PAIRING}:bug_custom_softmax_backward", "op_lm", "bug",
+             "block 1's custom MySoftmax whose backward returns y * g (the Jacobian's diagonal "
+             "only); its forward is exact", reference=f"{_OPS}:reference",
+             site="blocks.1.attn#0", pass_="backward", runs_in="blocks.1.attn#0",
+             op_site="blocks.1.attn#0/softmax#0"),
+    CaseInfo(f"{_PAIRING}:fused_softmax_port", "op_lm", "port",
+             "the op-level language model with scale, causal mask and softmax in one fused "
+             "autograd function: one op for three, paired as a group",
+             reference=f"{_OPS}:reference"),
+    CaseInfo(f"{_PAIRING}:bug_fused_softmax_backward", "op_lm", "bug",
+             "block 1's fused scale-mask-softmax whose backward forgets the scale; its forward "
+             "is exact", reference=f"{_OPS}:reference", site="blocks.1.attn#0",
+             pass_="backward", runs_in="blocks.1.attn#0", op_site="blocks.1.attn#0/mul#0"),
 
     CaseInfo("reference_models.batch_mixing:reference", "attention", "reference",
              "attention classifier: batch-first data through a sequence-first "

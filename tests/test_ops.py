@@ -176,13 +176,13 @@ def test_terminal_report_nests_op_rows_under_their_module(reference, tmp_path):
         "matmul#0", "mul#0", "masked_fill#0", "softmax#0"]
 
 
-def test_sdpa_port_passes_with_ops_and_says_which_ops_have_no_partner(reference, tmp_path):
+def test_sdpa_port_passes_with_ops(reference, tmp_path):
     port = _port(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5", ops=["*"])
     result = diff(reference, port)
     assert result.passed, result.failing()[["site", "role", "ratio"]].head()
-    lone = result.unmatched.set_index("site")["reason"]
-    assert "scaled_dot_product_attention" in lone["blocks.0.attn#0/softmax#0"]
-    assert "blocks.0.attn#0/scaled_dot_product_attention#0" in lone.index
+    # the fused call pairs as a group with the five ops it stands for (test_op_pairing.py)
+    paired = {p["reference"]: p["port"] for p in result.meta["op_pairings"]}
+    assert paired["blocks.0.attn#0/softmax#0"] == "blocks.0.attn#0/scaled_dot_product_attention#0"
     compared = set(result.rows["site"])
     assert "blocks.0.attn#0" in compared  # the module's own output is still compared
     assert "blocks.1.mlp#0/SquaredReLU#0" in compared

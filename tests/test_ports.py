@@ -32,6 +32,8 @@ PLANTED_IN = {
     "reference_models.op_bugs:bug_softmax_axis": "op_bugs:reference",
     "reference_models.op_bugs:bug_scale_1_over_d": "op_bugs:reference",
     "reference_models.op_bugs:bug_custom_backward": "op_bugs:reference",
+    "reference_models.op_pairing:bug_custom_softmax_backward": "op_pairing:custom_softmax_port",
+    "reference_models.op_pairing:bug_fused_softmax_backward": "op_pairing:fused_softmax_port",
 }
 
 

@@ -26,7 +26,7 @@ from layerdiff.compare.adapted import adapt_calls
 from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.matching import match_sites
+from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import attach_hints, find_origins
 from layerdiff.compare.rank_parts import (
@@ -195,6 +195,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        ref_index=ref_index, dropped=records.excused,
                                        port_missing=records.port_missing,
                                        extra_norms=records.norms)
+    explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     attach_hints(origins, ref, port, grad_factor=grad_factor)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
@@ -212,6 +213,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         + tolerances.unmatched(rows) + converted_said,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
+        "op_pairings": op_pairings(sites),
         "ops_commands": ops_commands(ref, port, origins, first_step),
         "full_commands": full_commands(ref, port, origins, first_step),
     }

@@ -9,8 +9,10 @@ Order of trust, per reference site:
    higher where input shapes and module types agree too.
 Op sites (``<module site>/<op>#<k>``, captured with ``--ops``) pair only inside a pair of module
 sites, after those: by the mapping's ``[[pair]]`` entries, then the two calls' op lists aligned
-on op name and output shapes in execution order, so that ops one side has and the other lacks
-(a fused attention call against matmul, softmax, matmul) stay unpaired, each with its reason.
+on op name and output shapes in execution order; between two ops paired so, ops that differ
+in name pair by position and shapes when only one reading is possible (a custom
+``autograd.Function`` in a torch op's place; a fused kernel against the explicit ops it stands
+for, as a group): see :mod:`layerdiff.compare.op_alignment`.
 What stays unpaired is reported with the reason.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from layerdiff.compare.op_alignment import align_gap, op_records
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import schema
@@ -30,10 +33,16 @@ from layerdiff.trace import schema
 class SitePair:
     reference: str
     port: str
-    match: str            # exact | pair | mapped | structural
+    match: str            # exact | pair | mapped | structural | op | position | group
     confidence: float
     args: dict[str, str] = field(default_factory=dict, hash=False)  # reference arg -> port arg
     label: str = ""       # which rule, for explanations
+    # the roles of the reference site compared with the port site; None: every role (an op of
+    # a group compares only its inputs; its last op, the output, see op_alignment.py)
+    roles: frozenset[str] | None = None
+    # reference input paths whose port tensor is compared with its last two axes swapped (a
+    # matmul's second operand, which a fused op takes untransposed)
+    swapped: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -233,7 +242,10 @@ def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataF
     paired_calls = {pair.reference: pair.port for pair in matching.pairs}
     ref_sig = _signatures(ref_index, list(ref_ops["site"]))
     port_sig = _signatures(port_index, list(port_ops["site"]))
+    ref_records = op_records(ref_index, list(ref_ops["site"]))
+    port_records = op_records(port_index, list(port_ops["site"]))
     found_ref: set[str] = set()
+    port_refused: dict[str, str] = {}  # port op -> why the ops around it did not pair
     for ref_site, port_site in explicit.items():
         matching.pairs.append(SitePair(ref_site, port_site, "pair", 1.0,
                                        mapping.pair_args.get(ref_site, {}),
@@ -251,7 +263,25 @@ def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataF
         a = [(_op(s), ref_sig.get(s, ("", ""))[0]) for s in left]
         b = [(_op(s), port_sig.get(s, ("", ""))[0]) for s in ports]
         matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
-        for block in matcher.get_matching_blocks():
+        refused: dict[str, str] = {}
+        done_a = done_b = 0
+        for block in matcher.get_matching_blocks():  # ends with an empty block at the ends
+            # the ops between two name pairs (anchors): by position and shapes, or a group
+            gap_pairs, gap_refused = align_gap(
+                left[done_a:block.a], ports[done_b:block.b], ref_records, port_records,
+                before=_short(left[done_a - 1]) if done_a else None,
+                after=_short(left[block.a]) if block.a < len(left) else None, call=ref_call)
+            refused.update(gap_refused)
+            if gap_refused:  # the port's ops of that gap: the same reason, from their side
+                theirs = ", ".join(_short(s) for s in gap_refused)
+                for port_site in ports[done_b:block.b]:
+                    port_refused[port_site] = (f"not paired with the reference's {theirs}: "
+                                               f"{next(iter(gap_refused.values()))}")
+            for gap in gap_pairs:
+                matching.pairs.append(SitePair(gap.reference, gap.port, gap.match, 1.0,
+                                               gap.args, gap.why, gap.roles, gap.swapped))
+                found_ref.add(gap.reference)
+                claimed.add(gap.port)
             for k in range(block.size):
                 ref_site, port_site = left[block.a + k], ports[block.b + k]
                 exact = ref_site == port_site
@@ -261,20 +291,22 @@ def _match_ops(matching: SiteMatching, ref_ops: pd.DataFrame, port_ops: pd.DataF
                                            f"{ref_call} and {port_call}"))
                 found_ref.add(ref_site)
                 claimed.add(port_site)
+            done_a, done_b = block.a + block.size, block.b + block.size
         lone_ports = [s for s in ports if s not in claimed]
         for site in left:
             if site in found_ref:
                 continue
-            why = (_lone_op_reason(site, port_call, lone_ports) if port_call in port_by_call
+            why = (refused.get(site) or _lone_op_reason(site, port_call, lone_ports)
+                   if port_call in port_by_call
                    else f"the port trace records no ops of {port_call} (capture the port with "
                         f"--ops '{schema.split_site(port_call)[0]}' too)")
             matching.unmatched.append(("reference", site, why, False))
     for port_call, ports in port_by_call.items():
         for site in ports:
             if site not in claimed:
-                matching.unmatched.append(("port", site, "no reference op of the same name "
-                                           "and output shapes lines up with it in "
-                                           f"{port_call}'s partner", False))
+                matching.unmatched.append(("port", site, port_refused.get(site) or (
+                    "no reference op of the same name and output shapes lines up with it in "
+                    f"{port_call}'s partner"), False))
 
 
 def _ops_by_call(ops: pd.DataFrame, side: str, mapping: Mapping,
@@ -296,6 +328,11 @@ def _op(site: str) -> str:
     return parts[1] if parts else site
 
 
+def _short(site: str) -> str:
+    """``softmax#0`` of ``blocks.0.attn#0/softmax#0``."""
+    return site.rpartition("/")[2]
+
+
 def _lone_op_reason(site: str, port_call: str, lone_ports: list[str]) -> str:
     if not lone_ports:
         return (f"the port's {port_call} runs no {_op(site)} with the same output shapes at "
@@ -303,3 +340,36 @@ def _lone_op_reason(site: str, port_call: str, lone_ports: list[str]) -> str:
     others = ", ".join(dict.fromkeys(_op(s) for s in lone_ports[:6]))
     return (f"no {_op(site)} with the same output shapes at that point in the port's "
             f"{port_call}, which computes that part with other ops ({others})")
+
+
+_ACROSS_NAMES = ("position", "group")
+
+
+def op_pairings(matching: SiteMatching) -> list[dict[str, str]]:
+    """The op sites paired across names (by position, or as a group), each with why: for the
+    diff's JSON (``meta.op_pairings``)."""
+    return [{"reference": pair.reference, "port": pair.port, "match": pair.match,
+             "why": pair.label} for pair in matching.pairs if pair.match in _ACROSS_NAMES]
+
+
+def explain_op_pairings(origins: list, matching: SiteMatching, rows: pd.DataFrame) -> None:
+    """Each origin at an op site paired across names says how it was paired (its
+    ``pairing``), so a reader can check the pairing the verdict rests on. An origin in a group
+    of ops is named by the op whose record it reports (the group's output is its last op's,
+    an input gradient the op's that took that input), in the origin and in the rows' causes."""
+    by_reference = matching.by_reference()
+    for origin in origins:
+        pair = by_reference.get(origin.site)
+        if pair is None or pair.match not in _ACROSS_NAMES:
+            continue
+        origin.pairing = pair.label
+        if pair.match != "group":
+            continue
+        held = rows[(rows["step"] == origin.step) & (rows["port_site"] == origin.port_site)
+                    & (rows["role"] == origin.role) & (rows["port_arg"] == origin.port_arg)]
+        if len(held) == 1 and held["site"].iloc[0] != origin.site:
+            named = str(held["site"].iloc[0])
+            old = origin.site   # causes name it alone, or as "step N (site)" in later steps
+            rows["cause"] = [named if c == old else c.replace(f"({old})", f"({named})")
+                             if isinstance(c, str) else c for c in rows["cause"]]
+            origin.site, origin.arg = named, str(held["arg"].iloc[0])

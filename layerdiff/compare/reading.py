@@ -136,7 +136,7 @@ class TensorRef:
     dtype: str
     shape: tuple[int, ...]
     part: Slice | None = None
-    transpose: bool = False
+    transpose: bool | tuple[int, ...] = False   # True: reverse every axis; a tuple: those axes
     check: Mapping[str, Any] | None = None  # the index row its bytes are checked against
     statistics: bool = True  # the row's statistics too, not only its digest
 
@@ -369,5 +369,5 @@ def _whole(tensor: TensorRef, reader: DirectReader) -> np.ndarray:
         index[tensor.part.axis] = slice(tensor.part.start, tensor.part.stop)
         values = values[tuple(index)]
     if tensor.transpose:
-        values = values.T
+        values = values.T if tensor.transpose is True else values.transpose(tensor.transpose)
     return np.ascontiguousarray(values)

@@ -37,7 +37,9 @@ class RecordPair:
     confidence: float
     ref_slice: Slice | None = None
     port_slice: Slice | None = None
-    transpose_port: bool = False
+    # True: reverse every axis (a mapping's transpose); a tuple: those axes (an op's operand
+    # passed transposed, see op_alignment.py)
+    transpose_port: bool | tuple[int, ...] = False
 
 
 _ROOT = f"{schema.ROOT_MODULE}#0"
@@ -119,6 +121,9 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if pair is None:
             continue  # the site itself is reported unmatched
         key = (int(step), site, role, arg)
+        if pair.roles is not None and role not in pair.roles:
+            result.excused.add(key)  # inside a group of ops: the group's last op holds it
+            continue
         inputs = role in ("input", "grad_input")
         declared = (mapping.why_unmatched_record("reference", site, role, arg)
                     if mapping.unmatched_records else None)
@@ -179,7 +184,9 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             result.unmatched.append(("reference", *key, reason))
             continue
         used_port.add(port_pos)
-        result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence))
+        swap = _swapped_axes(shape) if inputs and arg in pair.swapped else False
+        result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence,
+                                       transpose_port=swap))
 
     param_pairs, param_unmatched, param_used, converted, absent = _pair_params(
         ref_index, port_index, sites, mapping)
@@ -209,6 +216,12 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                                         name + rest))
     result.pairs.sort(key=lambda p: p.ref)
     return result
+
+
+def _swapped_axes(shape: str) -> tuple[int, ...]:
+    """The axes that swap the last two of a tensor of this shape."""
+    rank = len(schema.parse_shape(shape))
+    return (*range(rank - 2), rank - 1, rank - 2)
 
 
 def _floating(dtype: str) -> bool:
@@ -375,12 +388,16 @@ def _views(source: ParamSource, ref_shapes: list[tuple[int, ...]],
                            f"{exc}; fix the rule's axis") from None
 
 
-def sliced_shape(shape: tuple[int, ...], part: Slice | None, transpose: bool) -> tuple[int, ...]:
-    """The shape a record has after its slice and then, when ``transpose``, its transpose."""
+def sliced_shape(shape: tuple[int, ...], part: Slice | None,
+                 transpose: bool | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a record has after its slice and then, when ``transpose``, its transpose
+    (every axis reversed, or the axes ``transpose`` lists)."""
     if part is not None:
         shape = list(shape)
         shape[part.axis] = part.stop - part.start
         shape = tuple(shape)
+    if isinstance(transpose, tuple):
+        return tuple(shape[axis] for axis in transpose)
     return tuple(reversed(shape)) if transpose else tuple(shape)
 
 

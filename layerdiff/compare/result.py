@@ -60,6 +60,9 @@ class Origin:
     hint: dict[str, str] | None = None
     # a multi-rank port's record cut across ranks: the ranks whose part holds the error
     ranks: list[int] | None = None
+    # how an op site was paired with a port op of another name: by position, or as a group
+    # (see layerdiff.compare.op_alignment); "" when names paired it
+    pairing: str = ""
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)

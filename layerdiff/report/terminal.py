@@ -110,7 +110,7 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
     in_port = [] if origin.port_site in ("", origin.site) else [
         f"in the port: {origin.port_site}" + (
             "" if origin.port_arg == origin.arg else f", argument '{origin.port_arg}'")]
-    lines = [*in_port, origin.reason, *hint_lines(origin),
+    lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *hint_lines(origin),
              f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
              f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
              f"{_number((m.get('frac_out') or 0) * 100)}% of elements out"]
