@@ -160,3 +160,9 @@ def mean_between() -> Case:
 def mean_leaf() -> Case:
     """The same centring inside the leaf ``block.leaf``."""
     return _between_case("mean_leaf", None, Center())
+
+
+def nan_between_backward() -> Case:
+    """``sqrt(h * (h > 0))`` in ``block``'s own code: a finite forward, and a NaN gradient
+    (sqrt's infinite slope at 0 times the mask's 0) sent back to ``block.fc``."""
+    return _between_case("nan_between_backward", lambda h: torch.sqrt(h * (h > 0)))

@@ -59,6 +59,7 @@ class _Site:
     missing: set[str] = field(default_factory=set)  # roles the reference has, unpaired here
     explained: tuple[float, float] | None = None  # (error, bound) when its inputs explain it
     why_missing: list[str] = field(default_factory=list)  # what has no partner, in sentences
+    handed: list[str] = field(default_factory=list)  # children whose records stand for its result
 
     def is_bad(self, *roles: str) -> bool:
         return any(self.bad.get(role) for role in roles)
@@ -138,6 +139,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
         norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
+    _unrecorded_results(rows, sites, parents)
 
     weight_origins = [s for s in sites.values() if s.is_bad("weight")]
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
@@ -436,6 +438,38 @@ def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
             loss.new_non_finite["input"] = True
 
 
+def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
+                        parents: dict[str, str]) -> None:
+    """A container whose own result has no record (no ``grad_input`` where its inputs need no
+    gradient, no ``output`` where it was not captured) still shows its own code's fault in
+    what that code hands its children: a child's ``input`` (forward) or ``grad_output``
+    (backward) that is off while what came into the container before it (its inputs and
+    weights, or the gradient at its outputs, and its children's results recorded earlier)
+    agrees. Those child records then count as the container's result."""
+    children: dict[str, list[_Site]] = {}
+    for site in sites.values():
+        if parents.get(site.name) in sites:
+            children.setdefault(parents[site.name], []).append(site)
+    for name, inside in children.items():
+        site = sites[name]
+        for result, handed, came, returned in (
+                ("output", "input", ("input", "weight"), "output"),
+                ("grad_input", "grad_output", ("grad_output",), "grad_input")):
+            if site.rows.get(result) or site.is_bad(*came) or (
+                    result == "grad_input" and site.is_bad("input", "output", "weight")):
+                continue
+            bad = sorted(p for child in inside for p in child.bad.get(handed, []))
+            if not bad:
+                continue
+            seq = rows.at[bad[0], "seq"]
+            if any(rows.at[p, "seq"] < seq for child in inside
+                   for p in child.bad.get(returned, [])):
+                continue  # a child's own result came first: the fault may be that child's
+            site.bad[result] = bad
+            site.rows[result] = bad
+            site.handed = sorted({rows.at[p, "site"] for p in bad})
+
+
 def _forward_candidate(site: _Site) -> bool:
     if site.is_bad("weight"):
         return False
@@ -502,6 +536,10 @@ def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site
                     words: Words = TOLERANCE) -> str:
     if site.new_non_finite.get("output"):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
+    if site.handed:
+        return (f"the input it hands {', '.join(site.handed)} is {words.out} while all its "
+                f"inputs and weights are {words.within}: the fault is in its own code between "
+                "its children")
     text = f"its output is {words.out} while all its inputs and weights are {words.within}"
     if _has_ops(site.name, parents, sites):
         text += _NO_OP_OUT.format(short=words.short)
@@ -514,6 +552,10 @@ def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site
 def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site],
                      words: Words = TOLERANCE) -> str:
     role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
+    if site.handed:
+        return (f"the gradient it sends back to {', '.join(site.handed)} is {words.out} while "
+                f"the gradient arriving at its outputs and its forward are {words.within}: the "
+                "fault is in its own backward code between its children")
     text = (f"its {role} is {words.out} while the gradient arriving at its outputs and "
             f"its forward are {words.within}")
     if _has_ops(site.name, parents, sites):
