@@ -231,15 +231,17 @@ def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axi
     untested = {site: r.untested for site, r in results.items() if r.untested}
     return BatchResult(case.name, batch, batch_axis, len(splits), len(calls), tested, mixing,
                        allowed, first, untested, warnings, time.perf_counter() - started,
-                       mixing_origin(calls, mixing))
+                       mixing_origin(calls, mixing, allowed))
 
 
-def mixing_origin(calls: list[_Call], mixing: list[Mixing]) -> R.Origin | None:
+def mixing_origin(calls: list[_Call], mixing: list[Mixing],
+                  allowed: list[Mixing]) -> R.Origin | None:
     """The diff's origin rule over the sites' own tests: a site's output (forward) or
     ``grad_input`` (backward) is off when it mixes; its inputs and output gradients never are,
     as each site ran on its own recorded arguments (an independent judgement, as in a replay).
-    Sites that mix by design are not off."""
-    passes = {entry.site: entry.pass_ for entry in mixing}
+    A site that mixes by design is off too, so that a container mixing through it is not
+    named for it, but it is never the origin named."""
+    passes = {entry.site: entry.pass_ for entry in [*mixing, *allowed]}
     last = 2 * len(calls)
     records = []
     for call in calls:
@@ -253,7 +255,8 @@ def mixing_origin(calls: list[_Call], mixing: list[Mixing]) -> R.Origin | None:
             Record(0, "backward", backward + 1, call.site, "grad_input", "0",
                    mixed == schema.Pass.BACKWARD)]
     sites = sites_frame({(0, call.site): call.parent for call in calls})
-    return find_origin(records, sites, MIXING, independent=True)
+    return find_origin(records, sites, MIXING, independent=True,
+                       excused=[entry.site for entry in allowed])
 
 
 # ---- the batch and its splits

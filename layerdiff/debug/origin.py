@@ -59,15 +59,18 @@ def sites_frame(parents: Mapping[tuple[int, str], str]) -> pd.DataFrame:
 
 
 def find_origin(records: Iterable[Record], sites: pd.DataFrame, words: Words, *,
-                independent: bool = False) -> R.Origin | None:
+                independent: bool = False, excused: Iterable[str] = ()) -> R.Origin | None:
     """The first origin (in the order the diff lists them) of these records, by the diff's
     rule; None when nothing is off or what is off came in from outside every site (the case's
-    inputs). ``independent``: every site was tested on its own recorded inputs."""
+    inputs). ``independent``: every site was tested on its own recorded inputs. ``excused``:
+    sites whose records are off by design; they may be origins (so the containers around them
+    are not), but are never the one named."""
     rows = judged_rows(records)
     if rows.empty:
         return None
     origins, _ = find_origins(rows, sites, independent=independent, words=words)
-    return origins[0] if origins else None
+    excused = set(excused)
+    return next((origin for origin in origins if origin.site not in excused), None)
 
 
 def origin_json(origin: R.Origin | None) -> dict[str, Any] | None:
