@@ -197,3 +197,85 @@ def test_determinism_names_the_leaf_whose_set_order_differs(run, tmp_path, monke
     assert _origin(report) == ("blocks.0.mix.concat#0", "forward", 0, "output", "0")
     assert "between its children" not in report["origin"]["reason"]
     assert "origin: blocks.0.mix.concat#0, forward output" in text.output
+
+
+class _UrandomCallOrder(nn.Module):
+    """Calls its head modules in an order drawn from os.urandom and concatenates in that order:
+    the runs record the heads in other places (a layout difference), each head the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(16, 2) for _ in range(8)])
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = sorted(range(len(self.heads)), key=lambda _: os.urandom(8))
+        return self.proj(torch.cat([self.heads[h](x) for h in order], dim=-1))
+
+
+def test_determinism_origin_when_the_runs_call_sites_in_another_order(tmp_path):
+    traces = []
+    for run in range(2):
+        seed_everything(0)
+        case = Case(model=_UrandomCallOrder(), inputs=(torch.randn(2, 16),),
+                    loss_fn=lambda out: out.pow(2).mean(), name="call order")
+        traces.append(open_trace(capture(case, tmp_path / f"run{run}.h5")))
+    try:
+        comparison = compare_runs(traces[0], traces[1], 2)
+    finally:
+        for trace in traces:
+            trace.close()
+    assert comparison.how == "layout"
+    # records are matched by name, not place: every head agrees, the concatenation does not
+    origin = comparison.origin
+    assert (origin.site, origin.pass_, origin.role) == ("<root>#0", "forward", "output")
+    assert BETWEEN in origin.reason
+
+
+# ---- the rule is the diff's: a container with no grad_input, named by what its backward
+# ---- code sends back to a child, in a diff of two traces too
+
+class _DoubleBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _Block(nn.Module):
+    def __init__(self, wrong: bool) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.wrong = wrong
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))  # its own code, between its children
+        return self.out(_DoubleBackward.apply(h) if self.wrong else h)
+
+
+class _BlockNet(nn.Module):
+    def __init__(self, wrong: bool) -> None:
+        super().__init__()
+        self.block = _Block(wrong)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).squeeze(-1)
+
+
+def test_diff_names_a_container_whose_backward_code_is_wrong_when_it_has_no_grad_input(
+        tmp_path):
+    from layerdiff import diff
+
+    paths = []
+    for wrong in (False, True):
+        seed_everything(0)
+        case = Case(model=_BlockNet(wrong), inputs=(torch.randn(6, 4),),
+                    loss_fn=lambda out: out.pow(2).mean(), name="block")
+        paths.append(capture(case, tmp_path / f"{wrong}.h5"))
+    result = diff(*paths)
+    origin = result.origins[0]
+    assert (origin.site, origin.pass_) == ("block#0", "backward")
+    assert "sends back to block.fc#0 is out of tolerance" in origin.reason
