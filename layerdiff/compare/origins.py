@@ -455,13 +455,15 @@ def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
         for result, handed, came, returned in (
                 ("output", "input", ("input", "weight"), "output"),
                 ("grad_input", "grad_output", ("grad_output",), "grad_input")):
-            if site.rows.get(result) or site.is_bad(*came) or (
-                    result == "grad_input" and site.is_bad("input", "output", "weight")):
+            if site.rows.get(result) or site.is_bad(*came):
+                continue
+            if result == "grad_input" and any(  # a backward inherits its forward's error
+                    s.is_bad("input", "output", "weight") for s in [site, *inside]):
                 continue
             bad = sorted(p for child in inside for p in child.bad.get(handed, []))
             if not bad:
                 continue
-            seq = rows.at[bad[0], "seq"]
+            seq = min(rows.at[p, "seq"] for p in bad)
             if any(rows.at[p, "seq"] < seq for child in inside
                    for p in child.bad.get(returned, [])):
                 continue  # a child's own result came first: the fault may be that child's
