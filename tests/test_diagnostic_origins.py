@@ -77,6 +77,19 @@ def test_nan_in_a_backward_leaf_and_in_the_optimizer_are_named_there():
     assert origin.reason == result.producer.why and "(lr inf)" in origin.reason
 
 
+def test_nan_in_the_case_inputs_has_no_origin():
+    from layerdiff.debug.nan import find_nan
+
+    seed_everything(0)
+    x = torch.randn(4, 3)
+    x[1, 2] = float("nan")
+    result = find_nan(Case(model=nn.Linear(3, 1), inputs=(x,), loss_fn=lambda out: out.sum(),
+                           name="nan input"))
+    assert result.first.site == "<root>#0" and result.first.role == "input"
+    assert result.origin is None and result.as_json()["origin"] is None
+    assert "origin: none: no site's result is non-finite" in result.format()
+
+
 # ---- batch-independence
 
 def test_batch_mean_in_a_parents_code_between_children_names_the_parent(run, tmp_path):

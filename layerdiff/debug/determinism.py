@@ -56,6 +56,8 @@ DIFFERENT = Words(
      "every process (seed it)",
      "its weights differ between runs at the start of step {step} while every earlier step "
      "was the same: the optimizer step, gradient clipping or unscaling differs"))
+_NO_ORIGIN = ("origin: none: no site's result differs while what came into it agrees (the "
+              "case's inputs differ, or a record only one run has)")
 _CHILD = ("import sys; from layerdiff.debug.determinism import run_child; "
           "sys.exit(run_child(sys.argv[1:]))")
 
@@ -192,8 +194,7 @@ class DeterminismResult:
                     continue
                 lines.append(f"run {c.run} differs from run 1 first at {c.first.describe()}"
                              + (f" ({c.note})" if c.note else ""))
-                lines.append("  " + (origin_line(c.origin) if c.origin else
-                                     "origin: none: the case's inputs differ between runs"))
+                lines.append("  " + (origin_line(c.origin) if c.origin else _NO_ORIGIN))
                 if c.how == DifferenceKind.VALUES:
                     size = (f"max |diff| {c.max_abs:.3g}, {c.ratio:.3g}x tolerance"
                             if c.max_abs is not None and c.ratio is not None

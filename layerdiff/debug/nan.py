@@ -183,7 +183,8 @@ class NanResult:
                  f"{first.pass_} {first.role}{arg} of {first.site} "
                  f"({_shape(first.shape)} {first.dtype}, range {_range(first.min, first.max)})"]
         lines.append(origin_line(self.origin) if self.origin else
-                     "origin: none: the case itself holds it (its inputs)")
+                     "origin: none: no site's result is non-finite while what came into it is "
+                     "finite (the case's inputs hold it, or the loss's backward made it)")
         producer = self.producer
         if producer is not None:
             lines.append(f"made by: {producer.site or 'the case itself'}"
