@@ -10,7 +10,10 @@ children, so the origin is the parent and not the site the record belongs to.
   module ``blocks.0.mix.concat``: the origin is that leaf.
 - ``nan_between`` (``layerdiff nan``): ``block`` takes the log of ``block.fc``'s output (which
   has negatives) before ``block.out``: the first NaN is ``block.out#0``'s input, made by
-  ``block``'s own code.
+  ``block``'s own code. ``nan_leaf``: the log in a leaf module, ``block.leaf``, the origin.
+  ``nan_between_backward``: ``sqrt(h * (h > 0))`` between the two, finite forward, NaN
+  gradient sent back to ``block.fc`` by ``block``'s backward (``block`` records no
+  ``grad_input``: its input needs no gradient).
 - ``mean_between`` (``layerdiff batch-independence``): ``block`` subtracts the batch mean,
   ``x - x.mean(0)``, between ``block.fc`` and ``block.out``: every sample's output depends on
   every other sample, and no child mixes on its own.
