@@ -59,6 +59,7 @@ class _Site:
     missing: set[str] = field(default_factory=set)  # roles the reference has, unpaired here
     explained: tuple[float, float] | None = None  # (error, bound) when its inputs explain it
     why_missing: list[str] = field(default_factory=list)  # what has no partner, in sentences
+    handed: list[str] = field(default_factory=list)  # children whose records stand for its result
 
     def is_bad(self, *roles: str) -> bool:
         return any(self.bad.get(role) for role in roles)
@@ -67,12 +68,32 @@ class _Site:
         return any(role in self.missing for role in roles)
 
 
+@dataclass(frozen=True)
+class Words:
+    """How a comparison calls a record that is off and one that agrees, in an origin's reason:
+    the diff judges against a tolerance; a diagnostic by its own test (finite or not, the same
+    in every run, free of other samples). ``weights``: the reason of a weight origin at step 0
+    and at a later step ``{step}``."""
+
+    out: str = "out of tolerance"
+    within: str = "within"
+    short: str = "out"          # "no site inside it is <short> on its own"
+    weights: tuple[str, str] = (
+        "its weights differ before anything ran: the port was not given the reference's "
+        "weights (capture it with --weights-from and the mapping)",
+        "its weights differ at the start of step {step} while every earlier step was within "
+        "tolerance: the optimizer step, gradient clipping or unscaling differs")
+
+
+TOLERANCE = Words()
+
+
 def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bool = False,
                  ref_index: pd.DataFrame | None = None,
                  dropped: set[tuple[int, str, str, str]] | None = None,
                  port_missing: list[tuple[int, str, str, str, str]] | None = None,
-                 extra_norms: dict[tuple[int, str, str, str], float] | None = None
-                 ) -> tuple[list[R.Origin], int | None]:
+                 extra_norms: dict[tuple[int, str, str, str], float] | None = None,
+                 words: Words = TOLERANCE) -> tuple[list[R.Origin], int | None]:
     """Origins of the first failing step; fills ``status`` and ``cause`` of ``rows``.
 
     ``independent``: every site ran on the reference's own inputs and gradients (a replay), so
@@ -84,7 +105,14 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     and their gradients, records the mapping declares). ``port_missing``: port inputs that
     nothing pairs, (step, reference site, port site, port argument, its name): their site
     cannot be judged. ``extra_norms``: L2 norms of compared reference tensors the index lacks (what
-    a call adapter made), keyed as ``dropped``."""
+    a call adapter made), keyed as ``dropped``. ``words``: how the reasons call a failing record
+    (a diagnostic's rows fail by its own test, not a tolerance).
+
+    A diagnostic applies the same rule to its own comparison: ``rows`` need only ``step``,
+    ``pass``, ``seq``, ``site``, ``port_site``, ``role``, ``arg``, ``port_arg``, ``dtype``,
+    ``verdict`` (failing when not in ``PASSING``), ``status`` and ``cause`` (see
+    :func:`layerdiff.debug.origin.judged_rows`), and ``ref_sites`` ``step``, ``site`` and
+    ``parent``."""
     failing = ~rows["verdict"].isin(PASSING)
     if not failing.any():
         return [], None
@@ -111,6 +139,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
         norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
     _root_output_feeds_loss(sites)
+    _unrecorded_results(rows, sites, parents)
 
     weight_origins = [s for s in sites.values() if s.is_bad("weight")]
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
@@ -143,7 +172,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     # forward candidate, so the containers around it hold it rather than become origins.
     _, weight_holders = _innermost(weight_origins + forward, parents)
     for site in sorted(weight_origins, key=lambda s: s.order):
-        origin = _origin(rows, site, step, "weight", _weight_reason(step))
+        origin = _origin(rows, site, step, "weight", _weight_reason(step, words))
         origin.holders = sorted(weight_holders.get(site.name, []))
         origins.append(origin)
     for group, role_order, reason in ((forward, ("output",), _forward_reason),
@@ -158,7 +187,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             lambda s: s.backward_order)
         for site in sorted(innermost, key=key):
             role = next(r for r in role_order if site.is_bad(r))
-            text = reason(site, parents, sites)
+            text = reason(site, parents, sites, words)
             if site.explained is not None:
                 text += (f"; its error ({site.explained[0]:.3g}) is within what the errors "
                          f"arriving at it can produce ({site.explained[1]:.3g}), but nothing "
@@ -409,6 +438,40 @@ def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
             loss.new_non_finite["input"] = True
 
 
+def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
+                        parents: dict[str, str]) -> None:
+    """A container whose own result has no record (no ``grad_input`` where its inputs need no
+    gradient, no ``output`` where it was not captured) still shows its own code's fault in
+    what that code hands its children: a child's ``input`` (forward) or ``grad_output``
+    (backward) that is off while what came into the container before it (its inputs and
+    weights, or the gradient at its outputs, and its children's results recorded earlier)
+    agrees. Those child records then count as the container's result."""
+    children: dict[str, list[_Site]] = {}
+    for site in sites.values():
+        if parents.get(site.name) in sites:
+            children.setdefault(parents[site.name], []).append(site)
+    for name, inside in children.items():
+        site = sites[name]
+        for result, handed, came, returned in (
+                ("output", "input", ("input", "weight"), "output"),
+                ("grad_input", "grad_output", ("grad_output",), "grad_input")):
+            if site.rows.get(result) or site.is_bad(*came):
+                continue
+            if result == "grad_input" and any(  # a backward inherits its forward's error
+                    s.is_bad("input", "output", "weight") for s in [site, *inside]):
+                continue
+            bad = sorted(p for child in inside for p in child.bad.get(handed, []))
+            if not bad:
+                continue
+            seq = min(rows.at[p, "seq"] for p in bad)
+            if any(rows.at[p, "seq"] < seq for child in inside
+                   for p in child.bad.get(returned, [])):
+                continue  # a child's own result came first: the fault may be that child's
+            site.bad[result] = bad
+            site.rows[result] = bad
+            site.handed = sorted({rows.at[p, "site"] for p in bad})
+
+
 def _forward_candidate(site: _Site) -> bool:
     if site.is_bad("weight"):
         return False
@@ -466,41 +529,48 @@ def _has_ops(name: str, parents: dict[str, str], sites: dict[str, _Site]) -> boo
 
 # Said of a call whose own code holds the fault when its ops were captured and none is out on
 # its own: what --ops skips (views, indexing) is where it can be.
-_NO_OP_OUT = ("; no op of its own code is out on its own either, so the fault is in a view or "
-              "indexing op that --ops skips (capture with --ops-all to record them) or in an op "
-              "whose arguments have no partner")
+_NO_OP_OUT = ("; no op of its own code is {short} on its own either, so the fault is in a view "
+              "or indexing op that --ops skips (capture with --ops-all to record them) or in an "
+              "op whose arguments have no partner")
 
 
-def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
+def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site],
+                    words: Words = TOLERANCE) -> str:
     if site.new_non_finite.get("output"):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
-    text = "its output is out of tolerance while all its inputs and weights are within"
+    if site.handed:
+        return (f"the input it hands {', '.join(site.handed)} is {words.out} while all its "
+                f"inputs and weights are {words.within}: the fault is in its own code between "
+                "its children")
+    text = f"its output is {words.out} while all its inputs and weights are {words.within}"
     if _has_ops(site.name, parents, sites):
-        text += _NO_OP_OUT
+        text += _NO_OP_OUT.format(short=words.short)
     elif _has_children(site.name, parents, sites):
-        text += ("; no site inside it is out on its own, so the fault is in its own code "
-                 "between its children")
-    return text
-
-
-def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site]) -> str:
-    role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
-    text = (f"its {role} is out of tolerance while the gradient arriving at its outputs and "
-            "its forward are within")
-    if _has_ops(site.name, parents, sites):
-        text += _NO_OP_OUT.replace("view or indexing op", "view or indexing op's backward")
-    elif _has_children(site.name, parents, sites):
-        text += ("; no site inside it is out on its own, so the fault is in its own backward "
+        text += (f"; no site inside it is {words.short} on its own, so the fault is in its own "
                  "code between its children")
     return text
 
 
-def _weight_reason(step: int) -> str:
-    if step == 0:
-        return ("its weights differ before anything ran: the port was not given the "
-                "reference's weights (capture it with --weights-from and the mapping)")
-    return (f"its weights differ at the start of step {step} while every earlier step was "
-            "within tolerance: the optimizer step, gradient clipping or unscaling differs")
+def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site],
+                     words: Words = TOLERANCE) -> str:
+    role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
+    if site.handed:
+        return (f"the gradient it sends back to {', '.join(site.handed)} is {words.out} while "
+                f"the gradient arriving at its outputs and its forward are {words.within}: the "
+                "fault is in its own backward code between its children")
+    text = (f"its {role} is {words.out} while the gradient arriving at its outputs and "
+            f"its forward are {words.within}")
+    if _has_ops(site.name, parents, sites):
+        text += _NO_OP_OUT.format(short=words.short).replace(
+            "view or indexing op", "view or indexing op's backward")
+    elif _has_children(site.name, parents, sites):
+        text += (f"; no site inside it is {words.short} on its own, so the fault is in its own "
+                 "backward code between its children")
+    return text
+
+
+def _weight_reason(step: int, words: Words = TOLERANCE) -> str:
+    return words.weights[0] if step == 0 else words.weights[1].format(step=step)
 
 
 def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) -> R.Origin:

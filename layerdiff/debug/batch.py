@@ -58,6 +58,9 @@ import torch
 from torch import nn
 
 from layerdiff.case import Case, ExternalCase, load_case, seed_everything
+from layerdiff.compare import result as R
+from layerdiff.compare.origins import Words
+from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line, sites_frame
 from layerdiff.errors import CaptureError, CaseError
 from layerdiff.trace import schema
 
@@ -65,6 +68,7 @@ Progress = Callable[[int, int], None]  # (sites done, sites in all)
 NOISE_FACTOR = 4.0
 WIDTH = 100
 SHOWN_SAMPLES = 8
+MIXING = Words("mixed across samples", "free of mixing", "mixing")
 
 
 class MixTest(StrEnum):
@@ -140,6 +144,8 @@ class BatchResult:
     untested: dict[str, str]              # site -> why no test could run there
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # the site whose own code mixes, by the diff's origin rule over every site's own test
+    origin: R.Origin | None = None
 
     @property
     def found(self) -> bool:
@@ -150,6 +156,7 @@ class BatchResult:
                 "batch_axis": self.batch_axis, "splits": self.splits, "sites": self.sites,
                 "tested": dict(self.tested),
                 "first": self.first.as_json() if self.first else None,
+                "origin": origin_json(self.origin),
                 "mixing": [m.as_json() for m in self.mixing],
                 "allowed": [m.as_json() for m in self.allowed],
                 "untested": dict(self.untested), "warnings": list(self.warnings),
@@ -165,6 +172,8 @@ class BatchResult:
             lines.append(_clip(f"MIXING: {len(self.mixing)} site(s) mix samples; the first is "
                                f"{self.first.site} ({self.first.type}), in its {self.first.pass_}"))
             lines += _wrap(self.first.evidence[0].describe(), "  ")
+            if self.origin is not None:
+                lines += _wrap(origin_line(self.origin), "")
             lines.append("sites that mix (containers list the mixing sites inside them):")
             for entry in self.mixing:
                 if entry.holds:
@@ -221,7 +230,33 @@ def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axi
     tested = {str(test): sum(test in r.ran for r in results.values()) for test in MixTest}
     untested = {site: r.untested for site, r in results.items() if r.untested}
     return BatchResult(case.name, batch, batch_axis, len(splits), len(calls), tested, mixing,
-                       allowed, first, untested, warnings, time.perf_counter() - started)
+                       allowed, first, untested, warnings, time.perf_counter() - started,
+                       mixing_origin(calls, mixing, allowed))
+
+
+def mixing_origin(calls: list[_Call], mixing: list[Mixing],
+                  allowed: list[Mixing]) -> R.Origin | None:
+    """The diff's origin rule over the sites' own tests: a site's output (forward) or
+    ``grad_input`` (backward) is off when it mixes; its inputs and output gradients never are,
+    as each site ran on its own recorded arguments (an independent judgement, as in a replay).
+    A site that mixes by design is off too, so that a container mixing through it is not
+    named for it, but it is never the origin named."""
+    passes = {entry.site: entry.pass_ for entry in [*mixing, *allowed]}
+    last = 2 * len(calls)
+    records = []
+    for call in calls:
+        mixed = passes.get(call.site)
+        backward = last + 2 * (len(calls) - call.order)  # the backward runs in reverse
+        records += [
+            Record(0, "forward", 2 * call.order, call.site, "input", "0", False),
+            Record(0, "forward", 2 * call.order + 1, call.site, "output", "0",
+                   mixed == schema.Pass.FORWARD),
+            Record(0, "backward", backward, call.site, "grad_output", "0", False),
+            Record(0, "backward", backward + 1, call.site, "grad_input", "0",
+                   mixed == schema.Pass.BACKWARD)]
+    sites = sites_frame({(0, call.site): call.parent for call in calls})
+    return find_origin(records, sites, MIXING, independent=True,
+                       excused=[entry.site for entry in allowed])
 
 
 # ---- the batch and its splits

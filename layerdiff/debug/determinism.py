@@ -36,7 +36,10 @@ import pandas as pd
 
 from layerdiff import errors
 from layerdiff.compare import Tolerances, diff
+from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING
+from layerdiff.compare.origins import Words
+from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
 from layerdiff.outputs import make_folder, refuse_existing
 from layerdiff.trace import Trace, open_trace
@@ -45,6 +48,16 @@ Progress = Callable[[int, int], None]  # (runs done, runs in all)
 WIDTH = 100
 # What must agree for two records to be the same record (before their bytes are compared).
 LAYOUT = ["step", "pass", "site", "role", "arg", "kind", "dtype", "shape"]
+# Which record, whatever its place in the recording order.
+KEY = ["step", "pass", "site", "role", "arg", "kind"]
+DIFFERENT = Words(
+    "different between runs", "the same in every run", "different",
+    ("its initial weights differ between runs: the case's initialisation is not the same in "
+     "every process (seed it)",
+     "its weights differ between runs at the start of step {step} while every earlier step "
+     "was the same: the optimizer step, gradient clipping or unscaling differs"))
+_NO_ORIGIN = ("origin: none: no site's result differs while what came into it agrees (the "
+              "case's inputs differ, or a record only one run has)")
 _CHILD = ("import sys; from layerdiff.debug.determinism import run_child; "
           "sys.exit(run_child(sys.argv[1:]))")
 
@@ -99,6 +112,9 @@ class RunComparison:
     differing: int = 0                    # records whose bytes differ
     first_out: RecordKey | None = None    # the first record out of tolerance, if any
     note: str = ""
+    # the site whose own code made the difference, by the diff's origin rule (None: the
+    # case's inputs differ, or nothing does)
+    origin: R.Origin | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"run": self.run, "first": self.first.as_json() if self.first else None,
@@ -107,7 +123,7 @@ class RunComparison:
                 "ratio": _number(self.ratio), "tolerance": self.tolerance,
                 "differing": self.differing,
                 "first_out": self.first_out.as_json() if self.first_out else None,
-                "note": self.note}
+                "origin": origin_json(self.origin), "note": self.note}
 
 
 @dataclass
@@ -147,9 +163,16 @@ class DeterminismResult:
         first = self._first
         return first.within_tolerance if first else None
 
+    @property
+    def origin(self) -> R.Origin | None:
+        """The origin of the run that differs first."""
+        first = self._first
+        return first.origin if first else None
+
     def as_json(self) -> dict[str, Any]:
         return {"case": self.case, "verdict": str(self.verdict), "found": self.found,
                 "first": self.first.as_json() if self.first else None,
+                "origin": origin_json(self.origin),
                 "within_tolerance": self.within_tolerance, "runs": self.runs,
                 "steps": self.steps, "records": self.records, "hash_seed": self.hash_seed,
                 "comparisons": [c.as_json() for c in self.comparisons],
@@ -171,6 +194,7 @@ class DeterminismResult:
                     continue
                 lines.append(f"run {c.run} differs from run 1 first at {c.first.describe()}"
                              + (f" ({c.note})" if c.note else ""))
+                lines.append("  " + (origin_line(c.origin) if c.origin else _NO_ORIGIN))
                 if c.how == DifferenceKind.VALUES:
                     size = (f"max |diff| {c.max_abs:.3g}, {c.ratio:.3g}x tolerance"
                             if c.max_abs is not None and c.ratio is not None
@@ -277,14 +301,37 @@ def compare_runs(first: Trace, other: Trace, run: int,
                 f"run {run} records {RecordKey.of(other_row).describe()} "
                 f"({other_row['dtype']} {other_row['shape']}) there")
         return RunComparison(run, RecordKey.of(row), layout_at, DifferenceKind.LAYOUT, False,
-                             "layout", differing=differing, note=note)
+                             "layout", differing=differing, note=note,
+                             origin=run_origin(first, other))
     if values_at is None:
         return RunComparison(run, None, None)
     key = RecordKey.of(a.iloc[values_at])
     comparison = RunComparison(run, key, values_at, DifferenceKind.VALUES,
-                               differing=differing)
+                               differing=differing, origin=run_origin(first, other))
     _judge(comparison, first, other, key, tolerances)
     return comparison
+
+
+def run_origin(first: Trace, other: Trace) -> R.Origin | None:
+    """The site whose own code made ``other`` differ from ``first``, by the diff's origin rule
+    over the records of ``first``, each off when ``other`` has no record of that name with the
+    same dtype, shape and bytes."""
+    a, b = first.index, other.index
+    where = {key: j for j, key in enumerate(zip(*(b[c] for c in KEY), strict=True))}
+    at = np.array([where.get(key, -1) for key in zip(*(a[c] for c in KEY), strict=True)],
+                  dtype=np.int64)
+    found = np.flatnonzero(at >= 0)
+    same = np.zeros(len(a), dtype=bool)
+    ours, theirs = a.iloc[found], b.iloc[at[found]]
+    agree = ((ours["dtype"].to_numpy() == theirs["dtype"].to_numpy())
+             & (ours["shape"].to_numpy() == theirs["shape"].to_numpy()))
+    same[found] = _same_bytes(first, other, ours, theirs) & agree
+    records = [Record(int(step), str(pass_), int(seq), str(site), str(role), str(arg),
+                      not ok, str(dtype))
+               for step, pass_, seq, site, role, arg, dtype, ok in zip(
+                   a["step"], a["pass"], a["seq"], a["site"], a["role"], a["arg"], a["dtype"],
+                   same, strict=True)]
+    return find_origin(records, first.sites, DIFFERENT)
 
 
 def _judge(comparison: RunComparison, first: Trace, other: Trace, key: RecordKey,

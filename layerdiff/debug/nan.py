@@ -46,6 +46,9 @@ from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import dtype_name
 from layerdiff.case import Case, ExternalCase, load_case
+from layerdiff.compare import result as R
+from layerdiff.compare.origins import Words
+from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line, sites_frame
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.trace import schema
 from layerdiff.trace.writer import site_scope
@@ -55,6 +58,11 @@ WIDTH = 100
 SHOWN = 12  # input ranges listed in the text (JSON has all)
 _DTYPE_NAMES = {t: dtype_name(t) for t in (torch.float32, torch.float64, torch.float16,
                                            torch.bfloat16)}
+NON_FINITE = Words(
+    "non-finite", "finite", "non-finite",
+    ("the case's initial weights hold a NaN or Inf",
+     "its weight is non-finite at step {step} while it was finite after the last optimizer "
+     "step: something changed it in place"))
 
 
 class NanPass(StrEnum):
@@ -142,6 +150,8 @@ class NanResult:
     records_per_step: int = 0      # tensors checked in the last step run
     trace: str | None = None       # the failing step's trace, when one was asked for
     notes: list[str] = field(default_factory=list)
+    # the site whose own code made the first non-finite value, by the diff's origin rule
+    origin: R.Origin | None = None
 
     @property
     def found(self) -> bool:
@@ -152,6 +162,7 @@ class NanResult:
                 "steps_run": self.steps_run,
                 "first": self.first.as_json() if self.first else None,
                 "producer": self.producer.as_json() if self.producer else None,
+                "origin": origin_json(self.origin),
                 "seconds": round(self.seconds, 4),
                 "seconds_per_step": round(self.seconds_per_step, 6),
                 "records_per_step": self.records_per_step, "trace": self.trace,
@@ -171,6 +182,9 @@ class NanResult:
         lines = [f"first non-finite value ({first.kind}) in {self.case}, step {first.step}: "
                  f"{first.pass_} {first.role}{arg} of {first.site} "
                  f"({_shape(first.shape)} {first.dtype}, range {_range(first.min, first.max)})"]
+        lines.append(origin_line(self.origin) if self.origin else
+                     "origin: none: no site's result is non-finite while what came into it is "
+                     "finite (the case's inputs hold it, or the loss's backward made it)")
         producer = self.producer
         if producer is not None:
             lines.append(f"made by: {producer.site or 'the case itself'}"
@@ -227,7 +241,7 @@ def find_nan(case: Case | ExternalCase | str, steps: int | None = None, *,
                        time.perf_counter() - started, watch.seconds_per_step(),
                        watch.records_per_step, notes=list(watch.notes))
     if found is not None:
-        result.first, result.producer = found
+        result.first, result.producer, result.origin = found
         if output is not None:
             try:
                 result.trace = str(watch.capture_failing_step(output, result))
@@ -335,7 +349,7 @@ class _Watch:
             return 0.0
         return (time.perf_counter() - self.began[-1]) / counted
 
-    def run(self) -> tuple[FirstNonFinite, Producer] | None:
+    def run(self) -> tuple[FirstNonFinite, Producer, R.Origin | None] | None:
         raise NotImplementedError
 
     def capture_failing_step(self, output: str | os.PathLike, result: NanResult) -> Path:
@@ -453,7 +467,7 @@ class _TorchWatch(_Watch):
         if position is not None:
             raise _Found(log, position)
 
-    def run(self) -> tuple[FirstNonFinite, Producer] | None:
+    def run(self) -> tuple[FirstNonFinite, Producer, R.Origin | None] | None:
         case = replace(self.case, optimizer=self._spy(self.case.optimizer))
         self.hooks.attach()
         try:
@@ -492,7 +506,7 @@ class _TorchWatch(_Watch):
 
         return build
 
-    def _explain(self, found: _Found) -> tuple[FirstNonFinite, Producer]:
+    def _explain(self, found: _Found) -> tuple[FirstNonFinite, Producer, R.Origin | None]:
         log = found.log
         entry = log.entries[found.position]
         optimizer, detail = "optimizer", ""
@@ -630,7 +644,7 @@ class _ExternalWatch(_Watch):
         if self.progress is not None:
             self.progress(step + 1, self.total)
 
-    def run(self) -> tuple[FirstNonFinite, Producer] | None:
+    def run(self) -> tuple[FirstNonFinite, Producer, R.Origin | None] | None:
         from layerdiff.case import seed_everything
 
         self.writer = _CheckingWriter(self._stepped)
@@ -650,7 +664,7 @@ class _ExternalWatch(_Watch):
         self._stepped(self.writer.current_step)
         return None
 
-    def _explain(self, found: _Found) -> tuple[FirstNonFinite, Producer]:
+    def _explain(self, found: _Found) -> tuple[FirstNonFinite, Producer, R.Origin | None]:
         log, entry = found.log, found.log.entries[found.position]
         previous = self.writer.previous
         if (entry.role == "weight" and entry.pass_ == NanPass.FORWARD and log.step > 0
@@ -674,8 +688,34 @@ class _ExternalWatch(_Watch):
 # ---- where it was made ----
 
 def explain(log: _StepLog, position: int, optimizer: str = "optimizer",
-            detail: str = "") -> tuple[FirstNonFinite, Producer]:
-    """``first`` and ``producer`` from the failing step's records (every earlier one finite)."""
+            detail: str = "") -> tuple[FirstNonFinite, Producer, R.Origin | None]:
+    """``first``, ``producer`` and ``origin`` from the failing step's records (every earlier one
+    finite)."""
+    first, producer = _first_and_producer(log, position, optimizer, detail)
+    origin = step_origin(log)
+    if origin is not None and origin.pass_ == NanPass.OPTIMIZER:
+        origin.reason = producer.why  # the optimizer's name, rate and clipping
+    return first, producer, origin
+
+
+def step_origin(log: _StepLog) -> R.Origin | None:
+    """The site whose own code made the step's first non-finite value, by the diff's origin
+    rule over the step's records (each off when non-finite); None when the case's inputs hold
+    it."""
+    records = [Record(log.step, entry.pass_, entry.seq, entry.site, entry.role, entry.arg,
+                      not _finite(*log.ranges[entry.slot]), entry.dtype)
+               for entry in log.entries if entry.slot < len(log.ranges)]
+    # the weights after the optimizer step are those the next step starts from: they count
+    # only when everything of this step was finite (else the NaN reached them from its origin)
+    stepped = [r for r in records if r.pass_ != NanPass.OPTIMIZER]
+    if any(r.bad for r in stepped):
+        records = stepped
+    sites = sites_frame({(log.step, s.site): s.parent for s in log.sites.values()})
+    return find_origin(records, sites, NON_FINITE)
+
+
+def _first_and_producer(log: _StepLog, position: int, optimizer: str,
+                        detail: str) -> tuple[FirstNonFinite, Producer]:
     entry = log.entries[position]
     low, high = log.ranges[entry.slot]
     kind = NanKind.NAN if math.isnan(low) or math.isnan(high) else NanKind.INF
