@@ -332,7 +332,8 @@ def _rerun_update(ref: Case, port: Case, starts: dict[str, Any],
     the records alone."""
     try:
         return compare_update(ref, port, starts, mapping, step)
-    except (LayerdiffError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+    except (LayerdiffError, RuntimeError, ValueError, TypeError, KeyError,
+            AttributeError) as exc:  # an optimizer that is not torch's kind
         warnings.append(f"the optimizer update that ended step {step} could not be rerun from "
                         f"the reference's weights, gradients and state ({type(exc).__name__}: "
                         f"{exc}); the cause is read from the records alone")

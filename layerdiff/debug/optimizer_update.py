@@ -316,7 +316,7 @@ class _Probe:
     def __init__(self, model: torch.nn.Module, step: int,
                  given: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                  state: dict[str, dict[str, Any]] | None = None) -> None:
-        self.params = dict(model.named_parameters())
+        self.params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.step, self.current = step, -1
         self.given, self.given_state = given, state
@@ -405,9 +405,9 @@ def _run(case: Case, start: dict[str, torch.Tensor], step: int, **given: Any) ->
 def _sources(ref_model: torch.nn.Module, port_model: torch.nn.Module,
              mapping: Mapping) -> dict[str, ParamSource]:
     """Each port parameter that the reference provides: which reference parameters, how."""
-    shapes = {name: np.empty(tuple(p.shape), dtype=np.float32)
+    shapes = {name: np.zeros(tuple(p.shape), dtype=np.float32)
               for name, p in ref_model.named_parameters(remove_duplicate=False)}
-    shapes.update((name, np.empty(tuple(b.shape), dtype=np.float32))
+    shapes.update((name, np.zeros(tuple(b.shape), dtype=np.float32))
                   for name, b in ref_model.named_buffers())
     params = dict(port_model.named_parameters())
     return {found.port: found.source for found in resolve_weights(port_model, shapes, mapping)
