@@ -6,6 +6,7 @@ own names and fused q/k/v, trained with AdamW and param groups split by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from layerdiff.debug.diverge import Cause, diverge
 from layerdiff.debug.optimizer_update import DIRECTION, STEP_SIZE, WEIGHT_DECAY
 from layerdiff.report.diverge_html import render_diverge_html
+from reference_models import mlp, mlp_port
 from tests import optimizer_cases as cases
 
 
@@ -113,3 +115,17 @@ def test_a_forward_that_differs_only_from_step_1_on_stays_forward(tmp_path):
 def test_the_port_trained_as_the_reference_is_does_not_diverge(tmp_path):
     result = _diverge(cases.reference(), cases.port(), tmp_path)
     assert not result.found and result.update is None
+
+
+def test_gradient_clipping_the_port_leaves_out_is_named_by_the_gradients_its_optimizer_got(
+        tmp_path):
+    reference = dataclasses.replace(mlp.reference(), steps=3, clip_grad_norm=0.1)
+    port = dataclasses.replace(mlp_port.port(), steps=3)
+    result = diverge(reference, port, steps=3, output_dir=tmp_path)
+    assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
+    for param in result.update.params:  # SGD: the step grows with the gradient
+        assert param.kind == STEP_SIZE
+        assert param.step_ratio == pytest.approx(param.fed_ratio, rel=1e-3)
+        assert param.fed_ratio > 1.5
+    assert ("(clip_grad_norm: reference 0.1, port None): the gradient clipping (or unscaling) "
+            "differs") in _flat(result.format())

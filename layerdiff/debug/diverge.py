@@ -14,6 +14,14 @@ every step costs memory and disk in proportion. So:
    origin. Weights are recorded at the start of each step, so an origin that is a weight at
    step k > 0 while every record of step k-1 (its gradients included) agreed is the optimizer
    update that ended step k-1: a learning rate, its schedule, momentum, weight decay, clipping.
+3. When ``first_step`` > 0, the update that ended the step before is rerun in the port's
+   optimizer from the reference's weights, gradients and optimizer state
+   (:mod:`layerdiff.debug.optimizer_update`). Where it makes another update, the cause is
+   ``optimizer`` even when the weights it makes are still within tolerance and the first
+   record out is a forward output (a weight decay of lr*wd = 1e-5 stays inside float32's
+   tolerance on a weight near 1): the evidence says which parameters and param groups differ
+   and how (weight decay, step size, direction). ``forward`` and ``backward`` are left for a
+   step whose update was the reference's.
 
 What "out of tolerance" means over many steps: two correct float32 implementations do not stay
 within float32 rounding of each other for long. Training amplifies rounding: Adam turns a

@@ -52,8 +52,10 @@ ROUNDING_ULPS = 8
 # a handful beyond rounding is not a rule.
 MOVED = 0.01
 # What a fit may leave of the difference and still name it; a term smaller than this share of
-# the difference is taken as absent. Measured on the cases in tests/optimizer_cases.py: a
-# weight decay or step-size difference leaves under 1e-4 of it, betas/eps 0.3-1.
+# the difference is taken as absent. Measured on the cases in tests/optimizer_cases.py and
+# tests/test_diverge.py: a weight decay, learning rate, schedule or clipping difference leaves
+# 1e-15 to 1e-4 of it; other betas 0.07-0.77 (the low end a bias of few elements, which
+# _one_rule_per_group settles), another eps 0.75-1.
 FIT = 0.05
 # Settings that choose an implementation, not a value of the update.
 IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}
@@ -107,6 +109,7 @@ class UpdateEvidence:
     params: list[ParamUpdate]
     state_given: bool
     notes: list[str] = field(default_factory=list)
+    clip_grad_norm: dict[str, float | None] = field(default_factory=dict)  # by side
 
     def __bool__(self) -> bool:
         return any(param.differs for param in self.params)
@@ -160,7 +163,8 @@ class UpdateEvidence:
                 "port_optimizer": self.port_optimizer,
                 "reference_groups": _plain(self.reference_groups),
                 "port_groups": _plain(self.port_groups),
-                "state_given": self.state_given, "findings": self.findings(),
+                "state_given": self.state_given,
+                "clip_grad_norm": _plain(self.clip_grad_norm), "findings": self.findings(),
                 "params": [param.as_json() for param in self.params],
                 "notes": list(self.notes)}
 
@@ -170,7 +174,8 @@ class UpdateEvidence:
                  params: list[ParamUpdate]) -> str:
         ref = self._group("reference", ref_group)
         port = self._group("port", port_group)
-        who = f"{len(params)} parameter{'s' if len(params) != 1 else ''} ({_names(p.port for p in params)})"
+        who = (f"{len(params)} parameter{'s' if len(params) != 1 else ''} "
+               f"({_names(p.port for p in params)})")
         groups = self._groups_said(ref_group, port_group)
         if kind == WEIGHT_DECAY:
             decays = [p.decay for p in params if p.decay is not None]
@@ -180,12 +185,12 @@ class UpdateEvidence:
                     f"factor on every element (port/reference - 1 = "
                     f"{_spread(decays, signed=True)}; the fit leaves "
                     f"{_worst(params, 'residual')} of the difference); "
-                    f"{self._decay_said(params, ref, port, groups)}")
+                    f"{self._decay_said(params, ref, port)}")
         if kind == STEP_SIZE:
             return (f"step size: {who} move {_spread([p.step_ratio for p in params])}x as far in "
                     f"the port's update as in the reference's, in the same direction (the fit "
                     f"leaves {_worst(params, 'residual')} of the difference); "
-                    f"{self._rate_said(params, ref, port, groups)}")
+                    f"{self._rate_said(params, ref, port)}")
         if kind == DECAY_AND_STEP:
             return (f"weight decay and step size: {who} come out of the port's update with "
                     f"{_spread([p.decay for p in params], signed=True)} x their weight added "
@@ -218,7 +223,7 @@ class UpdateEvidence:
                 f"({_index(port_group)})")
 
     def _decay_said(self, params: list[ParamUpdate], ref: dict[str, Any],
-                    port: dict[str, Any], groups: str) -> str:
+                    port: dict[str, Any]) -> str:
         measured = float(np.median([p.decay for p in params]))
         lr_r, wd_r = _number(ref.get("lr")), _number(ref.get("weight_decay"))
         lr_p, wd_p = _number(port.get("lr")), _number(port.get("weight_decay"))
@@ -247,14 +252,18 @@ class UpdateEvidence:
         return said + (" (as measured)" if close else " (measured otherwise)") + ": " + verdict
 
     def _rate_said(self, params: list[ParamUpdate], ref: dict[str, Any],
-                   port: dict[str, Any], groups: str) -> str:
+                   port: dict[str, Any]) -> str:
         measured = float(np.median([p.step_ratio for p in params]))
         fed = [p.fed_ratio for p in params if p.fed_ratio is not None]
         clipped = ""
+        # the same gradients went in: one that the optimizer received at another size was
+        # scaled between backward and the step, by clipping or unscaling
         if fed and abs(float(np.median(fed)) - 1) > 1e-4:
+            clip = self.clip_grad_norm
             clipped = (f"; the gradients the port's optimizer received are "
-                       f"{float(np.median(fed)):.4g}x the reference's: its gradient clipping "
-                       "(or unscaling) differs")
+                       f"{float(np.median(fed)):.4g}x the reference's (clip_grad_norm: "
+                       f"reference {clip.get('reference')}, port {clip.get('port')}): the "
+                       "gradient clipping (or unscaling) differs")
         lr_r, lr_p = _number(ref.get("lr")), _number(port.get("lr"))
         if lr_r is None or lr_p is None or lr_r == 0:
             return "the param groups do not say their learning rate" + clipped
@@ -266,8 +275,10 @@ class UpdateEvidence:
                            + (", as measured" if math.isclose(lr_p / lr_r, measured,
                                                               rel_tol=0.02) else "")
                            + "): the learning rate or its schedule differs") + clipped
+        if clipped:
+            return said + ": the same rate" + clipped
         return said + (": the same rate, so a scaling inside the step differs (a schedule "
-                       "applied inside it, momentum, a gradient scale)") + clipped
+                       "applied inside it, momentum, a gradient scale)")
 
     def _ref_index(self, params: list[ParamUpdate]) -> int | None:
         return params[0].reference_group
@@ -300,7 +311,8 @@ def compare_update(reference: Case, port: Case, starts: dict[str, dict[str, torc
               if name in given and name in rerun.weights_after]
     _one_rule_per_group(params)
     return UpdateEvidence(step, ref.optimizer, actual.optimizer, ref.groups, rerun.groups,
-                          params, state is not None, notes)
+                          params, state is not None, notes,
+                          {"reference": reference.clip_grad_norm, "port": port.clip_grad_norm})
 
 
 # ---- the runs

@@ -103,7 +103,8 @@ def _update_section(result: DivergeResult) -> str:
         "update difference": p.update_difference, "cosine": p.cosine,
         "gradient difference": p.grad_difference,
         "groups (reference, port)": f"{_group(p.reference_group)}, {_group(p.port_group)}",
-        "status": "origin" if p.differs else ""} for p in update.params])
+        "status": "origin" if p.differs else ""}
+        for p in sorted(update.params, key=lambda p: not p.differs)])  # those that differ first
     groups = pd.DataFrame(
         [{"side": side, "group": index, **{key: _setting(value) for key, value in group.items()}}
          for side, listed in (("reference", update.reference_groups),
