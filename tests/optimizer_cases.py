@@ -8,6 +8,7 @@ really get them wrong:
 - ``port_warmup_ahead``: the port's linear warm-up reads its schedule one update ahead;
 - ``port_betas``: the port uses betas (0.9, 0.95), the reference PyTorch's (0.9, 0.999);
 - ``port_eps``: the port uses Keras's epsilon 1e-7, the reference PyTorch's 1e-8;
+- ``port_lr_norm_exempt``: twice the learning rate, and the norm weights exempt from decay;
 - ``port_stale_scale``: not an optimizer bug: the port's attention caches its scale on the
   first call, rounded to bfloat16, so its forward differs from step 1 on.
 
@@ -204,6 +205,10 @@ def port_betas() -> Case:
 
 def port_eps() -> Case:
     return _port("port_eps", eps=1e-7)
+
+
+def port_lr_norm_exempt() -> Case:
+    return _port("port_lr_norm_exempt", _is_bias_or_norm, lr=2 * LR)
 
 
 def port_stale_scale() -> Case:

@@ -195,8 +195,9 @@ class UpdateEvidence:
             return (f"weight decay and step size: {who} come out of the port's update with "
                     f"{_spread([p.decay for p in params], signed=True)} x their weight added "
                     f"and a step {_spread([p.step_ratio for p in params])}x as long "
-                    f"(the fit leaves {_worst(params, 'residual')}); "
-                    f"{_settings_said(ref, port, groups, ('lr', 'weight_decay'))}")
+                    f"(the fit leaves {_worst(params, 'residual')} of the difference); "
+                    f"{self._decay_said(params, ref, port)}; "
+                    f"{self._rate_said(params, ref, port)}")
         cosines = [p.cosine for p in params if p.cosine is not None]
         said = (f"update direction: the port's optimizer moves {who} another way from the same "
                 f"inputs (cosine with the reference's update "
@@ -231,11 +232,14 @@ class UpdateEvidence:
             more = "the reference" if measured > 0 else "the port"
             return (f"{more} decays them by {abs(measured):.4g} more per step (lr x "
                     "weight_decay; the param groups do not say lr and weight_decay)")
-        expected = lr_r * wd_r - lr_p * wd_p
+        # with the step's length fitted apart, what is left of the decay (decoupled as AdamW's,
+        # or coupled into SGD's gradient) is the port's lr times the difference of the decays
+        expected = lr_p * (wd_r - wd_p)
         said = (f"lr x weight_decay is {lr_r:g} x {wd_r:g} = {lr_r * wd_r:.4g} in the "
                 f"reference's group {_index(self._ref_index(params))} and {lr_p:g} x {wd_p:g} "
                 f"= {lr_p * wd_p:.4g} in the port's group {_index(self._port_index(params))}, "
-                f"a difference of {expected:.4g}")
+                + (f"a difference of {expected:.4g}" if lr_p == lr_r else
+                   f"at the port's lr a difference of {expected:.4g}"))
         # each weight after the update is rounded once on each side: up to an epsilon of the
         # weight, so of a measured factor a up to epsilon / a, besides 2% for the fit itself
         close = math.isclose(measured, expected, rel_tol=0.02 + max(
@@ -294,19 +298,20 @@ def compare_update(reference: Case, port: Case, starts: dict[str, dict[str, torc
     mapping = as_mapping(mapping)
     ref_model, port_model = reference.model, port.model
     sources = _sources(ref_model, port_model, mapping)
+    targets = dict(port_model.named_parameters())
     try:
         ref = _run(reference, starts["reference"], step)
         actual = _run(port, starts["port"], step)
-        given = {name: (_convert(source, ref.weights_before, name, port_model),
-                        _convert(source, ref.grads, name, port_model))
+        given = {name: (_convert(source, ref.weights_before, name, targets),
+                        _convert(source, ref.grads, name, targets))
                  for name, source in sources.items()
                  if all(r in ref.grads for r in source.reference)}
-        state, notes = _state_for_port(sources, ref, actual, port_model)
+        state, notes = _state_for_port(sources, ref, actual, targets)
         rerun = _run(port, starts["port"], step, given=given, state=state)
     finally:
         for case, side in ((reference, "reference"), (port, "port")):
             case.model.load_state_dict(starts[side], strict=True)
-    params = [_param_update(name, source, ref, actual, rerun, port_model)
+    params = [_param_update(name, source, ref, actual, rerun, targets)
               for name, source in sources.items()
               if name in given and name in rerun.weights_after]
     _one_rule_per_group(params)
@@ -427,17 +432,17 @@ def _sources(ref_model: torch.nn.Module, port_model: torch.nn.Module,
 
 
 def _convert(source: ParamSource, tensors: dict[str, torch.Tensor], name: str,
-             port_model: torch.nn.Module) -> torch.Tensor:
+             targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Reference tensors (weights, gradients, moments) in the port parameter ``name``'s
     layout, through the mapping's chain."""
     parts = [_numpy(tensors[ref]) for ref in source.reference]
-    target = dict(port_model.named_parameters())[name]
+    target = targets[name]
     value = torch.from_numpy(np.array(combine(source, parts, port=name), order="C"))
     return value.to(device=target.device, dtype=target.dtype)
 
 
 def _state_for_port(sources: dict[str, ParamSource], ref: _Probe, port: _Probe,
-                    port_model: torch.nn.Module
+                    targets: dict[str, torch.Tensor]
                     ) -> tuple[dict[str, dict[str, Any]] | None, list[str]]:
     """The reference's optimizer state before the update, in the port's layout, where the
     port's optimizer keeps the same kinds of state; None (and why) where it does not."""
@@ -449,14 +454,14 @@ def _state_for_port(sources: dict[str, ParamSource], ref: _Probe, port: _Probe,
             return None, [f"the port's optimizer keeps other state than the reference's "
                           f"({name}: {sorted(own)} against {sorted(theirs[0])}), so it ran "
                           "from its own"]
-        shape = tuple(dict(port_model.named_parameters())[name].shape)
+        shape = tuple(targets[name].shape)
         given: dict[str, Any] = {}
         for key in own:
             values = [t[key] for t in theirs]
             if isinstance(values[0], torch.Tensor) and values[0].ndim > 0:
                 converted = _convert(source, {r: v for r, v in zip(source.reference, values,
                                                                     strict=True)},
-                                     name, port_model).to(own[key].dtype)
+                                     name, targets).to(own[key].dtype)
                 if tuple(converted.shape) != shape and tuple(converted.shape) != tuple(
                         own[key].shape):
                     return None, [f"the reference's optimizer state {key!r} of {name} does "
@@ -473,9 +478,9 @@ def _state_for_port(sources: dict[str, ParamSource], ref: _Probe, port: _Probe,
 
 
 def _param_update(name: str, source: ParamSource, ref: _Probe, actual: _Probe, rerun: _Probe,
-                  port_model: torch.nn.Module) -> ParamUpdate:
+                  targets: dict[str, torch.Tensor]) -> ParamUpdate:
     def converted(tensors: dict[str, torch.Tensor]) -> np.ndarray:
-        return _float64(_convert(source, tensors, name, port_model))
+        return _float64(_convert(source, tensors, name, targets))
 
     before, after = converted(ref.weights_before), converted(ref.weights_after)
     update = after - before
@@ -492,7 +497,7 @@ def _param_update(name: str, source: ParamSource, ref: _Probe, actual: _Probe, r
                       _norm(port_update) * _norm(update)),
         grad_difference=_ratio(_norm(_float64(actual.grads[name]) - converted(ref.grads)),
                                _norm(converted(ref.grads))) if name in actual.grads else None,
-        fed_ratio=_fed_ratio(name, source, ref, rerun, port_model),
+        fed_ratio=_fed_ratio(name, source, ref, rerun, targets),
         weight_difference=_ratio(float(np.max(np.abs(_float64(actual.weights_after[name])
                                                      - after), initial=0.0)),
                                  float(np.max(np.abs(after), initial=0.0))),
@@ -503,14 +508,17 @@ def _param_update(name: str, source: ParamSource, ref: _Probe, actual: _Probe, r
     columns = np.stack([before.ravel(), update.ravel()], axis=1)
     (a, b), *_ = np.linalg.lstsq(columns, delta.ravel(), rcond=None)
     result.residual = _ratio(_norm(delta.ravel() - columns @ np.array([a, b])), size)
-    decay_share, step_share = _norm(a * before) / size, _norm(b * update) / size
+    # A term is there when it explains well over what the fit leaves (noise projects onto a
+    # term at about the residual's size) and at least a thousandth of the difference.
+    floor = max(10 * (result.residual or 0.0), 1e-3)
+    has_decay, has_step = _norm(a * before) / size > floor, _norm(b * update) / size > floor
     # A decay takes a share of the weight (|a| < 1) and a step keeps its direction (1 + b > 0);
     # a fit outside that is a coincidence of few elements, not a rule.
     if result.residual is None or result.residual > FIT or abs(a) >= 1 or 1 + b <= 0:
         result.kind = DIRECTION
-    elif step_share < FIT:
+    elif not has_step:
         result.kind, result.decay = WEIGHT_DECAY, float(a)
-    elif decay_share < FIT:
+    elif not has_decay:
         result.kind, result.step_ratio = STEP_SIZE, float(1 + b)
     else:
         result.kind, result.decay, result.step_ratio = DECAY_AND_STEP, float(a), float(1 + b)
@@ -533,13 +541,13 @@ def _one_rule_per_group(params: list[ParamUpdate]) -> None:
 
 
 def _fed_ratio(name: str, source: ParamSource, ref: _Probe, rerun: _Probe,
-               port_model: torch.nn.Module) -> float | None:
+               targets: dict[str, torch.Tensor]) -> float | None:
     """How the gradient the port's optimizer received (the reference's, after the port's
     clipping) compares in size with the one the reference's optimizer received."""
     if name not in rerun.fed or not all(r in ref.fed for r in source.reference):
         return None
     return _ratio(_norm(_float64(rerun.fed[name])),
-                  _norm(_float64(_convert(source, ref.fed, name, port_model))))
+                  _norm(_float64(_convert(source, ref.fed, name, targets))))
 
 
 # ---- small helpers
@@ -617,13 +625,6 @@ def _worst(params: list[ParamUpdate], attribute: str, form: str = ".2g") -> str:
 def _differing_settings(ref: dict[str, Any], port: dict[str, Any]) -> list[str]:
     return [key for key in ref if key in port and key not in IMPLEMENTATION
             and ref[key] != port[key]]
-
-
-def _settings_said(ref: dict[str, Any], port: dict[str, Any], groups: str,
-                   keys: tuple[str, ...]) -> str:
-    shown = [f"{key}: reference {_value(ref.get(key))}, port {_value(port.get(key))}"
-             for key in keys if key in ref or key in port]
-    return f"{groups}: " + "; ".join(shown) if shown else f"{groups} do not say"
 
 
 __all__ = ["ParamUpdate", "UpdateEvidence", "compare_update"]
