@@ -9,6 +9,8 @@ really get them wrong:
 - ``port_betas``: the port uses betas (0.9, 0.95), the reference PyTorch's (0.9, 0.999);
 - ``port_eps``: the port uses Keras's epsilon 1e-7, the reference PyTorch's 1e-8;
 - ``port_lr_norm_exempt``: twice the learning rate, and the norm weights exempt from decay;
+- ``port_own_adamw_betas``: the port's own AdamW (its state named m, v, t) with betas
+  (0.9, 0.95);
 - ``port_stale_scale``: not an optimizer bug: the port's attention caches its scale on the
   first call, rounded to bfloat16, so its forward differs from step 1 on.
 
@@ -137,6 +139,34 @@ class WarmupAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class OwnAdamW(torch.optim.Optimizer):
+    """AdamW as a port writes it from the paper: its own state names, the bias corrections
+    folded into the step size."""
+
+    def __init__(self, params: Iterable, *, lr: float, weight_decay: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "betas": betas,
+                                  "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(m=torch.zeros_like(p), v=torch.zeros_like(p), t=0)
+                state["t"] += 1
+                state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                size = group["lr"] / (1 - beta1 ** state["t"])
+                root = (state["v"] / (1 - beta2 ** state["t"])).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["m"], root, value=-size)
+
+
 def _groups(model: nn.Module, exempt: Callable[[str], bool]) -> list[dict]:
     """Decayed and exempt parameters, split by name."""
     named = list(model.named_parameters())
@@ -209,6 +239,10 @@ def port_eps() -> Case:
 
 def port_lr_norm_exempt() -> Case:
     return _port("port_lr_norm_exempt", _is_bias_or_norm, lr=2 * LR)
+
+
+def port_own_adamw_betas() -> Case:
+    return _port("port_own_adamw_betas", optimizer=OwnAdamW, betas=(0.9, 0.95))
 
 
 def port_stale_scale() -> Case:

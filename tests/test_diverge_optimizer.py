@@ -117,6 +117,41 @@ def test_other_adam_betas_change_the_update_direction_from_step_1(tmp_path):
     assert "betas (reference (0.9, 0.999), port (0.9, 0.95))" in " ".join(update.findings())
 
 
+def test_a_port_optimizer_with_state_of_its_own_reruns_from_it_and_says_so(tmp_path):
+    # The port's own AdamW keeps m, v, t where torch's keeps exp_avg, exp_avg_sq, step: the
+    # reference's state cannot be given to it, so its update of step 1 starts from its own.
+    result = _diverge(cases.reference(), cases.port_own_adamw_betas(), tmp_path)
+    assert result.first_step == 2 and result.cause == Cause.OPTIMIZER
+    update = result.update
+    assert not update.state_given and "keeps other state" in " ".join(update.notes)
+    assert update.port_optimizer == "OwnAdamW" and update.differing
+    assert all(param.kind == DIRECTION for param in update.differing)
+    assert "betas (reference (0.9, 0.999), port (0.9, 0.95))" in " ".join(update.findings())
+
+
+def test_an_optimizer_that_cannot_be_rerun_leaves_the_cause_to_the_records(tmp_path):
+    class Plain:  # steps like an optimizer, but is not torch's kind (no step hooks)
+        def __init__(self, params):
+            self.params = list(params)
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.params:
+                p.grad = None
+
+        @torch.no_grad()
+        def step(self):
+            for p in self.params:
+                p.add_(p.grad, alpha=-0.2)  # the reference's rate is 0.1
+
+    reference = dataclasses.replace(mlp.reference(), steps=2,
+                                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    port = dataclasses.replace(mlp_port.port(), steps=2, optimizer=Plain)
+    result = diverge(reference, port, steps=2, output_dir=tmp_path)
+    assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
+    assert result.update is None and result.as_json()["optimizer_update"] is None
+    assert any("could not be rerun" in warning for warning in result.warnings)
+
+
 def test_another_adam_eps_changes_the_update_direction(tmp_path):
     result = _diverge(cases.reference(), cases.port_eps(), tmp_path)
     assert result.found and result.cause == Cause.OPTIMIZER

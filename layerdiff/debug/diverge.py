@@ -537,11 +537,13 @@ def _explain(step_diff: Diff, first: int,
     if update and (origin is None or origin.role != "weight"):
         where = (f"; {origin.site} ({origin.pass_} {origin.role}) is where the difference "
                  "first leaves tolerance" if origin is not None else "")
+        inputs = ("weights, gradients and state" if update.state_given
+                  else "weights and gradients")
         return Cause.OPTIMIZER, (
             f"the weights at the start of step {first} are within tolerance but not the "
             f"reference's: the port's optimizer update that ended step {before} differs from "
-            f"the reference's given the same weights, gradients and state (below), while every "
-            f"record of {agreed} agreed{where}")
+            f"the reference's given the same {inputs} (below), while every record of {agreed} "
+            f"agreed{where}")
     if origin is None:
         if step_diff.first_failing_step is None:
             return Cause.UNKNOWN, (f"step {first} differs in its statistics only; see the "

@@ -77,6 +77,7 @@ class ParamUpdate:
     kind: str                         # AGREES, WEIGHT_DECAY, STEP_SIZE, DECAY_AND_STEP, DIRECTION
     moved: float                      # share of elements whose update differs beyond rounding
     update_difference: float          # |delta| / |reference's update|
+    actual_difference: float | None = None  # the same for the port's own run (its own inputs)
     decay: float | None = None        # a: the port's weight after the update is w + a*w(k)
     step_ratio: float | None = None   # 1 + b: the port's step over the reference's
     residual: float | None = None     # what the fit leaves of |delta|
@@ -203,7 +204,9 @@ class UpdateEvidence:
                 f"inputs (cosine with the reference's update "
                 f"{min(cosines) if cosines else math.nan:.4g} at worst, differing by "
                 f"{_worst(params, 'update_difference')} of it in {_worst(params, 'moved', '.0%')} "
-                "of the elements), not by a constant factor of the weight or of the update")
+                "of the elements; in the port's own run by "
+                f"{_worst(params, 'actual_difference')}), not by a constant factor of the weight "
+                "or of the update")
         differing = _differing_settings(ref, port)
         if differing:
             return said + f"; {groups} differ in " + ", ".join(
@@ -493,6 +496,9 @@ def _param_update(name: str, source: ParamSource, ref: _Probe, actual: _Probe, r
     result = ParamUpdate(
         name, list(source.reference), int(delta.size), AGREES, moved,
         _ratio(size, _norm(update)),
+        actual_difference=_ratio(_norm(_float64(actual.weights_after[name])
+                                       - _float64(actual.weights_before[name]) - update),
+                                 _norm(update)),
         cosine=_ratio(float(np.dot(port_update.ravel(), update.ravel())),
                       _norm(port_update) * _norm(update)),
         grad_difference=_ratio(_norm(_float64(actual.grads[name]) - converted(ref.grads)),

@@ -100,7 +100,8 @@ def _update_section(result: DivergeResult) -> str:
         "port parameter": p.port, "reference": ", ".join(p.reference), "update": p.kind,
         "elements moved": p.moved, "port/reference - 1 (x weight)": p.decay,
         "step ratio": p.step_ratio, "fit leaves": p.residual,
-        "update difference": p.update_difference, "cosine": p.cosine,
+        "update difference": p.update_difference,
+        "in the port's own run": p.actual_difference, "cosine": p.cosine,
         "gradient difference": p.grad_difference,
         "groups (reference, port)": f"{_group(p.reference_group)}, {_group(p.port_group)}",
         "status": "origin" if p.differs else ""}
