@@ -53,7 +53,7 @@ def test_norm_weights_exempt_from_decay_in_the_port_only_is_weight_decay(tmp_pat
     # each norm weight is off by 1.0e-5 against a float32 tolerance of 1.13e-5 (0.89 of it;
     # rounding moves that by about 1%): the weights are within tolerance, their outputs not
     assert result.origin.role != "weight"
-    update = result.update
+    update = result.optimizer_update
     assert update and update.step == 0 and update.state_given
     norms = {"h.0.ln_1.weight", "h.0.ln_2.weight", "h.1.ln_1.weight", "h.1.ln_2.weight",
              "ln_f.weight"}
@@ -80,7 +80,7 @@ def test_norm_weights_exempt_from_decay_in_the_port_only_is_weight_decay(tmp_pat
 def test_a_warmup_read_one_update_ahead_is_a_step_size_of_the_schedule(tmp_path):
     result = _diverge(cases.reference_warmup(), cases.port_warmup_ahead(), tmp_path)
     assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
-    update = result.update
+    update = result.optimizer_update
     assert len(update.differing) == len(update.params)  # the rate acts on every parameter
     for param in update.differing:
         assert param.kind == STEP_SIZE
@@ -92,9 +92,10 @@ def test_a_warmup_read_one_update_ahead_is_a_step_size_of_the_schedule(tmp_path)
 
 def test_a_doubled_rate_and_undecayed_norms_are_told_apart_per_group(tmp_path):
     result = _diverge(cases.reference(), cases.port_lr_norm_exempt(), tmp_path)
-    assert result.cause == Cause.OPTIMIZER and len(result.update.differing) == 30
-    norms = [p for p in result.update.params if ".ln_" in p.port or p.port == "ln_f.weight"]
-    for param in result.update.params:
+    assert result.cause == Cause.OPTIMIZER and len(result.optimizer_update.differing) == 30
+    update = result.optimizer_update
+    norms = [p for p in update.params if ".ln_" in p.port or p.port == "ln_f.weight"]
+    for param in update.params:
         assert param.step_ratio == pytest.approx(2.0, rel=1e-3)
         if param in norms and param.port.endswith("weight"):
             # with the step's length fitted apart: the port's lr x the difference of the decays
@@ -111,7 +112,7 @@ def test_other_adam_betas_change_the_update_direction_from_step_1(tmp_path):
     result = _diverge(cases.reference(), cases.port_betas(), tmp_path)
     assert result.first_step == 2 and result.per_step[1].out == 0
     assert result.cause == Cause.OPTIMIZER and result.optimizer_step == 1
-    update = result.update
+    update = result.optimizer_update
     assert update.step == 1 and update.differing
     assert all(param.kind == DIRECTION for param in update.differing)
     assert "betas (reference (0.9, 0.999), port (0.9, 0.95))" in " ".join(update.findings())
@@ -122,7 +123,7 @@ def test_a_port_optimizer_with_state_of_its_own_reruns_from_it_and_says_so(tmp_p
     # reference's state cannot be given to it, so its update of step 1 starts from its own.
     result = _diverge(cases.reference(), cases.port_own_adamw_betas(), tmp_path)
     assert result.first_step == 2 and result.cause == Cause.OPTIMIZER
-    update = result.update
+    update = result.optimizer_update
     assert not update.state_given and "keeps other state" in " ".join(update.notes)
     assert update.port_optimizer == "OwnAdamW" and update.differing
     assert all(param.kind == DIRECTION for param in update.differing)
@@ -148,16 +149,17 @@ def test_an_optimizer_that_cannot_be_rerun_leaves_the_cause_to_the_records(tmp_p
     port = dataclasses.replace(mlp_port.port(), steps=2, optimizer=Plain)
     result = diverge(reference, port, steps=2, output_dir=tmp_path)
     assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
-    assert result.update is None and result.as_json()["optimizer_update"] is None
+    assert result.optimizer_update is None and result.as_json()["optimizer_update"] is None
     assert any("could not be rerun" in warning for warning in result.warnings)
 
 
 def test_another_adam_eps_changes_the_update_direction(tmp_path):
     result = _diverge(cases.reference(), cases.port_eps(), tmp_path)
     assert result.found and result.cause == Cause.OPTIMIZER
-    assert result.update.step == result.first_step - 1 and result.update.differing
-    assert all(param.kind == DIRECTION for param in result.update.differing)
-    assert "eps (reference 1e-08, port 1e-07)" in " ".join(result.update.findings())
+    update = result.optimizer_update
+    assert update.step == result.first_step - 1 and update.differing
+    assert all(param.kind == DIRECTION for param in update.differing)
+    assert "eps (reference 1e-08, port 1e-07)" in " ".join(update.findings())
 
 
 def test_a_forward_that_differs_only_from_step_1_on_stays_forward(tmp_path):
@@ -165,13 +167,13 @@ def test_a_forward_that_differs_only_from_step_1_on_stays_forward(tmp_path):
     # of step 0 is the reference's, the forward of step 1 is not.
     result = _diverge(cases.reference(), cases.port_stale_scale(), tmp_path)
     assert result.first_step == 1 and result.cause == Cause.FORWARD
-    assert result.update is not None and not result.update
+    assert result.optimizer_update is not None and not result.optimizer_update
     assert "every parameter (30) gets the reference's update" in _flat(result.format())
 
 
 def test_the_port_trained_as_the_reference_is_does_not_diverge(tmp_path):
     result = _diverge(cases.reference(), cases.port(), tmp_path)
-    assert not result.found and result.update is None
+    assert not result.found and result.optimizer_update is None
 
 
 def test_gradient_clipping_the_port_leaves_out_is_named_by_the_gradients_its_optimizer_got(
@@ -180,7 +182,7 @@ def test_gradient_clipping_the_port_leaves_out_is_named_by_the_gradients_its_opt
     port = dataclasses.replace(mlp_port.port(), steps=3)
     result = diverge(reference, port, steps=3, output_dir=tmp_path)
     assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
-    for param in result.update.params:  # SGD: the step grows with the gradient
+    for param in result.optimizer_update.params:  # SGD: the step grows with the gradient
         assert param.kind == STEP_SIZE
         assert param.step_ratio == pytest.approx(param.fed_ratio, rel=1e-3)
         assert param.fed_ratio > 1.5

@@ -125,7 +125,7 @@ class DivergeResult:
     seconds: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     # the update that ended step first_step - 1, rerun from the reference's inputs
-    update: UpdateEvidence | None = None
+    optimizer_update: UpdateEvidence | None = None
 
     @property
     def found(self) -> bool:
@@ -177,7 +177,8 @@ class DivergeResult:
             "step_diff": None if step is None else {
                 "verdict": step.verdict, "first_failing_step": step.first_failing_step,
                 "rows": len(step.rows), "failing": len(step.failing())},
-            "optimizer_update": None if self.update is None else self.update.as_json(),
+            "optimizer_update": (None if self.optimizer_update is None
+                                 else self.optimizer_update.as_json()),
             "traces": {name: str(path) for name, path in self.traces.items()},
             "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
             "warnings": list(self.warnings),
@@ -198,13 +199,13 @@ class DivergeResult:
             origin = self.origin
             if origin is not None:
                 lines.append(_clip(f"origin: {origin.describe()}"))
-                if origin.hint and not self.update:  # the update's evidence says more
+                if origin.hint and not self.optimizer_update:  # the update's evidence says more
                     lines += _wrap(f"likely cause: {origin.hint.get('kind')} "
                                    f"({origin.hint.get('evidence')})", "  ")
             if self.cause is not None:
                 lines += _wrap(f"cause: {self.cause}: {self.explanation}", "  ")
-            if self.update is not None:
-                first, *rest = self.update.lines()
+            if self.optimizer_update is not None:
+                first, *rest = self.optimizer_update.lines()
                 lines += _wrap(first, "  ")
                 lines += [line for text in rest for line in textwrap.wrap(
                     text, WIDTH, initial_indent="    - ", subsequent_indent="      ")]

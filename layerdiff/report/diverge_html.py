@@ -91,7 +91,7 @@ def _header(result: DivergeResult) -> str:
 def _update_section(result: DivergeResult) -> str:
     """The update that ended the step before the first diverging one, rerun in the port's
     optimizer from the reference's inputs: the evidence for (or against) cause ``optimizer``."""
-    update = result.update
+    update = result.optimizer_update
     if update is None:
         return ""
     head, *findings = update.lines()
