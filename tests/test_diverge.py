@@ -37,6 +37,9 @@ def test_schedule_switching_one_step_early_is_found_at_the_switch_in_the_optimiz
     assert result.cause == Cause.OPTIMIZER and result.optimizer_step == switch - 1
     assert result.origin.role == "weight" and result.origin.step == switch
     assert "normalizes each element" not in result.explanation  # most elements moved
+    # rerun from the reference's inputs, the port's update of step 2 is a tenth of the length
+    assert all(p.kind == "step size" and p.step_ratio == pytest.approx(0.1, rel=1e-3)
+               for p in result.optimizer_update.params)
     assert [row.out for row in result.per_step[:switch]] == [0] * switch
     assert all(row.out > 0 for row in result.per_step[switch:])
     losses = result.losses
@@ -88,6 +91,9 @@ def test_weight_decay_coupled_into_adam_is_an_optimizer_difference_after_step_0(
     result = diverge(reference, port, steps=3, output_dir=tmp_path)
     assert result.first_step == 1 and result.cause == Cause.OPTIMIZER
     assert result.optimizer_step == 0
+    # decay through Adam's normalization is no constant factor of the weight or of the update
+    assert result.optimizer_update.differing
+    assert all(p.kind == "direction" for p in result.optimizer_update.differing)
 
 
 def test_a_forward_bug_diverges_at_step_0_at_its_site(tmp_path):

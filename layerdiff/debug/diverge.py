@@ -14,6 +14,14 @@ every step costs memory and disk in proportion. So:
    origin. Weights are recorded at the start of each step, so an origin that is a weight at
    step k > 0 while every record of step k-1 (its gradients included) agreed is the optimizer
    update that ended step k-1: a learning rate, its schedule, momentum, weight decay, clipping.
+3. When ``first_step`` > 0, the update that ended the step before is rerun in the port's
+   optimizer from the reference's weights, gradients and optimizer state
+   (:mod:`layerdiff.debug.optimizer_update`). Where it makes another update, the cause is
+   ``optimizer`` even when the weights it makes are still within tolerance and the first
+   record out is a forward output (a weight decay of lr*wd = 1e-5 stays inside float32's
+   tolerance on a weight near 1): the evidence says which parameters and param groups differ
+   and how (weight decay, step size, direction). ``forward`` and ``backward`` are left for a
+   step whose update was the reference's.
 
 What "out of tolerance" means over many steps: two correct float32 implementations do not stay
 within float32 rounding of each other for long. Training amplifies rounding: Adam turns a
@@ -57,7 +65,8 @@ from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import attach_hints, find_origins
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.tolerances import Tolerances
-from layerdiff.errors import CaptureError, CaseError
+from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
+from layerdiff.errors import CaptureError, CaseError, LayerdiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
@@ -115,6 +124,8 @@ class DivergeResult:
     traces: dict[str, Path]
     seconds: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # the update that ended step first_step - 1, rerun from the reference's inputs
+    optimizer_update: UpdateEvidence | None = None
 
     @property
     def found(self) -> bool:
@@ -166,6 +177,8 @@ class DivergeResult:
             "step_diff": None if step is None else {
                 "verdict": step.verdict, "first_failing_step": step.first_failing_step,
                 "rows": len(step.rows), "failing": len(step.failing())},
+            "optimizer_update": (None if self.optimizer_update is None
+                                 else self.optimizer_update.as_json()),
             "traces": {name: str(path) for name, path in self.traces.items()},
             "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
             "warnings": list(self.warnings),
@@ -186,10 +199,16 @@ class DivergeResult:
             origin = self.origin
             if origin is not None:
                 lines.append(_clip(f"origin: {origin.describe()}"))
-                if origin.hint:
+                if origin.hint and not self.optimizer_update:  # the update's evidence says more
                     lines += _wrap(f"likely cause: {origin.hint.get('kind')} "
                                    f"({origin.hint.get('evidence')})", "  ")
-            lines += _wrap(self.explanation, "  ")
+            if self.cause is not None:
+                lines += _wrap(f"cause: {self.cause}: {self.explanation}", "  ")
+            if self.optimizer_update is not None:
+                first, *rest = self.optimizer_update.lines()
+                lines += _wrap(first, "  ")
+                lines += [line for text in rest for line in textwrap.wrap(
+                    text, WIDTH, initial_indent="    - ", subsequent_indent="      ")]
             others = self.origins[1:]
             if others:
                 shown = "; ".join(o.describe() for o in others[:4])
@@ -300,13 +319,34 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
                       tolerances, warnings)
     _drop_earlier_steps(step_diff, first)
     seconds["first step in full"] = time.perf_counter() - phase2
-    cause, explanation = _explain(step_diff, first)
+    update = None
+    if first > 0 and not isinstance(port_case, ExternalCase):
+        rerun = time.perf_counter()
+        update = _rerun_update(ref_case, port_case, starts, mapping, first - 1, warnings)
+        seconds["update rerun"] = time.perf_counter() - rerun
+    cause, explanation = _explain(step_diff, first, update)
     if step_diff.first_failing_step is None:
         warnings.append(f"the statistics of step {first} are out of tolerance but its full "
                         "records are not: a reduction-order difference at the edge of "
                         "tolerance, or a run that is not deterministic")
     return DivergeResult(ref_case.name, port_case.name, steps, first, per_step, cause,
-                         explanation, summary, step_diff, traces, seconds, warnings)
+                         explanation, summary, step_diff, traces, seconds, warnings, update)
+
+
+def _rerun_update(ref: Case, port: Case, starts: dict[str, Any],
+                  mapping: str | os.PathLike | Mapping | None, step: int,
+                  warnings: list[str]) -> UpdateEvidence | None:
+    """The update that ended ``step``, rerun from the reference's inputs; None (with a
+    warning) where an optimizer does not let itself be rerun so: the cause is then read from
+    the records alone."""
+    try:
+        return compare_update(ref, port, starts, mapping, step)
+    except (LayerdiffError, RuntimeError, ValueError, TypeError, KeyError,
+            AttributeError) as exc:  # an optimizer that is not torch's kind
+        warnings.append(f"the optimizer update that ended step {step} could not be rerun from "
+                        f"the reference's weights, gradients and state ({type(exc).__name__}: "
+                        f"{exc}); the cause is read from the records alone")
+        return None
 
 
 # ---- the cases and their weights
@@ -486,8 +526,25 @@ def _drop_earlier_steps(step_diff: Diff, first: int) -> None:
         step_diff.unmatched = unmatched[~earlier].reset_index(drop=True)
 
 
-def _explain(step_diff: Diff, first: int) -> tuple[Cause, str]:
+def _explain(step_diff: Diff, first: int,
+             update: UpdateEvidence | None = None) -> tuple[Cause, str]:
+    """The cause, from the kind of record the origin is and, after step 0, from the update
+    that ended the step before rerun from the reference's inputs (``update``): its optimizer
+    is the cause when it makes another update from the same weights, gradients and state,
+    whether or not the weights it makes already leave tolerance."""
     origin = step_diff.origin
+    before = first - 1
+    agreed = f"step {before}" if before == 0 else f"steps 0 to {before}"
+    if update and (origin is None or origin.role != "weight"):
+        where = (f"; {origin.site} ({origin.pass_} {origin.role}) is where the difference "
+                 "first leaves tolerance" if origin is not None else "")
+        inputs = ("weights, gradients and state" if update.state_given
+                  else "weights and gradients")
+        return Cause.OPTIMIZER, (
+            f"the weights at the start of step {first} are within tolerance but not the "
+            f"reference's: the port's optimizer update that ended step {before} differs from "
+            f"the reference's given the same {inputs} (below), while every record of {agreed} "
+            f"agreed{where}")
     if origin is None:
         if step_diff.first_failing_step is None:
             return Cause.UNKNOWN, (f"step {first} differs in its statistics only; see the "
@@ -495,10 +552,19 @@ def _explain(step_diff: Diff, first: int) -> tuple[Cause, str]:
         return Cause.UNKNOWN, (f"records of step {first} are out of tolerance but no origin "
                                "was found among them; see `layerdiff diff` of the step's traces")
     if origin.role == "weight" and first > 0:
-        text = (f"the weights at the start of step {first} differ while every record of steps "
-                f"0 to {first - 1} agreed, the weight gradients of step {first - 1} among them: "
-                f"the optimizer update that ended step {first - 1} differs (its learning rate "
-                "or schedule, momentum, weight decay, gradient clipping or unscaling)")
+        text = (f"the weights at the start of step {first} differ while every record of "
+                f"{agreed} agreed, the weight gradients of step {before} among them: "
+                f"the optimizer update that ended step {before} differs")
+        if update:
+            return Cause.OPTIMIZER, text + " (below)"
+        text += (" (its learning rate or schedule, momentum, weight decay, gradient clipping "
+                 "or unscaling)")
+        if update is not None:  # rerun, and it made the reference's update
+            return Cause.OPTIMIZER, (
+                text + f"; but given the reference's weights, gradients and state the port's "
+                "optimizer makes the reference's update: the weights part because the "
+                f"gradients of step {before}, within tolerance, differ and the optimizer "
+                "magnifies that (Adam and RMSprop normalize each element), not by its rule")
         out = max((o.metrics.get("frac_out") or 0.0) for o in step_diff.origins
                   if o.role == "weight")
         if out < SPARSE_UPDATE:
@@ -511,15 +577,17 @@ def _explain(step_diff: Diff, first: int) -> tuple[Cause, str]:
     if origin.role == "weight":
         return Cause.LOAD, ("the weights differ before anything ran: the port did not get the "
                             "reference's weights; check the mapping (layerdiff map-check)")
+    rerun = (f"; the update that ended step {before}, rerun from the reference's weights, "
+             "gradients and state, is the reference's" if update is not None else "")
     if origin.pass_ == "forward":
         return Cause.FORWARD, (
             f"{origin.site} computes a different forward value at step {first}"
-            + (f" from the same weights and inputs, while steps 0 to {first - 1} agreed: a "
-               "difference that shows only on the weights or data of this step"
+            + (f" from the same weights and inputs, while {agreed} agreed: a "
+               "difference that shows only on the weights or data of this step" + rerun
                if first > 0 else " from the same weights and inputs"))
     return Cause.BACKWARD, (
         f"{origin.site} computes a different gradient at step {first} from the same values"
-        + (f", while steps 0 to {first - 1} agreed" if first > 0 else ""))
+        + (f", while {agreed} agreed" + rerun if first > 0 else ""))
 
 
 # ---- text

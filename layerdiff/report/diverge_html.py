@@ -42,7 +42,8 @@ def write_diverge_html(result: DivergeResult, path: str | os.PathLike[str]) -> P
 
 
 def render_diverge_html(result: DivergeResult) -> str:
-    sections = [_header(result), _curves_section(result), _steps_section(result)]
+    sections = [_header(result), _update_section(result), _curves_section(result),
+                _steps_section(result)]
     step = result.step_diff
     if step is not None:
         sections += [f"<h2>Step {result.first_step} in full</h2>"
@@ -85,6 +86,45 @@ def _header(result: DivergeResult) -> str:
             + "".join(f"<dt>{escape(name)}</dt><dd><code>{escape(value)}</code></dd>"
                       for name, value in facts)
             + "</dl>" + warnings + "</header>")
+
+
+def _update_section(result: DivergeResult) -> str:
+    """The update that ended the step before the first diverging one, rerun in the port's
+    optimizer from the reference's inputs: the evidence for (or against) cause ``optimizer``."""
+    update = result.optimizer_update
+    if update is None:
+        return ""
+    head, *findings = update.lines()
+    items = "".join(f"<li>{escape(text)}</li>" for text in findings)
+    frame = pd.DataFrame([{
+        "port parameter": p.port, "reference": ", ".join(p.reference), "update": p.kind,
+        "elements moved": p.moved, "port/reference - 1 (x weight)": p.decay,
+        "step ratio": p.step_ratio, "fit leaves": p.residual,
+        "update difference": p.update_difference,
+        "in the port's own run": p.actual_difference, "cosine": p.cosine,
+        "gradient difference": p.grad_difference,
+        "groups (reference, port)": f"{_group(p.reference_group)}, {_group(p.port_group)}",
+        "status": "origin" if p.differs else ""}
+        for p in sorted(update.params, key=lambda p: not p.differs)])  # those that differ first
+    groups = pd.DataFrame(
+        [{"side": side, "group": index, **{key: _setting(value) for key, value in group.items()}}
+         for side, listed in (("reference", update.reference_groups),
+                              ("port", update.port_groups))
+         for index, group in enumerate(listed)])
+    return (f"<h2>Optimizer update of step {update.step}</h2>"
+            f"<p>{escape(head[:1].upper() + head[1:])}</p><ul>{items}</ul>"
+            + (_table(frame, [c for c in frame.columns if c != "status"], row_class="status")
+               if not frame.empty else "")
+            + "<p class=\"note\">Param groups as they stood after that update.</p>"
+            + (_table(groups, list(groups.columns)) if not groups.empty else ""))
+
+
+def _group(index: int | None) -> str:
+    return "?" if index is None else str(index)
+
+
+def _setting(value: object) -> object:
+    return ", ".join(map(str, value)) if isinstance(value, list) else value
 
 
 def _curves_section(result: DivergeResult) -> str:
