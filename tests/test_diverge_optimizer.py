@@ -188,3 +188,25 @@ def test_gradient_clipping_the_port_leaves_out_is_named_by_the_gradients_its_opt
         assert param.fed_ratio > 1.5
     assert ("(clip_grad_norm: reference 0.1, port None): the gradient clipping (or unscaling) "
             "differs") in _flat(result.format())
+
+
+def _sgd_case(momentum: float):
+    """An MLP trained with SGD, weight decay coupled into the gradient, with or without
+    momentum: settings the step-size and decay sentences do not compare by themselves."""
+    from layerdiff import Case
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    torch.manual_seed(1)
+    return Case(model, (torch.randn(32, 8),), lambda y: y.square().mean(), steps=3,
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum,
+                                                    weight_decay=0.05))
+
+
+def test_a_group_setting_that_differs_is_named_beside_the_fitted_step(tmp_path):
+    """A port without the reference's momentum: the update from the same gradients is shorter
+    (momentum's buffer is missing), and the sentence names the setting that makes it so."""
+    result = diverge(_sgd_case(0.9), _sgd_case(0.0), steps=3, output_dir=tmp_path)
+    assert result.cause == Cause.OPTIMIZER and result.optimizer_update
+    findings = " ".join(result.optimizer_update.findings())
+    assert "differ in momentum (reference 0.9, port 0)" in findings

@@ -186,19 +186,22 @@ class UpdateEvidence:
                     f"factor on every element (port/reference - 1 = "
                     f"{_spread(decays, signed=True)}; the fit leaves "
                     f"{_worst(params, 'residual')} of the difference); "
-                    f"{self._decay_said(params, ref, port)}")
+                    f"{self._decay_said(params, ref, port)}"
+                    f"{self._settings_said(ref, port, groups, ALREADY_SAID)}")
         if kind == STEP_SIZE:
             return (f"step size: {who} move {_spread([p.step_ratio for p in params])}x as far in "
                     f"the port's update as in the reference's, in the same direction (the fit "
                     f"leaves {_worst(params, 'residual')} of the difference); "
-                    f"{self._rate_said(params, ref, port)}")
+                    f"{self._rate_said(params, ref, port)}"
+                    f"{self._settings_said(ref, port, groups, ALREADY_SAID)}")
         if kind == DECAY_AND_STEP:
             return (f"weight decay and step size: {who} come out of the port's update with "
                     f"{_spread([p.decay for p in params], signed=True)} x their weight added "
                     f"and a step {_spread([p.step_ratio for p in params])}x as long "
                     f"(the fit leaves {_worst(params, 'residual')} of the difference); "
                     f"{self._decay_said(params, ref, port)}; "
-                    f"{self._rate_said(params, ref, port)}")
+                    f"{self._rate_said(params, ref, port)}"
+                    f"{self._settings_said(ref, port, groups, ALREADY_SAID)}")
         cosines = [p.cosine for p in params if p.cosine is not None]
         said = (f"update direction: the port's optimizer moves {who} another way from the same "
                 f"inputs (cosine with the reference's update "
@@ -207,16 +210,25 @@ class UpdateEvidence:
                 "of the elements; in the port's own run by "
                 f"{_worst(params, 'actual_difference')}), not by a constant factor of the weight "
                 "or of the update")
-        differing = _differing_settings(ref, port)
-        if differing:
-            return said + f"; {groups} differ in " + ", ".join(
-                f"{key} (reference {_value(ref.get(key))}, port {_value(port.get(key))})"
-                for key in differing)
+        if _differing_settings(ref, port):
+            return said + self._settings_said(ref, port, groups)
         if "betas" in ref or "betas" in port:
             return said + ("; their groups' settings agree, so look at how the moments are "
                            "kept (bias correction, eps inside or outside the square root, "
                            "state reset or shared)")
         return said + f"; {groups} have the same settings"
+
+    @staticmethod
+    def _settings_said(ref: dict[str, Any], port: dict[str, Any], groups: str,
+                       skip: frozenset[str] = frozenset()) -> str:
+        """'; their groups differ in momentum (reference 0.9, port 0)', or '' when they agree
+        (besides ``skip``, settings a finding has already compared)."""
+        differing = [key for key in _differing_settings(ref, port) if key not in skip]
+        if not differing:
+            return ""
+        return f"; {groups} {'also differ' if skip else 'differ'} in " + ", ".join(
+            f"{key} (reference {_value(ref.get(key))}, port {_value(port.get(key))})"
+            for key in differing)
 
     def _group(self, side: str, index: int | None) -> dict[str, Any]:
         groups = self.reference_groups if side == "reference" else self.port_groups
@@ -626,6 +638,10 @@ def _spread(values: list[float | None], signed: bool = False) -> str:
 def _worst(params: list[ParamUpdate], attribute: str, form: str = ".2g") -> str:
     known = [getattr(p, attribute) for p in params if getattr(p, attribute) is not None]
     return format(max(known), form) if known else "?"
+
+
+# settings the decay and step-size sentences already compare side by side
+ALREADY_SAID = frozenset({"lr", "weight_decay", "initial_lr"})
 
 
 def _differing_settings(ref: dict[str, Any], port: dict[str, Any]) -> list[str]:
