@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, elementwise, layout, normalization, positions
+from . import attention, elementwise, layout, normalization, positions, rotary
 from ._common import Attention, Hint, Judge, Kind, Site, Test
 
 __all__ = ["Attention", "Hint", "Kind", "hint"]
@@ -40,7 +40,7 @@ MIN_VALUES = 8         # fewer values than this: no hint
 TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
     layout.transpose, layout.permutation, layout.linear_transposed,
-    normalization.axis, attention.attention, normalization.epsilon,
+    normalization.axis, rotary.rotary, attention.attention, normalization.epsilon,
     elementwise.approximation,
     positions.mask_input, positions.batch, positions.positions,
     elementwise.precision,

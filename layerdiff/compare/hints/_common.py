@@ -27,6 +27,8 @@ class Kind(StrEnum):
     MISSING_TERM = "missing-term"    # port = ref - an input or a bias
     PERMUTATION = "permutation"      # chunks of one axis reordered (gates, heads)
     SIGN = "sign"                    # port = -ref
+    ROTARY = "rotary"                # q/k rotated otherwise: pair layout, sign, frequency base
+    ACTIVATION = "activation"        # another activation function (silu for gelu, ...)
 
 
 @dataclass(frozen=True)
