@@ -638,11 +638,40 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
             cut(attention.q), cut(attention.k), cut(attention.v), cut(attention.context),
             attention.out_weight, attention.out_bias,
             None if attention.mask is None else cut(attention.mask), attention.output_heads)
+    children = (_children(ref, step, origin.site, max_elements, cut)
+                if role == "output" and origin.pass_ == "forward" else [])
     rtol, atol = origin.metrics.get("rtol"), origin.metrics.get("atol")
     return hints.hint(cut(ref_values), cut(port_values), role=role,
                       rtol=float(rtol or 0.0), atol=float(atol or 0.0),
                       inputs={k: cut(v) for k, v in inputs.items()}, weights=weights,
-                      grad_output=grad_output, attention=attention)
+                      grad_output=grad_output, attention=attention, children=children)
+
+
+MAX_CHILDREN = 16      # a module with more sub-modules than this is not looked inside
+
+
+def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> list[hints.Child]:
+    """What the site's sub-modules recorded (first input, first output, weight and bias), in
+    call order: the pieces a hint may rebuild the site's own code from."""
+    sites = trace.sites
+    rows = sites[(sites["step"] == step) & (sites["parent"] == site)].sort_values("enter_seq")
+    if len(rows) > MAX_CHILDREN:
+        return []
+    out = []
+    for child in rows["site"]:
+        tensors = []
+        for role in ("input", "output"):
+            row = _tensor_row(trace, step, child, role, "0")
+            small = row is not None and int(row["numel"]) <= max_elements
+            tensors.append(cut(trace.read(row)) if small else None)
+        params = []
+        for arg in ("weight", "bias"):
+            row = _module_param(trace, step, child, arg)
+            small = row is not None and int(row["numel"]) <= max_elements
+            params.append(np.asarray(trace.read(row)) if small else None)
+        module = schema.split_site(child)[0]
+        out.append(hints.Child(module.rsplit(".", 1)[-1], *tensors, *params))
+    return out
 
 
 def _batch_kept(values: np.ndarray, role: str, max_elements: int) -> int:

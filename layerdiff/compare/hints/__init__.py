@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention, elementwise, layout, normalization, positions, rotary
-from ._common import Attention, Hint, Judge, Kind, Site, Test
+from . import activation, attention, elementwise, layout, normalization, positions, rotary
+from ._common import Attention, Child, Hint, Judge, Kind, Site, Test
 
-__all__ = ["Attention", "Hint", "Kind", "hint"]
+__all__ = ["Attention", "Child", "Hint", "Kind", "hint"]
 
 MIN_VALUES = 8         # fewer values than this: no hint
 
@@ -41,7 +41,7 @@ TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
     layout.transpose, layout.permutation, layout.linear_transposed,
     normalization.axis, rotary.rotary, attention.attention, normalization.epsilon,
-    elementwise.approximation,
+    elementwise.approximation, activation.activation,
     positions.mask_input, positions.batch, positions.positions,
     elementwise.precision,
 ]
@@ -51,13 +51,15 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
          inputs: dict[str, np.ndarray] | None = None,
          weights: dict[str, np.ndarray] | None = None,
          grad_output: np.ndarray | None = None,
-         attention: Attention | None = None) -> Hint | None:
+         attention: Attention | None = None,
+         children: list[Child] | None = None) -> Hint | None:
     """The likely cause of the difference between ``ref`` and ``port`` at an origin, or None.
 
     ``role`` is the origin's (output, grad_input, weight_grad, weight); ``rtol`` and ``atol``
     its tolerance. The reference's tensors of the same site make more kinds testable:
     ``inputs`` (argument -> tensor, masks included), ``weights`` (parameter -> tensor),
-    ``grad_output`` (for a backward origin) and ``attention`` (see :class:`Attention`).
+    ``grad_output`` (for a backward origin), ``attention`` (see :class:`Attention`) and
+    ``children`` (what the site's sub-modules recorded, in call order).
     """
     if np.asarray(ref).dtype == bool and np.asarray(port).dtype == bool:
         return positions.boolean(np.asarray(ref), np.asarray(port))
@@ -70,7 +72,7 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
     judge = Judge(ref, port64, rtol, atol)
     if judge.energy == 0:
         return None
-    site = Site(role, inputs or {}, weights or {}, grad_output, attention)
+    site = Site(role, inputs or {}, weights or {}, grad_output, attention, children or [])
     for test in TESTS:
         found = test(judge, site)
         if found is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -103,6 +103,17 @@ class Judge:
 
 
 @dataclass
+class Child:
+    """What one sub-module of the origin's module recorded in the reference (in call order)."""
+
+    name: str
+    input: np.ndarray | None
+    output: np.ndarray | None
+    weight: np.ndarray | None = None
+    bias: np.ndarray | None = None
+
+
+@dataclass
 class Site:
     """The reference's tensors at the origin's site, beside the origin's own."""
 
@@ -111,6 +122,7 @@ class Site:
     weights: dict[str, np.ndarray]
     grad_output: np.ndarray | None
     attention: Attention | None
+    children: list[Child] = field(default_factory=list)
 
     @property
     def backward(self) -> bool:
