@@ -610,6 +610,66 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
     if ref_row is None or port_row is None:
         return None
     ref_values, port_values = ref.read(ref_row), port.read(port_row)
+    if role == "output" and origin.pass_ == "forward":
+        inner = _own_code_record(origin, ref, port, max_elements)
+        if inner is not None:  # the first value the site's own code made wrong, not yet
+            child, ref_values, port_values = inner  # passed through its later children
+            found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor,
+                             max_elements, children_only=True)
+            if found is not None:
+                return hints.Hint(found.kind, f"at {child}'s input (the first value the "
+                                  f"site's own code makes that is out): {found.evidence}")
+    return _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor, max_elements)
+
+
+def _relative(site: str, child: str) -> str:
+    """The child's module path below the site's ('mlp.down_proj' under 'mlp': 'down_proj')."""
+    parent, module = schema.split_site(site)[0], schema.split_site(child)[0]
+    if parent != schema.ROOT_MODULE and module.startswith(parent + "."):
+        return module[len(parent) + 1:]
+    return module
+
+
+def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: int
+                     ) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """(child, reference, port) for the first child of the origin's site, in call order, whose
+    input is out of the origin's tolerance while the site's own output is the origin: the
+    site's own code between its children made it. Port children are found by the same name
+    under the port's site (a mapping that renames children leaves this out)."""
+    rtol = float(origin.metrics.get("rtol") or 0.0)
+    atol = float(origin.metrics.get("atol") or 0.0)
+    sites = ref.sites
+    rows = sites[(sites["step"] == origin.step) & (sites["parent"] == origin.site)]
+    if rows.empty or len(rows) > MAX_CHILDREN:
+        return None
+    ref_module = schema.split_site(origin.site)[0]
+    port_module = schema.split_site(origin.port_site or origin.site)[0]
+    for child in rows.sort_values("enter_seq")["site"]:
+        module, call = schema.split_site(child)
+        if schema.is_op_site(child):
+            continue
+        suffix = module if ref_module == schema.ROOT_MODULE else module[len(ref_module) + 1:]
+        if ref_module != schema.ROOT_MODULE and not module.startswith(ref_module + "."):
+            continue
+        port_child = (suffix if port_module == schema.ROOT_MODULE
+                      else f"{port_module}.{suffix}") + f"#{call}"
+        ref_row = _tensor_row(ref, origin.step, child, "input", "0")
+        port_row = _tensor_row(port, origin.step, port_child, "input", "0")
+        if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
+            continue
+        a = np.asarray(ref.read(ref_row), np.float64)
+        b = np.asarray(port.read(port_row), np.float64)
+        if a.shape != b.shape:
+            continue
+        if np.any(np.abs(b - a) > atol + rtol * np.abs(a)):
+            return suffix, a, b
+    return None
+
+
+def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: np.ndarray,
+             ref_row: pd.Series, grad_factor: float, max_elements: int,
+             children_only: bool = False) -> hints.Hint | None:
+    step, role = origin.step, origin.role
     if role in ("grad_output", "grad_input", "weight_grad") and grad_factor != 1.0:
         port_values = port_values.astype(np.float64) * grad_factor
     if port_values.shape != ref_values.shape:
@@ -632,7 +692,8 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
         grads = _site_tensors(ref, step, origin.site, "grad_output", max_elements)
         grad_output = cut(grads["0"]) if "0" in grads else None
     attention = (_attention_parts(ref, step, origin.site, ref_row, max_elements)
-                 if role == "output" and origin.pass_ == "forward" else None)
+                 if role == "output" and origin.pass_ == "forward" and not children_only
+                 else None)
     if attention is not None:
         attention = hints.Attention(
             cut(attention.q), cut(attention.k), cut(attention.v), cut(attention.context),
@@ -669,8 +730,7 @@ def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> lis
             row = _module_param(trace, step, child, arg)
             small = row is not None and int(row["numel"]) <= max_elements
             params.append(np.asarray(trace.read(row)) if small else None)
-        module = schema.split_site(child)[0]
-        out.append(hints.Child(module.rsplit(".", 1)[-1], *tensors, *params))
+        out.append(hints.Child(_relative(site, child), *tensors, *params))
     return out
 
 

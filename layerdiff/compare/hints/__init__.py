@@ -40,7 +40,7 @@ MIN_VALUES = 8         # fewer values than this: no hint
 TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
     layout.transpose, layout.permutation, layout.linear_transposed,
-    normalization.axis, rotary.rotary, attention.attention, normalization.epsilon,
+    normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention, normalization.epsilon,
     elementwise.approximation, activation.activation,
     positions.mask_input, positions.batch, positions.positions,
     elementwise.precision,

@@ -132,10 +132,31 @@ def positions(judge: Judge, site: Site) -> Hint | None:
         if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
             continue
         within = np.flatnonzero(~bad)
+        if within.tolist() == [0] and bad.size >= MIN_ROTATED:
+            return _rotary_signature(judge, axis, worst)
         return Hint(Kind.MASK, f"a mask or a boundary off: the error is only at positions "
                     f"{_ranges(where)} of axis {axis} (of {bad.size}), whole; positions "
                     f"{_ranges(within)} within tolerance")
     return None
+
+
+MIN_ROTATED = 4        # positions: fewer and "only position 0 exact" is no pattern
+
+
+def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint:
+    """Position 0 exact and every later one wrong: a rotary embedding (or another encoding of
+    the position) done otherwise. Rotation by position x frequency is the identity at position
+    0, and in a causal model position 0 reads nothing else, so no rotary mistake can reach it;
+    a mask's boundary shows at the other end (a causal mask off leaves the last position,
+    which sees every key either way, exact) or at the masked positions."""
+    reduce = tuple(a for a in range(judge.error.ndim) if a != axis)
+    rms = np.sqrt(np.mean(judge.error**2, axis=reduce))
+    last, middle = rms.size - 1, rms.size // 2
+    return Hint(Kind.ROTARY, f"position 0 exact ({worst[0]:.2g}x tolerance) and every later "
+                f"position of axis {axis} wrong, whole (error rms {rms[1]:.2g} at position 1, "
+                f"{rms[middle]:.2g} at {middle}, {rms[last]:.2g} at {last}): a rotary or other "
+                "position encoding done otherwise (position 0 is never rotated), not a mask "
+                "boundary")
 
 
 def _separated(judge: Judge, worst: np.ndarray, bad: np.ndarray) -> bool:
