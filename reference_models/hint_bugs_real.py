@@ -259,31 +259,39 @@ class Pool(nn.Module):
 
 
 class Classifier(nn.Module):
-    def __init__(self, padding_idx: int | None = PAD, forget: bool = False) -> None:
+    def __init__(self, padding_idx: int | None = PAD, forget: bool = False,
+                 pool_mask: bool = True) -> None:
         super().__init__()
+        self.pool_mask = pool_mask
         self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=padding_idx)
         self.proj = nn.Linear(WIDTH, WIDTH)
         self.pool = Pool(forget)
         self.head = nn.Linear(WIDTH, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        keep = tokens != PAD
+        keep = tokens != PAD if self.pool_mask else torch.ones_like(tokens, dtype=torch.bool)
         return self.head(self.pool(torch.tanh(self.proj(self.embed(tokens))), keep))
 
 
-def classifier_reference() -> Case:
+def classifier_reference(pool_mask: bool = True) -> Case:
     seed_everything(0)
-    model = Classifier()
+    model = Classifier(pool_mask=pool_mask)
     lengths = torch.tensor([10, 7, 4, 9, 2, 6])
     tokens = torch.randint(1, VOCAB, (BATCH, 10))
     tokens[torch.arange(10)[None, :] >= lengths[:, None]] = PAD
-    return _small_case(model, f"{MODULE}:classifier_reference", (tokens,),
-                       torch.randint(0, 3, (BATCH,)))
+    name = "classifier_reference" if pool_mask else "bag_reference"
+    return _small_case(model, f"{MODULE}:{name}", (tokens,), torch.randint(0, 3, (BATCH,)))
+
+
+def bag_reference() -> Case:
+    """The classifier pooling every position, padding included (its pad row is zero and
+    learns nothing: padding_idx)."""
+    return classifier_reference(pool_mask=False)
 
 
 def embedding_padding_grad() -> Case:
     # BUG: padding_idx dropped; the pad row (zero, as the reference's) now learns
-    return _ported(classifier_reference(), "embedding_padding_grad", Classifier(None))
+    return _ported(bag_reference(), "embedding_padding_grad", Classifier(None, pool_mask=False))
 
 
 def masked_pool_backward() -> Case:
@@ -430,7 +438,7 @@ BUGS: list[PlantedHint] = [
          "missing-term", "the model's loop h = h + block(h) written h = block(h)"),
     _bug("layernorm_backward_batch", f"{MODULE}:stack_reference", "blocks.2.norm#0",
          "backward", "axis", "a custom LayerNorm backward that reduces over the batch too"),
-    _bug("embedding_padding_grad", f"{MODULE}:classifier_reference", "embed#0", "backward",
+    _bug("embedding_padding_grad", f"{MODULE}:bag_reference", "embed#0", "backward",
          "mask", "the embedding without padding_idx: the pad row receives gradient"),
     _bug("masked_pool_backward", f"{MODULE}:classifier_reference", "pool#0", "backward",
          "mask", "a masked mean-pool whose backward forgets the mask"),

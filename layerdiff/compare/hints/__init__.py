@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import activation, attention, elementwise, layout, normalization, positions, rotary
+from . import (activation, attention, elementwise, layout, normalization, positions, recurrent,
+               rotary)
 from ._common import Attention, Child, Hint, Judge, Kind, Site, Test
 
 __all__ = ["Attention", "Child", "Hint", "Kind", "hint"]
@@ -39,10 +40,10 @@ MIN_VALUES = 8         # fewer values than this: no hint
 # The order the kinds are tried in: the first that accepts names the hint.
 TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
-    layout.transpose, layout.permutation, layout.linear_transposed,
+    layout.transpose, layout.permutation, layout.linear_transposed, recurrent.gate_order,
     normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention, normalization.epsilon,
     elementwise.approximation, activation.activation,
-    positions.mask_input, positions.batch, positions.positions,
+    positions.mask_input, positions.zero_rows, positions.batch, positions.positions,
     elementwise.precision,
 ]
 

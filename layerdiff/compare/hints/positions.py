@@ -102,6 +102,33 @@ def _mask_patterns(mask: np.ndarray, shape: tuple[int, ...]
     yield per_batch, "whose mask masks some position"
 
 
+def zero_rows(judge: Judge, site: Site) -> Hint | None:
+    """The error only in whole rows where the reference is exactly 0: positions the
+    reference masks out (padding) or a parameter row it never updates (an embedding's
+    padding_idx) that the port gives a value or a gradient. Rows are the first axis (a
+    parameter's rows, a batch's elements) or the first two ((batch, position))."""
+    ref = judge.ref
+    if ref.ndim < 2:
+        return None
+    for lead in (2, 1) if ref.ndim >= 3 and site.role not in ("weight", "weight_grad") else (1,):
+        rest = tuple(range(lead, ref.ndim))
+        zero = np.all(ref == 0, axis=rest)
+        if not zero.any() or zero.all():
+            continue
+        worst = judge.ratio.max(axis=rest)
+        bad = worst > 1
+        if not bad.any() or np.any(bad & ~zero) or not _separated(judge, worst, bad):
+            continue
+        rows = "rows" if lead == 1 else "(batch, position) rows"
+        where = (f"row(s) {_ranges(np.flatnonzero(bad))}" if lead == 1
+                 else f"{int(bad.sum())} (batch, position) rows")
+        return Hint(Kind.MASK, f"the error is only at {where}, where the reference's value is "
+                    f"exactly 0 ({int(zero.sum())} of {zero.size} {rows} are): masked or "
+                    f"padding positions (a padding_idx) that get a value in the port (up to "
+                    f"{_x(worst[bad].max())} there, {_x(worst[~bad].max())} elsewhere)")
+    return None
+
+
 def batch(judge: Judge, site: Site) -> Hint | None:
     if site.role in ("weight", "weight_grad") or judge.ref.ndim < 2 or judge.ref.shape[0] < 2:
         return None
