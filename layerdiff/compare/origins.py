@@ -610,16 +610,20 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
     if ref_row is None or port_row is None:
         return None
     ref_values, port_values = ref.read(ref_row), port.read(port_row)
-    if role == "output" and origin.pass_ == "forward":
-        inner = _own_code_record(origin, ref, port, max_elements)
-        if inner is not None:  # the first value the site's own code made wrong, not yet
-            child, ref_values, port_values = inner  # passed through its later children
-            found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor,
-                             max_elements, children_only=True)
-            if found is not None:
-                return hints.Hint(found.kind, f"at {child}'s input (the first value the "
-                                  f"site's own code makes that is out): {found.evidence}")
-    return _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor, max_elements)
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor, max_elements)
+    if found is not None or role != "output" or origin.pass_ != "forward":
+        return found
+    inner = _own_code_record(origin, ref, port, max_elements)
+    if inner is None:
+        return None
+    # the first value the site's own code made wrong, before its later children reshaped it
+    child, ref_values, port_values = inner
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor,
+                     max_elements, children_only=True)
+    if found is None:
+        return None
+    return hints.Hint(found.kind, f"at {child}'s input (the first value the site's own code "
+                      f"makes that is out): {found.evidence}")
 
 
 def _relative(site: str, child: str) -> str:

@@ -159,7 +159,9 @@ def positions(judge: Judge, site: Site) -> Hint | None:
         if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
             continue
         within = np.flatnonzero(~bad)
-        if within.tolist() == [0] and bad.size >= MIN_ROTATED:
+        if within.tolist() == [0]:
+            # not a mask's boundary; a rotary frequency when the error grows with position,
+            # else nothing (a causal softmax is exact at position 0 whatever its scores)
             return _rotary_signature(judge, axis, worst)
         return Hint(Kind.MASK, f"a mask or a boundary off: the error is only at positions "
                     f"{_ranges(where)} of axis {axis} (of {bad.size}), whole; positions "
@@ -170,19 +172,34 @@ def positions(judge: Judge, site: Site) -> Hint | None:
 MIN_ROTATED = 4        # positions: fewer and "only position 0 exact" is no pattern
 
 
-def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint:
-    """Position 0 exact and every later one wrong: a rotary embedding (or another encoding of
-    the position) done otherwise. Rotation by position x frequency is the identity at position
-    0, and in a causal model position 0 reads nothing else, so no rotary mistake can reach it;
-    a mask's boundary shows at the other end (a causal mask off leaves the last position,
-    which sees every key either way, exact) or at the masked positions."""
+GROWTH = 3.0           # rotary frequency: the error at the last positions over position 1's
+RANK_CORRELATION = 0.8  # and the error's rank correlation with the position, at least
+
+
+def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None:
+    """Position 0 exact and every later one wrong, the error growing with the position: a
+    rotary frequency (base, scaling) done otherwise. Rotation by position x frequency is the
+    identity at position 0, and a frequency off by dw turns position p by p dw too far, an
+    error 2 sin(p dw / 2) that grows about linearly from position 1. A mask's boundary shows
+    elsewhere (a causal mask off leaves the last position, which sees every key either way,
+    exact). Position 0 exact with an error that does not grow is told by nothing here: any
+    change to a causal softmax's scores (scale, a rotation's sign) leaves position 0, which
+    attends to itself alone, exact."""
     reduce = tuple(a for a in range(judge.error.ndim) if a != axis)
-    rms = np.sqrt(np.mean(judge.error**2, axis=reduce))
-    last, middle = rms.size - 1, rms.size // 2
+    rms = np.sqrt(np.mean(judge.error**2, axis=reduce))[1:]
+    if rms.size < MIN_ROTATED:
+        return None
+    tail = float(np.mean(rms[-max(1, rms.size // 4):]))
+    ranks = np.argsort(np.argsort(rms))
+    correlation = float(np.corrcoef(ranks, np.arange(rms.size))[0, 1])
+    if not (tail >= GROWTH * rms[0] and correlation >= RANK_CORRELATION):
+        return None
+    last, middle = rms.size, rms.size // 2 + 1
     return Hint(Kind.ROTARY, f"position 0 exact ({worst[0]:.2g}x tolerance) and every later "
-                f"position of axis {axis} wrong, whole (error rms {rms[1]:.2g} at position 1, "
-                f"{rms[middle]:.2g} at {middle}, {rms[last]:.2g} at {last}): a rotary or other "
-                "position encoding done otherwise (position 0 is never rotated), not a mask "
+                f"position of axis {axis} wrong, the error growing with the position (rms "
+                f"{rms[0]:.2g} at position 1, {rms[middle - 1]:.2g} at {middle}, "
+                f"{rms[-1]:.2g} at {last}; rank correlation {correlation:.2f}): a rotary "
+                "frequency (its base or scaling) other than the reference's, not a mask "
                 "boundary")
 
 

@@ -31,6 +31,7 @@ SCORES = 1 << 18          # recomputed on as many batch elements as keep scores 
 BASES = (10000.0, 500000.0, 1000000.0, 100000.0)  # frequency bases in use, tried when no
                                                    # cos/sin input gives the reference's
 MASKED = -1e9
+MIN_POSITIONS = 8
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,23 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
     if project is None:
         return None
     length = q.shape[1]
-    if k.shape[1] != length:
+    if k.shape[1] != length or judge.ref.shape[:2] != q.shape[:2]:
         return None
-    keep = max(1, SCORES // (q.shape[2] * length * length))
     positions = _positions(site, length)
     trig = _cos_sin(site, length)
     masks = list(_masks(site, q.shape[0], length))
+    # a causal attention's first positions read nothing later: the model is checked on as
+    # many as keep the scores of the most heads tried below SCORES (a model that needs the
+    # later keys fails the check on the reference and gives no hint)
+    crop = min(length, max(MIN_POSITIONS, math.isqrt(SCORES // max(1, q.shape[-1] // 4))))
+    if crop < length:
+        q, k, v, context = (a[:, :crop] for a in (q, k, v, context))
+        positions = positions[:crop]
+        trig = None if trig is None else (trig[0][:crop], trig[1][:crop])
+        masks = [(None if m is None else m[..., :crop, :crop], text) for m, text in masks]
+        judge = Judge(judge.ref[:, :crop], judge.port[:, :crop], judge.rtol, judge.atol)
+        length = crop
+    keep = max(1, SCORES // (q.shape[2] * length * length))
     fit = _fit_reference(q[:1], k[:1], v[:1], context[:1], positions, trig, masks, judge)
     if fit is None:
         return None
