@@ -1,10 +1,11 @@
 """Count the hints on faithful ports: every port of the catalog (kind "port"), the GPT port of
 tests/gpt_cases.py, the Llama port against Hugging Face's and the correct ports of
 reference_models/hint_bugs*.py, each diffed against its reference in float32 and in bfloat16
-with a bfloat16 baseline (the reference run the port's way). A faithful port's origins, where
-any, may carry a ``precision`` hint in bfloat16 and nothing else: any other hint is false.
+with a bfloat16 baseline (the reference run the port's way), or without one (--no-baseline:
+every origin is then rounding-level). A faithful port's origins, where any, may carry a
+``precision`` hint and nothing else: any other hint is false.
 
-    python scripts/hint_false.py [--dtypes float32 bfloat16]
+    python scripts/hint_false.py [--dtypes float32 bfloat16] [--no-baseline]
 
 Prints one line per port and dtype and the count of false hints (docs/diff.md has it)."""
 
@@ -43,6 +44,9 @@ def faithful() -> list[tuple[str, str, Path | None]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="diff a low-precision port without its baseline: every origin is "
+                             "rounding-level, and none may carry a hint but precision")
     args = parser.parse_args()
     false, origins = 0, 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,7 +57,7 @@ def main() -> None:
                 try:
                     ref = capture(load_case(ref_spec), work / f"r{n}.h5")
                     baseline = (capture(load_case(ref_spec), work / f"b{n}.h5", dtype=low)
-                                if low else None)
+                                if low and not args.no_baseline else None)
                     case = load_case(port_spec)
                     if not isinstance(case, ExternalCase):
                         load_weights(case.model, ref, mapping)

@@ -117,7 +117,13 @@ def zero_rows(judge: Judge, site: Site) -> Hint | None:
             continue
         worst = judge.ratio.max(axis=rest)
         bad = worst > 1
-        if not bad.any() or np.any(bad & ~zero) or not _separated(judge, worst, bad):
+        if not bad.any() or np.any(bad & ~zero) or worst[bad].min() <= NOISE \
+                or worst[~bad].max() > 1:
+            continue
+        # by chance: every value out of tolerance falling in the zero rows, were they
+        # scattered at random, has probability (share of the zero rows) ^ (values out)
+        out = int(np.sum(judge.ratio > 1))
+        if out * math.log(float(np.mean(zero))) > math.log(CHANCE):
             continue
         rows = "rows" if lead == 1 else "(batch, position) rows"
         where = (f"row(s) {_ranges(np.flatnonzero(bad))}" if lead == 1
