@@ -19,6 +19,7 @@ fitted to the port:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class _Fit:
     tiled: bool               # query head h reads kv head h % kv_heads (else h // n_rep)
     mask: np.ndarray | None   # additive, broadcasting to (batch, heads, Lq, Lk)
     mask_text: str
+    rotate: str = "qk"        # which of q and k are rotated (a port may forget one)
 
 
 def rotary(judge: Judge, site: Site) -> Hint | None:
@@ -92,7 +94,7 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
         return None
     q, k, v = q[:keep], k[:keep], v[:keep]
     mask = fit.mask if fit.mask is None or fit.mask.shape[0] == 1 else fit.mask[:keep]
-    fit = _Fit(fit.head_dim, fit.heads, fit.kv_heads, fit.rope, fit.tiled, mask, fit.mask_text)
+    fit = dataclasses.replace(fit, mask=mask)
     judge = Judge(judge.ref[:keep], judge.port[:keep], judge.rtol, judge.atol)
     for kind, text, variant in _variants(fit):
         left = judge.accepts(project(_attend(q, k, v, positions, variant)))
@@ -100,7 +102,8 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
             return Hint(kind, f"{text}: this attention recomputed that way from the "
                         f"reference's q, k, v gives the port ({left_text(left)}; {fit.heads} "
                         f"heads of {fit.head_dim}, {fit.kv_heads} key/value heads, "
-                        f"{fit.mask_text}, as checked on the reference){_growth(judge)}")
+                        f"{fit.mask_text}, as checked on the reference)"
+                        f"{_growth(judge) if kind == Kind.ROTARY else ''}")
     if fit.rope.layout != "none":
         found = _fit_base(q, k, v, positions, fit, project, judge)
         if found is not None:
@@ -212,8 +215,11 @@ def _heads(x: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _attend(q, k, v, positions, fit: _Fit) -> np.ndarray:
-    qh = _rotate(_heads(q, fit.heads), positions, fit.rope)
-    kh = _rotate(_heads(k, fit.kv_heads), positions, fit.rope)
+    qh, kh = _heads(q, fit.heads), _heads(k, fit.kv_heads)
+    if "q" in fit.rotate:
+        qh = _rotate(qh, positions, fit.rope)
+    if "k" in fit.rotate:
+        kh = _rotate(kh, positions, fit.rope)
     vh = _heads(v, fit.kv_heads)
     rep = fit.heads // fit.kv_heads
     index = (np.arange(fit.heads) % fit.kv_heads if fit.tiled
@@ -251,9 +257,7 @@ def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
     rope = fit.rope
 
     def with_(**changes) -> _Fit:
-        values = dict(fit.__dict__)
-        values.update(changes)
-        return _Fit(**values)
+        return dataclasses.replace(fit, **changes)
 
     if rope.layout != "none":
         other = "interleaved" if rope.layout == "half" else "half"
@@ -267,6 +271,10 @@ def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
             with_(rope=_Rope(other, rope.base, -rope.sign))
         yield Kind.ROTARY, "no rotary embedding applied to q and k", with_(
             rope=_Rope("none", 0.0))
+        yield Kind.ROTARY, "the rotary embedding applied to q only (k left unrotated)", \
+            with_(rotate="q")
+        yield Kind.ROTARY, "the rotary embedding applied to k only (q left unrotated)", \
+            with_(rotate="k")
     if fit.kv_heads not in (1, fit.heads):
         rep = fit.heads // fit.kv_heads
         if fit.tiled:
