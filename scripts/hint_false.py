@@ -17,6 +17,9 @@ from pathlib import Path
 
 from layerdiff import capture, diff, load_case, load_weights
 from layerdiff.case import ExternalCase
+from layerdiff.compare.origins import attach_hints
+from layerdiff.compare.result import Origin
+from layerdiff.trace import open_trace
 from layerdiff.errors import LayerdiffError
 from reference_models.catalog import CATALOG, HERE
 
@@ -41,9 +44,23 @@ def faithful() -> list[tuple[str, str, Path | None]]:
     return pairs
 
 
+def _every_record(result) -> list[Origin]:
+    """Every compared tensor record that differs at all, dressed as an origin."""
+    rows = result.rows
+    rows = rows[(rows["max_abs"].fillna(0) > 0) & (rows["numel"] >= 8)]
+    return [Origin(int(row["step"]), str(row["pass"]), str(row["site"]), str(row["port_site"]),
+                   str(row["role"]), str(row["arg"]), str(row["port_arg"]), "",
+                   {"rtol": row["rtol"], "atol": row["atol"], "ratio": row["ratio"]})
+            for _, row in rows.iterrows()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--every-record", action="store_true",
+                        help="ask for a hint at every compared record with any difference, "
+                             "as if each were an origin (passing and rounding-level ones: "
+                             "none may get one but precision)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="diff a low-precision port without its baseline: every origin is "
                              "rounding-level, and none may carry a hint but precision")
@@ -66,13 +83,19 @@ def main() -> None:
                 except (LayerdiffError, TypeError) as exc:
                     print(f"{port_spec} [{dtype}]: not measured: {exc}", flush=True)
                     continue
-                hints = [(o.describe(), o.hint) for o in result.origins]
+                origins_here = (_every_record(result) if args.every_record
+                                else result.origins)
+                if args.every_record:
+                    attach_hints(origins_here, open_trace(ref), open_trace(port),
+                                 max_origins=len(origins_here))
+                hints = [(o.describe(), o.hint) for o in origins_here]
                 origins += len(hints)
                 wrong = [h for h in hints if h[1] and h[1]["kind"] != "precision"]
                 false += len(wrong)
                 print(f"{port_spec} vs {ref_spec} [{dtype}]: {len(hints)} origin(s), "
                       f"{len(wrong)} false hint(s)"
-                      + "".join(f"\n    {where}: {h}" for where, h in hints), flush=True)
+                      + "".join(f"\n    {where}: {h}" for where, h in hints
+                                if h or not args.every_record), flush=True)
     print(f"\n{false} false hint(s) over {origins} origin(s)")
 
 
