@@ -24,7 +24,6 @@ another model, layout or place, so that the rates say how general the rules are:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import nn

@@ -19,8 +19,8 @@ from layerdiff import capture, diff, load_case, load_weights
 from layerdiff.case import ExternalCase
 from layerdiff.compare.origins import attach_hints
 from layerdiff.compare.result import Origin
-from layerdiff.trace import open_trace
 from layerdiff.errors import LayerdiffError
+from layerdiff.trace import open_trace
 from reference_models.catalog import CATALOG, HERE
 
 ROOT = HERE.parent

@@ -282,3 +282,13 @@ def test_faithful_llama_port_in_bfloat16_gets_no_false_hint(reference_of, tmp_pa
     port = capture(case, tmp_path / "port.h5", dtype="bfloat16")
     result = diff(reference, port, mapping=mapping, baseline=baseline)
     assert all(o.hint is None or o.hint["kind"] == "precision" for o in result.origins)
+
+
+def test_a_record_within_tolerance_gets_no_hint():
+    """A passing record has no error to explain: not even a bfloat16 port's (precision), nor a
+    sign-like pattern at rounding level."""
+    rng = np.random.default_rng(9)
+    ref = f32(rng.standard_normal((8, 32)))
+    rounded = f32(torch.tensor(ref).bfloat16().double())
+    assert kind_of(ref, rounded) == Kind.PRECISION  # out of float32's tolerance: named
+    assert hint(ref, rounded, role="output", rtol=1e-2, atol=1e-5) is None  # within a baseline's

@@ -20,17 +20,31 @@ last, precision. One module per family:
 - ``_common``: the vocabulary (Kind, Hint, Attention), the acceptance rule, the site's tensors;
 - ``elementwise``: sign, scale, missing-term, approximation, precision;
 - ``layout``: transpose (axes, reshapes, a weight applied transposed), permutation;
-- ``normalization``: axis (a softmax over another axis), epsilon;
+- ``normalization``: axis (a softmax over another axis; a norm backward over other axes),
+  epsilon;
 - ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
-- ``positions``: mask and batch, told by where the error is; two boolean masks compared.
+- ``positions``: mask and batch, told by where the error is (rows where the reference is
+  exactly 0 too; position 0 alone exact with a growing error: rotary); two boolean masks;
+- ``rotary``: a decoder's attention with RoPE and grouped kv heads recomputed (rotary,
+  permutation of kv heads);
+- ``activation``: another activation function, at its site or inside a module;
+- ``recurrent``: an LSTM's or GRU's gates in another order (permutation).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import (activation, attention, elementwise, layout, normalization, positions, recurrent,
-               rotary)
+from . import (
+    activation,
+    attention,
+    elementwise,
+    layout,
+    normalization,
+    positions,
+    recurrent,
+    rotary,
+)
 from ._common import Attention, Child, Hint, Judge, Kind, Site, Test
 
 __all__ = ["Attention", "Child", "Hint", "Kind", "hint"]
@@ -41,7 +55,8 @@ MIN_VALUES = 8         # fewer values than this: no hint
 TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
     layout.transpose, layout.permutation, layout.linear_transposed, recurrent.gate_order,
-    normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention, normalization.epsilon,
+    normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention,
+    normalization.epsilon,
     elementwise.approximation, activation.activation,
     positions.mask_input, positions.zero_rows, positions.batch, positions.positions,
     elementwise.precision,
@@ -73,7 +88,8 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
     judge = Judge(ref, port64, rtol, atol)
     if judge.energy == 0 or float(np.max(judge.ratio)) <= 1:
         return None  # within tolerance: no error to explain
-    site = Site(role, inputs or {}, weights or {}, grad_output, attention, children or [])
+    site = Site(role, inputs or {}, weights or {}, grad_output, attention,
+                children or [])
     for test in TESTS:
         found = test(judge, site)
         if found is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._common import Child, Hint, Judge, Kind, Site, left_text
+from ._common import Hint, Judge, Kind, Site, left_text
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
@@ -58,6 +58,7 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "relu6": lambda x: np.clip(x, 0.0, 6.0),
     "identity": lambda x: x,
 }
+SAMPLE = 4096         # values a pairing of the children's outputs is screened on
 STEP = 1e-5            # central differences for the derivatives (error ~1e-10 relative)
 
 
@@ -137,11 +138,21 @@ def _inside(judge: Judge, site: Site) -> Hint | None:
         return None
     candidates = [(c.name, np.asarray(c.output, np.float64)) for c in site.children
                   if c is not last and c.output is not None and c.output.shape == hidden.shape]
+    sample = slice(0, SAMPLE)  # pairs and functions screened on a few values first
     for a_name, a in candidates:
         others = [(None, None)] + [(n, b) for n, b in candidates if n != a_name]
         for b_name, b in others:
             def make(function, a=a, b=b):
                 return function(a) if b is None else function(a) * b
+
+            a_few = a.reshape(-1)[sample]
+            b_few = None if b is None else b.reshape(-1)[sample]
+
+            def make_sample(function, a=a_few, b=b_few):
+                return function(a) if b is None else function(a) * b
+
+            if _identify(judge, make_sample, hidden.reshape(-1)[sample]) is None:
+                continue
             used = _identify(judge, make, hidden)
             if used is None:
                 continue

@@ -163,7 +163,7 @@ def backward_axis(judge: Judge, site: Site) -> Hint | None:
             centre = x - x.mean(groups, keepdims=True) if centred else x
             rstd = 1 / np.sqrt(np.mean(centre**2, groups, keepdims=True) + _EPS_GUESS)
 
-            def grad(axes: tuple[int, ...], centre=centre, rstd=rstd, centred=centred):
+            def grad(axes: tuple[int, ...], centre=centre, rstd=rstd, centred=centred, gw=gw):
                 xhat = centre * rstd
                 out = gw - xhat * np.mean(gw * xhat, axes, keepdims=True)
                 if centred:

@@ -46,7 +46,7 @@ def _run(x: np.ndarray, w_ih, w_hh, b_ih, b_hh, order: str) -> list[np.ndarray]:
             h = (1 - z) * n + z * h
         outputs.append(h)
     out = [np.stack(outputs, 1), h[None]]
-    return out + [c[None]] if len(order) == 4 else out
+    return [*out, c[None]] if len(order) == 4 else out
 
 
 def gate_order(judge: Judge, site: Site) -> Hint | None:

@@ -66,7 +66,7 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
         return None
     q, k, v = (np.asarray(a, np.float64) for a in (parts.q, parts.k, parts.v))
     context = np.asarray(parts.context, np.float64)
-    if q.ndim != 3 or k.shape != v.shape or context.shape != q.shape[:2] + (q.shape[2],):
+    if q.ndim != 3 or k.shape != v.shape or context.shape != q.shape:
         return None
     project = _projection(parts, judge, context)
     if project is None:
