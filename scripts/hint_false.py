@@ -50,7 +50,8 @@ def _every_record(result) -> list[Origin]:
     rows = rows[(rows["max_abs"].fillna(0) > 0) & (rows["numel"] >= 8)]
     return [Origin(int(row["step"]), str(row["pass"]), str(row["site"]), str(row["port_site"]),
                    str(row["role"]), str(row["arg"]), str(row["port_arg"]), "",
-                   {"rtol": row["rtol"], "atol": row["atol"], "ratio": row["ratio"]})
+                   {"rtol": row["rtol"], "atol": row["atol"], "ratio": row["ratio"],
+                    "max_abs": row["max_abs"]})
             for _, row in rows.iterrows()]
 
 

@@ -292,3 +292,18 @@ def test_a_record_within_tolerance_gets_no_hint():
     rounded = f32(torch.tensor(ref).bfloat16().double())
     assert kind_of(ref, rounded) == Kind.PRECISION  # out of float32's tolerance: named
     assert hint(ref, rounded, role="output", rtol=1e-2, atol=1e-5) is None  # within a baseline's
+
+
+def test_a_parameter_the_mapping_transforms_is_hinted_as_the_diff_compared_it():
+    """The stored port tensor is used as stored or transposed, whichever gives the diff's own
+    largest difference; a tensor the mapping permutes (HF q/k rows for Meta's) is neither, and
+    a hint of it would describe the mapping's layout, not a mistake."""
+    from layerdiff.compare.origins import _as_compared
+
+    rng = np.random.default_rng(10)
+    ref = rng.standard_normal((8, 8))
+    port = ref * 1.01
+    gap = float(np.max(np.abs(port - ref)))
+    assert _as_compared(ref, port, gap) is port
+    assert np.array_equal(_as_compared(ref, port.T.copy(), gap), port)  # stored transposed
+    assert _as_compared(ref, port[::-1].copy(), gap) is None  # rows permuted by the mapping

@@ -676,10 +676,10 @@ def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: 
     step, role = origin.step, origin.role
     if role in ("grad_output", "grad_input", "weight_grad") and grad_factor != 1.0:
         port_values = port_values.astype(np.float64) * grad_factor
-    if port_values.shape != ref_values.shape:
-        if port_values.ndim != 2 or port_values.shape[::-1] != ref_values.shape:
-            return None  # a slice of a fused parameter: not the tensor the reference has
-        port_values = port_values.T  # the mapping transposes it
+    port_values = _as_compared(ref_values, port_values, None if children_only
+                               else origin.metrics.get("max_abs"))
+    if port_values is None:
+        return None
     keep = _batch_kept(ref_values, role, max_elements)
     if keep == 0:
         return None
@@ -736,6 +736,26 @@ def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> lis
             params.append(np.asarray(trace.read(row)) if small else None)
         out.append(hints.Child(_relative(site, child), *tensors, *params))
     return out
+
+
+def _as_compared(ref_values: np.ndarray, port_values: np.ndarray,
+                 max_abs: float | None) -> np.ndarray | None:
+    """The port's tensor as the diff compared it with the reference's: as stored, or
+    transposed (a mapping that transposes a weight), whichever gives the diff's own largest
+    difference; None when neither does (a parameter the mapping transforms otherwise, say
+    permutes its rows, or a slice of a fused one): a hint of the stored tensors would describe
+    the mapping's layout, not the port's mistake."""
+    candidates = [port_values] if port_values.shape == ref_values.shape else []
+    if port_values.ndim == 2 and port_values.shape[::-1] == ref_values.shape:
+        candidates.append(port_values.T)
+    if max_abs is None or not np.isfinite(max_abs):
+        return candidates[0] if candidates else None
+    for values in candidates:
+        with np.errstate(all="ignore"):
+            gap = float(np.max(np.abs(np.asarray(values, np.float64) - ref_values), initial=0.0))
+        if abs(gap - max_abs) <= 1e-3 * max(gap, max_abs) + 1e-30:
+            return values
+    return None
 
 
 def _batch_kept(values: np.ndarray, role: str, max_elements: int) -> int:
