@@ -144,8 +144,9 @@ def _positions(site: Site, length: int) -> np.ndarray:
     """The positions rotated: an integer input of shape (1 | batch, length) when the site took
     one (position ids), else 0..length-1."""
     for _, ids in site.masks():
-        if ids.ndim == 2 and ids.shape[1] == length and ids.dtype.kind in "iu" and np.all(
-                ids[0] == ids) and ids.min() >= 0 and length > 1 and ids.max() > 1:
+        if (ids.ndim == 2 and ids.shape[1] == length and ids.dtype.kind in "iu"
+                and length > 1 and np.all(ids[0] == ids) and ids.min() >= 0
+                and np.all(np.diff(ids[0]) == 1)):  # consecutive: positions, not tokens
             return ids[0].astype(np.float64)
     return np.arange(length, dtype=np.float64)
 
