@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import Hint, Judge, Kind, Site, left_text, softmax
+from ._common import Hint, Judge, Kind, Site, left_text, named, softmax
 
 SCORES = 1 << 18          # recomputed on as many batch elements as keep scores below this
 BASES = (10000.0, 500000.0, 1000000.0, 100000.0)  # frequency bases in use, tried when no
@@ -58,6 +58,7 @@ class _Fit:
     mask: np.ndarray | None   # additive, broadcasting to (batch, heads, Lq, Lk)
     mask_text: str
     rotate: str = "qk"        # which of q and k are rotated (a port may forget one)
+    scale: float | None = None  # the scores' scale; None: 1/sqrt(head_dim)
 
 
 def rotary(judge: Judge, site: Site) -> Hint | None:
@@ -104,6 +105,15 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
                         f"heads of {fit.head_dim}, {fit.kv_heads} key/value heads, "
                         f"{fit.mask_text}, as checked on the reference)"
                         f"{_growth(judge) if kind == Kind.ROTARY else ''}")
+    found = _fit_scale(q, k, v, positions, fit, project, judge)
+    if found is not None:
+        c, left = found
+        d = 1 / math.sqrt(fit.head_dim)
+        return Hint(Kind.SCALE, f"attention scores scaled by {c:.4g}{named(c)} where the "
+                    f"reference scales by {d:.4g}{named(d)}: this attention recomputed that way "
+                    f"from the reference's q, k, v gives the port ({left_text(left)}; "
+                    f"{fit.heads} heads of {fit.head_dim}, {fit.kv_heads} key/value heads, "
+                    f"{fit.rope.pairs()}, {fit.mask_text})")
     if fit.rope.layout != "none":
         found = _fit_base(q, k, v, positions, fit, project, judge)
         if found is not None:
@@ -226,7 +236,8 @@ def _attend(q, k, v, positions, fit: _Fit) -> np.ndarray:
     index = (np.arange(fit.heads) % fit.kv_heads if fit.tiled
              else np.arange(fit.heads) // rep)
     kh, vh = kh[:, index], vh[:, index]
-    scores = qh @ np.swapaxes(kh, -1, -2) / math.sqrt(fit.head_dim)
+    scale = 1 / math.sqrt(fit.head_dim) if fit.scale is None else fit.scale
+    scores = scale * (qh @ np.swapaxes(kh, -1, -2))
     if fit.mask is not None:
         scores = scores + fit.mask
     out = softmax(scores, -1) @ vh
@@ -315,3 +326,35 @@ def _fit_base(q, k, v, positions, fit: _Fit, project, judge: Judge
                  _Rope(fit.rope.layout, base, fit.rope.sign), fit.tiled, fit.mask, fit.mask_text)
     left = judge.accepts(project(_attend(q, k, v, positions, trial)))
     return None if left is None else (base, left)
+
+
+def _fit_scale(q, k, v, positions, fit: _Fit, project, judge: Judge
+               ) -> tuple[float, float] | None:
+    """The one score scale that reproduces the port, searched over a factor of e^5 each way
+    of 1/sqrt(head_dim)."""
+    def output(c: float) -> np.ndarray:
+        return project(_attend(q, k, v, positions, dataclasses.replace(fit, scale=c)))
+
+    centre = -0.5 * math.log(fit.head_dim)
+    found = _search(lambda x: float(np.sum((judge.port - output(math.exp(x))) ** 2)),
+                    centre - 5, centre + 5, 21)
+    c = math.exp(found)
+    if abs(c * math.sqrt(fit.head_dim) - 1) < 1e-3:
+        return None
+    left = judge.accepts(output(c))
+    return None if left is None else (c, left)
+
+
+def _search(energy, low: float, high: float, points: int) -> float:
+    """A grid, then a golden-section search inside the best cell."""
+    grid = np.linspace(low, high, points)
+    best = int(np.argmin([energy(g) for g in grid]))
+    low, high = grid[max(best - 1, 0)], grid[min(best + 1, points - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        a, b = high - golden * (high - low), low + golden * (high - low)
+        if energy(a) < energy(b):
+            high = b
+        else:
+            low = a
+    return (low + high) / 2
