@@ -73,7 +73,8 @@ def mask_input(judge: Judge, site: Site) -> Hint | None:
         for pattern, what in _mask_patterns(mask, ref.shape):
             worst, _ = _slices(judge, tuple(range(pattern.ndim)))
             bad = worst > 1
-            if not np.array_equal(bad, pattern) or not _separated(judge, worst, bad):
+            if not np.array_equal(bad, pattern) or not _separated(judge, worst, bad) \
+                    or not _apart(judge, tuple(range(pattern.ndim)), bad):
                 continue
             where = ("batch elements" if pattern.ndim == 1 else "(batch, position) rows")
             return Hint(Kind.MASK, f"the error is exactly at the {int(pattern.sum())} {where} "
@@ -140,7 +141,7 @@ def batch(judge: Judge, site: Site) -> Hint | None:
         return None
     worst, _ = _slices(judge, (0,))
     bad = worst > 1
-    if not _separated(judge, worst, bad):
+    if not _separated(judge, worst, bad) or not _apart(judge, (0,), bad):
         return None
     within = np.flatnonzero(~bad)
     return Hint(Kind.BATCH, f"the error is only in batch elements {_ranges(np.flatnonzero(bad))}"
@@ -158,7 +159,8 @@ def positions(judge: Judge, site: Site) -> Hint | None:
     for axis in range(1, ref.ndim - 1):
         worst, out = _slices(judge, (axis,))
         bad = worst > 1
-        if not _separated(judge, worst, bad) or out[bad].min() < 0.25:
+        if not _separated(judge, worst, bad) or out[bad].min() < 0.25 \
+                or not _apart(judge, (axis,), bad):
             continue
         where = np.flatnonzero(bad)
         contiguous = where[-1] - where[0] + 1 == where.size
@@ -207,6 +209,23 @@ def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None
                 f"{rms[-1]:.2g} at {last}; rank correlation {correlation:.2f}): a rotary "
                 "frequency (its base or scaling) other than the reference's, not a mask "
                 "boundary")
+
+
+GAP = 10.0             # wrong slices' relative error over the clean slices' largest, at least
+
+
+def _apart(judge: Judge, axes: tuple[int, ...], bad: np.ndarray) -> bool:
+    """The wrong slices' error, relative to their size, at least GAP times every clean
+    slice's: a bug changes the wrong slices' values while the others keep theirs, whereas
+    rounding (a lower-precision port) is in every slice at a size that differs between
+    slices by a few times, and crosses the tolerance in some of them only."""
+    reduce = tuple(a for a in range(judge.error.ndim) if a not in axes)
+    error = np.sqrt(np.mean(judge.error**2, axis=reduce))
+    size = np.sqrt(np.mean(judge.ref**2, axis=reduce))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.where(size > 0, error / np.where(size > 0, size, 1),
+                            np.where(error > 0, np.inf, 0.0))
+    return bool(relative[bad].min() >= GAP * relative[~bad].max())
 
 
 def _separated(judge: Judge, worst: np.ndarray, bad: np.ndarray) -> bool:
