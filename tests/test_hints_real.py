@@ -333,3 +333,21 @@ def test_an_error_of_varying_size_in_every_batch_element_is_not_a_batch_mix():
     mixed = ref.copy()
     mixed[[0, 4, 6, 7]] = f32(ref[[0, 4, 6, 7]] * (1 + 6e-3 * noise[[0, 4, 6, 7]]))
     assert kind_of(ref, mixed, rtol=1e-3) == Kind.BATCH
+
+
+def test_gate_order_of_a_cell_whose_weights_have_other_names():
+    """A hand-written reference LSTM (weights named W_x, W_h, b): found by their shapes."""
+    torch.manual_seed(13)
+    width, hidden = hint_bugs_real.WIDTH, hint_bugs_real.HIDDEN  # the hand cell's sizes
+    torch_lstm = torch.nn.LSTM(width, hidden, batch_first=True)
+    port = hint_bugs_real.HandLSTM("ifog")
+    x = torch.randn(2, 4, width)
+    with torch.no_grad():
+        for name in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"):
+            setattr(port, name, torch.nn.Parameter(getattr(torch_lstm, name).clone()))
+        port_out, ref_out = port(x)[0], torch_lstm(x)[0]
+    weights = {"W_x": f32(torch_lstm.weight_ih_l0), "W_h": f32(torch_lstm.weight_hh_l0),
+               "b": f32(torch_lstm.bias_ih_l0 + torch_lstm.bias_hh_l0)}
+    found = hint(f32(ref_out), f32(port_out), role="output", rtol=RTOL, atol=ATOL,
+                 inputs={"0": f32(x)}, weights=weights)
+    assert found is not None and found.kind == Kind.PERMUTATION, found

@@ -49,23 +49,56 @@ def _run(x: np.ndarray, w_ih, w_hh, b_ih, b_hh, order: str) -> list[np.ndarray]:
     return [*out, c[None]] if len(order) == 4 else out
 
 
-def gate_order(judge: Judge, site: Site) -> Hint | None:
-    if site.role != "output":
-        return None
-    w = {name: np.asarray(site.weights.get(name), np.float64) for name in
-         ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
-         if site.weights.get(name) is not None}
-    if "weight_ih_l0" not in w or "weight_hh_l0" not in w:
-        return None
-    w_ih, w_hh = w["weight_ih_l0"], w["weight_hh_l0"]
+def _recurrent_shape(matrix: np.ndarray) -> bool:
+    """(G hidden, hidden) for G gates."""
+    return any(matrix.shape[0] == g * matrix.shape[1] for g in ORDERS)
+
+
+def _cell_weights(weights: dict) -> tuple | None:
+    """(w_ih, w_hh, b_ih, b_hh, torch's order) from the site's parameters: torch's names
+    (``weight_ih_l0`` ...: nn.LSTM, nn.GRU; ``weight_ih`` ...: the cells), or else by shape: two
+    matrices of G x hidden rows, one of them (G hidden, hidden), G = 4 (LSTM) or 3 (GRU), and
+    biases of G hidden values (named with 'ih' / 'hh', or one bias)."""
+    matrices = {n: np.asarray(v, np.float64) for n, v in weights.items() if np.ndim(v) == 2}
+    vectors = {n: np.asarray(v, np.float64) for n, v in weights.items() if np.ndim(v) == 1}
+    for suffix in ("_l0", ""):
+        if f"weight_ih{suffix}" in matrices and f"weight_hh{suffix}" in matrices:
+            w_ih, w_hh = matrices[f"weight_ih{suffix}"], matrices[f"weight_hh{suffix}"]
+            b_ih, b_hh = vectors.get(f"bias_ih{suffix}"), vectors.get(f"bias_hh{suffix}")
+            break
+    else:
+        if len(matrices) != 2:
+            return None
+        (_, a), (_, b) = sorted(matrices.items(), key=lambda kv: "hh" in kv[0].lower())
+        if not _recurrent_shape(b) and _recurrent_shape(a):
+            a, b = b, a
+        w_ih, w_hh = a, b
+        named = sorted(vectors.items(), key=lambda kv: "hh" in kv[0].lower())
+        if len(named) == 1:
+            b_ih, b_hh = named[0][1], None
+        elif len(named) == 2:
+            b_ih, b_hh = named[0][1], named[1][1]
+        else:
+            b_ih = b_hh = None
     hidden = w_hh.shape[1] if w_hh.ndim == 2 else 0
-    if not hidden or w_ih.ndim != 2 or w_ih.shape[0] % hidden or w_hh.shape[0] != w_ih.shape[0]:
+    if not hidden or w_ih.shape[0] != w_hh.shape[0] or w_hh.shape[0] % hidden:
         return None
-    order = ORDERS.get(w_ih.shape[0] // hidden)
+    order = ORDERS.get(w_hh.shape[0] // hidden)
     if order is None:
         return None
     zero = np.zeros(w_ih.shape[0])
-    b_ih, b_hh = w.get("bias_ih_l0", zero), w.get("bias_hh_l0", zero)
+    b_ih = zero if b_ih is None or b_ih.shape != zero.shape else b_ih
+    b_hh = zero if b_hh is None or b_hh.shape != zero.shape else b_hh
+    return w_ih, w_hh, b_ih, b_hh, order
+
+
+def gate_order(judge: Judge, site: Site) -> Hint | None:
+    if site.role != "output":
+        return None
+    found = _cell_weights(site.weights)
+    if found is None:
+        return None
+    w_ih, w_hh, b_ih, b_hh, order = found
     xs = [v for _, v in site.float_inputs() if v.ndim == 3 and v.shape[-1] == w_ih.shape[1]]
     if not xs:
         return None
