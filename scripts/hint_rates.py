@@ -25,7 +25,7 @@ from pathlib import Path
 from layerdiff import capture, diff, load_case, load_weights
 from layerdiff.case import ExternalCase
 from layerdiff.errors import LayerdiffError
-from reference_models import hint_bugs
+from reference_models import hint_bugs, hint_bugs_heldout, hint_bugs_real
 from reference_models.catalog import CATALOG, HERE
 
 # The kind of mistake each of the catalog's planted bugs is; None: no kind describes it.
@@ -76,6 +76,7 @@ class Planted:
     expected: str | None       # a kind, None (no kind fits) or UNKNOWN (not classified here)
     built_for: bool = True     # among the bugs the hints were developed on
     load: bool = True          # load the reference's weights into the port first
+    group: str = ""            # the table it is counted in (see GROUPS)
 
 
 @dataclass
@@ -107,7 +108,22 @@ def planted_bugs() -> list[Planted]:
     listed = {bug.spec for bug in bugs}
     bugs += [Planted(spec, reference, ROOT / mapping if mapping else None, kind, False, load)
              for spec, reference, mapping, kind, load in OTHERS if spec not in listed]
+    for group, module in (("real", hint_bugs_real), ("heldout", hint_bugs_heldout)):
+        bugs += [Planted(bug.spec, bug.reference, HERE / bug.mapping if bug.mapping else None,
+                         bug.kind, group == "real", True, group) for bug in module.BUGS]
     return bugs
+
+
+GROUPS = [  # (title, which outcomes)
+    ("the planted bugs of the catalog and of reference_models/hint_bugs.py",
+     lambda o: o.planted.built_for and not o.planted.group),
+    ("planted bugs the hints were not built around",
+     lambda o: not o.planted.built_for and not o.planted.group),
+    ("issue 29's planted bugs of real ports (reference_models/hint_bugs_real.py)",
+     lambda o: o.planted.group == "real"),
+    ("held-out planted bugs, written after the rules (reference_models/hint_bugs_heldout.py)",
+     lambda o: o.planted.group == "heldout"),
+]
 
 
 def measure(bug: Planted, reference: Path, work: Path) -> Outcome:
@@ -167,10 +183,8 @@ def main() -> None:
             outcomes.append(outcome)
             print(f"{bug.spec}: {outcome.origin}\n    hint {outcome.kind or '(none)'}: "
                   f"{outcome.evidence} [{outcome.seconds:.1f} s]", flush=True)
-    for title, group in (("the planted bugs of the catalog and of reference_models/hint_bugs.py",
-                          [o for o in outcomes if o.planted.built_for]),
-                         ("planted bugs the hints were not built around",
-                          [o for o in outcomes if not o.planted.built_for])):
+    for title, which in GROUPS:
+        group = [o for o in outcomes if which(o)]
         if group:
             print(f"\n{title}:\n")
             print(table(group))

@@ -680,12 +680,76 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
     if ref_row is None or port_row is None:
         return None
     ref_values, port_values = ref.read(ref_row), port.read(port_row)
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor, max_elements)
+    if found is not None or role != "output" or origin.pass_ != "forward":
+        return found
+    inner = _own_code_record(origin, ref, port, max_elements)
+    if inner is None:
+        return None
+    # the first value the site's own code made wrong, before its later children reshaped it
+    child, ref_values, port_values = inner
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, grad_factor,
+                     max_elements, children_only=True)
+    if found is None:
+        return None
+    return hints.Hint(found.kind, f"at {child}'s input (the first value the site's own code "
+                      f"makes that is out): {found.evidence}")
+
+
+def _relative(site: str, child: str) -> str:
+    """The child's module path below the site's ('mlp.down_proj' under 'mlp': 'down_proj')."""
+    parent, module = schema.split_site(site)[0], schema.split_site(child)[0]
+    if parent != schema.ROOT_MODULE and module.startswith(parent + "."):
+        return module[len(parent) + 1:]
+    return module
+
+
+def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: int
+                     ) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """(child, reference, port) for the first child of the origin's site, in call order, whose
+    input is out of the origin's tolerance while the site's own output is the origin: the
+    site's own code between its children made it. Port children are found by the same name
+    under the port's site (a mapping that renames children leaves this out)."""
+    rtol = float(origin.metrics.get("rtol") or 0.0)
+    atol = float(origin.metrics.get("atol") or 0.0)
+    sites = ref.sites
+    rows = sites[(sites["step"] == origin.step) & (sites["parent"] == origin.site)]
+    if rows.empty or len(rows) > MAX_CHILDREN:
+        return None
+    ref_module = schema.split_site(origin.site)[0]
+    port_module = schema.split_site(origin.port_site or origin.site)[0]
+    for child in rows.sort_values("enter_seq")["site"]:
+        module, call = schema.split_site(child)
+        if schema.is_op_site(child):
+            continue
+        suffix = module if ref_module == schema.ROOT_MODULE else module[len(ref_module) + 1:]
+        if ref_module != schema.ROOT_MODULE and not module.startswith(ref_module + "."):
+            continue
+        port_child = (suffix if port_module == schema.ROOT_MODULE
+                      else f"{port_module}.{suffix}") + f"#{call}"
+        ref_row = _tensor_row(ref, origin.step, child, "input", "0")
+        port_row = _tensor_row(port, origin.step, port_child, "input", "0")
+        if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
+            continue
+        a = np.asarray(ref.read(ref_row), np.float64)
+        b = np.asarray(port.read(port_row), np.float64)
+        if a.shape != b.shape:
+            continue
+        if np.any(np.abs(b - a) > atol + rtol * np.abs(a)):
+            return suffix, a, b
+    return None
+
+
+def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: np.ndarray,
+             ref_row: pd.Series, grad_factor: float, max_elements: int,
+             children_only: bool = False) -> hints.Hint | None:
+    step, role = origin.step, origin.role
     if role in ("grad_output", "grad_input", "weight_grad") and grad_factor != 1.0:
         port_values = port_values.astype(np.float64) * grad_factor
-    if port_values.shape != ref_values.shape:
-        if port_values.ndim != 2 or port_values.shape[::-1] != ref_values.shape:
-            return None  # a slice of a fused parameter: not the tensor the reference has
-        port_values = port_values.T  # the mapping transposes it
+    port_values = _as_compared(ref_values, port_values, None if children_only
+                               else origin.metrics.get("max_abs"))
+    if port_values is None:
+        return None
     keep = _batch_kept(ref_values, role, max_elements)
     if keep == 0:
         return None
@@ -702,17 +766,66 @@ def _hint(origin: R.Origin, ref: Trace, port: Trace, grad_factor: float,
         grads = _site_tensors(ref, step, origin.site, "grad_output", max_elements)
         grad_output = cut(grads["0"]) if "0" in grads else None
     attention = (_attention_parts(ref, step, origin.site, ref_row, max_elements)
-                 if role == "output" and origin.pass_ == "forward" else None)
+                 if role == "output" and origin.pass_ == "forward" and not children_only
+                 else None)
     if attention is not None:
         attention = hints.Attention(
             cut(attention.q), cut(attention.k), cut(attention.v), cut(attention.context),
             attention.out_weight, attention.out_bias,
             None if attention.mask is None else cut(attention.mask), attention.output_heads)
+    children = (_children(ref, step, origin.site, max_elements, cut)
+                if role == "output" and origin.pass_ == "forward" else [])
     rtol, atol = origin.metrics.get("rtol"), origin.metrics.get("atol")
     return hints.hint(cut(ref_values), cut(port_values), role=role,
                       rtol=float(rtol or 0.0), atol=float(atol or 0.0),
                       inputs={k: cut(v) for k, v in inputs.items()}, weights=weights,
-                      grad_output=grad_output, attention=attention)
+                      grad_output=grad_output, attention=attention, children=children)
+
+
+MAX_CHILDREN = 16      # a module with more sub-modules than this is not looked inside
+
+
+def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> list[hints.Child]:
+    """What the site's sub-modules recorded (first input, first output, weight and bias), in
+    call order: the pieces a hint may rebuild the site's own code from."""
+    sites = trace.sites
+    rows = sites[(sites["step"] == step) & (sites["parent"] == site)].sort_values("enter_seq")
+    if len(rows) > MAX_CHILDREN:
+        return []
+    out = []
+    for child in rows["site"]:
+        tensors = []
+        for role in ("input", "output"):
+            row = _tensor_row(trace, step, child, role, "0")
+            small = row is not None and int(row["numel"]) <= max_elements
+            tensors.append(cut(trace.read(row)) if small else None)
+        params = []
+        for arg in ("weight", "bias"):
+            row = _module_param(trace, step, child, arg)
+            small = row is not None and int(row["numel"]) <= max_elements
+            params.append(np.asarray(trace.read(row)) if small else None)
+        out.append(hints.Child(_relative(site, child), *tensors, *params))
+    return out
+
+
+def _as_compared(ref_values: np.ndarray, port_values: np.ndarray,
+                 max_abs: float | None) -> np.ndarray | None:
+    """The port's tensor as the diff compared it with the reference's: as stored, or
+    transposed (a mapping that transposes a weight), whichever gives the diff's own largest
+    difference; None when neither does (a parameter the mapping transforms otherwise, say
+    permutes its rows, or a slice of a fused one): a hint of the stored tensors would describe
+    the mapping's layout, not the port's mistake."""
+    candidates = [port_values] if port_values.shape == ref_values.shape else []
+    if port_values.ndim == 2 and port_values.shape[::-1] == ref_values.shape:
+        candidates.append(port_values.T)
+    if max_abs is None or not np.isfinite(max_abs):
+        return candidates[0] if candidates else None
+    for values in candidates:
+        with np.errstate(all="ignore"):
+            gap = float(np.max(np.abs(np.asarray(values, np.float64) - ref_values), initial=0.0))
+        if abs(gap - max_abs) <= 1e-3 * max(gap, max_abs) + 1e-30:
+            return values
+    return None
 
 
 def _batch_kept(values: np.ndarray, role: str, max_elements: int) -> int:

@@ -14,36 +14,55 @@ first checked to reproduce the *reference* from the same tensors; only then is a
 fitted to the port. Where no model passes, there is no hint: a random error gets none.
 
 The kinds are tried in a fixed order (:data:`TESTS`), from the models with the fewest free
-numbers to the structural descriptions (which positions or batch elements are wrong) and,
-last, precision. One module per family:
+numbers to precision, then the structural descriptions (which positions or batch elements are
+wrong), which an error of rounding's size must not be read as. One module per family:
 
 - ``_common``: the vocabulary (Kind, Hint, Attention), the acceptance rule, the site's tensors;
 - ``elementwise``: sign, scale, missing-term, approximation, precision;
 - ``layout``: transpose (axes, reshapes, a weight applied transposed), permutation;
-- ``normalization``: axis (a softmax over another axis), epsilon;
+- ``normalization``: axis (a softmax over another axis; a norm backward over other axes),
+  epsilon;
 - ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
-- ``positions``: mask and batch, told by where the error is; two boolean masks compared.
+- ``positions``: mask and batch, told by where the error is (rows where the reference is
+  exactly 0 too; position 0 alone exact with a growing error: rotary); two boolean masks;
+- ``rotary``: a decoder's attention with RoPE and grouped kv heads recomputed (rotary,
+  permutation of kv heads);
+- ``activation``: another activation function, at its site or inside a module;
+- ``recurrent``: an LSTM's or GRU's gates in another order (permutation).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import attention, elementwise, layout, normalization, positions
-from ._common import Attention, Hint, Judge, Kind, Site, Test
+from . import (
+    activation,
+    attention,
+    elementwise,
+    layout,
+    normalization,
+    positions,
+    recurrent,
+    rotary,
+)
+from ._common import Attention, Child, Hint, Judge, Kind, Site, Test
 
-__all__ = ["Attention", "Hint", "Kind", "hint"]
+__all__ = ["Attention", "Child", "Hint", "Kind", "hint"]
 
 MIN_VALUES = 8         # fewer values than this: no hint
 
 # The order the kinds are tried in: the first that accepts names the hint.
 TESTS: list[Test] = [
     elementwise.sign, elementwise.scale, elementwise.missing_term,
-    layout.transpose, layout.permutation, layout.linear_transposed,
-    normalization.axis, attention.attention, normalization.epsilon,
-    elementwise.approximation,
-    positions.mask_input, positions.batch, positions.positions,
+    layout.transpose, layout.permutation, layout.linear_transposed, recurrent.gate_order,
+    normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention,
+    normalization.epsilon,
+    elementwise.approximation, activation.activation,
+    # rounding to a lower dtype before any pattern of *where* the error is: an error of
+    # rounding's size can fall in some batch elements or positions more than others, and
+    # where it falls is then no evidence of a mask or a batch mix
     elementwise.precision,
+    positions.mask_input, positions.zero_rows, positions.batch, positions.positions,
 ]
 
 
@@ -51,13 +70,15 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
          inputs: dict[str, np.ndarray] | None = None,
          weights: dict[str, np.ndarray] | None = None,
          grad_output: np.ndarray | None = None,
-         attention: Attention | None = None) -> Hint | None:
+         attention: Attention | None = None,
+         children: list[Child] | None = None) -> Hint | None:
     """The likely cause of the difference between ``ref`` and ``port`` at an origin, or None.
 
     ``role`` is the origin's (output, grad_input, weight_grad, weight); ``rtol`` and ``atol``
     its tolerance. The reference's tensors of the same site make more kinds testable:
     ``inputs`` (argument -> tensor, masks included), ``weights`` (parameter -> tensor),
-    ``grad_output`` (for a backward origin) and ``attention`` (see :class:`Attention`).
+    ``grad_output`` (for a backward origin), ``attention`` (see :class:`Attention`) and
+    ``children`` (what the site's sub-modules recorded, in call order).
     """
     if np.asarray(ref).dtype == bool and np.asarray(port).dtype == bool:
         return positions.boolean(np.asarray(ref), np.asarray(port))
@@ -68,9 +89,10 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
     if not (np.isfinite(ref).all() and np.isfinite(port64).all()):
         return None  # a NaN origin: where the first non-finite came from is another question
     judge = Judge(ref, port64, rtol, atol)
-    if judge.energy == 0:
-        return None
-    site = Site(role, inputs or {}, weights or {}, grad_output, attention)
+    if judge.energy == 0 or float(np.max(judge.ratio)) <= 1:
+        return None  # within tolerance: no error to explain
+    site = Site(role, inputs or {}, weights or {}, grad_output, attention,
+                children or [])
     for test in TESTS:
         found = test(judge, site)
         if found is not None:

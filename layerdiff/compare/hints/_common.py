@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -27,6 +27,8 @@ class Kind(StrEnum):
     MISSING_TERM = "missing-term"    # port = ref - an input or a bias
     PERMUTATION = "permutation"      # chunks of one axis reordered (gates, heads)
     SIGN = "sign"                    # port = -ref
+    ROTARY = "rotary"                # q/k rotated otherwise: pair layout, sign, frequency base
+    ACTIVATION = "activation"        # another activation function (silu for gelu, ...)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,17 @@ class Judge:
 
 
 @dataclass
+class Child:
+    """What one sub-module of the origin's module recorded in the reference (in call order)."""
+
+    name: str
+    input: np.ndarray | None
+    output: np.ndarray | None
+    weight: np.ndarray | None = None
+    bias: np.ndarray | None = None
+
+
+@dataclass
 class Site:
     """The reference's tensors at the origin's site, beside the origin's own."""
 
@@ -109,6 +122,7 @@ class Site:
     weights: dict[str, np.ndarray]
     grad_output: np.ndarray | None
     attention: Attention | None
+    children: list[Child] = field(default_factory=list)
 
     @property
     def backward(self) -> bool:

@@ -57,6 +57,8 @@ def attention(judge: Judge, site: Site) -> Hint | None:
     context = np.asarray(parts.context, np.float64)
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or context.shape != q.shape[:2] + v.shape[2:]:
         return None
+    if q.shape[-1] != k.shape[-1] or k.shape[:2] != v.shape[:2]:
+        return None  # grouped key/value heads: see rotary
     project = next((p for p in _projections(parts) if judge.close(p(context), judge.ref)), None)
     if project is None:
         return None

@@ -68,6 +68,10 @@ def _terms(site: Site, shape: tuple[int, ...]) -> Iterator[tuple[str, np.ndarray
         for name, value in site.float_inputs():
             if value.shape == shape:
                 yield f"input '{name}'", value
+        for child in site.children:  # a residual stream as the site's sub-modules saw it
+            for what, value in (("input", child.input), ("output", child.output)):
+                if value is not None and value.shape == shape:
+                    yield f"the {what} of {child.name}", np.asarray(value, np.float64)
     elif site.grad_output is not None and np.shape(site.grad_output) == shape:
         yield "grad_output", np.asarray(site.grad_output, np.float64)
     if site.role != "output":

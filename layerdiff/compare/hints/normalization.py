@@ -134,3 +134,72 @@ def _fit_epsilons(c: np.ndarray, variance: np.ndarray) -> tuple[float, float] | 
             eps_port, eps_ref):
         return None
     return float(eps_ref), float(eps_port)
+
+
+# ---------------------------------------------------------------------------------------------
+# A normalization's backward that reduces over other axes
+
+
+def backward_axis(judge: Judge, site: Site) -> Hint | None:
+    """A hand-written layer or RMS norm backward whose means are taken over other axes (the
+    batch too, or all of them): the reference's gradient is first rebuilt from its input, its
+    weight and the incoming gradient, dx = rstd (g w - mean(g w) - x^ mean(g w x^)) (an RMS
+    norm without the first mean), the means over the axes the forward normalizes; then the
+    same with the means over other axes is fitted to the port."""
+    if not site.backward or site.grad_output is None:
+        return None
+    shape = judge.ref.shape
+    x = next((v for _, v in site.float_inputs() if v.shape == shape), None)
+    if x is None or x.ndim < 2 or np.shape(site.grad_output) != shape:
+        return None
+    g = np.asarray(site.grad_output, np.float64)
+    gamma = site.weights.get("weight")
+    for groups, _ in _norm_groups(shape, gamma):
+        scale = np.asarray(1.0 if gamma is None else gamma, np.float64)
+        if scale.ndim:
+            scale = np.broadcast_to(_along(scale, shape, groups), shape)
+        gw = g * scale
+        for centred, what in ((True, "layer"), (False, "RMS")):
+            centre = x - x.mean(groups, keepdims=True) if centred else x
+            rstd = 1 / np.sqrt(np.mean(centre**2, groups, keepdims=True) + _EPS_GUESS)
+
+            def grad(axes: tuple[int, ...], centre=centre, rstd=rstd, centred=centred, gw=gw):
+                xhat = centre * rstd
+                out = gw - xhat * np.mean(gw * xhat, axes, keepdims=True)
+                if centred:
+                    out = out - np.mean(gw, axes, keepdims=True)
+                return rstd * out
+
+            if not _close_loose(grad(groups), judge.ref):
+                continue
+            for axes in _other_axes(x.ndim, groups):
+                left = judge.accepts(grad(axes))
+                if left is not None:
+                    return Hint(Kind.AXIS, f"a {what} norm's backward takes its means over axes "
+                                f"{axes} where the reference's takes them over {groups} (the "
+                                f"axes its forward normalizes): rebuilt that way from the "
+                                f"reference's input, weight and grad_output it gives the port "
+                                f"({left_text(left)})")
+    return None
+
+
+_EPS_GUESS = 1e-5      # the epsilon is unknown here; a wrong guess only moves rows whose
+                       # variance is near it, and the reference check below says if it fits
+
+
+def _close_loose(a: np.ndarray, b: np.ndarray) -> bool:
+    """The rebuilt gradient reproduces the reference to 1e-3 relative rms (the epsilon is a
+    guess)."""
+    scale = float(np.sqrt(np.mean(b**2)))
+    return scale > 0 and float(np.sqrt(np.mean((a - b) ** 2))) <= 1e-3 * scale
+
+
+def _other_axes(ndim: int, used: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    seen = {tuple(sorted(used))}
+    candidates = [tuple(range(ndim)), tuple(sorted({0, *used}))]
+    candidates += [tuple(sorted({a, *used})) for a in range(ndim)]
+    candidates += [(a,) for a in range(ndim)]
+    for axes in candidates:
+        if axes not in seen:
+            seen.add(axes)
+            yield axes

@@ -73,7 +73,8 @@ def mask_input(judge: Judge, site: Site) -> Hint | None:
         for pattern, what in _mask_patterns(mask, ref.shape):
             worst, _ = _slices(judge, tuple(range(pattern.ndim)))
             bad = worst > 1
-            if not np.array_equal(bad, pattern) or not _separated(judge, worst, bad):
+            if not np.array_equal(bad, pattern) or not _separated(judge, worst, bad) \
+                    or not _apart(judge, tuple(range(pattern.ndim)), bad):
                 continue
             where = ("batch elements" if pattern.ndim == 1 else "(batch, position) rows")
             return Hint(Kind.MASK, f"the error is exactly at the {int(pattern.sum())} {where} "
@@ -102,12 +103,45 @@ def _mask_patterns(mask: np.ndarray, shape: tuple[int, ...]
     yield per_batch, "whose mask masks some position"
 
 
+def zero_rows(judge: Judge, site: Site) -> Hint | None:
+    """The error only in whole rows where the reference is exactly 0: positions the
+    reference masks out (padding) or a parameter row it never updates (an embedding's
+    padding_idx) that the port gives a value or a gradient. Rows are the first axis (a
+    parameter's rows, a batch's elements) or the first two ((batch, position))."""
+    ref = judge.ref
+    if ref.ndim < 2:
+        return None
+    for lead in (2, 1) if ref.ndim >= 3 and site.role not in ("weight", "weight_grad") else (1,):
+        rest = tuple(range(lead, ref.ndim))
+        zero = np.all(ref == 0, axis=rest)
+        if not zero.any() or zero.all():
+            continue
+        worst = judge.ratio.max(axis=rest)
+        bad = worst > 1
+        if not bad.any() or np.any(bad & ~zero) or worst[bad].min() <= NOISE \
+                or worst[~bad].max() > 1:
+            continue
+        # by chance: every value out of tolerance falling in the zero rows, were they
+        # scattered at random, has probability (share of the zero rows) ^ (values out)
+        out = int(np.sum(judge.ratio > 1))
+        if out * math.log(float(np.mean(zero))) > math.log(CHANCE):
+            continue
+        rows = "rows" if lead == 1 else "(batch, position) rows"
+        where = (f"row(s) {_ranges(np.flatnonzero(bad))}" if lead == 1
+                 else f"{int(bad.sum())} (batch, position) rows")
+        return Hint(Kind.MASK, f"the error is only at {where}, where the reference's value is "
+                    f"exactly 0 ({int(zero.sum())} of {zero.size} {rows} are): masked or "
+                    f"padding positions (a padding_idx) that get a value in the port (up to "
+                    f"{_x(worst[bad].max())} there, {_x(worst[~bad].max())} elsewhere)")
+    return None
+
+
 def batch(judge: Judge, site: Site) -> Hint | None:
     if site.role in ("weight", "weight_grad") or judge.ref.ndim < 2 or judge.ref.shape[0] < 2:
         return None
     worst, _ = _slices(judge, (0,))
     bad = worst > 1
-    if not _separated(judge, worst, bad):
+    if not _separated(judge, worst, bad) or not _apart(judge, (0,), bad):
         return None
     within = np.flatnonzero(~bad)
     return Hint(Kind.BATCH, f"the error is only in batch elements {_ranges(np.flatnonzero(bad))}"
@@ -125,17 +159,73 @@ def positions(judge: Judge, site: Site) -> Hint | None:
     for axis in range(1, ref.ndim - 1):
         worst, out = _slices(judge, (axis,))
         bad = worst > 1
-        if not _separated(judge, worst, bad) or out[bad].min() < 0.25:
+        if not _separated(judge, worst, bad) or out[bad].min() < 0.25 \
+                or not _apart(judge, (axis,), bad):
             continue
         where = np.flatnonzero(bad)
         contiguous = where[-1] - where[0] + 1 == where.size
         if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
             continue
         within = np.flatnonzero(~bad)
+        if within.tolist() == [0]:
+            # not a mask's boundary; a rotary frequency when the error grows with position,
+            # else nothing (a causal softmax is exact at position 0 whatever its scores)
+            return _rotary_signature(judge, axis, worst)
         return Hint(Kind.MASK, f"a mask or a boundary off: the error is only at positions "
                     f"{_ranges(where)} of axis {axis} (of {bad.size}), whole; positions "
                     f"{_ranges(within)} within tolerance")
     return None
+
+
+MIN_ROTATED = 4        # positions: fewer and "only position 0 exact" is no pattern
+
+
+GROWTH = 3.0           # rotary frequency: the error at the last positions over position 1's
+RANK_CORRELATION = 0.8  # and the error's rank correlation with the position, at least
+
+
+def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None:
+    """Position 0 exact and every later one wrong, the error growing with the position: a
+    rotary frequency (base, scaling) done otherwise. Rotation by position x frequency is the
+    identity at position 0, and a frequency off by dw turns position p by p dw too far, an
+    error 2 sin(p dw / 2) that grows about linearly from position 1. A mask's boundary shows
+    elsewhere (a causal mask off leaves the last position, which sees every key either way,
+    exact). Position 0 exact with an error that does not grow is told by nothing here: any
+    change to a causal softmax's scores (scale, a rotation's sign) leaves position 0, which
+    attends to itself alone, exact."""
+    reduce = tuple(a for a in range(judge.error.ndim) if a != axis)
+    rms = np.sqrt(np.mean(judge.error**2, axis=reduce))[1:]
+    if rms.size < MIN_ROTATED:
+        return None
+    tail = float(np.mean(rms[-max(1, rms.size // 4):]))
+    ranks = np.argsort(np.argsort(rms))
+    correlation = float(np.corrcoef(ranks, np.arange(rms.size))[0, 1])
+    if not (tail >= GROWTH * rms[0] and correlation >= RANK_CORRELATION):
+        return None
+    last, middle = rms.size, rms.size // 2 + 1
+    return Hint(Kind.ROTARY, f"position 0 exact ({worst[0]:.2g}x tolerance) and every later "
+                f"position of axis {axis} wrong, the error growing with the position (rms "
+                f"{rms[0]:.2g} at position 1, {rms[middle - 1]:.2g} at {middle}, "
+                f"{rms[-1]:.2g} at {last}; rank correlation {correlation:.2f}): a rotary "
+                "frequency (its base or scaling) other than the reference's, not a mask "
+                "boundary")
+
+
+GAP = 10.0             # wrong slices' relative error over the clean slices' largest, at least
+
+
+def _apart(judge: Judge, axes: tuple[int, ...], bad: np.ndarray) -> bool:
+    """The wrong slices' error, relative to their size, at least GAP times every clean
+    slice's: a bug changes the wrong slices' values while the others keep theirs, whereas
+    rounding (a lower-precision port) is in every slice at a size that differs between
+    slices by a few times, and crosses the tolerance in some of them only."""
+    reduce = tuple(a for a in range(judge.error.ndim) if a not in axes)
+    error = np.sqrt(np.mean(judge.error**2, axis=reduce))
+    size = np.sqrt(np.mean(judge.ref**2, axis=reduce))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.where(size > 0, error / np.where(size > 0, size, 1),
+                            np.where(error > 0, np.inf, 0.0))
+    return bool(relative[bad].min() >= GAP * relative[~bad].max())
 
 
 def _separated(judge: Judge, worst: np.ndarray, bad: np.ndarray) -> bool:
