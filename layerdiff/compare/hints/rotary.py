@@ -302,29 +302,17 @@ def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
 def _fit_base(q, k, v, positions, fit: _Fit, project, judge: Judge
               ) -> tuple[float, float] | None:
     """The one frequency base that reproduces the port, searched over 10^1.5 .. 10^8."""
+    def with_base(base: float) -> _Fit:
+        return dataclasses.replace(fit, rope=_Rope(fit.rope.layout, base, fit.rope.sign))
+
     def energy(log_base: float) -> float:
-        trial = _Fit(fit.head_dim, fit.heads, fit.kv_heads,
-                     _Rope(fit.rope.layout, 10.0**log_base, fit.rope.sign), fit.tiled,
-                     fit.mask, fit.mask_text)
+        trial = with_base(10.0**log_base)
         return float(np.sum((judge.port - project(_attend(q, k, v, positions, trial))) ** 2))
 
-    grid = np.linspace(1.5, 8.0, 27)
-    values = [energy(g) for g in grid]
-    best = int(np.argmin(values))
-    low, high = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(30):
-        a, b = high - golden * (high - low), low + golden * (high - low)
-        if energy(a) < energy(b):
-            high = b
-        else:
-            low = a
-    base = 10.0 ** ((low + high) / 2)
+    base = 10.0 ** _search(energy, 1.5, 8.0, 27)
     if abs(base / fit.rope.base - 1) < 1e-2:
         return None
-    trial = _Fit(fit.head_dim, fit.heads, fit.kv_heads,
-                 _Rope(fit.rope.layout, base, fit.rope.sign), fit.tiled, fit.mask, fit.mask_text)
-    left = judge.accepts(project(_attend(q, k, v, positions, trial)))
+    left = judge.accepts(project(_attend(q, k, v, positions, with_base(base))))
     return None if left is None else (base, left)
 
 
