@@ -79,3 +79,13 @@ def screenshot(tmp_path):
         return imread(shot)[..., :3]  # drop alpha
 
     return take
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is faster than two fighting over a shared machine (a module
+    asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

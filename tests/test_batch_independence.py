@@ -14,14 +14,7 @@ from layerdiff import Case, CaseError, ExternalCase
 from layerdiff.debug.batch import MixTest, batch_independence
 from reference_models import batch_mixing, cnn_port, transformer, transformer_port
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is faster than two fighting over a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _case(model: nn.Module, *inputs, name: str) -> Case:

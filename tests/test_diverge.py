@@ -14,14 +14,7 @@ from layerdiff.report.diverge_html import write_diverge_html
 from layerdiff.trace import open_trace
 from reference_models import mlp, mlp_port, schedule_port, transformer, transformer_port
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is faster than two fighting over a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _check_output(result) -> None:

@@ -23,13 +23,7 @@ from layerdiff.report.diverge_html import render_diverge_html
 from reference_models import mlp, mlp_port
 from tests import optimizer_cases as cases
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _diverge(reference, port, tmp_path):
