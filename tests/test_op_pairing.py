@@ -11,6 +11,7 @@ from torch import nn
 
 from layerdiff import Case, capture, diff, load_case, load_weights
 from layerdiff.compare.op_alignment import OpInput, OpRecords, align_gap
+from layerdiff.report.html import render_html
 from layerdiff.report.terminal import format_diff
 from reference_models import op_bugs, op_pairing
 
@@ -64,6 +65,8 @@ def test_custom_function_backward_bug_is_named_at_that_op(reference, tmp_path):
     text = format_diff(result)
     assert "paired by position: port op MySoftmax#0" in text
     assert "in the port: blocks.1.attn#0/MySoftmax#0" in text
+    origins = render_html(result).split('<ol class="origins">', 1)[1].split("</ol>", 1)[0]
+    assert "paired by position: port op MySoftmax#0" in origins
 
 
 # ---- a fused function for mul, masked_fill and softmax: paired as a group

@@ -598,8 +598,10 @@ def _origins_section(diff: Diff) -> str:
         hint = origin.hint
         cause = (f"<br><span class=\"hint\">likely cause: <b>{escape(hint['kind'])}</b>: "
                  f"{escape(hint['evidence'])}</span>" if hint else "")
-        items.append(f"<li><b>{escape(origin.describe())}</b><br>{escape(origin.reason)}"
-                     f"{cause}{holders}</li>")
+        pairing = (f"<br><span class=\"note\">{escape(origin.pairing)}</span>"
+                   if origin.pairing else "")
+        items.append(f"<li><b>{escape(origin.describe())}</b>{pairing}<br>"
+                     f"{escape(origin.reason)}{cause}{holders}</li>")
     return head + "<ol class=\"origins\">" + "".join(items) + "</ol>"
 
 
