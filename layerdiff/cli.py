@@ -38,8 +38,11 @@ class _Group(click.Group):
     """Turns a LayerdiffError into one sentence on stderr and exit code 2 (unless --debug)."""
 
     def invoke(self, ctx: click.Context):
+        from layerdiff.trace.signals import interrupts_kept
+
         try:
-            return super().invoke(ctx)
+            with interrupts_kept():
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             if ctx.obj and ctx.obj.get("debug"):
                 raise

@@ -372,3 +372,21 @@ def test_a_killed_capture_leaves_a_partial_that_opens_as_every_message_says(tmp_
         assert told.exit_code == 2 and advice in told.output, told.output
     shown = run("show", partial, "--allow-incomplete")
     assert shown.exit_code == 0 or "holds nothing yet" in shown.output, shown.output
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_is_delivered_again(capsys):
+    """Python prints a KeyboardInterrupt raised in a finalizer as "Exception ignored" with a
+    traceback, and goes on as if it never came; under interrupts_kept it ends the work."""
+    from layerdiff.trace.signals import interrupts_kept
+
+    class Finalized:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), interrupts_kept():
+        Finalized()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # it is raised here, a moment later
+            time.sleep(0.001)
+        pytest.fail("the Ctrl-C was lost")
+    assert "Traceback" not in capsys.readouterr().err
