@@ -78,3 +78,25 @@ def test_a_damaged_rank_file_is_refused_naming_it(ranks, monkeypatch, workers):
         gather_module.gather(folder / "port.h5", Mapping.load(rules), folder / "g.h5",
                              workers=workers)
     assert not (folder / "g.h5").exists()
+
+
+def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
+    """The ranks whose part of a sharded origin is out are found by the one judge: the same
+    infinity on both sides is a match there as everywhere (it was counted as out)."""
+    from types import SimpleNamespace
+
+    from layerdiff.compare.rank_parts import _ranks_out
+
+    ref_values = np.array([[np.inf, 1.0], [2.0, 3.0]], dtype=np.float32)
+    port_values = ref_values.copy()
+    port_values[1, 1] = 4.0  # rank 1's row (split along axis 0) is off; rank 0's agrees
+
+    def write(name, values):
+        with TraceWriter(tmp_path / name, meta={}) as writer, writer.site("fc") as site:
+            writer.record(site, "output", values)
+        return open_trace(tmp_path / name)
+
+    origin = SimpleNamespace(step=0, site="fc#0", port_site="fc#0", role="output", arg="0",
+                             port_arg="0", metrics={"rtol": 1.3e-6, "atol": 1e-5})
+    with write("ref.h5", ref_values) as ref, write("port.h5", port_values) as port:
+        assert _ranks_out(origin, ref, port, 0, 2, 1.0) == [1]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.errors import DiffError, LayerdiffError
 from layerdiff.mapping import Mapping
@@ -114,9 +115,7 @@ def _ranks_out(origin: R.Origin, ref: Trace, port: Trace, dim: int, world: int,
     if ref_values.ndim == 0 or ref_values.shape[dim] % world:
         return None
     rtol, atol = (float(origin.metrics.get(k) or 0.0) for k in ("rtol", "atol"))
-    with np.errstate(all="ignore"):
-        out = ~(np.abs(port_values - ref_values) <= atol + rtol * np.abs(ref_values))
-    out &= ~(np.isnan(ref_values) & np.isnan(port_values))
+    out = ~(judge.element_ratios(ref_values, port_values, rtol, atol) <= 1.0)  # the one rule
     parts = np.split(np.moveaxis(out, dim, 0), world)
     return [rank for rank, part in enumerate(parts) if part.any()]
 
