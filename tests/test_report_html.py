@@ -155,3 +155,21 @@ def test_a_real_browser_draws_the_page(tmp_path, screenshot):
     # one integer per colour: np.unique over rows of 3 sorts 2 million rows for seconds
     colours = len(np.unique(rgb[:, 0] << 16 | rgb[:, 1] << 8 | rgb[:, 2]))
     assert colours > 50, f"only {colours} distinct colours: the plots did not render"
+
+
+def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path):
+    """Traces captured at different --loss-scale: the plotted port gradient is rescaled as the
+    diff compared it, so the heatmap shows the bug, not the factor 1024 (a sign flip here:
+    the magnitudes agree)."""
+    from layerdiff import capture, diff, load_case, load_weights
+    from layerdiff.report.html import _origin_tensors
+
+    reference = capture(load_case("reference_models.mlp:reference"), tmp_path / "ref.h5",
+                        loss_scale=1024.0)
+    case = load_case("reference_models.hint_bugs:mlp_sign_backward")
+    load_weights(case.model, reference)
+    result = diff(reference, capture(case, tmp_path / "port.h5"))
+    origin = result.origin
+    assert (origin.site, origin.pass_) == ("act1#0", "backward")
+    ref, port = _origin_tensors(result, origin, None)
+    assert np.allclose(np.abs(port), np.abs(ref), rtol=1e-4, atol=1e-9)

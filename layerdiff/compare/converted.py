@@ -27,7 +27,7 @@ from layerdiff.compare.records import ConvertedParam, RecordPair
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
 
-GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
+GRAD_ROLES = schema.GRAD_ROLES
 
 
 def converted_rows(comparer: Any, rows: pd.DataFrame,

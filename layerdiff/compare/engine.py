@@ -45,7 +45,7 @@ from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.stats import record_rms
 
-GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
+GRAD_ROLES = schema.GRAD_ROLES
 STAT_COLUMNS = ("min", "max", "mean", "std")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 

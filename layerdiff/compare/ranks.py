@@ -50,7 +50,7 @@ WIDTH = 100
 NEXT = 5  # disagreeing sites listed after the first
 KEY = ["step", "pass", "site", "role", "arg"]
 _COLUMNS = [*KEY, "seq", "kind", "dtype", "shape", "digest", "value", "segment", "l2"]
-GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
+GRAD_ROLES = schema.GRAD_ROLES
 
 
 class RanksVerdict(StrEnum):

@@ -25,7 +25,7 @@ from layerdiff.trace.segments import SegmentReader, decode
 
 CHUNK_BYTES = 1 << 20
 BINS = 60
-GRAD_ROLES = ("grad_output", "grad_input", "weight_grad")
+GRAD_ROLES = schema.GRAD_ROLES
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 

@@ -31,7 +31,7 @@ from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
 from layerdiff.report.tree import TREE_CSS, module_tree_section
-from layerdiff.trace import open_trace
+from layerdiff.trace import open_trace, schema
 from layerdiff.trace.reader import Trace
 
 MAX_TABLE_ROWS = 200
@@ -410,6 +410,8 @@ def _origin_tensors(diff: Diff, origin: Origin,
                            origin.arg)
         port = _read_tensor(port_trace, origin.step, origin.pass_, port_site, origin.role,
                             port_arg)
+        if origin.role in schema.GRAD_ROLES:  # as the diff compared them: at one loss scale
+            port *= ref_trace.loss_scale / port_trace.loss_scale
     return ref, port
 
 

@@ -48,6 +48,8 @@ class Pass(StrEnum):
 
 ROLES = tuple(Role)
 PASSES = tuple(Pass)
+# The gradients: a trace captured with --loss-scale holds them multiplied by its loss scale.
+GRAD_ROLES = (Role.GRAD_OUTPUT, Role.GRAD_INPUT, Role.WEIGHT_GRAD)
 # The pass each role belongs to.
 ROLE_PASS = {
     Role.INPUT: Pass.FORWARD,
