@@ -24,6 +24,7 @@ import numpy as np
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
+from layerdiff.trace.guards import guard_global_heaps, parse_meta
 
 PRODUCER = "layerdiff.capture (manifest)"
 _DIGESTS = {"index": schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP),
@@ -49,8 +50,6 @@ def write_manifest(output: str | os.PathLike, rank_files: list[Path]) -> Path:
         ranks.append({"rank": rank, "file": os.path.relpath(path, Path(output).parent),
                       "digests": {key: attrs.get(name) for key, name in _DIGESTS.items()}})
         if rank == 0:
-            from layerdiff.trace.reader import parse_meta
-
             first_meta = parse_meta(attrs.get(schema.ATTR_META), path)
     meta = {"manifest": {"world_size": len(rank_files), "ranks": ranks},
             "loss_scale": first_meta.get("loss_scale", 1.0)}
@@ -94,8 +93,6 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
 
 def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
     """Whether root attributes are a manifest's (its meta holds ``manifest``)."""
-    from layerdiff.trace.reader import parse_meta
-
     return "manifest" in parse_meta(attrs.get(schema.ATTR_META), path)
 
 
@@ -107,8 +104,6 @@ def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, An
                else "it is missing")
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path}: {why}; capture all ranks "
                          "again")
-    from layerdiff.trace.reader import guard_global_heaps
-
     try:
         with h5py.File(path, "r") as h5:
             guard_global_heaps(h5, path)
