@@ -3,6 +3,8 @@ by hand (no torch, no processes to launch) make a tensor-parallel layer's shards
 
 from __future__ import annotations
 
+import math
+
 import h5py
 import numpy as np
 import pytest
@@ -100,3 +102,20 @@ def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
                              port_arg="0", metrics={"rtol": 1.3e-6, "atol": 1e-5})
     with write("ref.h5", ref_values) as ref, write("port.h5", port_values) as port:
         assert _ranks_out(origin, ref, port, 0, 2, 1.0) == [1]
+
+
+@pytest.mark.parametrize("magnitude", [1e-200, 1.0, 1e160, 1e300])
+def test_joined_statistics_hold_at_the_ends_of_float64s_range(magnitude):
+    """A tensor gathered from its shards gets the statistics of the whole, from the parts'
+    (their squares overflowed past 1e154 and raised OverflowError; underflowed near 1e-160)."""
+    import pandas as pd
+
+    from layerdiff.trace.gather import _combined
+    from layerdiff.trace.stats import compute_stats
+
+    whole = np.linspace(-1.0, 2.0, 64) * magnitude
+    parts = [pd.Series({**compute_stats(half, "float64")._asdict(), "numel": half.size})
+             for half in np.split(whole, 2)]
+    joined, expected = _combined(parts), compute_stats(whole, "float64")
+    for name in ("min", "max", "mean", "std", "l2"):
+        assert math.isclose(joined[name], getattr(expected, name), rel_tol=1e-12), name

@@ -343,10 +343,16 @@ def _combined(parts: list[pd.Series]) -> dict[str, Any]:
     hi = math.nan if all(math.isnan(v) for v in highs) else float(np.nanmax(highs))
     if not finite:
         return Stats(lo, hi, math.nan, math.nan, math.nan, nan, inf, "")._asdict()
-    total = sum(n * float(p["mean"]) for n, p in zip(counts, parts, strict=True) if n)
-    squares = sum(n * (float(p["std"]) ** 2 + float(p["mean"]) ** 2)
-                  for n, p in zip(counts, parts, strict=True) if n)
-    mean = total / finite
-    std = math.sqrt(max(squares / finite - mean * mean, 0.0))
-    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares))
+    used = [(n, float(p["mean"]), float(p["std"])) for n, p in zip(counts, parts, strict=True)
+            if n]
+    # the parts' sums, relative to a power of two near their largest mean or spread: no square
+    # leaves float64's range, for values near 1e308 or near its smallest (stats.py's scaled sums)
+    big = max(max(abs(mean), std) for _, mean, std in used)
+    scale = math.ldexp(1.0, math.frexp(big)[1]) if 0 < big < math.inf else 1.0
+    total = sum(n * (mean / scale) for n, mean, _ in used)
+    squares = sum(n * ((std / scale) ** 2 + (mean / scale) ** 2) for n, mean, std in used)
+    mean_s = total / finite
+    mean = min(max(mean_s * scale, lo), hi)
+    std = math.sqrt(max(squares / finite - mean_s * mean_s, 0.0)) * scale
+    l2 = math.nan if nan else (math.inf if inf else math.sqrt(squares) * scale)
     return Stats(lo, hi, mean, std, l2, nan, inf, "")._asdict()
