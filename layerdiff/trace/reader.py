@@ -64,7 +64,7 @@ class Trace:
 
     def _check(self, allow_incomplete: bool) -> None:
         guard_global_heaps(self._h5, self.path)
-        attrs = _root_attributes(self._h5, self.path)
+        attrs = read_root_attributes(self._h5, self.path)  # type-checked before read
         name = attrs.get(schema.ATTR_FORMAT)
         if not (isinstance(name, str) and name == schema.FORMAT_NAME):
             if self.path.name.endswith(schema.PARTIAL_SUFFIX) and not attrs:
@@ -292,12 +292,6 @@ def _open_h5(path: Path) -> h5py.File:
                              "(an interrupted copy or write); capture or copy it again") from exc
         raise TraceError(f"{path} cannot be opened as HDF5 ({short(exc)}); the file is "
                          "damaged, capture or copy it again") from exc
-
-
-def _root_attributes(h5: h5py.File, path: Path) -> dict[str, Any]:
-    """The root attributes read once, as plain values, each type-checked before it is read
-    (a damaged type segfaulted h5py); a damaged one is a TraceError."""
-    return read_root_attributes(h5, path)
 
 
 def _rows_written(data: dict[str, Any], table: str, path: Path,
