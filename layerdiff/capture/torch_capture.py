@@ -23,6 +23,7 @@ from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
 from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES, Recorder
+from layerdiff.trace.schema import Role
 from layerdiff.trace.writer import TraceWriter, base_meta, check_writable
 
 
@@ -291,7 +292,7 @@ def _meta(case: Case, steps: int, loss_scale: float, summary: bool, include: Seq
         "uncalled_weights": "ancestor",
         # grad_output is the gradient arriving from outside each call (traces without this key
         # predate that: theirs held everything that reached the output, internal uses too)
-        "grad_output": "outside",
+        Role.GRAD_OUTPUT: "outside",
         # what replay and swap bind the recorded calls against (layerdiff.replay.calling)
         "signatures": _signatures(case.model),
         # torch's own module types: a leaf of these runs one op (the diff suggests --ops

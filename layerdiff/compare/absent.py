@@ -18,6 +18,7 @@ import pandas as pd
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.records import RecordPair
+from layerdiff.trace.schema import Role
 from layerdiff.trace.stats import record_rms
 
 NOTE = ("the port sent no gradient here ({what}): compared with zeros; look for a detach, "
@@ -49,7 +50,7 @@ def _against_zeros(row: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
     ratio = largest / limit if limit > 0 else (np.inf if largest > 0 else 0.0)
     if row["rms_tol"] is not None:   # a baseline's second rule
         ratio = judge.worst([ratio, rms / row["rms_tol"] if row["rms_tol"] > 0 else np.inf])
-    what = "its input gradient is None" if r["role"] == "grad_input" else \
+    what = "its input gradient is None" if r["role"] == Role.GRAD_INPUT else \
         "its parameter's gradient is None"
     row.update(port_shape=row["shape"], port_dtype=r["dtype"], max_abs=largest,
                max_rel=1.0 if largest > 0 else 0.0, mean_abs=np.nan, rms=rms,

@@ -45,6 +45,7 @@ from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.schema import Role
 
 
 @dataclass
@@ -79,7 +80,7 @@ def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mappin
         code = mapping.call_adapter(pair.reference)
         adapter = code.resolve()
         port_sig = signatures.signature("port", pair.port)
-        for step in sorted(set(ref.records(site=pair.reference, role="input")["step"])):
+        for step in sorted(set(ref.records(site=pair.reference, role=Role.INPUT)["step"])):
             _Call(ref, port, records, tolerances, pair, int(step), code.spec, port_sig,
                   found, baseline).compare(adapter)
     return found
@@ -97,7 +98,7 @@ class _Call:
         self.ref_index: dict[str, dict] = {}  # reference path -> its index row
 
     def compare(self, adapter) -> None:
-        ref_rows = self.ref.records(self.step, self.pair.reference, "input")
+        ref_rows = self.ref.records(self.step, self.pair.reference, Role.INPUT)
         if ref_rows.empty:
             return
         values, origin = self._reference_call(ref_rows)
@@ -114,7 +115,7 @@ class _Call:
                 "must take the reference's arguments as they were passed and return "
                 "(args, kwargs) for the port layer") from None
         made = _flatten_call(new_args, new_kwargs)
-        port_rows = self.port.records(self.step, self.pair.port, "input")
+        port_rows = self.port.records(self.step, self.pair.port, Role.INPUT)
         port_paths = {str(arg): row for (_, row), arg in zip(port_rows.iterrows(),
                                                               port_rows["arg"], strict=True)}
         paths = _bind(list(made), list(port_paths), self.port_sig)
@@ -132,7 +133,7 @@ class _Call:
                 passed[port_path] = source
             self.found.rows.append(self._row(value, row, seq, source, port_path,
                                              _viewed(value, origin, values)))
-            self._paired(port_path, "input")
+            self._paired(port_path, Role.INPUT)
         self._gradients(passed)
 
     def _reference_call(self, rows: pd.DataFrame) -> tuple[list[tuple[str, Any]], dict]:
@@ -164,7 +165,7 @@ class _Call:
         port_dtype = str(port_row["dtype"])
         arg = source if source is not None else _parameter_path(port_path, self.port_sig)
         dtype = looser_dtype(ref_dtype, port_dtype)
-        tolerance = self.tolerances.lookup(self.pair.reference, "input", arg, dtype)
+        tolerance = self.tolerances.lookup(self.pair.reference, Role.INPUT, arg, dtype)
         rms_tol = None
         if self.baseline is not None and tolerance.kind not in ("rule", "flags"):
             # what the user said wins, as in the engine
@@ -176,7 +177,7 @@ class _Call:
         row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
         row.update({
             "step": self.step, "pass": "forward", "seq": seq, "site": self.pair.reference,
-            "role": "input", "arg": arg, "port_site": self.pair.port, "port_arg": port_path,
+            "role": Role.INPUT, "arg": arg, "port_site": self.pair.port, "port_arg": port_path,
             "match": "adapted", "confidence": 1.0,
             "shape": schema.format_shape(tuple(ref_values.shape)),
             "port_shape": schema.format_shape(tuple(port_values.shape)),
@@ -193,7 +194,7 @@ class _Call:
             ref_values = ref_values.astype(np.float64)
             port_values = port_values.astype(np.float64)
         shape = tuple(ref_values.shape)
-        self.records.norms[(self.step, self.pair.reference, "input", arg)] = float(
+        self.records.norms[(self.step, self.pair.reference, Role.INPUT, arg)] = float(
             np.linalg.norm(ref_values.astype(np.float64).reshape(-1)))
         batch = shape[0] if len(shape) >= 2 else 0
         same_float = ref_dtype == port_dtype and np.dtype(ref_values.dtype).kind == "f"
@@ -215,7 +216,7 @@ class _Call:
         compared dtype's) with a tol_source saying why no baseline applies."""
         assert self.baseline is not None
         argument = source or viewed
-        key = (self.step, self.pair.reference, "input", argument)
+        key = (self.step, self.pair.reference, Role.INPUT, argument)
         limit: Limit | None = None
         if source is not None:  # the very tensor: the argument's own record and rule
             limit = self.baseline.limit(key, self.ref_index[source], port_dtype, 1.0)
@@ -243,7 +244,7 @@ class _Call:
         """A port record the adapter's call paired: no longer without partner."""
         key = ("port", self.step, self.pair.port, role, port_path)
         self.records.unmatched = [e for e in self.records.unmatched if e[:5] != key]
-        if role == "input":
+        if role == Role.INPUT:
             self.records.port_missing = [
                 m for m in self.records.port_missing
                 if m[:4] != (self.step, self.pair.reference, self.pair.port, port_path)]
@@ -251,8 +252,8 @@ class _Call:
     def _gradients(self, passed: dict[str, str]) -> None:
         """grad_input pairs for the reference tensors passed through unchanged; the rest is
         listed as not compared."""
-        ref_rows = self.ref.records(self.step, self.pair.reference, "grad_input")
-        port_rows = self.port.records(self.step, self.pair.port, "grad_input")
+        ref_rows = self.ref.records(self.step, self.pair.reference, Role.GRAD_INPUT)
+        port_rows = self.port.records(self.step, self.pair.port, Role.GRAD_INPUT)
         ref_at = {str(arg): int(pos) for pos, arg in zip(ref_rows.index, ref_rows["arg"],
                                                           strict=True)}
         compared = set()
@@ -260,16 +261,16 @@ class _Call:
             source = passed.get(str(arg))
             if source is not None and source in ref_at:
                 self.records.pairs.append(RecordPair(ref_at[source], int(pos), "adapted", 1.0))
-                self._paired(str(arg), "grad_input")
+                self._paired(str(arg), Role.GRAD_INPUT)
                 compared.add(source)
                 continue
-            key = ("port", self.step, self.pair.port, "grad_input", str(arg))
+            key = ("port", self.step, self.pair.port, Role.GRAD_INPUT, str(arg))
             self.records.unmatched = [
                 (*e[:5], _NOT_COMPARED) if e[:5] == key else e for e in self.records.unmatched]
         for arg in ref_at:
             if arg not in compared:
                 self.records.unmatched.append(("reference", self.step, self.pair.reference,
-                                               "grad_input", arg, _NOT_COMPARED))
+                                               Role.GRAD_INPUT, arg, _NOT_COMPARED))
         self.records.pairs.sort(key=lambda p: p.ref)
 
 

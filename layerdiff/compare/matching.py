@@ -27,6 +27,7 @@ from layerdiff.compare.op_alignment import align_gap, op_records
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import schema
+from layerdiff.trace.schema import Role
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,11 @@ def _signatures(index: pd.DataFrame, sites: list[str]) -> dict[str, tuple[str, s
     """site -> (output shapes, input shapes) of its first step, as text."""
     first_step = index[index["step"] == index["step"].min()]
     wanted = first_step[first_step["site"].isin(sites) & first_step["role"].isin(
-        ["input", "output"])]
+        [Role.INPUT, Role.OUTPUT])]
     result: dict[str, tuple[str, str]] = {}
     for site, rows in wanted.groupby("site", sort=False):
-        out = ";".join(rows.loc[rows["role"] == "output", "shape"])
-        inp = ";".join(rows.loc[rows["role"] == "input", "shape"])
+        out = ";".join(rows.loc[rows["role"] == Role.OUTPUT, "shape"])
+        inp = ";".join(rows.loc[rows["role"] == Role.INPUT, "shape"])
         result[site] = (out, inp)
     return result
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from layerdiff.trace import schema
+from layerdiff.trace.schema import Role
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,13 @@ def _kind(dtype: str) -> str:
 
 def op_records(index: pd.DataFrame, sites: list[str]) -> dict[str, OpRecords]:
     """site -> its :class:`OpRecords`, from the index rows of the first step it ran in."""
-    wanted = index[index["site"].isin(sites) & index["role"].isin(["input", "output"])]
+    wanted = index[index["site"].isin(sites) & index["role"].isin([Role.INPUT, Role.OUTPUT])]
     found: dict[str, OpRecords] = {}
     for site, rows in wanted.groupby("site", sort=False):
         rows = rows[rows["step"] == rows["step"].min()]
         tensors = rows[rows["kind"] == "tensor"]
-        outs = tensors[tensors["role"] == "output"]
-        ins = tensors[tensors["role"] == "input"]
+        outs = tensors[tensors["role"] == Role.OUTPUT]
+        ins = tensors[tensors["role"] == Role.INPUT]
         found[site] = OpRecords(
             site,
             tuple((a, s, _kind(d)) for a, s, d in zip(outs["arg"], outs["shape"],
@@ -229,7 +230,7 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     pairs = []
     for ref in refs:
         args = {i.arg: partner.get((ref.site, i.arg), "") for i in ref.inputs}
-        roles = None if ref is last else frozenset({"input", "grad_input"})
+        roles = None if ref is last else frozenset({Role.INPUT, Role.GRAD_INPUT})
         mine = frozenset(arg for site, arg in swapped if site == ref.site)
         pairs.append(GapPair(ref.site, port.site, "group", why, args, roles, mine))
     return pairs, {}

@@ -19,9 +19,7 @@ from layerdiff.compare.matching import SiteMatching, SitePair
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping, ParamSource, PartView, Slice
 from layerdiff.trace import schema
-from layerdiff.trace.schema import param_name
-
-PARAM_ROLES = ("weight", "weight_grad")
+from layerdiff.trace.schema import Role, param_name
 
 
 @dataclass(frozen=True)
@@ -109,13 +107,13 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                if mapping.call_adapter(pair.reference) is not None}
     result.adapted = [pair for pair in sites.pairs if pair.reference in adapted]
 
-    graded = ref_index[ref_index["role"] == "grad_output"]
+    graded = ref_index[ref_index["role"] == Role.GRAD_OUTPUT]
     fed = set(zip(graded["step"].astype(int), graded["site"], graded["arg"], strict=True))
     ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
                    ref_index["role"], ref_index["arg"], ref_index["value"], ref_index["kind"],
                    ref_index["dtype"], ref_index["shape"], strict=True)
     for pos, step, site, role, arg, value, kind, dtype, shape in ref_rows:
-        if role in PARAM_ROLES:
+        if role in schema.PARAM_ROLES:
             continue
         pair = by_ref.get(site)
         if pair is None:
@@ -124,7 +122,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if pair.roles is not None and role not in pair.roles:
             result.excused.add(key)  # inside a group of ops: the group's last op holds it
             continue
-        inputs = role in ("input", "grad_input")
+        inputs = role in schema.ARGUMENT_ROLES
         declared = (mapping.why_unmatched_record("reference", site, role, arg)
                     if mapping.unmatched_records else None)
         if declared is not None:
@@ -156,7 +154,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue
         port_pos = None if port_arg is None else port_keys.get((step, pair.port, role,
                                                                  port_arg))
-        if port_pos is None and role == "input" and value == "null":
+        if port_pos is None and role == Role.INPUT and value == "null":
             continue  # a None the reference passed and the port does not take carries nothing
         if port_pos is None:
             shown = port_arg if port_arg is not None else arg
@@ -172,12 +170,12 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                 arrives = (int(step), site, arg) in fed
                 if not (arrives and (site == _ROOT or outside_gradients)):
                     result.excused.add(key)
-            elif role == "grad_input" and port_arg is not None and (
-                    step, pair.port, "input", port_arg) in port_keys:
+            elif role == Role.GRAD_INPUT and port_arg is not None and (
+                    step, pair.port, Role.INPUT, port_arg) in port_keys:
                 # the port took the input and sent it no gradient: a zero gradient, compared
-                result.absent.append((pos, port_keys[(step, pair.port, "input", port_arg)]))
+                result.absent.append((pos, port_keys[(step, pair.port, Role.INPUT, port_arg)]))
                 continue
-            elif role == "input" and port_arg is not None and signatures is not None \
+            elif role == Role.INPUT and port_arg is not None and signatures is not None \
                     and signatures.signature("port", pair.port) is not None:
                 reason += " (its forward has a parameter for it, which its caller left out)"
                 result.excused.add(key)
@@ -207,7 +205,7 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue
         result.unmatched.append(("port", int(step), site, role, arg,
                                  "no reference record pairs with it"))
-        if role == "input" and kind == "tensor" and _floating(dtype):
+        if role == Role.INPUT and kind == "tensor" and _floating(dtype):
             head, rest = head_of(arg)
             port_sig = None if signatures is None else signatures.signature("port", site)
             name = head if port_sig is None or not head.isdigit() or int(head) >= len(
@@ -241,7 +239,7 @@ class _Calls:
         if side not in self._inputs:
             index = self._index[side]
             found: dict[str, dict[str, dict[str, str]]] = {}
-            frame = index[index["role"] == "input"]
+            frame = index[index["role"] == Role.INPUT]
             for name, arg, value, kind, shape in zip(frame["site"], frame["arg"],
                                                      frame["value"], frame["kind"],
                                                      frame["shape"], strict=True):
@@ -256,7 +254,7 @@ class _Calls:
         if side not in self._outputs:
             index = self._index[side]
             found: dict[str, dict[str, str]] = {}
-            frame = index[index["role"] == "output"]
+            frame = index[index["role"] == Role.OUTPUT]
             for name, arg, kind, shape in zip(frame["site"], frame["arg"], frame["kind"],
                                               frame["shape"], strict=True):
                 found.setdefault(name, {}).setdefault(arg, shape if kind == "tensor" else "")
@@ -318,7 +316,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                  mapping: Mapping):
     """Weight and weight-gradient records, paired through the parameter mapping; those whose
     chain has a conversion function set aside (returned last) to be compared through it."""
-    ref_params = ref_index[ref_index["role"].isin(PARAM_ROLES)]
+    ref_params = ref_index[ref_index["role"].isin(schema.PARAM_ROLES)]
     ref_by_name = {(step, role, param_name(site, arg)): pos for pos, step, role, site, arg in zip(
         ref_params.index, ref_params["step"], ref_params["role"], ref_params["site"],
         ref_params["arg"], strict=True)}
@@ -327,7 +325,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     used_port: set[int] = set()
     used_ref: set[int] = set()
     converted: list[ConvertedParam] = []
-    port_params = port_index[port_index["role"].isin(PARAM_ROLES)]
+    port_params = port_index[port_index["role"].isin(schema.PARAM_ROLES)]
     for port_pos, step, role, site, arg, shape in zip(
             port_params.index, port_params["step"], port_params["role"], port_params["site"],
             port_params["arg"], port_params["shape"], strict=True):
@@ -363,7 +361,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     # parameter got no gradient in the port (it never trains), compared with zeros
     weight_partner = {(int(ref_index.at[pair.ref, "step"]), ref_index.at[pair.ref, "site"],
                        ref_index.at[pair.ref, "arg"]): pair.port for pair in pairs
-                      if ref_index.at[pair.ref, "role"] == "weight"
+                      if ref_index.at[pair.ref, "role"] == Role.WEIGHT
                       and pair.ref_slice is None and pair.port_slice is None
                       and not pair.transpose_port}
     absent: list[tuple[int, int]] = []
@@ -371,7 +369,7 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if pos not in used_ref:
             row = ref_index.loc[pos]
             partner = weight_partner.get((int(row["step"]), row["site"], row["arg"]))
-            if row["role"] == "weight_grad" and partner is not None:
+            if row["role"] == Role.WEIGHT_GRAD and partner is not None:
                 absent.append((int(pos), partner))
             elif row["site"] in paired_sites:
                 unmatched.append(("reference", int(row["step"]), row["site"], row["role"],

@@ -23,7 +23,7 @@ def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
     spec to capture it again by)."""
     # an origin is innermost: with its output or input gradient out, the fault is in the
     # module's own code (a weight gradient is not an op's: ops do not record parameters)
-    wanted = [o for o in origins if o.role in ("output", "grad_input")
+    wanted = [o for o in origins if o.role in schema.RESULT_ROLES
               and not schema.is_op_site(o.site) and o.site != schema.LOSS_SITE
               and not _one_op(ref, o.site)]
     if not wanted or first_step is None:

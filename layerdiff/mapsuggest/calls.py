@@ -15,6 +15,7 @@ from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.schema import Role
 from layerdiff.weights import port_tensors
 
 
@@ -44,8 +45,8 @@ def _reference_calls(trace: Trace, weights: dict[str, np.ndarray]) -> list[_Call
     inputs: dict[str, tuple[int, ...]] = {}
     rows = trace.records(int(sites["step"].min()), pass_="forward", kind="tensor")
     for site, role, shape in zip(rows["site"], rows["role"], rows["shape"], strict=True):
-        if role in ("input", "output"):
-            (inputs if role == "input" else outputs).setdefault(site, schema.parse_shape(shape))
+        if role in (Role.INPUT, Role.OUTPUT):
+            (inputs if role == Role.INPUT else outputs).setdefault(site, schema.parse_shape(shape))
     own = _own_tensors({name: tuple(array.shape) for name, array in weights.items()})
     calls = []
     for row in sites.itertuples():

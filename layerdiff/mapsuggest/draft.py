@@ -40,6 +40,7 @@ from layerdiff.mapsuggest.values import (
 )
 from layerdiff.replay.torch_replay import restored
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.schema import Role
 from layerdiff.weights import port_tensors, resolve_weights, trace_weights
 
 
@@ -213,13 +214,13 @@ class _Drafter:
                 continue
             port_in, port_out = values[pair.port.site]
             rows = by_site[pair.ref.site]
-            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == "output"].iterrows()}
+            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == Role.OUTPUT].iterrows()}
             error = _output_error(self.ref, ref_out, port_out)
             if error is not None and error <= VALUE_RTOL and not any(
                     e.startswith("output equals") for e in pair.evidence):
                 pair.confidence = max(pair.confidence, 0.95)
                 pair.evidence.insert(0, _equal_output(error))
-            ref_in = {r["arg"]: r for _, r in rows[rows["role"] == "input"].iterrows()}
+            ref_in = {r["arg"]: r for _, r in rows[rows["role"] == Role.INPUT].iterrows()}
             found = _argument_map(self.ref, ref_in, port_in)
             if found:
                 decisions[pair.ref.site].append(found)
@@ -238,7 +239,7 @@ class _Drafter:
             lo = max(before, key=lambda p: p.ref.order).port.order if before else -1
             hi = min(after, key=lambda p: p.ref.order).port.order if after else 1 << 30
             rows = by_site[ref.site]
-            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == "output"].iterrows()}
+            ref_out = {r["arg"]: r for _, r in rows[rows["role"] == Role.OUTPUT].iterrows()}
             fits = []
             for port in self.ports:
                 if port.site in taken or not lo < port.order < hi or port.site not in values:

@@ -20,6 +20,7 @@ from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.recorded import RecordedCall, read_value, reference_weights
 from layerdiff.trace import Trace, TraceWriter, schema
+from layerdiff.trace.schema import Role
 
 
 class Layer(Protocol):
@@ -54,26 +55,26 @@ class CallablePort:
         for arg, row in call.inputs:
             inputs.setdefault(map_argument(arg, args_map), read_value(self.ref, row))
         for arg, value in inputs.items():
-            writer.record(site, "input", value, arg=arg)
+            writer.record(site, Role.INPUT, value, arg=arg)
         if module not in self._weights:
             first = schema.site_name(call.module, 0)  # weights are recorded at the first call
             self._weights[module] = reference_weights(self.ref, first)
             for name, value in self._weights[module].items():
-                writer.record(site, "weight", value, arg=name)
+                writer.record(site, Role.WEIGHT, value, arg=name)
         outputs, context = self.layers[module].forward(inputs, self._weights[module])
         for arg, value in outputs.items():
-            writer.record(site, "output", value, arg=arg)
+            writer.record(site, Role.OUTPUT, value, arg=arg)
         grads = {arg: read_value(self.ref, row) for arg, row in call.grad_outputs.items()
                  if arg in outputs}
         if not grads:
             return
         for arg, grad in grads.items():
-            writer.record(site, "grad_output", grad, arg=arg)
+            writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
         grad_inputs, weight_grads = self.layers[module].backward(context, grads)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         for arg, grad in grad_inputs.items():
             if arg in wanted:
-                writer.record(site, "grad_input", grad, arg=arg)
+                writer.record(site, Role.GRAD_INPUT, grad, arg=arg)
         _, sums = self._weight_grads.setdefault(module, (site, {}))
         for name, grad in weight_grads.items():
             sums[name] = grad if name not in sums else sums[name] + grad
@@ -82,4 +83,4 @@ class CallablePort:
         for module, (site, sums) in self._weight_grads.items():
             if module in complete:
                 for name, grad in sums.items():
-                    writer.record(site, "weight_grad", grad, arg=name)
+                    writer.record(site, Role.WEIGHT_GRAD, grad, arg=name)

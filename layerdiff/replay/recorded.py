@@ -13,6 +13,7 @@ import pandas as pd
 from layerdiff.errors import DiffError
 from layerdiff.replay.arguments import plain_value
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.schema import Role
 
 
 @dataclass
@@ -53,10 +54,10 @@ def recorded_calls(ref: Trace, sites: Sequence[str] = ()) -> list[RecordedCall]:
         rows = groups[row.site]
         calls.append(RecordedCall(
             row.site, row.module, row.type, int(row.enter_seq), int(row.exit_seq),
-            [(r["arg"], r) for _, r in rows[rows["role"] == "input"].iterrows()],
-            {r["arg"]: r for _, r in rows[(rows["role"] == "grad_output")
+            [(r["arg"], r) for _, r in rows[rows["role"] == Role.INPUT].iterrows()],
+            {r["arg"]: r for _, r in rows[(rows["role"] == Role.GRAD_OUTPUT)
                                           & (rows["kind"] == "tensor")].iterrows()},
-            set(rows.loc[rows["role"] == "grad_input", "arg"])))
+            set(rows.loc[rows["role"] == Role.GRAD_INPUT, "arg"])))
     if sites and not calls:
         raise DiffError(f"--site {' '.join(sites)} matches no site of {ref.path}; its sites "
                         f"look like {', '.join(table['site'][:4])}")
@@ -77,5 +78,5 @@ def read_value(ref: Trace, row: pd.Series) -> Any:
 
 def reference_weights(ref: Trace, site: str) -> dict[str, np.ndarray]:
     """The weights the reference recorded at a site in step 0, by parameter name."""
-    rows = ref.records(0, site, "weight")
+    rows = ref.records(0, site, Role.WEIGHT)
     return {r["arg"]: read_array(ref, r) for _, r in rows.iterrows()}

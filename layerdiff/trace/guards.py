@@ -1,15 +1,12 @@
-"""What a reader checks of a trace file before it trusts its structure: the meta attribute
-(bounded JSON with the types readers rely on) and HDF5's global heaps (a damaged one makes
-libhdf5 loop forever). Used by the reader and by the manifest's check of rank files, below
-both (so neither imports the other for them)."""
+"""What a reader checks of a trace file's HDF5 structure before it trusts it: the global heaps
+(a damaged one makes libhdf5 loop forever) and how an h5py error is said in a few words. Used by
+the reader and by the manifest's check of rank files, below both (so neither imports the other
+for them). The meta attribute's contract, and its check, are in schema."""
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 from pathlib import Path
-from typing import Any
 
 import h5py
 
@@ -93,89 +90,3 @@ def _walk_heap(data: mmap.mmap, at: int, size: int, path: Path) -> None:
                              f"at byte {position} is {length} bytes long), and HDF5 would "
                              "never finish reading it; the file is damaged, capture it again")
         position += need
-
-
-# meta is small (a few KiB): bounds that no writer reaches and that keep json.loads bounded
-_META_BYTES = 1 << 20
-_META_DEPTH = 32
-# meta keys readers use, and the types they may have (other keys are free)
-_META_TYPES: dict[str, tuple[type, ...]] = {
-    "producer": (str,), "case": (str,), "device": (str,), "created": (str,), "host": (str,),
-    "versions": (dict,), "seed": (int, type(None)), "steps": (int,),
-    "dtype": (str, type(None)), "autocast": (str, type(None)), "model_dtype": (str, type(None)),
-    "default_dtype": (str, type(None)), "weights": (dict, type(None)),
-    "signatures": (dict,), "shared_parameters": (list, type(None)), "include": (list,),
-    "exclude": (list,), "summary": (bool,),
-}
-# a loss scale multiplies gradients; beyond these, float32 gradients under- or overflow
-LOSS_SCALE_RANGE = (1e-30, 1e30)
-
-
-def parse_meta(text: Any, path: Path) -> dict[str, Any]:
-    """The meta attribute as a dict, refused (TraceError) when it is not JSON text of bounded
-    size and depth, or a key readers use has the wrong type."""
-    def refuse(what: str) -> TraceError:
-        return TraceError(f"{path}: its meta attribute {what}; the file is damaged, capture "
-                          "it again")
-
-    if text is None:
-        raise refuse("is missing (every writer records one)")
-    if not isinstance(text, str):
-        raise refuse(f"is {type(text).__name__}, not JSON text")
-    if len(text) > _META_BYTES:
-        raise refuse(f"is {len(text):,} characters long, far beyond any writer's")
-    if _json_depth(text) > _META_DEPTH:
-        raise refuse(f"nests deeper than {_META_DEPTH} levels")
-    try:
-        meta = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # bad JSON, an integer of 5,000 digits
-        raise refuse(f"is not valid JSON ({str(exc)[:80]})") from exc
-    if not isinstance(meta, dict):
-        raise refuse("is not a JSON object")
-    for key, types in _META_TYPES.items():
-        if key in meta and (not isinstance(meta[key], types)
-                            or (isinstance(meta[key], bool) and bool not in types)):
-            raise refuse(f"has {key} {meta[key]!r:.40}, of the wrong type")
-    scale = meta.get("loss_scale", 1.0)
-    number = (float(scale) if isinstance(scale, float) or (
-        isinstance(scale, int) and not isinstance(scale, bool) and abs(scale) < 1 << 128)
-        else math.nan)  # an integer of 400 digits does not convert
-    if not (math.isfinite(number) and LOSS_SCALE_RANGE[0] <= number <= LOSS_SCALE_RANGE[1]):
-        raise TraceError(f"{path}: its loss scale {scale!r:.40} is not a finite number between "
-                         f"{LOSS_SCALE_RANGE[0]:g} and {LOSS_SCALE_RANGE[1]:g}; the file is "
-                         "damaged, capture it again")
-    versions = meta.get("versions", {})
-    if not all(isinstance(v, str) for v in versions.values()):
-        raise refuse("has versions that are not text")
-    weights = meta.get("weights") or {}
-    mapping = weights.get("mapping")
-    if mapping is not None and not (isinstance(mapping, dict) and all(
-            isinstance(mapping.get(k), str) for k in ("name", "text"))):
-        raise refuse("records a mapping that is not {name, text}")
-    return meta
-
-
-def _json_depth(text: str) -> int:
-    """How deep JSON text nests (brackets outside strings), without recursion."""
-    if text.count("[") + text.count("{") <= _META_DEPTH:
-        return 0  # cannot nest deeper than it has brackets
-    depth = deepest = 0
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > _META_DEPTH:
-                return deepest
-        elif char in "]}":
-            depth -= 1
-    return deepest

@@ -24,7 +24,7 @@ import numpy as np
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
-from layerdiff.trace.guards import guard_global_heaps, parse_meta
+from layerdiff.trace.guards import guard_global_heaps
 
 PRODUCER = "layerdiff.capture (manifest)"
 _DIGESTS = {"index": schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP),
@@ -50,7 +50,7 @@ def write_manifest(output: str | os.PathLike, rank_files: list[Path]) -> Path:
         ranks.append({"rank": rank, "file": os.path.relpath(path, Path(output).parent),
                       "digests": {key: attrs.get(name) for key, name in _DIGESTS.items()}})
         if rank == 0:
-            first_meta = parse_meta(attrs.get(schema.ATTR_META), path)
+            first_meta = schema.parse_meta(attrs.get(schema.ATTR_META), path)
     meta = {"manifest": {"world_size": len(rank_files), "ranks": ranks},
             "loss_scale": first_meta.get("loss_scale", 1.0)}
     meta.update({key: first_meta[key] for key in ("case", "steps") if key in first_meta})
@@ -93,7 +93,7 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
 
 def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
     """Whether root attributes are a manifest's (its meta holds ``manifest``)."""
-    return "manifest" in parse_meta(attrs.get(schema.ATTR_META), path)
+    return "manifest" in schema.parse_meta(attrs.get(schema.ATTR_META), path)
 
 
 def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, Any]:

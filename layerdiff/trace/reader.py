@@ -15,7 +15,7 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
-from layerdiff.trace.guards import H5_ERRORS, guard_global_heaps, parse_meta, short
+from layerdiff.trace.guards import H5_ERRORS, guard_global_heaps, short
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
 from layerdiff.trace.printable import make_visible
@@ -108,7 +108,7 @@ class Trace:
             raise TraceError(f"{self.path}: its meta attribute does not match the digest its "
                              "writer left: the file was damaged or edited after capture; "
                              "capture it again")
-        self.meta: dict[str, Any] = parse_meta(attrs.get(schema.ATTR_META), self.path)
+        self.meta: dict[str, Any] = schema.parse_meta(attrs.get(schema.ATTR_META), self.path)
         for group in (schema.INDEX_GROUP, schema.SITES_GROUP):
             _member(self._h5, group, h5py.Group, self.path)
         if schema.TENSORS_GROUP in self._h5 or not self.summary:
