@@ -173,7 +173,7 @@ def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axi
         if progress is not None:
             progress(done, len(calls))
     warnings += checker.warnings()
-    warnings += _identicalsamples_said(case, batch, batch_axis)
+    warnings += _identical_samples(case, batch, batch_axis)
     mixing, allowed = _classify(calls, results, allow)
     leaves = [entry for entry in mixing if not entry.holds]
     first = leaves[0] if leaves else (mixing[0] if mixing else None)
@@ -245,7 +245,7 @@ def _splits(batch: int) -> list[tuple[list[int], list[int]]]:
     return splits
 
 
-def _identicalsamples_said(case: Case, batch: int, axis: int) -> list[str]:
+def _identical_samples(case: Case, batch: int, axis: int) -> list[str]:
     """Sample j is replaced by sample j+1 in the perturbation: equal ones change nothing."""
     tensors = [v for _, v in _case_tensors(case) if v.dim() > axis and v.shape[axis] == batch]
     same = [j for j in range(batch)
