@@ -15,6 +15,7 @@ layerdiff.capture import capture`` gives the plain function.
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import Any
 
@@ -56,8 +57,8 @@ _LAZY = {
     "Mapping": "layerdiff.mapping",
     "load_weights": "layerdiff.weights",
     "WeightsReport": "layerdiff.weights",
-    "map_check": "layerdiff.mapcheck",
-    "MapCheck": "layerdiff.mapcheck",
+    "map_check": "layerdiff.replay.mapcheck",
+    "MapCheck": "layerdiff.replay.mapcheck",
     "suggest_mapping": "layerdiff.mapsuggest",
     "MapSuggestion": "layerdiff.mapsuggest",
     "ReplayResult": "layerdiff.replay",
@@ -67,6 +68,7 @@ _LAZY = {
     "bisect": "layerdiff.replay",
     "BisectResult": "layerdiff.replay",
     "Session": "layerdiff.replay",
+    "render": "layerdiff.report.findings",
 }
 
 # Subpackages that are also their main function (see layerdiff.callable_module): the attribute
@@ -81,7 +83,8 @@ __all__ = [  # every name in _LAZY and _CALLABLE_PACKAGES, the errors and __vers
     "Role", "RunResult", "Session", "Status", "SwapResult", "Swapper", "Tolerance",
     "ToleranceError", "Tolerances", "Trace", "TraceError", "TraceWriter", "Verdict",
     "WeightsReport", "__version__", "bisect", "capture", "diff", "load_case", "load_weights",
-    "map_check", "open_trace", "replay", "run_case", "seed_everything", "suggest_mapping", "swap",
+    "map_check", "open_trace", "render", "replay", "run_case", "seed_everything",
+    "suggest_mapping", "swap",
 ]
 
 
@@ -96,3 +99,25 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     """The public names, loaded or not, so that tab completion finds ``diff``, ``swap``..."""
     return sorted({*globals(), *__all__})
+
+
+def _show_in_notebooks() -> None:
+    """Have IPython (Jupyter) show a :class:`Diff` as HTML: its verdict, origins and first
+    failing rows. Registered by the class's name, so nothing loads until a diff is shown; the
+    HTML is :func:`layerdiff.report.findings.diff.notebook_html`'s (compare/ does not import
+    report/, so the diff has no ``_repr_html_`` of its own)."""
+    ipython = sys.modules.get("IPython")  # already loaded in a notebook; never imported here
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython is not None else None
+    if shell is None:
+        return
+    html = shell.display_formatter.formatters["text/html"]
+    html.for_type_by_name("layerdiff.compare.result", "Diff", _notebook_html)
+
+
+def _notebook_html(diff: Any) -> str:
+    from layerdiff.report.findings.diff import notebook_html
+
+    return notebook_html(diff)
+
+
+_show_in_notebooks()

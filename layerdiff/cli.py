@@ -513,14 +513,14 @@ def map_check_command(reference: str, port_spec: str, mapping: str | None,
     one does not, 2 for bad input.
     """
     from layerdiff.case import load_case
-    from layerdiff.mapcheck import map_check
+    from layerdiff.replay.mapcheck import map_check
 
     refuse_inputs({"--json": json_path}, {"reference trace": reference, "mapping file": mapping})
     result = map_check(reference, load_case(port_spec), mapping)
     if json_path:
         echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
-        click.echo(result.format())
+        from layerdiff.report.findings import render; click.echo(render(result))  # noqa: E702, I001
     sys.exit(0 if result.passed else 1)
 
 
@@ -594,7 +594,7 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
 
     Exit 0 identical or within tolerance, 1 out of tolerance, 2 bad input.
     """
-    from layerdiff.ci import check, write_junit
+    from layerdiff.ci import check; from layerdiff.report.junit import write_junit  # noqa: E702, I001
     from layerdiff.report.terminal import format_diff
 
     refuse_inputs({"--junit": junit_path, "--json": json_path, "--html": html_path},
@@ -606,7 +606,7 @@ def check_command(case_spec: str, golden_path: str, mapping: str | None,
         write_junit(result.diff, junit_path, suite=f"layerdiff check {case_spec}")
     _write_reports(result.diff, json_path, None, html_path)
     if json_path != "-":
-        click.echo(result.line())
+        from layerdiff.report.findings import render; click.echo(render(result))  # noqa: E702, I001
         if not result.passed:
             click.echo()
             click.echo(format_diff(result.diff))

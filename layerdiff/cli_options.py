@@ -73,5 +73,5 @@ def finish_result(result: Any, json_path: str | None) -> None:
     if json_path:
         echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
     if json_path != "-":
-        click.echo(result.format())
+        from layerdiff.report.findings import render; click.echo(render(result))  # noqa: E702, I001
     sys.exit(1 if result.found else 0)

@@ -42,7 +42,9 @@ def layerdiff_check(request: pytest.FixtureRequest):
         if refusal:
             pytest.fail(refusal, pytrace=False)
         if result is not None and not result.passed:
-            pytest.fail(result.line() + "\n" + (result.diff.origin.reason
+            from layerdiff.report.findings.diff import check_line
+
+            pytest.fail(check_line(result) + "\n" + (result.diff.origin.reason
                                                 if result.diff.origin else ""), pytrace=False)
         return result
 

@@ -8,10 +8,9 @@ from typing import Any
 
 import pandas as pd
 
+from layerdiff.report.text import WIDTH, clip, clip_left, number
 from layerdiff.trace.printable import printable, visible
 from layerdiff.trace.reader import Trace
-
-WIDTH = 100
 
 
 def select_records(trace: Trace, site: str | None = None, role: str | None = None,
@@ -94,7 +93,7 @@ def format_records(records: pd.DataFrame, width: int = WIDTH) -> str:
             "min": _num(rec.min), "max": _num(rec.max), "std": _num(rec.std),
         }
         if rec.kind == "value":
-            values.update(min="", max="", std="", shape=_clip(rec.value, 13))
+            values.update(min="", max="", std="", shape=clip(rec.value, 13))
         if rec.nan or rec.inf:
             values["std"] = f"{rec.nan}nan/{rec.inf}inf"[:9]
         out.append(_row([(c, site_width if w == 0 else w, a) for c, w, a in columns], values))
@@ -135,25 +134,16 @@ def _jsonable(value: Any) -> Any:
 
 
 def _num(value: float) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return ""
-    text = f"{value:.4g}"
+    """A statistic in a 9-column cell: four digits, else the exponent form; NaN left blank."""
+    text = number(value, 4, nan="")
     return text if len(text) <= 9 else f"{value:.2e}"
-
-
-def _clip(text: str, width: int) -> str:
-    """Cut from the left for site names (the end is the specific part), else from the right."""
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
-def _clip_left(text: str, width: int) -> str:
-    return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
 def _row(layout: list[tuple[str, int, str]], values: dict[str, str]) -> str:
     cells = []
     for name, width, align in layout:
         text = values.get(name, "")
-        text = _clip_left(text, width) if name == "site" else _clip(text, width)
+        # a site's end is its specific part; any other cell's start
+        text = clip_left(text, width) if name == "site" else clip(text, width)
         cells.append(text.rjust(width) if align == "r" else text.ljust(width))
     return " ".join(cells).rstrip()

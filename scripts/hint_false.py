@@ -20,6 +20,7 @@ from layerdiff.case import ExternalCase
 from layerdiff.compare.origins import attach_hints
 from layerdiff.compare.result import Origin
 from layerdiff.errors import LayerdiffError
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.trace import open_trace
 from reference_models.catalog import CATALOG, HERE
 
@@ -89,7 +90,7 @@ def main() -> None:
                 if args.every_record:
                     attach_hints(origins_here, open_trace(ref), open_trace(port),
                                  max_origins=len(origins_here))
-                hints = [(o.describe(), o.hint) for o in origins_here]
+                hints = [(describe_origin(o), o.hint) for o in origins_here]
                 origins += len(hints)
                 wrong = [h for h in hints if h[1] and h[1]["kind"] != "precision"]
                 false += len(wrong)

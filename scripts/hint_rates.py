@@ -25,6 +25,7 @@ from pathlib import Path
 from layerdiff import capture, diff, load_case, load_weights
 from layerdiff.case import ExternalCase
 from layerdiff.errors import LayerdiffError
+from layerdiff.report.findings.diff import describe_origin
 from reference_models import hint_bugs, hint_bugs_heldout, hint_bugs_real
 from reference_models.catalog import CATALOG, HERE
 
@@ -135,7 +136,7 @@ def measure(bug: Planted, reference: Path, work: Path) -> Outcome:
     result = diff(reference, port, mapping=bug.mapping)
     origin = result.origin
     hint = origin.hint if origin is not None else None
-    where = origin.describe() if origin is not None else "no origin"
+    where = describe_origin(origin) if origin is not None else "no origin"
     return Outcome(bug, where, hint["kind"] if hint else None,
                    hint["evidence"] if hint else "", time.perf_counter() - start)
 

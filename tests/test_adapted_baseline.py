@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from layerdiff import diff
 from layerdiff.cli import main
+from layerdiff.report.findings.diff import describe_origin
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_MAP = ROOT / "reference_models" / "hf_llama.map.toml"
@@ -110,7 +111,7 @@ def test_attention_bug_behind_an_adapter_is_named_at_the_attention(traces):
     assert not result
     origin = result.origin
     assert (origin.port_site, origin.pass_) == ("layers.1.attention#0", "forward"), \
-        [o.describe() for o in result.origins]
+        [describe_origin(o) for o in result.origins]
     assert all(o.port_site != "layers.1#0" for o in result.origins)
 
 

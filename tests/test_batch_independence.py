@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from layerdiff import Case, CaseError, ExternalCase
 from layerdiff.debug.batch import MixTest, batch_independence
+from layerdiff.report.findings import render
 from reference_models import batch_mixing, cnn_port, transformer, transformer_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,7 +25,7 @@ def _case(model: nn.Module, *inputs, name: str) -> Case:
 
 def _check_output(result) -> None:
     json.dumps(result.as_json(), allow_nan=False)
-    assert all(len(line) <= 100 for line in result.format().splitlines())
+    assert all(len(line) <= 100 for line in render(result).splitlines())
 
 
 # ---- the bundled case: batch-first to sequence-first with reshape

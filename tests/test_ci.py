@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from layerdiff import DiffError, TraceError
-from layerdiff.ci import calibrate, check, golden, write_junit
+from layerdiff.ci import calibrate, check, golden
+from layerdiff.report.findings.diff import check_line
+from layerdiff.report.junit import write_junit
 from reference_models import mlp, mlp_port
 
 PORT = "reference_models.mlp_port:port"
@@ -30,20 +32,20 @@ def mlp_golden(tmp_path):
 def test_unchanged_code_is_identical(mlp_golden):
     result = check(PORT, mlp_golden)
     assert result.outcome == "identical" and result.passed
-    assert result.line().startswith("IDENTICAL  reference_models.mlp_port:port: all")
+    assert check_line(result).startswith("IDENTICAL  reference_models.mlp_port:port: all")
 
 
 def test_a_change_within_tolerance_is_drift_and_says_where(mlp_golden):
     """The reference MLP computes what the port does, to rounding: drift, not failure."""
     result = check(_as(mlp.reference, PORT), mlp_golden)
     assert result.outcome == "drift" and result.passed
-    assert "within tolerance; the most at" in result.line()
+    assert "within tolerance; the most at" in check_line(result)
 
 
 def test_a_planted_change_fails_with_its_origin(mlp_golden, tmp_path):
     result = check(_as(mlp_port.bug_weight_not_transposed, PORT), mlp_golden)
     assert result.outcome == "fail" and not result.passed
-    assert "origin fc2#0, forward output" in result.line()
+    assert "origin fc2#0, forward output" in check_line(result)
     junit = ET.parse(write_junit(result.diff, tmp_path / "j.xml")).getroot()
     cases = {c.get("name"): c for c in junit.iter("testcase")}
     assert len(cases) == result.diff.rows["site"].nunique()  # one test case per site
@@ -126,4 +128,4 @@ def test_a_changed_structure_fails_even_when_the_numbers_agree(mlp_golden):
 
     result = check(wrapped, mlp_golden)
     assert result.outcome == "fail"
-    assert "new in this run: act2.0#0" in result.line()
+    assert "new in this run: act2.0#0" in check_line(result)

@@ -33,8 +33,10 @@ from layerdiff import Case, MappingError, capture, diff, load_weights, seed_ever
 from layerdiff.compare.converted import source_warnings
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam
-from layerdiff.mapcheck import SUSPICIOUS_CONVERSION, map_check
 from layerdiff.mapping import Mapping, ParamSource
+from layerdiff.replay.mapcheck import SUSPICIOUS_CONVERSION, map_check
+from layerdiff.report.findings import render
+from layerdiff.report.findings.replay import mapcheck_verdict
 from layerdiff.trace import open_trace
 from layerdiff.weights import combine, paired_parts
 
@@ -377,13 +379,13 @@ def test_a_port_only_buffer_is_refused_unless_declared_the_ports_own(reference, 
 
 def test_map_check_applies_reports_and_checks_the_conversion(reference, tmp_path):
     check = map_check(reference, port_case(), _mapping(tmp_path, _map_text()))
-    assert check.passed, check.format()
+    assert check.passed, render(check)
     entry = next(e for e in check.entries if e.port == "attn.wq.weight")
     digest = hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
     assert entry.functions == [{"function": f"{HERE}:to_interleaved", "source_sha256": digest}]
     assert entry.conversion is not None and entry.conversion["site"] == "attn#0"
     assert entry.conversion["with"] * 1000 < entry.conversion["without"]
-    text = check.format()
+    text = render(check)
     assert "to_interleaved()" in text and "2 conversions checked" in " ".join(text.split())
     mask = next(e for e in check.entries if e.port == "attn.mask")
     assert mask.status == "port-own"
@@ -400,9 +402,9 @@ def test_map_check_flags_a_conversion_the_port_does_not_need(reference, tmp_path
     text = text.split("[[unmatched]]\nport = \"attn.mask\"")[0]
     check = map_check(reference, _case(RotateHalfAttention), _mapping(tmp_path, text))
     statuses = {e.port: e.status for e in check.entries}
-    assert statuses["attn.q.weight"] == SUSPICIOUS_CONVERSION, check.format()
+    assert statuses["attn.q.weight"] == SUSPICIOUS_CONVERSION, render(check)
     assert statuses["attn.k.weight"] == SUSPICIOUS_CONVERSION
-    assert not check.passed and "worse with their conversion" in check.verdict()
+    assert not check.passed and "worse with their conversion" in mapcheck_verdict(check)
 
 
 # ---------------------------------------------------------------- gradients, torch, provenance

@@ -15,6 +15,7 @@ from layerdiff import Case, capture, open_trace, seed_everything
 from layerdiff.debug import check_determinism
 from layerdiff.debug.determinism import DifferenceKind, RecordKey, compare_runs
 from layerdiff.errors import CaptureError, CaseError
+from layerdiff.report.findings import render
 
 BUG = "reference_models.numerics:convlstm_uninitialised_bias"
 
@@ -32,7 +33,7 @@ def test_an_accumulator_holding_garbage_is_found_at_its_first_gradient(tmp_path)
     assert data["verdict"] == "nondeterministic" and data["within_tolerance"] is False
     assert data["first"] == {"site": "cell.conv#0", "step": 0, "pass": "backward",
                              "role": "weight_grad", "arg": "bias"}
-    text = result.format()
+    text = render(result)
     assert "cell.conv#0" in text and "OUT OF tolerance" in text
     assert all(len(line) <= 100 for line in text.splitlines())
 
@@ -44,7 +45,7 @@ def test_a_deterministic_case_is_reported_deterministic():
     assert result.first is None and result.within_tolerance is None
     assert result.records > 0 and result.traces == []
     assert result.as_json()["verdict"] == "deterministic"
-    assert result.format().startswith("deterministic:")
+    assert render(result).startswith("deterministic:")
 
 
 # ---- our own models, compared in one process (each capture draws its own order)

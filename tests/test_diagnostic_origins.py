@@ -13,6 +13,7 @@ from torch import nn
 
 from layerdiff import Case, capture, open_trace, seed_everything
 from layerdiff.debug.determinism import compare_runs
+from layerdiff.report.findings import render
 
 CASES = "reference_models.origin_cases"
 BETWEEN = "the fault is in its own code between its children"
@@ -87,7 +88,7 @@ def test_nan_in_the_case_inputs_has_no_origin():
                            name="nan input"))
     assert result.first.site == "<root>#0" and result.first.role == "input"
     assert result.origin is None and result.as_json()["origin"] is None
-    assert "origin: none: no site's result is non-finite" in result.format()
+    assert "origin: none: no site's result is non-finite" in render(result)
 
 
 # ---- batch-independence

@@ -11,6 +11,7 @@ import torch
 from layerdiff import CaseError, ExternalCase
 from layerdiff.debug.diverge import Cause, diverge
 from layerdiff.report.diverge_html import write_diverge_html
+from layerdiff.report.findings import render
 from layerdiff.trace import open_trace
 from reference_models import mlp, mlp_port, schedule_port, transformer, transformer_port
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _check_output(result) -> None:
     json.dumps(result.as_json(), allow_nan=False)
-    assert all(len(line) <= 100 for line in result.format().splitlines())
+    assert all(len(line) <= 100 for line in render(result).splitlines())
 
 
 def test_schedule_switching_one_step_early_is_found_at_the_switch_in_the_optimizer(tmp_path):

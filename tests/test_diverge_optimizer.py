@@ -20,6 +20,7 @@ from layerdiff.debug.optimizer_update import (
     WEIGHT_DECAY,
 )
 from layerdiff.report.diverge_html import render_diverge_html
+from layerdiff.report.findings import render
 from reference_models import mlp, mlp_port
 from tests import optimizer_cases as cases
 
@@ -30,7 +31,7 @@ def _diverge(reference, port, tmp_path):
     result = diverge(reference, port, mapping=cases.MAPPING, steps=cases.STEPS,
                      output_dir=tmp_path)
     json.dumps(result.as_json(), allow_nan=False)
-    assert all(len(line) <= 100 for line in result.format().splitlines())
+    assert all(len(line) <= 100 for line in render(result).splitlines())
     return result
 
 
@@ -59,7 +60,7 @@ def test_norm_weights_exempt_from_decay_in_the_port_only_is_weight_decay(tmp_pat
         assert param.decay == pytest.approx(cases.LR * cases.WEIGHT_DECAY, rel=0.02)
         assert param.residual < 1e-3
         assert (param.reference_group, param.port_group) == (0, 1)
-    text = _flat(result.format())
+    text = _flat(render(result))
     assert "cause: optimizer" in text and "weight decay: 5 parameters" in text
     assert "the reference decays them and the port does not" in text
     assert "scale" not in text  # the origin's hint (port = 1 x reference) says less
@@ -79,7 +80,7 @@ def test_a_warmup_read_one_update_ahead_is_a_step_size_of_the_schedule(tmp_path)
     for param in update.differing:
         assert param.kind == STEP_SIZE
         assert param.step_ratio == pytest.approx(2.0, rel=1e-3)  # lr 2/4 against 1/4 of peak
-    text = _flat(result.format())
+    text = _flat(render(result))
     assert "0.00025 in the reference's group 0 and 0.0005 in the port's group 0" in text
     assert "the learning rate or its schedule differs" in text
 
@@ -97,7 +98,7 @@ def test_a_doubled_rate_and_undecayed_norms_are_told_apart_per_group(tmp_path):
             assert param.decay == pytest.approx(2 * cases.LR * cases.WEIGHT_DECAY, rel=0.02)
         else:
             assert param.kind == STEP_SIZE
-    assert "at the port's lr a difference of 2e-05 (as measured)" in _flat(result.format())
+    assert "at the port's lr a difference of 2e-05 (as measured)" in _flat(render(result))
 
 
 def test_other_adam_betas_change_the_update_direction_from_step_1(tmp_path):
@@ -162,7 +163,7 @@ def test_a_forward_that_differs_only_from_step_1_on_stays_forward(tmp_path):
     result = _diverge(cases.reference(), cases.port_stale_scale(), tmp_path)
     assert result.first_step == 1 and result.cause == Cause.FORWARD
     assert result.optimizer_update is not None and not result.optimizer_update
-    assert "every parameter (30) gets the reference's update" in _flat(result.format())
+    assert "every parameter (30) gets the reference's update" in _flat(render(result))
 
 
 def test_the_port_trained_as_the_reference_is_does_not_diverge(tmp_path):
@@ -181,7 +182,7 @@ def test_gradient_clipping_the_port_leaves_out_is_named_by_the_gradients_its_opt
         assert param.step_ratio == pytest.approx(param.fed_ratio, rel=1e-3)
         assert param.fed_ratio > 1.5
     assert ("(clip_grad_norm: reference 0.1, port None): the gradient clipping (or unscaling) "
-            "differs") in _flat(result.format())
+            "differs") in _flat(render(result))
 
 
 def _sgd_case(momentum: float):

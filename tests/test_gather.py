@@ -10,6 +10,7 @@ import pytest
 from layerdiff import diff, open_trace
 from layerdiff.errors import DiffError, MappingError, TraceError
 from layerdiff.mapping import Mapping
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.trace.gather import gather
 from reference_models import tensor_parallel as tp
 from reference_models.catalog import find
@@ -80,7 +81,7 @@ def test_an_error_in_one_ranks_shard_names_that_rank(traces):
     assert (origin.site, origin.pass_, origin.role) == ("blocks.0.mlp.act#0", "forward",
                                                         "output")
     assert origin.ranks == [1]
-    assert "rank 1's part" in origin.describe()
+    assert "rank 1's part" in describe_origin(origin)
 
 
 def test_diverged_replicas_are_said_before_an_origin_they_cause(traces):

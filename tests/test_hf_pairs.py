@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from click.testing import CliRunner  # noqa: E402
 
 from layerdiff.cli import main  # noqa: E402
+from layerdiff.report.findings.diff import describe_origin  # noqa: E402
 from reference_models import hf_gpt2, hf_llama, llama_port  # noqa: E402
 from reference_models import hf_llama_convert as convert  # noqa: E402
 
@@ -273,7 +274,7 @@ def test_faithful_llama_port_passes(traces, reference_spec):
     reference = traces(reference_spec)
     port = traces("reference_models.llama_port:port", reference, LLAMA_MAP)
     result = diff(reference, port, mapping=LLAMA_MAP)
-    assert result, [origin.describe() for origin in result.origins]
+    assert result, [describe_origin(origin) for origin in result.origins]
 
 
 LLAMA_BUGS = [("port_bug_attention", "layers.1.attention#0"),
@@ -291,9 +292,9 @@ def test_llama_bug_is_named_at_its_layer_forward(traces, bug, port_site):
     result = diff(reference, port, mapping=LLAMA_MAP)
     assert not result
     origin = result.origin
-    assert (origin.port_site, origin.pass_) == (port_site, "forward"), origin.describe()
+    assert (origin.port_site, origin.pass_) == (port_site, "forward"), describe_origin(origin)
     block = port_site.split(".")[0] + "." + port_site.split(".")[1] + "#0"  # layers.N#0
-    assert all(o.port_site != block for o in result.origins), [o.describe()
+    assert all(o.port_site != block for o in result.origins), [describe_origin(o)
                                                                for o in result.origins]
 
 
@@ -303,7 +304,7 @@ def test_faithful_gpt2_port_passes(traces):
     reference = traces("reference_models.hf_gpt2:reference")
     port = traces("tests.gpt_cases:port", reference, GPT2_MAP)
     result = diff(reference, port, mapping=GPT2_MAP)
-    assert result, [origin.describe() for origin in result.origins]
+    assert result, [describe_origin(origin) for origin in result.origins]
 
 
 @pytest.mark.parametrize("bug", ["port_bug_attn_scale", "port_bug_causal_mask"])
@@ -315,7 +316,7 @@ def test_gpt2_attention_bug_is_named_at_the_attention(traces, bug):
     result = diff(reference, port, mapping=GPT2_MAP)
     assert not result
     assert (result.origin.port_site, result.origin.pass_) == (
-        "transformer.h.0.attn#0", "forward"), result.origin.describe()
+        "transformer.h.0.attn#0", "forward"), describe_origin(result.origin)
 
 
 def test_gpt2_replay_names_the_attention_without_drop_rules(traces, tmp_path):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import h5py
 import hypothesis.extra.numpy as hnp
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import layerdiff
 from layerdiff import Tolerances, TraceError, capture, diff, load_case, open_trace
 from layerdiff.errors import OutputError
 from layerdiff.outputs import replacing, write_text
@@ -426,13 +428,27 @@ def test_a_tolerance_rule_that_matches_nothing_gets_a_warning(reference_traces, 
     assert "matched no compared record" in run("diff", ref, ref, "--tolerances", rules).output
 
 
-def test_a_diff_renders_as_html_in_a_notebook(traces):
+def test_a_diff_renders_as_html_in_a_notebook(traces, monkeypatch):
+    """In IPython, ``import layerdiff`` registers the diff's HTML with the display (by the
+    class's name: compare/ does not import report/, so a Diff has no _repr_html_)."""
     ref, port = traces
-    shown = diff(ref, ref)._repr_html_()
+    registered = {}
+
+    class HtmlFormatter:
+        def for_type_by_name(self, module, name, function):
+            registered[(module, name)] = function
+
+    display = types.SimpleNamespace(formatters={"text/html": HtmlFormatter()})
+    shell = types.SimpleNamespace(display_formatter=display)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    layerdiff._show_in_notebooks()
+    same = diff(ref, ref)
+    show = registered[(type(same).__module__, type(same).__qualname__)]
+    shown = show(same)
     assert ">PASS<" in shown and "0 out of tolerance" in shown
     # the port differs from the reference by rounding: zero tolerance puts those rows out
     bad = diff(ref, port, tolerances=Tolerances(rtol=0, atol=0))
-    html = bad._repr_html_()
+    html = show(bad)
     assert ">FAIL<" in html and "<table" in html and "origins:" in html
     assert bad.failing().iloc[0]["site"] in html
 

@@ -24,7 +24,8 @@ from layerdiff import (
     load_weights,
     seed_everything,
 )
-from layerdiff.mapcheck import MapCheck, map_check
+from layerdiff.replay.mapcheck import MapCheck, map_check
+from layerdiff.report.findings import render
 from tests.tiny_cases import numpy_port
 
 WIDTH = 5
@@ -118,12 +119,12 @@ def test_correct_mapping_passes(reference, tmp_path):
     assert _entry(check, "out.bias").transform == ("copy",)
     declared, transposed = _entry(check, "inner.weight").errors  # square: checked, and fine
     assert declared < 1e-5 < transposed
-    assert check.format().splitlines()[-1].startswith("PASS")
+    assert render(check).splitlines()[-1].startswith("PASS")
 
 
 def test_flax_dense_with_its_transpose_passes(reference, tmp_path):
     check = map_check(reference, _case(Port(dense=True)), _map(tmp_path, SITES + DENSE_KERNEL))
-    assert check.passed, check.format()
+    assert check.passed, render(check)
     entry = _entry(check, "inner.kernel")
     assert (entry.reference, entry.transform, entry.status) == (["lin.weight"], ("transpose",),
                                                                 "ok")
@@ -136,7 +137,7 @@ def test_forgotten_parameter_is_listed_without_source_and_fails(reference, tmp_p
     assert _statuses(check) == {"inner.weight": "ok", "inner.bias": "ok",
                                 "out.weight": "no-source", "out.bias": "no-source"}
     assert "proj.weight" in check.unused_reference
-    text = check.format()
+    text = render(check)
     assert "out.weight" in text and text.splitlines()[-1].startswith("FAIL")
     assert "2 without a source" in text.splitlines()[-1]
 
@@ -145,7 +146,7 @@ def test_reference_tensor_nothing_uses_is_listed(reference, tmp_path):
     check = map_check(reference, _case(Port()), _map(tmp_path, SITES))
     assert check.unused_reference == ["table"]
     assert check.passed  # an unused reference tensor (a lookup table) is not a fault
-    assert "nothing uses (1): table" in check.format()
+    assert "nothing uses (1): table" in render(check)
 
 
 @pytest.mark.parametrize(("dense", "rule"), [
@@ -164,7 +165,7 @@ def test_square_weight_loaded_the_wrong_way_round_is_suspicious(reference, tmp_p
     assert "lin#0" in entry.note and "transpose" in entry.note
     declared, transposed = entry.errors
     assert transposed * 10 < declared
-    assert "1 likely transposed" in check.format().splitlines()[-1]
+    assert "1 likely transposed" in render(check).splitlines()[-1]
 
 
 def test_shape_mismatch_is_an_entry_not_an_exception(reference, tmp_path):
@@ -212,7 +213,7 @@ def test_json_and_text_reports(reference, tmp_path):
     assert report["verdict"] == "fail" and report["unused_reference"] == ["proj.weight", "table"]
     assert {e["port"]: e["status"] for e in report["entries"]}["out.weight"] == "shape-mismatch"
     assert set(report["entries"][0]) >= {"port", "reference", "transform", "status", "note"}
-    text = check.format()
+    text = render(check)
     assert max(len(line) for line in text.splitlines()) <= 100
     assert text.splitlines()[0].split() == ["port", "tensor", "from", "transform", "status"]
 
@@ -227,7 +228,7 @@ def test_long_names_fit_100_columns(tmp_path):
     port = nn.Sequential()
     port.add_module("a_rather_long_module_name_for_an_encoder_block_number_zero",
                     nn.Linear(3, 3))
-    text = map_check(path, _case(port)).format()
+    text = render(map_check(path, _case(port)))
     assert max(len(line) for line in text.splitlines()) <= 100
 
 

@@ -18,7 +18,9 @@ from click.testing import CliRunner
 from layerdiff import Mapping, MappingError, load_weights, open_trace
 from layerdiff.case import load_case
 from layerdiff.cli import main
-from layerdiff.mapcheck import MISMATCH_AROUND, _SiteRunner, map_check
+from layerdiff.replay.mapcheck import MISMATCH_AROUND, _SiteRunner, map_check
+from layerdiff.report.findings import render
+from layerdiff.report.findings.replay import mapcheck_verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_MAP = ROOT / "reference_models" / "hf_llama.map.toml"
@@ -55,7 +57,7 @@ def _entries(check) -> dict:
 
 def test_the_right_conversion_is_checked_at_the_attention_through_its_adapter(reference):
     check = map_check(reference, load_case(PORT), LLAMA_MAP)
-    assert check.passed, check.format()
+    assert check.passed, render(check)
     entries = _entries(check)
     for name in QK:
         entry = entries[name]
@@ -64,7 +66,7 @@ def test_the_right_conversion_is_checked_at_the_attention_through_its_adapter(re
         assert entry.conversion["site"] == f"model.layers.{layer}.self_attn#0", entry.note
         # the right layout reproduces the attention; HF's rows unconverted do not
         assert entry.conversion["with"] * 1000 < entry.conversion["without"], entry.note
-    assert "4 conversions checked" in " ".join(check.verdict().split())
+    assert "4 conversions checked" in " ".join(mapcheck_verdict(check).split())
 
 
 @pytest.mark.parametrize("transform", [f"{__name__}:flipped_rows", "copy"])
@@ -77,11 +79,11 @@ def test_a_wrong_or_missing_conversion_fails_at_each_qk_tensor(reference, tmp_pa
     assert not check.passed
     entries = _entries(check)
     assert {name for name, e in entries.items() if e.status == MISMATCH_AROUND} == set(QK), \
-        check.format()
+        render(check)
     note = entries["layers.0.attention.wk.weight"].note
     assert "model.layers.0.self_attn#0" in note and "transpose" not in note
     assert "4 off in the module around them; check their rules, or the port there" in \
-        check.verdict()
+        mapcheck_verdict(check)
 
 
 def test_the_root_is_measured_through_its_outputs_rename(reference):

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from layerdiff import Case, ExternalCase, open_trace, seed_everything
 from layerdiff.debug import find_nan
 from layerdiff.errors import CaptureError, CaseError
+from layerdiff.report.findings import render
 
 LOG_SOFTMAX = "reference_models.numerics:nan_log_softmax"
 SQRT = "reference_models.numerics:nan_sqrt_backward"
@@ -35,7 +36,7 @@ def test_log_of_softmax_underflow_is_a_forward_inf_at_the_log_softmax_module():
     assert {key: data["first"][key] for key in ("site", "pass", "role", "step", "kind")} == {
         "site": "log_probs#0", "pass": "forward", "role": "output", "step": 0, "kind": "inf"}
     assert data["first"]["min"] == "-inf" and data["found"] is True
-    assert all(len(line) <= 100 for line in result.format().splitlines())
+    assert all(len(line) <= 100 for line in render(result).splitlines())
 
 
 def test_where_sqrt_has_a_finite_forward_and_a_nan_gradient_leaving_it():
@@ -47,14 +48,14 @@ def test_where_sqrt_has_a_finite_forward_and_a_nan_gradient_leaving_it():
     inputs = {value.role: value for value in result.producer.inputs}
     assert inputs["input"].min <= 0 < inputs["input"].max  # where sqrt has no finite gradient
     assert math.isfinite(inputs["grad_output"].min) and math.isfinite(inputs["grad_output"].max)
-    assert "features.sqrt#0" in result.format() and "nan" in result.format()
+    assert "features.sqrt#0" in render(result) and "nan" in render(result)
 
 
 def test_a_clean_case_reports_nothing():
     result = find_nan("reference_models.mlp:reference", steps=3)
     assert not result.found and result.first is None and result.producer is None
     assert result.steps_run == 3 and result.records_per_step > 0
-    assert result.as_json()["first"] is None and "no NaN or Inf" in result.format()
+    assert result.as_json()["first"] is None and "no NaN or Inf" in render(result)
 
 
 # ---- a NaN that appears only after some optimizer steps (a model of our own)

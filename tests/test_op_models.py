@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from layerdiff import capture, diff, load_case, load_weights
+from layerdiff.report.findings.diff import describe_origin
 from reference_models import op_bugs
 
 REFERENCE = f"{op_bugs.MODULE}:reference"
@@ -37,7 +38,7 @@ def test_reference_against_itself_passes(reference, tmp_path):
 
 def test_sdpa_port_passes_against_explicit_attention(reference, tmp_path):
     result = diff(reference, _port_trace(f"{op_bugs.MODULE}:port", reference, tmp_path / "p.h5"))
-    assert result.passed and not result.origins, [o.describe() for o in result.origins]
+    assert result.passed and not result.origins, [describe_origin(o) for o in result.origins]
     assert result.undeclared_sites().empty  # every module pairs; only the mask buffer has none
     assert set(result.unmatched["arg"]) == {"future"}
     assert float(result.rows["ratio"].max()) > 0  # really computed another way

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from layerdiff import Case, TraceWriter, seed_everything
 from layerdiff.compare.ranks import Reason, check_ranks
 from layerdiff.errors import TraceError
+from layerdiff.report.findings import render
 from reference_models import tensor_parallel as tp
 from tests.gloo import free_port, gloo_unavailable
 
@@ -179,7 +180,7 @@ def test_without_shard_rules_sharded_tensors_are_flagged_and_rules_suggested(cap
     assert (first.site, first.role, first.arg, first.step, first.pass_) == (
         "blocks.0.mlp.fc#0", "weight", "weight", 0, "forward")
     assert first.ranks == [1] and first.details[0].reason == Reason.BITS
-    text = result.format()
+    text = render(result)
     assert all(len(line) <= 100 for line in text.splitlines())
     text = " ".join(text.split())
     assert 'add a [[shard]] rule for it (site = "blocks.0.mlp.fc", tensor = "weight"' in text
@@ -201,7 +202,7 @@ def test_a_per_rank_dropout_is_found_at_the_dropouts_output(captured, tp_rules):
         assert result.per_rank == {1: result.disagreeing}
         assert [d.site for d in result.next][:2] == ["blocks.0.mlp#0", "blocks.0#0"]
     assert first.details[0].reason == Reason.TOLERANCE and result.read > 0
-    text = check_ranks(manifest, mapping=tp_rules).format()
+    text = render(check_ranks(manifest, mapping=tp_rules))
     assert ("replicas of a replicated tensor disagree first at blocks.0.mlp.dropout#0 output 0 "
             "(step 0, forward) on rank 1") in " ".join(text.split())
     assert "a per-rank random generator" in " ".join(text.split())
@@ -220,7 +221,7 @@ def test_a_gradient_not_all_reduced_is_found_at_its_weight_gradient(captured, tm
     assert (first.site, first.role, first.arg, first.step, first.pass_) == (
         "fc1#0", "weight_grad", "weight", 0, "backward")
     assert first.ranks == [1] and not first.details[0].norms_close
-    text = " ".join(result.format().split())
+    text = " ".join(render(result).split())
     assert "a gradient not all-reduced" in text and "--tolerance" not in text
     # and the ranks step apart: step 1's fc1 weights differ next
     assert ("fc1#0", "weight", 1) in {(d.site, d.role, d.step) for d in result.next}
@@ -272,7 +273,7 @@ def test_every_way_a_replica_can_differ_is_named_with_its_ranks(tmp_path):
              for d in [result.first, *result.next]}
     assert result.first.site == "rounded#0" and result.first.ranks == [1]  # bit for bit
     assert result.first.details[0].norms_close and "check again with --tolerance" in " ".join(
-        result.format().split())
+        render(result).split())
     assert found == {"rounded#0": {1: Reason.BITS}, "both#0": {1: Reason.BITS, 2: Reason.BITS},
                      "cut#0": {1: Reason.SHAPE}, "sched#0": {1: Reason.VALUE},
                      "skipped#0": {1: Reason.MISSING}, "wide#0": {2: Reason.DTYPE}}
@@ -282,7 +283,7 @@ def test_every_way_a_replica_can_differ_is_named_with_its_ranks(tmp_path):
     assert judged.first.site == "both#0" and judged.first.ranks == [1, 2]
     assert judged.within == 1 and judged.per_rank == {1: 4, 2: 3}
     assert judged.first.details[0].reason == Reason.TOLERANCE
-    text = " ".join(judged.format().split())
+    text = " ".join(render(judged).split())
     assert "disagree first at both#0 output 0 (step 0, forward) on ranks 1, 2: rank 1: out of " \
            "tolerance" in text
     everything = [result.first, *result.next]
@@ -307,7 +308,7 @@ def test_the_mapping_the_capture_recorded_gives_the_shard_rules(tmp_path):
     result = check_ranks(manifest)
     assert not result.found and (result.records, result.sharded) == (1, 1)
     assert "port.map.toml (recorded in port.h5's rank files at capture)" in " ".join(
-        result.format().split())
+        render(result).split())
     # a mapping given wins: one without rules takes the sharded output as replicated
     given = tmp_path / "given.toml"
     given.write_text("version = 1\n", encoding="utf-8")

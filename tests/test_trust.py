@@ -31,6 +31,7 @@ from layerdiff import (
 )
 from layerdiff.cli import main
 from layerdiff.compare.judge import Status, Verdict
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.terminal import format_diff
 from reference_models.catalog import find
 from tests import gpt_cases
@@ -213,7 +214,7 @@ def test_a_deep_softmax_backward_bug_has_exactly_one_origin(strength, reference_
                    loss_scale=1e6)
     result = diff(reference, port)
     assert not result.passed
-    assert len(result.origins) == 1, [o.describe() for o in result.origins]
+    assert len(result.origins) == 1, [describe_origin(o) for o in result.origins]
     origin = result.origin
     assert (origin.site, origin.pass_, origin.step) == ("decoder.layers.1.self_attn#0",
                                                         "backward", 0)
@@ -228,7 +229,7 @@ def test_gpt_gelu_backward_bug_has_exactly_one_origin(loss_scale, reference_trac
     load_weights(case.model, reference, GPT_MAP)
     port = capture(case, tmp_path / "p.h5", loss_scale=loss_scale)
     result = diff(reference, port, mapping=GPT_MAP)
-    assert len(result.origins) == 1, [o.describe() for o in result.origins]
+    assert len(result.origins) == 1, [describe_origin(o) for o in result.origins]
     origin = result.origin
     assert (origin.site, origin.port_site, origin.pass_) == (
         "transformer.h.1.mlp.act#0", "transformer.h.1.mlp.gelu#0", "backward")

@@ -42,24 +42,6 @@ class CheckResult:
     def __bool__(self) -> bool:
         return self.passed
 
-    def line(self) -> str:
-        """The one-line verdict."""
-        rows = self.diff.rows
-        if self.outcome == IDENTICAL_OUTCOME:
-            return f"IDENTICAL  {self.case}: all {len(rows):,} records bit for bit as in " \
-                   f"{self.golden.name}"
-        if self.outcome == DRIFT:
-            changed = rows[rows["verdict"] != Verdict.IDENTICAL]
-            worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
-            return (f"DRIFT  {self.case}: {len(changed):,} of {len(rows):,} records changed, "
-                    f"within tolerance; the most at {worst['site']} {worst['role']} "
-                    f"({worst['ratio']:.3g}x tolerance)")
-        origin = self.diff.origin
-        if origin is None and self.diff.meta.get("structure"):
-            return f"FAIL  {self.case}: {self.diff.meta['structure']}"
-        where = origin.describe(port_name=False) if origin else "no origin found"
-        return f"FAIL  {self.case}: out of tolerance; origin {where}"
-
 
 def _load(case: CaseLike):
     from layerdiff.case import load_case

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.stats import record_rms
 
 Progress = Callable[[int, int], None]  # (records done, records in all)
-WIDTH = 100
 NEXT = 5  # disagreeing sites listed after the first
 KEY = ["step", "pass", "site", "role", "arg"]
 _COLUMNS = [*KEY, "seq", "kind", "dtype", "shape", "digest", "value", "segment", "l2"]
@@ -168,59 +166,6 @@ class RanksResult:
                 "next": [d.as_json() for d in self.next], "read": self.read,
                 "within": self.within, "warnings": list(self.warnings),
                 "seconds": round(self.seconds, 3)}
-
-    def format(self) -> str:
-        how = ("bit for bit by the index digests" if self.mode == Mode.BITWISE
-               else f"within tolerance ({self.tolerance})")
-        rules = (f"{self.shard_rules} [[shard]] rule{'s' * (self.shard_rules != 1)} from "
-                 f"{self.mapping}" if self.shard_rules else "no [[shard]] rules")
-        lines = [f"ranks: {self.manifest}, {self.world_size} ranks, {how}; {rules}"]
-        skipped = f"; {self.sharded:,} sharded records not compared" if self.sharded else ""
-        within = (f"; {self.within:,} differ in their bits only within tolerance"
-                  if self.within else "")
-        if self.first is None:
-            lines.append(f"agree: all {self.records:,} replicated records are the same on every "
-                         f"rank{within}{skipped}")
-        else:
-            counts = ", ".join(f"rank {rank}: {count:,}" for rank, count in
-                               self.per_rank.items() if count)
-            lines.append(f"disagree: {self.disagreeing:,} of {self.records:,} replicated "
-                         f"records differ from rank 0's copy ({counts}){within}{skipped}")
-            lines.extend(self._first_lines())
-            if self.next:
-                lines.append("then: " + "; ".join(f"{d.where()} on {d.on()}"
-                                                  for d in self.next))
-        lines.extend(f"warning: {warning}" for warning in self.warnings)
-        out: list[str] = []
-        for line in lines:
-            indent = " " * (len(line) - len(line.lstrip()))
-            out.extend(textwrap.wrap(line, WIDTH, subsequent_indent=indent + "  ",
-                                     break_on_hyphens=False) or [""])
-        return "\n".join(out)
-
-    def _first_lines(self) -> list[str]:
-        first = self.first
-        assert first is not None
-        whys = "; ".join(detail.why if len(first.details) == 1
-                         else f"rank {detail.rank}: {detail.why}" for detail in first.details)
-        lines = [f"replicas of a replicated tensor disagree first at {first.where()} on "
-                 f"{first.on()}: {whys}",
-                 f"  likely: {_cause(first)}"]
-        tensor = _rule_tensor(first.role, first.arg)
-        module = schema.split_site(first.site)[0]
-        advice = (f'  if this tensor is meant to differ across ranks (it is sharded), add a '
-                  f'[[shard]] rule for it (site = "{module}", tensor = "{tensor}", dim = the '
-                  "dimension the ranks' parts join along)")
-        if not self.shard_rules:
-            advice += ("; no [[shard]] rules were given, so every tensor counts as replicated "
-                       "and the sharded ones (a tensor-parallel weight, a data-parallel batch) "
-                       "disagree by design: pass --map FILE with the port's [[shard]] rules")
-        lines.append(advice)
-        if self.mode == Mode.BITWISE and any(d.norms_close for d in first.details):
-            lines.append("  the copies' L2 norms agree as closely as rounding leaves them: if "
-                         "the difference is rounding (a reduction whose order depends on the "
-                         "rank), check again with --tolerance")
-        return lines
 
 
 def check_ranks(port: str | os.PathLike | Trace, *,
@@ -609,36 +554,6 @@ def _statistics(row: dict) -> np.ndarray:
     rms = record_rms(row)
     return np.array([*(float(row[c]) for c in ("min", "max", "mean", "std")), rms,
                      float(row["l2"]), float(row["nan"]), float(row["inf"])])
-
-
-def _rule_tensor(role: str, arg: str) -> str:
-    """The ``tensor`` of a [[shard]] rule that would cover this record."""
-    if role in ("weight", "weight_grad"):
-        return arg
-    return "input" if role in ("input", "grad_input") else "output"
-
-
-def _cause(first: Disagreement) -> str:
-    """What usually makes replicas of such a record disagree."""
-    reasons = {detail.reason for detail in first.details}
-    if reasons & {Reason.MISSING, Reason.EXTRA, Reason.KIND}:
-        return ("the ranks ran different code here: a rank skipped or added this call, or a "
-                "branch depends on the rank")
-    if reasons & {Reason.SHAPE, Reason.DTYPE}:
-        return ("the ranks hold it in different shapes or dtypes: it is cut across ranks, or "
-                "a branch depends on the rank")
-    if first.role == "weight":
-        return ("a rank initialised its own weights or missed their broadcast from rank 0 "
-                "(step 0), or an earlier update used gradients that were not all-reduced")
-    if first.role == "weight_grad":
-        return ("a gradient not all-reduced across the ranks (a parameter without its "
-                "all-reduce hook, a reduction over another group), or averaged by another "
-                "world size")
-    if first.pass_ == "backward":
-        return ("a backward all-reduce missed (as Megatron's f does for a column-parallel "
-                "layer's input gradient), or a per-rank computation in backward")
-    return ("a per-rank random generator (a dropout drawing from a generator seeded by rank), a "
-            "rank-dependent computation, or inputs not broadcast from rank 0")
 
 
 def _short(text: str, limit: int = 40) -> str:

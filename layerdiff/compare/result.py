@@ -7,7 +7,6 @@ the manner of Polygraphy's comparator results.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -69,19 +68,6 @@ class Origin:
         data["pass"] = data.pop("pass_")
         return data
 
-    def describe(self, *, port_name: bool = True) -> str:
-        """'decoder.norm1#0 (port dec.ln1#0), forward output, step 0: 77x tolerance'."""
-        where = self.site if not port_name or self.port_site in ("", self.site) else (
-            f"{self.site} (port {self.port_site})")
-        ratio = self.metrics.get("ratio")
-        size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
-                and np.isfinite(ratio) else ": not finite" if ratio is not None else "")
-        arg = "" if self.arg == "0" else f" '{self.arg}'"
-        ranks = "" if not self.ranks else (
-            f", rank {self.ranks[0]}'s part" if len(self.ranks) == 1
-            else f", ranks {', '.join(map(str, self.ranks))}' parts")
-        return f"{where}, {self.pass_} {self.role}{arg}, step {self.step}{ranks}{size}"
-
 
 @dataclass
 class Diff:
@@ -120,31 +106,6 @@ class Diff:
     def failing(self) -> pd.DataFrame:
         """Rows out of tolerance, in order."""
         return self.rows[~self.rows["verdict"].isin(PASSING)]
-
-    def _repr_html_(self) -> str:
-        """What a notebook shows: the verdict, the origins (with their likely causes) and the
-        first failing rows as a table."""
-        colour = "#1a7f37" if self.passed else "#c62828"
-        parts = [f'<p><b style="color:{colour}">{self.verdict.upper()}</b> '
-                 f"{escape(str(self.port))} against {escape(str(self.reference))}: "
-                 f"{len(self.rows)} records compared, {len(self.failing())} out of tolerance</p>"]
-        if self.origins:
-            items = "".join(
-                f"<li>{escape(origin.describe())}"
-                + (f"<br><i>likely cause: {escape(origin.hint['kind'])}: "
-                   f"{escape(origin.hint['evidence'])}</i>" if origin.hint else "")
-                + "</li>" for origin in self.origins[:10])
-            parts.append(f"<p>origins:</p><ol>{items}</ol>")
-        failing = self.failing()
-        if not failing.empty:
-            columns = ["step", "pass", "site", "role", "arg", "ratio", "max_abs", "cosine",
-                       "status"]
-            table = failing[[c for c in columns if c in failing.columns]].head(20)
-            parts.append(table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
-            if len(failing) > 20:
-                parts.append(f"<p>... {len(failing) - 20} more: <code>.failing()</code> has them "
-                             "all, <code>.rows</code> every record</p>")
-        return "\n".join(parts)
 
     def as_json(self) -> dict[str, Any]:
         """Everything, as plain JSON types: the JSON report."""

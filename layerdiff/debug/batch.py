@@ -46,7 +46,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import random
-import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,13 +59,12 @@ from torch import nn
 from layerdiff.case import Case, ExternalCase, load_case, seed_everything
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
-from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line, sites_frame
+from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
 from layerdiff.errors import CaptureError, CaseError
 from layerdiff.trace import schema
 
 Progress = Callable[[int, int], None]  # (sites done, sites in all)
 NOISE_FACTOR = 4.0
-WIDTH = 100
 SHOWN_SAMPLES = 8
 MIXING = Words("mixed across samples", "free of mixing", "mixing")
 
@@ -87,17 +85,6 @@ class Evidence:
     affected: list[int]     # perturbation: observed samples that changed; gradient: varied
     size: float             # relative size: the change over the observed values' largest
 
-    def describe(self) -> str:
-        share = _share(self.size)
-        if self.test == MixTest.GRADIENT:
-            return (f"a loss on the outputs of samples {_samples(self.observed)} sends gradient "
-                    f"to the inputs of samples {_samples(self.affected)} (up to {share} the "
-                    "gradient on the observed samples' own inputs)")
-        what = "inputs" if self.test == MixTest.PERTURBATION else "inputs and output gradients"
-        changed = "outputs" if self.test == MixTest.PERTURBATION else "input gradients"
-        return (f"changing the {what} of samples {_samples(self.varied)} changed the {changed} "
-                f"of samples {_samples(self.affected)}, by up to {share} their largest value")
-
     def as_json(self) -> dict[str, Any]:
         return {"test": str(self.test), "observed": self.observed, "varied": self.varied,
                 "affected": self.affected,
@@ -115,10 +102,6 @@ class Mixing:
     evidence: list[Evidence]         # every test that showed it, the deciding one first
     holds: list[str] = field(default_factory=list)   # mixing sites inside it
     allowed: str = ""                # why it is allowed ("" for a finding)
-
-    def describe(self) -> str:
-        return (f"{self.site} ({self.type}), {self.pass_}: {self.evidence[0].describe()}"
-                if self.evidence else f"{self.site} ({self.type}), {self.pass_}")
 
     def as_json(self) -> dict[str, Any]:
         return {"site": self.site, "module": self.module, "type": self.type,
@@ -161,39 +144,6 @@ class BatchResult:
                 "allowed": [m.as_json() for m in self.allowed],
                 "untested": dict(self.untested), "warnings": list(self.warnings),
                 "seconds": round(self.seconds, 3)}
-
-    def format(self) -> str:
-        tests = ", ".join(f"{test} {count}" for test, count in self.tested.items())
-        lines = [_clip(f"batch independence: {self.case}"),
-                 _clip(f"batch of {self.batch_size} (axis {self.batch_axis}), {self.sites} sites, "
-                       f"{self.splits} splits of the batch, {self.seconds:.1f} s"),
-                 _clip(f"sites tested: {tests}")]
-        if self.first is not None:
-            lines.append(_clip(f"MIXING: {len(self.mixing)} site(s) mix samples; the first is "
-                               f"{self.first.site} ({self.first.type}), in its {self.first.pass_}"))
-            lines += _wrap(self.first.evidence[0].describe(), "  ")
-            if self.origin is not None:
-                lines += _wrap(origin_line(self.origin), "")
-            lines.append("sites that mix (containers list the mixing sites inside them):")
-            for entry in self.mixing:
-                if entry.holds:
-                    lines.append(_clip(f"  {entry.site} ({entry.type}): holds "
-                                       f"{', '.join(entry.holds)}"))
-                else:
-                    tests = ", ".join(str(e.test) for e in entry.evidence)
-                    lines.append(_clip(f"  {entry.site} ({entry.type}) {entry.pass_}: {tests}"))
-        else:
-            lines.append("independent: no site makes one sample's result depend on another")
-        if self.allowed:
-            lines.append("mixing by design (allowed, not findings):")
-            lines += [_clip(f"  {entry.site} ({entry.type}): {entry.allowed}")
-                      for entry in self.allowed]
-        if self.untested:
-            shown = ", ".join(list(self.untested)[:6]) + (" ..." if len(self.untested) > 6
-                                                          else "")
-            lines += _wrap(f"not tested ({len(self.untested)}): {shown}; the JSON says why", "")
-        lines += [line for text in self.warnings for line in _wrap(f"warning: {text}", "")]
-        return "\n".join(lines)
 
 
 def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axis: int = 0,
@@ -303,7 +253,7 @@ def _identical_samples(case: Case, batch: int, axis: int) -> list[str]:
                    for t in tensors)]
     if not same:
         return []
-    return [f"samples {_samples(same)} of the case's inputs equal the sample after them, so "
+    return [f"samples {samples_said(same)} of the case's inputs equal the sample after them, so "
             "replacing them changes nothing and the perturbation tests cannot see what reads "
             "them; give the case distinct samples"]
 
@@ -790,24 +740,11 @@ def _allowed(call: _Call, allow: Sequence[str]) -> str:
 
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
-    return _clip(text[0]) if text else ""
+    # a reason kept in the JSON: one line, at most 100 characters
+    return (text[0] if len(text[0]) <= 100 else text[0][:97] + "...") if text else ""
 
 
-def _share(size: float) -> str:
-    """A relative size as words that read before a quantity: '61.0% of', '2.0e-07 times'."""
-    if not math.isfinite(size):
-        return "an unbounded multiple of"
-    return f"{size:.1%} of" if size >= 1e-3 else f"{size:.1e} times"
-
-
-def _samples(indices: Sequence[int]) -> str:
+def samples_said(indices: Sequence[int]) -> str:
+    """'0, 1, 2 ... (40 in all)': the first few sample indices."""
     shown = ", ".join(str(i) for i in indices[:SHOWN_SAMPLES])
     return shown + (f" ... ({len(indices)} in all)" if len(indices) > SHOWN_SAMPLES else "")
-
-
-def _clip(line: str) -> str:
-    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
-
-
-def _wrap(text: str, indent: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")

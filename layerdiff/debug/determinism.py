@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,13 +38,12 @@ from layerdiff.compare import Tolerances, diff
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import Words
-from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line
+from layerdiff.debug.origin import Record, find_origin, origin_json
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
 from layerdiff.outputs import make_folder, refuse_existing
 from layerdiff.trace import Trace, open_trace
 
 Progress = Callable[[int, int], None]  # (runs done, runs in all)
-WIDTH = 100
 # What must agree for two records to be the same record (before their bytes are compared).
 LAYOUT = ["step", "pass", "site", "role", "arg", "kind", "dtype", "shape"]
 # Which record, whatever its place in the recording order.
@@ -56,8 +54,6 @@ DIFFERENT = Words(
      "every process (seed it)",
      "its weights differ between runs at the start of step {step} while every earlier step "
      "was the same: the optimizer step, gradient clipping or unscaling differs"))
-_NO_ORIGIN = ("origin: none: no site's result differs while what came into it agrees (the "
-              "case's inputs differ, or a record only one run has)")
 _CHILD = ("import sys; from layerdiff.debug.determinism import run_child; "
           "sys.exit(run_child(sys.argv[1:]))")
 
@@ -177,44 +173,6 @@ class DeterminismResult:
                 "steps": self.steps, "records": self.records, "hash_seed": self.hash_seed,
                 "comparisons": [c.as_json() for c in self.comparisons],
                 "seconds": round(self.seconds, 3), "traces": list(self.traces)}
-
-    def format(self) -> str:
-        steps = "its own steps" if self.steps is None else f"{self.steps} step" + (
-            "s" if self.steps != 1 else "")  # None: a trace that did not say
-        head = (f"{self.runs} runs of {self.case} ({steps}), each in a fresh process, "
-                f"{self.records:,} records each, {self.seconds:.1f} s")
-        lines: list[str] = []
-        if not self.found:
-            lines.append(f"deterministic: {head}: identical bit for bit")
-        else:
-            lines.append(f"nondeterministic: {head}")
-            for c in self.comparisons:
-                if c.first is None:
-                    lines.append(f"run {c.run} is identical to run 1")
-                    continue
-                lines.append(f"run {c.run} differs from run 1 first at {c.first.describe()}"
-                             + (f" ({c.note})" if c.note else ""))
-                lines.append("  " + (origin_line(c.origin) if c.origin else _NO_ORIGIN))
-                if c.how == DifferenceKind.VALUES:
-                    size = (f"max |diff| {c.max_abs:.3g}, {c.ratio:.3g}x tolerance"
-                            if c.max_abs is not None and c.ratio is not None
-                            and math.isfinite(c.ratio) else f"verdict {c.verdict}")
-                    lines.append(f"  {'within' if c.within_tolerance else 'OUT OF'} tolerance "
-                                 f"there: {size} ({c.tolerance})")
-                lines.append(f"  {c.differing:,} of {self.records:,} records differ; "
-                             + (f"first out of tolerance: {c.first_out.describe()}"
-                                if c.first_out else "none out of tolerance"))
-        if self.hash_seed != "random":
-            lines.append(f"PYTHONHASHSEED={self.hash_seed} in this environment: every run had "
-                         "the same hash seed")
-        if self.traces:
-            lines.append("traces: " + " ".join(self.traces))
-        out = []
-        for line in lines:
-            indent = " " * (len(line) - len(line.lstrip()))
-            out.extend(textwrap.wrap(line, WIDTH, initial_indent="", subsequent_indent=indent
-                                     + "  ") or [""])
-        return "\n".join(out)
 
 
 def check_determinism(case_spec: str, runs: int = 2, steps: int | None = None,

@@ -46,7 +46,6 @@ import contextlib
 import math
 import os
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -72,8 +71,6 @@ from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
 from layerdiff.weights import load_weights_from
 
-WIDTH = 100
-TABLE_STEPS = 24  # the terminal table shows every step up to this many, else a window
 # Measured: the planted optimizer bugs (a schedule one step early, Adam's L2 for AdamW's decay)
 # move 37-100% of a weight's elements out of tolerance; Adam amplifying near-zero gradients of
 # a correct port (the large transformer, step 1) moved 0.03%.
@@ -183,65 +180,6 @@ class DivergeResult:
             "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
             "warnings": list(self.warnings),
         }
-
-    def format(self) -> str:
-        judged = ("by the looser of the per-dtype tolerance and 4x the drift float32 rounding "
-                  "alone gives the reference (its float64 run)" if self.golden
-                  else "by the per-dtype tolerances")
-        lines = [_clip(f"diverge: {self.port}"), _clip(f"against: {self.reference}")]
-        lines += _wrap(f"{self.steps} optimizer steps from the same weights; the statistics of "
-                       f"every record judged {judged}", "")
-        lines += self._table()
-        if not self.found:
-            lines.append("no step differs: every record of every step is within tolerance")
-        else:
-            lines.append(f"first diverging step: {self.first_step}")
-            origin = self.origin
-            if origin is not None:
-                lines.append(_clip(f"origin: {origin.describe()}"))
-                if origin.hint and not self.optimizer_update:  # the update's evidence says more
-                    lines += _wrap(f"likely cause: {origin.hint.get('kind')} "
-                                   f"({origin.hint.get('evidence')})", "  ")
-            if self.cause is not None:
-                lines += _wrap(f"cause: {self.cause}: {self.explanation}", "  ")
-            if self.optimizer_update is not None:
-                first, *rest = self.optimizer_update.lines()
-                lines += _wrap(first, "  ")
-                lines += [line for text in rest for line in textwrap.wrap(
-                    text, WIDTH, initial_indent="    - ", subsequent_indent="      ")]
-            others = self.origins[1:]
-            if others:
-                shown = "; ".join(o.describe() for o in others[:4])
-                more = f" and {len(others) - 4} more" if len(others) > 4 else ""
-                lines += _wrap(f"also: {shown}{more}", "  ")
-            if "reference_step" in self.traces:
-                lines.append("see every record of that step:")
-                # a command to copy: broken at its arguments, never clipped
-                lines += [f"  layerdiff diff {self.traces['reference_step']} \\",
-                          f"    {self.traces['port_step']} --verbose"]
-        lines += [line for text in self.warnings for line in _wrap(f"warning: {text}", "")]
-        took = ", ".join(f"{name} {value:.1f} s" for name, value in self.seconds.items())
-        lines.append(_clip(f"took {took}"))
-        return "\n".join(lines)
-
-    def _table(self) -> list[str]:
-        rows = self.per_step
-        if len(rows) > TABLE_STEPS:  # a window around the first diverging step, and the last
-            centre = self.first_step if self.first_step is not None else 0
-            keep = {0, len(rows) - 1} | set(range(max(0, centre - 3), centre + 4))
-            rows = [row for row in rows if row.step in keep]
-        lines = [f"{'step':>6}  {'loss (reference)':>16}  {'loss (port)':>16}  "
-                 f"{'records out':>11}  {'worst/tol':>9}"]
-        previous = -1
-        for row in rows:
-            if row.step != previous + 1:
-                lines.append(f"{'...':>6}")
-            previous = row.step
-            mark = "  <- first" if row.step == self.first_step else ""
-            lines.append(f"{row.step:>6}  {_number(row.loss_reference):>16}  "
-                         f"{_number(row.loss_port):>16}  {row.out:>11}  "
-                         f"{_number(row.worst, 3):>9}{mark}")
-        return lines
 
 
 def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
@@ -590,32 +528,13 @@ def _explain(step_diff: Diff, first: int,
         + (f", while {agreed} agreed" + rerun if first > 0 else ""))
 
 
-# ---- text
+# ---- JSON
 
 
 def _finite(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return float(value)
-
-
-def _number(value: float | None, digits: int = 6) -> str:
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.{digits}g}"
-
-
-def _clip(line: str) -> str:
-    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
-
-
-def _wrap(text: str, indent: str) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=indent,
-                         subsequent_indent=indent or "  ") or []
 
 
 __all__ = ["Cause", "DivergeResult", "StepRow", "diverge"]

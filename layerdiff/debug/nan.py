@@ -48,14 +48,12 @@ from layerdiff.capture.stage import dtype_name
 from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
-from layerdiff.debug.origin import Record, find_origin, origin_json, origin_line, sites_frame
+from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.trace import schema
 from layerdiff.trace.writer import site_scope
 
 Progress = Callable[[int, int], None]  # (steps done, steps to run)
-WIDTH = 100
-SHOWN = 12  # input ranges listed in the text (JSON has all)
 _DTYPE_NAMES = {t: dtype_name(t) for t in (torch.float32, torch.float64, torch.float16,
                                            torch.bfloat16)}
 NON_FINITE = Words(
@@ -167,45 +165,6 @@ class NanResult:
                 "seconds_per_step": round(self.seconds_per_step, 6),
                 "records_per_step": self.records_per_step, "trace": self.trace,
                 "notes": list(self.notes)}
-
-    def format(self) -> str:
-        per_step = self.seconds_per_step
-        timing = (f"{self.steps_run} step{'s' if self.steps_run != 1 else ''} in "
-                  f"{self.seconds:.2f} s ({per_step * 1e3:.1f} ms a step, "
-                  f"{self.records_per_step} tensors checked a step)")
-        if self.first is None:
-            lines = [f"no NaN or Inf in {self.case}: forward values, gradients and weights after "
-                     f"each optimizer step were finite for {timing}"]
-            return "\n".join([*_wrap(lines), *_wrap(self.notes)])
-        first = self.first
-        arg = "" if first.arg == "0" else f" '{first.arg}'"
-        lines = [f"first non-finite value ({first.kind}) in {self.case}, step {first.step}: "
-                 f"{first.pass_} {first.role}{arg} of {first.site} "
-                 f"({_shape(first.shape)} {first.dtype}, range {_range(first.min, first.max)})"]
-        lines.append(origin_line(self.origin) if self.origin else
-                     "origin: none: no site's result is non-finite while what came into it is "
-                     "finite (the case's inputs hold it, or the loss's backward made it)")
-        producer = self.producer
-        if producer is not None:
-            lines.append(f"made by: {producer.site or 'the case itself'}"
-                         + (f" ({producer.type})" if producer.type else "")
-                         + f", {producer.pass_}: {producer.why}")
-        out = _wrap(lines)
-        if producer is not None and producer.inputs:
-            out.append("  from finite values:")
-            shown = producer.inputs[:SHOWN]
-            for value in shown:
-                arg = "" if value.arg == "0" else f" '{value.arg}'"
-                where = "" if value.site == producer.site else f" of {value.site}"
-                out.append(f"    {value.role}{arg}{where}"[:48].ljust(48)
-                           + f" {_shape(value.shape)} {value.dtype}"[:26].ljust(26)
-                           + f" {_range(value.min, value.max)}")
-            if len(producer.inputs) > len(shown):
-                out.append(f"    ... {len(producer.inputs) - len(shown)} more (--json lists "
-                           "them all)")
-        out.extend(_wrap([f"ran {timing}" + (f"; trace of the failing step: {self.trace}"
-                                            if self.trace else ""), *self.notes]))
-        return "\n".join(line[:WIDTH] for line in out)
 
 
 def find_nan(case: Case | ExternalCase | str, steps: int | None = None, *,
@@ -797,7 +756,7 @@ def _outermost(log: _StepLog) -> str:
                      schema.ROOT_MODULE, 0))
 
 
-# ---- text ----
+# ---- JSON ----
 
 def _json_number(value: float) -> float | str | None:
     if math.isnan(value):
@@ -805,25 +764,6 @@ def _json_number(value: float) -> float | str | None:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
-
-
-def _range(low: float, high: float) -> str:
-    if math.isnan(low) or math.isnan(high):
-        return "NaN"
-    return f"{low:.4g} .. {high:.4g}"
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ",".join(str(s) for s in shape) + ")"
-
-
-def _wrap(lines: list[str]) -> list[str]:
-    import textwrap
-
-    out = []
-    for line in lines:
-        out.extend(textwrap.wrap(line, WIDTH, subsequent_indent="  ") or [""])
-    return out
 
 
 __all__ = ["FirstNonFinite", "NanKind", "NanPass", "NanResult", "Producer", "ValueRange",

@@ -135,29 +135,6 @@ class UpdateEvidence:
         return [self._finding(kind, ref_group, port_group, params)
                 for (kind, ref_group, port_group), params in groups.items()]
 
-    def lines(self) -> list[str]:
-        """The evidence as sentences for the terminal and the HTML page."""
-        given = "weights, gradients and optimizer state" if self.state_given else (
-            "weights and gradients (its own optimizer state)")
-        head = (f"the update that ended step {self.step}, rerun in the port's optimizer "
-                f"({self.port_optimizer}; the reference's: {self.reference_optimizer}) from "
-                f"the reference's {given}:")
-        lines = [head]
-        worst = self.grad_difference
-        if worst is not None:
-            lines.append(f"gradients of step {self.step}: " + (
-                f"largest relative difference {worst[0]:.2g} ({worst[1]})" if worst[0] > 0
-                else "the same in both, bit for bit"))
-        lines += self.findings()
-        agreeing = [p.port for p in self.params if not p.differs]
-        if not self.differing:
-            lines.append(f"every parameter ({len(agreeing)}) gets the reference's update "
-                         "within rounding")
-        elif agreeing:
-            lines.append(f"the other {len(agreeing)} parameters get the reference's update "
-                         f"within rounding ({_names(agreeing)})")
-        return lines + self.notes
-
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "differs": bool(self),
                 "reference_optimizer": self.reference_optimizer,
@@ -176,7 +153,7 @@ class UpdateEvidence:
         ref = self._group("reference", ref_group)
         port = self._group("port", port_group)
         who = (f"{len(params)} parameter{'s' if len(params) != 1 else ''} "
-               f"({_names(p.port for p in params)})")
+               f"({names_said(p.port for p in params)})")
         groups = self._groups_said(ref_group, port_group)
         if kind == WEIGHT_DECAY:
             decays = [p.decay for p in params if p.decay is not None]
@@ -608,7 +585,8 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _names(names: Any, shown: int = 4) -> str:
+def names_said(names: Any, shown: int = 4) -> str:
+    """'a, b, c, d and 3 more'."""
     names = list(names)
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more"
                                        if len(names) > shown else "")

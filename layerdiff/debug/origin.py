@@ -82,11 +82,4 @@ def origin_json(origin: R.Origin | None) -> dict[str, Any] | None:
             "holders": list(origin.holders)}
 
 
-def origin_line(origin: R.Origin) -> str:
-    """'origin: blocks.0.mix#0, forward output, step 0: its output is ...'."""
-    arg = "" if origin.arg == "0" else f" '{origin.arg}'"
-    return (f"origin: {origin.site}, {origin.pass_} {origin.role}{arg}, step {origin.step}: "
-            f"{origin.reason}")
-
-
-__all__ = ["Record", "find_origin", "judged_rows", "origin_json", "origin_line", "sites_frame"]
+__all__ = ["Record", "find_origin", "judged_rows", "origin_json", "sites_frame"]

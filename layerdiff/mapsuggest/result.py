@@ -1,4 +1,5 @@
-"""The draft as data: its rules with their evidence and confidence, and its text."""
+"""The draft as data: its rules with their evidence and confidence, and its TOML text (the
+file it writes)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,6 @@ class MapSuggestion:
         return {"reference": self.reference, "port": self.port, "text": self.text,
                 "suggestions": [s.as_json() for s in self.suggestions],
                 "tensor_sources": self.tensor_sources, "without_source": self.without_source}
-
-    def format(self) -> str:
-        return self.text
 
     def next_command(self, mapping_path: str, port_spec: str) -> str:
         return f"layerdiff map-check {self.reference} {port_spec} --map {mapping_path}"

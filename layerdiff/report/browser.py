@@ -34,6 +34,7 @@ from layerdiff.report import browser_hist as hist
 from layerdiff.report import browser_page as sections
 from layerdiff.report.browser_data import BatchErrors, NonFinite, Progress, spans
 from layerdiff.report.browser_page import Page
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.trace.reader import open_trace
 
 
@@ -168,7 +169,7 @@ def _build(page: Page, globs: list[str]) -> Browser:
     batch = data.batch_errors(diff, page.step) if diff is not None else None
     summary = ref.summary or (port is not None and port.summary)
     hist_sites = hist.histogram_sites(page, order, globs, summary)
-    origin = diff.origin.describe() if diff is not None and diff.origin else None
+    origin = describe_origin(diff.origin) if diff is not None and diff.origin else None
     body = [
         sections.nonfinite_section(page),
         sections.batch_section(page, batch, summary),

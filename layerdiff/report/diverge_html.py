@@ -18,6 +18,8 @@ from matplotlib.figure import Figure
 
 from layerdiff.debug.diverge import DivergeResult
 from layerdiff.outputs import write_text
+from layerdiff.report.findings.debug import update_lines
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.html import (
     COLOURS,
     CSS,
@@ -63,7 +65,7 @@ def _header(result: DivergeResult) -> str:
     if result.found:
         origin = result.origin
         summary = (f"First diverging step: {result.first_step}"
-                   + (f"; origin {origin.describe()}." if origin else ".")
+                   + (f"; origin {describe_origin(origin)}." if origin else ".")
                    + (f" {result.explanation[:1].upper()}{result.explanation[1:]}."
                       if result.explanation else ""))
     else:
@@ -94,7 +96,7 @@ def _update_section(result: DivergeResult) -> str:
     update = result.optimizer_update
     if update is None:
         return ""
-    head, *findings = update.lines()
+    head, *findings = update_lines(update)
     items = "".join(f"<li>{escape(text)}</li>" for text in findings)
     frame = pd.DataFrame([{
         "port parameter": p.port, "reference": ", ".join(p.reference), "update": p.kind,

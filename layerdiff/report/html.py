@@ -30,6 +30,7 @@ from layerdiff.compare.judge import PASSING, Status, Verdict
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
+from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.tree import TREE_CSS, module_tree_section
 from layerdiff.trace import open_trace, schema
 from layerdiff.trace.reader import Trace
@@ -155,7 +156,7 @@ def _header(diff: Diff) -> str:
     verdict = diff.verdict
     origin = diff.origin
     if origin is not None:
-        summary = f"First origin: {origin.describe()}." + (
+        summary = f"First origin: {describe_origin(origin)}." + (
             f" Likely cause: {origin.hint['kind']}." if origin.hint else "")
     elif verdict == "fail":
         summary = "Rows are out of tolerance, but no origin was found."
@@ -602,7 +603,7 @@ def _origins_section(diff: Diff) -> str:
                  f"{escape(hint['evidence'])}</span>" if hint else "")
         pairing = (f"<br><span class=\"note\">{escape(origin.pairing)}</span>"
                    if origin.pairing else "")
-        items.append(f"<li><b>{escape(origin.describe())}</b>{pairing}<br>"
+        items.append(f"<li><b>{escape(describe_origin(origin))}</b>{pairing}<br>"
                      f"{escape(origin.reason)}{cause}{holders}</li>")
     return head + "<ol class=\"origins\">" + "".join(items) + "</ol>"
 

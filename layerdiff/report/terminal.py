@@ -10,10 +10,11 @@ import pandas as pd
 from layerdiff.compare.judge import Status
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.suggest import wrap_command
+from layerdiff.report.findings.diff import describe_origin
+from layerdiff.report.text import WIDTH, clip, clip_middle, number, ranges
 from layerdiff.trace import schema
 from layerdiff.trace.printable import printable
 
-WIDTH = 100
 MAX_SITES = 40
 
 
@@ -94,15 +95,15 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
     """One line: PASS, or FAIL with the first origin."""
     if diff.passed:
         worst = diff.rows["ratio"].max() if not diff.rows.empty else 0.0
-        return _clip(f"PASS  {len(diff.rows):,} records within tolerance (largest error "
-                     f"{_number(worst)} of its tolerance)", width)
+        return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
+                           f"error {number(worst, 3)} of its tolerance)", width)
     if diff.origin is None:
         if (diff.rows["status"] == Status.CANNOT_JUDGE).any():
-            return _clip(f"FAIL  {len(diff.failing()):,} records out; no origin can be named: "
-                         "their inputs have no partner in the port", width)
-        return _clip(f"FAIL  {len(diff.failing()):,} records out of tolerance; no origin "
-                     "found (every failing site's inputs were already out)", width)
-    return f"FAIL  origin: {diff.origin.describe(port_name=False)}"
+            return clip_middle(f"FAIL  {len(diff.failing()):,} records out; no origin can be "
+                               "named: their inputs have no partner in the port", width)
+        return clip_middle(f"FAIL  {len(diff.failing()):,} records out of tolerance; no "
+                           "origin found (every failing site's inputs were already out)", width)
+    return f"FAIL  origin: {describe_origin(diff.origin, port_name=False)}"
 
 
 def _origin_details(origin: Origin, width: int) -> list[str]:
@@ -113,12 +114,12 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
     lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *hint_lines(origin),
              f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
              f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
-             f"{_number((m.get('frac_out') or 0) * 100)}% of elements out"]
+             f"{number((m.get('frac_out') or 0) * 100, 3)}% of elements out"]
     batch = m.get("batch_ratio")
     if batch:
         out = [i for i, r in enumerate(batch) if r is not None and r > 1]
         inside = len(batch) - len(out)
-        lines.append(f"batch elements out of tolerance: {_ranges(out) or 'none'} "
+        lines.append(f"batch elements out of tolerance: {ranges(out) or 'none'} "
                      f"({inside} of {len(batch)} within)")
     if origin.holders:
         lines.append(f"inside {', '.join(origin.holders)}")
@@ -178,14 +179,10 @@ def _summary(diff: Diff, width: int) -> list[str]:
     if len(diff.origins) > 1:
         lines.append(f"origins   {len(diff.origins)}:")
         for i, origin in enumerate(diff.origins, start=1):
-            lines.append(_clip(f"  {i}. {origin.describe(port_name=False)}", width))
-            lines += [_clip_end(f"       {text}", width) for text in hint_lines(origin)]
+            lines.append(clip_middle(f"  {i}. {describe_origin(origin, port_name=False)}",
+                                     width))
+            lines += [clip(f"       {text}", width) for text in hint_lines(origin)]
     return lines
-
-
-def _clip_end(text: str, width: int) -> str:
-    """A sentence cut at the width: its start says what it is (--json has it whole)."""
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def hint_lines(origin: Origin) -> list[str]:
@@ -223,8 +220,8 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
         out.append(_row(widths, {
             "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
             "site": site, "role": row.role, "arg": row.arg,
-            "ratio": _number(row.ratio), "max_abs": _number(row.max_abs),
-            "cosine": _number(row.cosine, digits=6), "status": status}))
+            "ratio": number(row.ratio, 3), "max_abs": number(row.max_abs, 3),
+            "cosine": number(row.cosine, 6), "status": status}))
     return "\n".join(out)
 
 
@@ -239,14 +236,14 @@ def _site_cell(site: str, above: str, width: int) -> tuple[str, str]:
     if module == above:
         return f"  └ {op}#{k}", module
     tail = f"/{op}#{k}"
-    return _clip(module, max(1, width - len(tail))) + tail, module
+    return clip_middle(module, max(1, width - len(tail))) + tail, module
 
 
 def _format_unmatched(unmatched: pd.DataFrame, width: int) -> str:
     lines = []
     for row in unmatched.itertuples(index=False):
         what = row.site if not row.role else f"{row.site} {row.role} {row.arg}"
-        lines.append(_clip(f"  {row.side:<9} {what}: {row.reason}", width))
+        lines.append(clip_middle(f"  {row.side:<9} {what}: {row.reason}", width))
     return "\n".join(lines)
 
 
@@ -254,44 +251,16 @@ def _format_not_taken(not_taken: pd.DataFrame, width: int) -> str:
     lines = []
     for row in not_taken.itertuples(index=False):
         what = f"{row.dtype} ({row.shape})" if row.dtype else str(row.shape)
-        lines.append(_clip(f"  {row.site} {row.role} {row.arg}: {what}; {row.reason}", width))
+        lines.append(clip_middle(f"  {row.site} {row.role} {row.arg}: {what}; {row.reason}", width))
     return "\n".join(lines)
 
 
 def _row(columns: list[tuple[str, int, str]], values: dict[str, str]) -> str:
     cells = []
     for name, width, align in columns:
-        text = _clip(str(values.get(name, "")), width)
+        text = clip_middle(str(values.get(name, "")), width)
         cells.append(text.rjust(width) if align == "r" else text.ljust(width))
     return " ".join(cells).rstrip()
-
-
-def _clip(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    keep = width - 1
-    return text[: keep // 2] + "…" + text[len(text) - (keep - keep // 2):]
-
-
-def _number(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    value = float(value)
-    if math.isinf(value):
-        return "inf"
-    return f"{value:.{digits}g}"
-
-
-def _ranges(indices: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    parts, start = [], None
-    for i, value in enumerate(indices):
-        if start is None:
-            start = value
-        if i + 1 == len(indices) or indices[i + 1] != value + 1:
-            parts.append(str(start) if start == value else f"{start}-{value}")
-            start = None
-    return ", ".join(parts)
 
 
 REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propagated", 10, "r"),
@@ -320,7 +289,7 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     if result.origin is not None:
         lines += _origin_details(result.origin, width)
     lines += ["", f"replayed {len(result.replayed)} sites of {result.diff.reference}"]
-    lines += [_clip(f"  {note}", width) for note in result.notes]
+    lines += [clip_middle(f"  {note}", width) for note in result.notes]
     dropped = [(site, ", ".join(f"{arg} ({why})" for arg, why in args))
                for site, args in result.dropped.items()]
     for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
@@ -339,8 +308,8 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
         for _, row in shown.head(None if verbose else MAX_SITES).iterrows():
             lines.append(_row(widths, {
                 "pass": "fwd" if row["pass"] == "forward" else "bwd", "site": row["port_site"],
-                "local": _number(row["local"]), "propagated": _number(row["propagated"]),
-                "amplif.": _number(row["amplification"]), "verdict": row["verdict"]}))
+                "local": number(row["local"], 3), "propagated": number(row["propagated"], 3),
+                "amplif.": number(row["amplification"], 3), "verdict": row["verdict"]}))
     return "\n".join(lines)
 
 
@@ -352,7 +321,7 @@ def format_swap(result, width: int = WIDTH) -> str:
     lines = textwrap.wrap(f"{verdict}  {result.describe()}", width,
                           subsequent_indent=" " * (len(verdict) + 2))
     for ref, port in result.swapped:
-        lines.append(_clip(f"  swapped: reference {ref} <- port {port}", width))
+        lines.append(clip_middle(f"  swapped: reference {ref} <- port {port}", width))
     for layer, dropped in result.dropped.items():
         said = ", ".join(f"{arg} ({why})" for arg, why in dropped)
         lines += _reason(f"not taken by the swapped-in layer at {layer}: {said}", width)
@@ -371,13 +340,14 @@ def format_swap(result, width: int = WIDTH) -> str:
                       "is identical to the reference's"]
     elif judged:
         lines += ["", "largest differences (x tolerance):"]
-        lines += [_clip(f"  {_number(row.ratio):>9}  {row.what}", width) for row in judged[:8]]
+        lines += [clip_middle(f"  {number(row.ratio, 3):>9}  {row.what}", width)
+                  for row in judged[:8]]
     moved = [row for row in largest([row for row in result.rows if not row.judged])
              if row.ratio != 0][:3]
     if moved:
         lines += ["", "weights after the steps (reported, not judged: the steps amplify what "
                       "the gradients carry):"]
-        lines += [_clip(f"  {_number(row.ratio):>9}  {row.what}", width) for row in moved]
+        lines += [clip_middle(f"  {number(row.ratio, 3):>9}  {row.what}", width) for row in moved]
     return "\n".join(lines)
 
 

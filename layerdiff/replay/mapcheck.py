@@ -17,7 +17,6 @@ The port model is left as it was: its tensors are put back after the dry run.
 from __future__ import annotations
 
 import os
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.records import output_partners
 from layerdiff.errors import CaseError, LayerdiffError, TraceError
-from layerdiff.mapping import TRANSFORMS, Mapping, ParamSource
+from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
 from layerdiff.replay.torch_replay import NotReplayable, TorchPort, restored
 from layerdiff.trace import Trace, open_trace, schema
@@ -56,7 +55,6 @@ FAILING = (NO_SOURCE, SHAPE_MISMATCH, SUSPICIOUS, SUSPICIOUS_CONVERSION, MISMATC
 LEVELS = 4           # a conversion is checked at the owner and at most this many modules out
 BETTER = 10.0        # a transposed load this many times closer to the reference is suspicious
 ROUNDING_ULPS = 16   # a declared load's error below this many ULPs is rounding, not a layout
-WIDTH = 100
 
 
 @dataclass
@@ -113,43 +111,6 @@ class MapCheck:
                 "port": self.port, "mapping": self.mapping,
                 "entries": [entry.as_json() for entry in self.entries],
                 "unused_reference": list(self.unused_reference)}
-
-    def format(self, width: int = WIDTH) -> str:
-        """A table (port tensor, from, transform, status) with the notes of what is wrong,
-        the unused reference tensors, then the verdict."""
-        lines = _table(self.entries, width)
-        if self.unused_reference:
-            lines += ["", *textwrap.wrap(
-                f"reference tensors nothing uses ({len(self.unused_reference)}): "
-                + ", ".join(self.unused_reference), width, subsequent_indent="  ")]
-        return "\n".join([*lines, "", self.verdict()])
-
-    def verdict(self) -> str:
-        checked = sum(entry.errors is not None for entry in self.entries)
-        if self.passed:
-            text = (f"PASS  {len(self.entries) - self.count(PORT_OWN)} port tensors, each "
-                    "with a source that fits; "
-                    f"{checked} checked for a transpose")
-            if self.count(NOT_CHECKED):
-                text += f", {self.count(NOT_CHECKED)} could not be"
-            converted = sum(entry.conversion is not None for entry in self.entries)
-            if converted:
-                text += f"; {converted} conversions checked"
-            if self.count(PORT_OWN):
-                text += f"; {self.count(PORT_OWN)} more kept as the port's own"
-            return "\n      ".join(textwrap.wrap(text, WIDTH - 6))
-        problems = [f"{self.count(status)} {label}" for status, label in (
-            (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
-            (SUSPICIOUS, "likely transposed"),
-            (SUSPICIOUS_CONVERSION, "worse with their conversion"),
-            (MISMATCH_AROUND, "off in the module around them"))
-            if self.count(status)]
-        mapping = self.mapping or "the mapping (--map)"
-        # a module off around tensors nothing else checks: the rule, or the port's own code
-        advice = ("check their rules, or the port there"
-                  if len(self.failing()) == self.count(MISMATCH_AROUND) else f"fix {mapping}")
-        return _clip(f"FAIL  of {len(self.entries)} port tensors: {', '.join(problems)}; "
-                     + advice, WIDTH)
 
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
@@ -533,56 +494,3 @@ class _SiteRunner:
                 if self.mapping.why_unmatched_record("reference", site, "output",
                                                      row["arg"]) is None}
         return self._expected[site]
-
-
-# ---- the terminal table
-
-def _table(entries: list[MapEntry], width: int) -> list[str]:
-    status_w = max([len("status"), *(len(e.status) for e in entries)])
-    transform_w = min(24, max([len("transform"), *(len(_chain(e)) for e in entries)]))
-    names = [_sources(e.reference) for e in entries]
-    room = width - status_w - transform_w - 6
-    from_w = min(max([4, *map(len, names)]), room // 2)
-    port_w = min(max([len("port tensor"), *(len(e.port) for e in entries)]), room - from_w)
-    from_w = min(max([4, *map(len, names)]), room - port_w)  # what the port column leaves
-    lines = [f"{'port tensor':<{port_w}}  {'from':<{from_w}}  {'transform':<{transform_w}}  "
-             "status", "-" * (port_w + from_w + transform_w + status_w + 6)]
-    for entry, source in zip(entries, names, strict=True):
-        if len(entry.reference) > 1 and len(source) > from_w:
-            more = f" +{len(entry.reference) - 1}"
-            source = _clip_left(entry.reference[0], from_w - len(more)) + more
-        lines.append(f"{_clip_left(entry.port, port_w):<{port_w}}  "
-                     f"{_clip_left(source, from_w):<{from_w}}  "
-                     f"{_clip(_chain(entry), transform_w):<{transform_w}}  {entry.status}")
-        if entry.note and (entry.status != OK or entry.conversion is not None):
-            lines += textwrap.wrap(entry.note, width, initial_indent="    ",
-                                   subsequent_indent="    ")
-    return lines
-
-
-def _sources(names: list[str]) -> str:
-    """Reference names with what they share said once: 'a.w_q.weight, w_k.weight'."""
-    if len(names) < 2:
-        return names[0] if names else ""
-    parts = [name.split(".") for name in names]
-    shared = 0
-    while all(len(p) > shared + 1 and p[shared] == parts[0][shared] for p in parts):
-        shared += 1
-    return ", ".join([names[0], *(".".join(p[shared:]) for p in parts[1:])])
-
-
-def _chain(entry: MapEntry) -> str:
-    """The transform chain in a few characters: concat(1),transpose; a conversion function
-    by its name, permute_rope() (the note and the JSON give its module and digest)."""
-    return ",".join(f"{step}({entry.axis})" if step in ("concat", "split") and entry.axis
-                    else step if step in TRANSFORMS else step.rpartition(":")[2] + "()"
-                    for step in entry.transform)
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def _clip_left(text: str, width: int) -> str:
-    """The end of a long name, which says most: '...layers.3.attn.w_q.weight'."""
-    return text if len(text) <= width else "..." + text[len(text) - width + 3:]

@@ -13,6 +13,7 @@ from pathlib import Path
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.result import Diff
 from layerdiff.outputs import replacing
+from layerdiff.report.findings.diff import describe_origin
 
 
 def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdiff") -> Path:
@@ -37,7 +38,7 @@ def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdif
         worst = bad.loc[bad["ratio"].fillna(float("inf")).idxmax()]
         origin = origins.get((site, int(worst["step"])))
         if origin is not None:
-            message = f"origin: {origin.describe()}: {origin.reason}"
+            message = f"origin: {describe_origin(origin)}: {origin.reason}"
         else:
             cause = worst["cause"] or "an earlier site"
             message = (f"{worst['pass']} {worst['role']} {worst['arg']} out of tolerance "

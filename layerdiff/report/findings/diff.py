@@ -1,0 +1,79 @@
+"""The text of a diff's results: an origin in one line, a diff for a notebook, a CI check's
+verdict line. The diff's terminal table is :mod:`layerdiff.report.terminal`'s."""
+
+from __future__ import annotations
+
+from html import escape
+
+import numpy as np
+
+from layerdiff.ci.check import DRIFT, IDENTICAL_OUTCOME, CheckResult
+from layerdiff.compare.judge import Verdict
+from layerdiff.compare.result import Diff, Origin
+
+NOTEBOOK_ROWS = 20     # failing rows a notebook shows (.failing() has them all)
+NOTEBOOK_ORIGINS = 10
+
+
+def describe_origin(origin: Origin, *, port_name: bool = True) -> str:
+    """'decoder.norm1#0 (port dec.ln1#0), forward output, step 0: 77x tolerance'."""
+    where = origin.site if not port_name or origin.port_site in ("", origin.site) else (
+        f"{origin.site} (port {origin.port_site})")
+    ratio = origin.metrics.get("ratio")
+    size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
+            and np.isfinite(ratio) else ": not finite" if ratio is not None else "")
+    arg = "" if origin.arg == "0" else f" '{origin.arg}'"
+    ranks = "" if not origin.ranks else (
+        f", rank {origin.ranks[0]}'s part" if len(origin.ranks) == 1
+        else f", ranks {', '.join(map(str, origin.ranks))}' parts")
+    return f"{where}, {origin.pass_} {origin.role}{arg}, step {origin.step}{ranks}{size}"
+
+
+def notebook_html(diff: Diff) -> str:
+    """What a notebook shows for a diff: the verdict, the origins (with their likely causes)
+    and the first failing rows as a table. ``import layerdiff`` registers it with IPython's
+    display for :class:`Diff`."""
+    colour = "#1a7f37" if diff.passed else "#c62828"
+    failing = diff.failing()
+    parts = [f'<p><b style="color:{colour}">{diff.verdict.upper()}</b> '
+             f"{escape(str(diff.port))} against {escape(str(diff.reference))}: "
+             f"{len(diff.rows)} records compared, {len(failing)} out of tolerance</p>"]
+    if diff.origins:
+        items = "".join(
+            f"<li>{escape(describe_origin(origin))}"
+            + (f"<br><i>likely cause: {escape(origin.hint['kind'])}: "
+               f"{escape(origin.hint['evidence'])}</i>" if origin.hint else "")
+            + "</li>" for origin in diff.origins[:NOTEBOOK_ORIGINS])
+        parts.append(f"<p>origins:</p><ol>{items}</ol>")
+    if not failing.empty:
+        columns = ["step", "pass", "site", "role", "arg", "ratio", "max_abs", "cosine",
+                   "status"]
+        table = failing[[c for c in columns if c in failing.columns]].head(NOTEBOOK_ROWS)
+        parts.append(table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
+        if len(failing) > NOTEBOOK_ROWS:
+            parts.append(f"<p>... {len(failing) - NOTEBOOK_ROWS} more: <code>.failing()</code> "
+                         "has them all, <code>.rows</code> every record</p>")
+    return "\n".join(parts)
+
+
+def check_line(result: CheckResult) -> str:
+    """A CI check's one-line verdict: IDENTICAL, DRIFT (how much, where the most) or FAIL
+    (the origin)."""
+    rows = result.diff.rows
+    if result.outcome == IDENTICAL_OUTCOME:
+        return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
+                f"{result.golden.name}")
+    if result.outcome == DRIFT:
+        changed = rows[rows["verdict"] != Verdict.IDENTICAL]
+        worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
+        return (f"DRIFT  {result.case}: {len(changed):,} of {len(rows):,} records changed, "
+                f"within tolerance; the most at {worst['site']} {worst['role']} "
+                f"({worst['ratio']:.3g}x tolerance)")
+    origin = result.diff.origin
+    if origin is None and result.diff.meta.get("structure"):
+        return f"FAIL  {result.case}: {result.diff.meta['structure']}"
+    where = describe_origin(origin, port_name=False) if origin else "no origin found"
+    return f"FAIL  {result.case}: out of tolerance; origin {where}"
+
+
+__all__ = ["check_line", "describe_origin", "notebook_html"]
