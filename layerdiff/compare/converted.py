@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
 
@@ -93,8 +93,6 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
          port_values: np.ndarray, how: str) -> dict[str, Any]:
     """One row as the engine makes it (tolerance, loss scale, baseline, notes), of two whole
     tensors in the same layout."""
-    from layerdiff.compare.engine import _new_metrics, _over
-
     shape = tuple(np.shape(ref_values))
     seen_r = dict(r, shape=schema.format_shape(shape), digest="")
     seen_p = dict(p, shape=schema.format_shape(tuple(np.shape(port_values))), digest="")
@@ -103,19 +101,14 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
     if row["verdict"]:  # shapes differ
         return row
     tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-    metrics = _new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
+    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
     metrics.scratch = comparer.scratch
     port_flat = np.ascontiguousarray(port_values).ravel()
     if row["role"] in GRAD_ROLES and comparer.grad_factor != 1.0:
         metrics.ulp_scale = None  # rescaled values: ULPs of neither side
         port_flat = port_flat.astype(np.float64) * comparer.grad_factor
     metrics.update(np.ascontiguousarray(ref_values).ravel(), port_flat, 0)
-    row.update(metrics.result(shape))
-    if row["rms_tol"] is not None:  # a baseline's second rule
-        row["ratio"] = judge.worst([row["ratio"], _over(row["rms"], row["rms_tol"])])
-    row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
-                                   port_nan=row["port_nan"], port_inf=row["port_inf"],
-                                   finite_ratio=row["finite_ratio"])
+    finish_row(row, metrics, shape)
     return row
 
 
