@@ -104,8 +104,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
-            attach_ranks(result.origins, ref_trace, port_trace, mapping,
-                         ref_trace.loss_scale / port_trace.loss_scale)
+            attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
+                         mapping)
             result.meta["gathered"] = port_trace.meta["gathered"]
             result.meta["replicas"] = replicas
         return result

@@ -99,18 +99,19 @@ class PairReader:
 
     def records(self, row: Mapping[str, Any] | pd.Series
                 ) -> tuple[pd.Series | None, pd.Series | None]:
-        """The index rows of the row's reference and port tensors (None: not recorded with
-        data on that side; the port's None too for a gradient the port never sent)."""
+        """The index rows of the row's reference and port records (None: no such record on
+        that side; the port's None too for a gradient the port never sent). A record may
+        hold statistics only (``segment`` < 0): :meth:`read` refuses those."""
         plan = self.plan(row)
         if plan is not None:
             ref = self.ref.index.iloc[plan.ref]
             port = None if plan.match == "absent" else self.port.index.iloc[plan.port]
-            return _with_data(ref), _with_data(port)
+            return ref, port
         step, site, role, arg = row_key(row)
         port_site = _text(row.get("port_site")) or site
         port_arg = _text(row.get("port_arg")) or arg
-        return (_with_data(self._named(0, step, site, role, arg)),
-                _with_data(self._named(1, step, port_site, role, port_arg)))
+        return (self._named(0, step, site, role, arg),
+                self._named(1, step, port_site, role, port_arg))
 
     def read(self, row: Mapping[str, Any] | pd.Series, *,
              stored: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +125,7 @@ class PairReader:
                 raise TraceError(f"{trace.path} is a summary trace (statistics only, no tensor "
                                  "data); capture without --summary to see which elements "
                                  "differ")
-        ref_row, port_row = self.records(row)
+        ref_row, port_row = (_with_data(record) for record in self.records(row))
         plan = self.plan(row)
         step, site, role, arg = row_key(row)
         if ref_row is None:

@@ -27,12 +27,11 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
 from layerdiff.compare import judge
 from layerdiff.compare.judge import PASSING, Status, Verdict
+from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
 from layerdiff.report.tree import TREE_CSS, module_tree_section
-from layerdiff.trace import open_trace, schema
-from layerdiff.trace.reader import Trace
 
 MAX_TABLE_ROWS = 200
 MAX_HEATMAP_COLUMNS = 256
@@ -127,19 +126,21 @@ def write_html(diff: Diff, path: str | os.PathLike[str]) -> Path:
 
 
 def render_html(diff: Diff) -> str:
-    """The report page as a string (for notebooks, or to embed elsewhere)."""
-    sections = [
-        _header(diff),
-        module_tree_section(diff),
-        _ops_section(diff),
-        _error_section(diff),
-        _origin_section(diff),
-        _failing_section(diff),
-        _origins_section(diff),
-        _unmatched_section(diff),
-        _not_taken_section(diff),
-        _meta_section(diff),
-    ]
+    """The report page as a string (for notebooks, or to embed elsewhere): from the diff's
+    rows, and tensors read back through one :class:`PairReader` (each trace opened once)."""
+    with PairReader.of(diff) as reader:
+        sections = [
+            _header(diff),
+            module_tree_section(diff, reader),
+            _ops_section(diff),
+            _error_section(diff),
+            _origin_section(diff, reader),
+            _failing_section(diff),
+            _origins_section(diff),
+            _unmatched_section(diff),
+            _not_taken_section(diff),
+            _meta_section(diff),
+        ]
     title = f"layerdiff {diff.verdict.upper()}: {Path(diff.port).name}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
@@ -346,7 +347,7 @@ def _ops_section(diff: Diff) -> str:
             "and name the op:</p><pre>" + escape("\n".join(commands)) + "</pre>")
 
 
-def _origin_section(diff: Diff) -> str:
+def _origin_section(diff: Diff, reader: PairReader) -> str:
     origin = diff.origin
     if origin is None:
         return ""
@@ -354,8 +355,8 @@ def _origin_section(diff: Diff) -> str:
         f" (arg {origin.arg})" if origin.arg not in ("", "0") else "")
     head = f"<h2 id=\"origin\">The origin's tensors: {escape(what)}</h2>"
     row = _origin_row(diff, origin)
-    try:
-        ref, port = _origin_tensors(diff, origin, row)
+    try:  # as the diff compared them: sliced, transposed, at one loss scale
+        ref, port = reader.read(row if row is not None else origin_row(origin))
     except (LayerdiffError, OSError, ValueError) as exc:
         # The page is still worth having without the pictures; say why they are missing.
         return head + f"<p class=\"note\">No tensor plots: {escape(str(exc))}</p>"
@@ -395,34 +396,6 @@ def _tolerance(row: pd.Series | None, origin: Origin) -> tuple[float, float]:
     rtol = float(rtol) if _present(rtol) else 0.0
     atol = float(atol) if _present(atol) else 0.0
     return rtol, atol
-
-
-def _origin_tensors(diff: Diff, origin: Origin,
-                    row: pd.Series | None) -> tuple[np.ndarray, np.ndarray]:
-    port_site = origin.port_site or origin.site
-    port_arg = row["port_arg"] if row is not None and _present(row["port_arg"]) else origin.arg
-    with open_trace(diff.reference) as ref_trace, open_trace(diff.port) as port_trace:
-        for trace in (ref_trace, port_trace):
-            if trace.summary:
-                raise ValueError(f"{trace.path} is a summary trace (statistics only, no tensor "
-                                 "data); capture without --summary to see which elements differ")
-        ref = _read_tensor(ref_trace, origin.step, origin.pass_, origin.site, origin.role,
-                           origin.arg)
-        port = _read_tensor(port_trace, origin.step, origin.pass_, port_site, origin.role,
-                            port_arg)
-        if origin.role in schema.GRAD_ROLES:  # as the diff compared them: at one loss scale
-            port *= ref_trace.loss_scale / port_trace.loss_scale
-    return ref, port
-
-
-def _read_tensor(trace: Trace, step: int, pass_: str, site: str, role: str,
-                 arg: str) -> np.ndarray:
-    row = trace.find(step, site, role, arg, pass_=pass_, kind="tensor")
-    if row is None:
-        raise ValueError(f"{trace.path} has no tensor for {site} {role} {arg} at step {step}")
-    if int(row["segment"]) < 0:
-        raise ValueError(f"{trace.path} stores no data for {site} {role} {arg}")
-    return np.asarray(trace.read(row), dtype=np.float64)
 
 
 def _batch_matrix(values: np.ndarray) -> np.ndarray:

@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare.judge import PASSING, Status
+from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Diff
 from layerdiff.errors import LayerdiffError
-from layerdiff.trace import open_trace
 from layerdiff.trace.schema import ROOT_MODULE
 
 # Nodes drawn at most. Past it the shallowest levels are drawn first and each parent's
@@ -81,12 +81,16 @@ class _Score:
     state: str        # 'o' out of tolerance, 'p' out but each such row propagated, 'w' within
 
 
-def module_tree_section(diff: Diff) -> str:
-    """The module tree as an HTML section; "" when the reference trace lists no sites."""
+def module_tree_section(diff: Diff, reader: PairReader | None = None) -> str:
+    """The module tree as an HTML section; "" when the reference trace lists no sites.
+    ``reader``: the report's reader of the diff's traces (one is opened when not given)."""
     head = "<section class=\"mt\" id=\"module-tree\"><h2>Module tree</h2>"
     try:
-        with open_trace(diff.reference) as trace:
-            sites = trace.sites
+        if reader is None:
+            with PairReader.of(diff) as own:
+                sites = own.ref.sites
+        else:
+            sites = reader.ref.sites
     except (LayerdiffError, OSError) as exc:
         # The rest of the page stands without it; say why it is missing.
         return head + f"<p class=\"note\">Not drawn: {escape(str(exc))}</p></section>"

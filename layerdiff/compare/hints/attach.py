@@ -46,7 +46,8 @@ def attach_hints(origins: list[R.Origin], reader: PairReader, *,
 def _hint(origin: R.Origin, reader: PairReader, max_elements: int) -> hints.Hint | None:
     row = origin_row(origin)
     ref_row, port_row = reader.records(row)
-    if ref_row is None or port_row is None:
+    if ref_row is None or port_row is None or min(int(ref_row["segment"]),
+                                                  int(port_row["segment"])) < 0:
         return None
     ref, port = reader.ref, reader.port
     ref_values, port_values = reader.read(row, stored=True)
