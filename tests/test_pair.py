@@ -86,9 +86,9 @@ def test_a_summary_trace_is_refused_in_one_sentence(tmp_path):
     ref, port, mapping = _traces(tmp_path, port_scale=1.0, port_k=K, port_grad=GRAD)
     result = diff(ref, port, mapping=mapping)
     summary = tmp_path / "summary.h5"
-    with TraceWriter(summary, meta={"loss_scale": 1.0}, summary=True) as w:
-        with w.site("qk", "Linear") as s:
-            w.record(s, "weight", np.concatenate([Q, K]), arg="weight")
+    with TraceWriter(summary, meta={"loss_scale": 1.0}, summary=True) as w, w.site(
+            "qk", "Linear") as s:
+        w.record(s, "weight", np.concatenate([Q, K]), arg="weight")
     result.port = summary
     with pytest.raises(TraceError, match="summary trace"):
         read_pair(result, _row(result, "q#0", "weight"))
