@@ -157,12 +157,13 @@ def test_a_real_browser_draws_the_page(tmp_path, screenshot):
     assert colours > 50, f"only {colours} distinct colours: the plots did not render"
 
 
-def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path):
+def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path, monkeypatch):
     """Traces captured at different --loss-scale: the plotted port gradient is rescaled as the
     diff compared it, so the heatmap shows the bug, not the factor 1024 (a sign flip here:
     the magnitudes agree)."""
     from layerdiff import capture, diff, load_case, load_weights
-    from layerdiff.report.html import _origin_tensors
+    from layerdiff.compare.pair import PairReader
+    from layerdiff.report import html
 
     reference = capture(load_case("reference_models.mlp:reference"), tmp_path / "ref.h5",
                         loss_scale=1024.0)
@@ -171,5 +172,15 @@ def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path):
     result = diff(reference, capture(case, tmp_path / "port.h5"))
     origin = result.origin
     assert (origin.site, origin.pass_) == ("act1#0", "backward")
-    ref, port = _origin_tensors(result, origin, None)
+    drawn = []
+    read = PairReader.read
+
+    def spy(reader, row, **options):  # what the page's origin section draws
+        pair = read(reader, row, **options)
+        drawn.append(pair)
+        return pair
+
+    monkeypatch.setattr(PairReader, "read", spy)
+    assert "id=\"heatmap\"" in html.render_html(result)
+    ref, port = drawn[0]
     assert np.allclose(np.abs(port), np.abs(ref), rtol=1e-4, atol=1e-9)
