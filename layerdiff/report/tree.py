@@ -23,6 +23,7 @@ from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Diff
 from layerdiff.errors import LayerdiffError
+from layerdiff.report.text import number
 from layerdiff.trace.schema import ROOT_MODULE
 
 # Nodes drawn at most. Past it the shallowest levels are drawn first and each parent's
@@ -316,7 +317,7 @@ def _line(node: _Node, score: _Score | None, notes: list[str]) -> str:
     if score is None:
         ratio = "<span class=\"u\">unpaired</span>"
     else:
-        ratio = f"<span class=\"r {score.state}\">{_number(score.worst)}</span>"
+        ratio = f"<span class=\"r {score.state}\">{number(score.worst, 3)}</span>"
     return label + ratio + "".join(notes)
 
 
@@ -338,7 +339,7 @@ def _more(run: list[_Node], scores: dict[str, _Score]) -> str:
     if found:
         worst = max(score.worst for score in found)
         state = min(score.state for score in found)  # 'o' before 'p' before 'w'
-        ratio = f"<span class=\"r {state}\">worst {_number(worst)}</span>"
+        ratio = f"<span class=\"r {state}\">worst {number(worst, 3)}</span>"
     else:
         ratio = "<span class=\"u\">unpaired</span>"
     first, last = _short_name(run[0]), _short_name(run[-1])
@@ -349,9 +350,3 @@ def _more(run: list[_Node], scores: dict[str, _Score]) -> str:
     holding = f" ({below:,} sites inside)" if below else ""
     return (f"<li data-more=\"{len(inside)}\"><div class=\"row more\">{len(run):,} more {what}"
             f"{holding} not drawn: <span class=\"n\">{span}</span>{ratio}</div></li>")
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "inf"
-    return "0" if value == 0 else f"{value:.3g}"

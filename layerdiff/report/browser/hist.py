@@ -2,7 +2,7 @@
 
 A site's histograms show its first output (values) and the first gradient arriving at its
 outputs, streamed from the trace in 1 MiB chunks into 60 bins fixed by the index's min and
-max (see :func:`layerdiff.report.browser_data.histogram`), so memory stays bounded. In pair
+max (see :func:`layerdiff.report.browser.data.histogram`), so memory stays bounded. In pair
 mode the port's tensor is counted on the same bins.
 """
 
@@ -15,9 +15,8 @@ import pandas as pd
 
 from layerdiff.compare.pair import PairReader
 from layerdiff.errors import TraceError
-from layerdiff.report import browser_data as data
-from layerdiff.report import browser_svg as svg
-from layerdiff.report.browser_page import Page
+from layerdiff.report.browser import data, svg
+from layerdiff.report.browser.sections import Page
 from layerdiff.trace.reader import Trace
 
 # A trace is "small", and every site gets histograms, when the tensors they read (one output
