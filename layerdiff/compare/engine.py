@@ -30,7 +30,7 @@ from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import find_origins
-from layerdiff.compare.pair import PairReader, RowKey
+from layerdiff.compare.pair import ConvertedPair, PairReader, RowKey
 from layerdiff.compare.rank_parts import (
     attach_ranks,
     gathered,
@@ -228,12 +228,18 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
 def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, RecordPair]:
     """How each row's records were paired, by the row's key: what a row is read back through
     (:mod:`layerdiff.compare.pair`). A gradient the port never sent pairs the reference's with
-    zeros (``absent``); rows a call adapter or a conversion made are read by their names."""
+    zeros (``absent``), a parameter made through a conversion is read through it; rows a
+    call adapter made are read by their names."""
     steps, sites = ref_index["step"].to_numpy(), ref_index["site"].to_numpy()
     roles, args = ref_index["role"].to_numpy(), ref_index["arg"].to_numpy()
     found: dict[RowKey, RecordPair] = {}
     plans = [*records.pairs, *(RecordPair(ref, port, "absent", 1.0)
                                for ref, port in records.absent)]
+    for item in records.converted:  # a weight's row at its first reference tensor, a
+        # gradient's at each (see compare/converted.py)
+        weight = roles[item.refs[0]] == "weight"
+        plans += [ConvertedPair(ref, item.port, "converted", 1.0, item=item)
+                  for ref in (item.refs[:1] if weight else item.refs)]
     for plan in plans:
         at = plan.ref
         found.setdefault((int(steps[at]), str(sites[at]), str(roles[at]), str(args[at])), plan)

@@ -4,8 +4,9 @@ One reader for everything that looks at a row's tensors after the diff (the HTML
 plots, the likely-cause hints, the rank of a sharded error, the trace browser): the reference's
 record cut to its slice; the port's cut to its slice, then transposed, as the mapping says
 (:class:`layerdiff.compare.records.RecordPair`, which the diff keeps per row in
-``Diff.pairs``); a gradient of the port brought to the reference's loss scale; every byte
-checked against its index digest (the trace reader does that). A row the diff has no pairing
+``Diff.pairs``), or a parameter made through a conversion function recomputed through it; a
+gradient of the port brought to the reference's loss scale; every byte checked against its
+index digest (the trace reader does that). A row the diff has no pairing
 for (a diff built elsewhere, a call adapter's product) is read by the names in the row.
 
 Each trace is opened once per reader, when first needed, so a report opens each at most once.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,19 @@ import pandas as pd
 
 from layerdiff.compare import result as R
 from layerdiff.compare.reading import as_compared
-from layerdiff.compare.records import RecordPair
+from layerdiff.compare.records import ConvertedParam, RecordPair
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, open_trace, schema
 
 RowKey = tuple[int, str, str, str]  # step, reference site, role, arg: one diff row
+
+
+@dataclass(frozen=True)
+class ConvertedPair(RecordPair):
+    """A row of a parameter the mapping makes through a conversion function: read back
+    through it (:func:`layerdiff.compare.converted.converted_values`, torch)."""
+
+    item: ConvertedParam | None = None
 
 
 def row_key(row: Mapping[str, Any] | pd.Series) -> RowKey:
@@ -128,6 +138,8 @@ class PairReader:
         ref_row, port_row = (_with_data(record) for record in self.records(row))
         plan = self.plan(row)
         step, site, role, arg = row_key(row)
+        if isinstance(plan, ConvertedPair) and ref_row is not None and port_row is not None:
+            return self._converted(plan, role, stored)
         if ref_row is None:
             raise TraceError(f"{self.ref.path} has no tensor data for {site} {role} {arg} at "
                              f"step {step}")
@@ -145,6 +157,21 @@ class PairReader:
         if role in schema.GRAD_ROLES and self.grad_factor != 1.0:
             port = port.astype(np.float64) * self.grad_factor  # as the diff compared them
         return ref, port
+
+    def _converted(self, plan: ConvertedPair, role: str,
+                   stored: bool) -> tuple[np.ndarray, np.ndarray]:
+        from layerdiff.compare.converted import converted_values  # torch, as the diff did
+
+        for position, ref, port in converted_values(self.ref, self.port, plan.item):
+            if position == plan.ref:
+                ref, port = np.asarray(ref), np.asarray(port)
+                if not stored:
+                    ref, port = ref.astype(np.float64), port.astype(np.float64)
+                if role in schema.GRAD_ROLES and self.grad_factor != 1.0:
+                    port = port.astype(np.float64) * self.grad_factor
+                return ref, port
+        raise TraceError(f"{self.port.path}: the conversion {plan.item.source.transform} "
+                         "gives no tensor for this row")
 
     def _named(self, side: int, step: int, site: str, role: str, arg: str) -> pd.Series | None:
         """A tensor record by names, through a table built once per trace (a pandas filter

@@ -110,7 +110,8 @@ def _ranks_out(origin: R.Origin, reader: PairReader, dim: int, world: int) -> li
     plan = reader.plan(row)
     if ref_row is None or port_row is None or ref_row["shape"] != port_row["shape"] or max(
             int(ref_row["numel"]), int(port_row["numel"])) > MAX_ELEMENTS or (
-            plan is not None and (plan.ref_slice or plan.port_slice or plan.transpose_port)):
+            plan is not None and (plan.ref_slice or plan.port_slice or plan.transpose_port
+                                  or plan.match == "converted")):
         return None
     ref_values, port_values = reader.read(row)  # float64, the port's gradients rescaled
     dim %= max(ref_values.ndim, 1)
