@@ -121,6 +121,24 @@ def test_failing_report_is_self_contained_and_names_the_origin(tmp_path):
     assert "<enc.extra>" not in page
 
 
+def test_the_report_opens_each_trace_once(tmp_path, monkeypatch):
+    """The module tree and the origin's plots read through one reader: each trace is opened
+    once per page, not once per section."""
+    from layerdiff.compare import pair
+
+    opened = []
+    real = pair.open_trace
+
+    def counting(path, **options):
+        opened.append(Path(path).name)
+        return real(path, **options)
+
+    monkeypatch.setattr(pair, "open_trace", counting)
+    page = write_html(_failing_diff(tmp_path), tmp_path / "report.html").read_text()
+    assert 'id="heatmap"' in page and 'id="module-tree"' in page
+    assert sorted(opened) == ["port.h5", "ref.h5"]
+
+
 def test_passing_report_has_no_heatmap(tmp_path):
     page = write_html(_passing_diff(tmp_path), tmp_path / "report.html").read_text()
     assert "PASS" in page and "FAIL" not in page
