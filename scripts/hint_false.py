@@ -17,11 +17,11 @@ from pathlib import Path
 
 from layerdiff import capture, diff, load_case, load_weights
 from layerdiff.case import ExternalCase
-from layerdiff.compare.origins import attach_hints
+from layerdiff.compare.hints.attach import attach_hints
+from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.report.findings.diff import describe_origin
-from layerdiff.trace import open_trace
 from reference_models.catalog import CATALOG, HERE
 
 ROOT = HERE.parent
@@ -88,8 +88,8 @@ def main() -> None:
                 origins_here = (_every_record(result) if args.every_record
                                 else result.origins)
                 if args.every_record:
-                    attach_hints(origins_here, open_trace(ref), open_trace(port),
-                                 max_origins=len(origins_here))
+                    with PairReader(ref, port, result.pairs) as reader:
+                        attach_hints(origins_here, reader, max_origins=len(origins_here))
                 hints = [(describe_origin(o), o.hint) for o in origins_here]
                 origins += len(hints)
                 wrong = [h for h in hints if h[1] and h[1]["kind"] != "precision"]

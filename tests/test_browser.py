@@ -22,9 +22,8 @@ from torch.nn import functional as F
 
 from layerdiff import Case, capture, load_case, seed_everything
 from layerdiff.errors import OutputError, TraceError
-from layerdiff.report import browser_data as data
-from layerdiff.report import browser_hist
-from layerdiff.report.browser import browse, write_browser
+from layerdiff.report.browser import browse, data, write_browser
+from layerdiff.report.browser import hist as browser_hist
 from layerdiff.trace import TraceWriter, open_trace
 from layerdiff.weights import load_weights
 

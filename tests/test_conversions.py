@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from layerdiff import Case, MappingError, capture, diff, load_weights, seed_everything
+from layerdiff.compare import read_pair
 from layerdiff.compare.converted import source_warnings
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam
@@ -283,6 +284,12 @@ def test_a_gradient_wrong_in_one_converted_parameter_is_named_there(reference, t
     result = diff(reference, capture(port, tmp_path / "port.h5"), mapping=mapping)
     assert _rows(result, "weight_grad", "attn.k#0").iloc[0]["verdict"] == Verdict.OUT
     assert _rows(result, "weight_grad", "attn.q#0").iloc[0]["verdict"] in PASSING
+    # read back as compared: the port's gradient pulled back to the reference's layout
+    row = _rows(result, "weight_grad", "attn.k#0").iloc[0]
+    ref, port = read_pair(result, row)
+    assert ref.shape == port.shape == tuple(int(n) for n in row["shape"].split(","))
+    assert np.abs(port - ref).max() == pytest.approx(row["max_abs"], rel=1e-6)
+    assert np.allclose(port, 1.5 * ref, rtol=1e-4, atol=1e-6)
 
 
 def test_swap_and_replay_judge_the_attention_through_the_conversion(reference, tmp_path):

@@ -249,7 +249,7 @@ def test_a_mapped_range_is_the_bytes_a_read_gives_and_out_of_range_is_not_mapped
     from layerdiff.compare.reading import DirectReader
     with open_trace(pair[0]) as trace:
         row = trace.index[trace.index["numel"] == 1 << 20].iloc[0]
-        reader = DirectReader(trace.h5, str(trace.path))
+        reader = DirectReader(trace.segments())
         segment, offset = int(row["segment"]), int(row["offset"])
         view = reader.mapped(segment, offset + 4096, 3 << 20)
         read = np.empty(3 << 20, np.uint8)

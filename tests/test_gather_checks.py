@@ -87,6 +87,7 @@ def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
     infinity on both sides is a match there as everywhere (it was counted as out)."""
     from types import SimpleNamespace
 
+    from layerdiff.compare.pair import PairReader
     from layerdiff.compare.rank_parts import _ranks_out
 
     ref_values = np.array([[np.inf, 1.0], [2.0, 3.0]], dtype=np.float32)
@@ -98,10 +99,11 @@ def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
             writer.record(site, "output", values)
         return open_trace(tmp_path / name)
 
-    origin = SimpleNamespace(step=0, site="fc#0", port_site="fc#0", role="output", arg="0",
-                             port_arg="0", metrics={"rtol": 1.3e-6, "atol": 1e-5})
+    origin = SimpleNamespace(step=0, pass_="forward", site="fc#0", port_site="fc#0",
+                             role="output", arg="0", port_arg="0",
+                             metrics={"rtol": 1.3e-6, "atol": 1e-5})
     with write("ref.h5", ref_values) as ref, write("port.h5", port_values) as port:
-        assert _ranks_out(origin, ref, port, 0, 2, 1.0) == [1]
+        assert _ranks_out(origin, PairReader(ref, port), 0, 2) == [1]
 
 
 @pytest.mark.parametrize("magnitude", [1e-200, 1.0, 1e160, 1e300])

@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 from layerdiff import Case, capture, diff, load_case, load_weights, seed_everything
 from layerdiff.compare.hints import Attention, Kind, hint
-from layerdiff.compare.origins import attach_hints
+from layerdiff.compare.hints.attach import attach_hints
+from layerdiff.compare.pair import PairReader
 from layerdiff.report.html import write_html
 from layerdiff.report.terminal import format_diff
 from layerdiff.trace import open_trace
@@ -261,7 +262,8 @@ def test_no_hint_without_tensor_data(mlp_traces):
     reference, ports = mlp_traces
     result = diff(reference, ports["mlp_bias_twice"])
     with open_trace(reference) as ref, open_trace(ports["mlp_bias_twice"]) as port:
-        attach_hints(result.origins, ref, port, max_elements=8)  # nothing small enough
+        # nothing small enough
+        attach_hints(result.origins, PairReader(ref, port, result.pairs), max_elements=8)
     assert result.origin.hint is None
 
 

@@ -299,7 +299,7 @@ def test_a_parameter_the_mapping_transforms_is_hinted_as_the_diff_compared_it():
     """The stored port tensor is used as stored or transposed, whichever gives the diff's own
     largest difference; a tensor the mapping permutes (HF q/k rows for Meta's) is neither, and
     a hint of it would describe the mapping's layout, not a mistake."""
-    from layerdiff.compare.origins import _as_compared
+    from layerdiff.compare.hints.attach import _as_compared
 
     rng = np.random.default_rng(10)
     ref = rng.standard_normal((8, 8))

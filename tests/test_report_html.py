@@ -121,6 +121,24 @@ def test_failing_report_is_self_contained_and_names_the_origin(tmp_path):
     assert "<enc.extra>" not in page
 
 
+def test_the_report_opens_each_trace_once(tmp_path, monkeypatch):
+    """The module tree and the origin's plots read through one reader: each trace is opened
+    once per page, not once per section."""
+    from layerdiff.compare import pair
+
+    opened = []
+    real = pair.open_trace
+
+    def counting(path, **options):
+        opened.append(Path(path).name)
+        return real(path, **options)
+
+    monkeypatch.setattr(pair, "open_trace", counting)
+    page = write_html(_failing_diff(tmp_path), tmp_path / "report.html").read_text()
+    assert 'id="heatmap"' in page and 'id="module-tree"' in page
+    assert sorted(opened) == ["port.h5", "ref.h5"]
+
+
 def test_passing_report_has_no_heatmap(tmp_path):
     page = write_html(_passing_diff(tmp_path), tmp_path / "report.html").read_text()
     assert "PASS" in page and "FAIL" not in page
@@ -157,12 +175,13 @@ def test_a_real_browser_draws_the_page(tmp_path, screenshot):
     assert colours > 50, f"only {colours} distinct colours: the plots did not render"
 
 
-def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path):
+def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path, monkeypatch):
     """Traces captured at different --loss-scale: the plotted port gradient is rescaled as the
     diff compared it, so the heatmap shows the bug, not the factor 1024 (a sign flip here:
     the magnitudes agree)."""
     from layerdiff import capture, diff, load_case, load_weights
-    from layerdiff.report.html import _origin_tensors
+    from layerdiff.compare.pair import PairReader
+    from layerdiff.report import html
 
     reference = capture(load_case("reference_models.mlp:reference"), tmp_path / "ref.h5",
                         loss_scale=1024.0)
@@ -171,5 +190,15 @@ def test_a_backward_origins_plots_compare_gradients_at_one_loss_scale(tmp_path):
     result = diff(reference, capture(case, tmp_path / "port.h5"))
     origin = result.origin
     assert (origin.site, origin.pass_) == ("act1#0", "backward")
-    ref, port = _origin_tensors(result, origin, None)
+    drawn = []
+    read = PairReader.read
+
+    def spy(reader, row, **options):  # what the page's origin section draws
+        pair = read(reader, row, **options)
+        drawn.append(pair)
+        return pair
+
+    monkeypatch.setattr(PairReader, "read", spy)
+    assert "id=\"heatmap\"" in html.render_html(result)
+    ref, port = drawn[0]
     assert np.allclose(np.abs(port), np.abs(ref), rtol=1e-4, atol=1e-9)

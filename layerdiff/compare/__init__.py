@@ -4,7 +4,8 @@ Needs numpy, pandas and h5py only, never torch: a CI job that compares stored tr
 port in another framework, can use it without torch installed.
 """
 
-from layerdiff.compare.engine import diff, read_pair, save_rows_csv
+from layerdiff.compare.engine import diff, save_rows_csv
+from layerdiff.compare.pair import read_pair
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.tolerances import Tolerance, Tolerances
 from layerdiff.mapping import Mapping

@@ -40,6 +40,7 @@ from layerdiff.compare.arguments import CallSignatures, head_of
 from layerdiff.compare.baseline import Baseline, BaselineError, Limit
 from layerdiff.compare.metrics import PairMetrics
 from layerdiff.compare.records import RecordPair, RecordPairing
+from layerdiff.compare.row_metrics import rms_over
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
@@ -204,7 +205,7 @@ class _Call:
                        np.ascontiguousarray(port_values).reshape(-1), 0)
         row.update(metrics.result(shape))
         if rms_tol is not None:  # the baseline's second rule, as the engine folds it in
-            row["ratio"] = judge.worst([row["ratio"], _over(row["rms"], rms_tol)])
+            row["ratio"] = judge.worst([row["ratio"], rms_over(row["rms"], rms_tol)])
         row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
                                        port_nan=row["port_nan"], port_inf=row["port_inf"],
                                        finite_ratio=row.get("finite_ratio"))
@@ -277,13 +278,6 @@ class _Call:
 _NOT_COMPARED = ("not compared: at a site with a call adapter, a gradient is compared only for "
                  "a reference tensor the adapter passes to the port unchanged (the port's "
                  "grad_input is taken with respect to the arguments the adapter made)")
-
-
-def _over(value: float, limit: float) -> float:
-    """How far an rms error is over its limit (the engine's rule)."""
-    if value == 0:
-        return 0.0
-    return value / limit if limit > 0 else np.inf
 
 
 def _viewed(value, origin: dict[int, str], values: list[tuple[str, Any]]) -> str | None:

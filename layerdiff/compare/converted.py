@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
 
@@ -35,37 +35,50 @@ def converted_rows(comparer: Any, rows: pd.DataFrame,
     """``rows`` with a row for each converted weight and (per reference tensor) weight
     gradient added, sorted as the engine sorts them; and warnings (a conversion whose source
     changed since the port trace was captured)."""
-    from layerdiff.weights import combine, pull_back  # torch: a mapping names a function
-
     ref, port = comparer.ref, comparer.port
-    ref_by_key = {(step, site, role, arg): pos for pos, (step, site, role, arg) in enumerate(
-        zip(ref.index["step"], ref.index["site"], ref.index["role"], ref.index["arg"],
-            strict=True))}
+    ref_by_key = _positions(ref)
     new: list[dict[str, Any]] = []
     for item in converted:
         p = port.index.iloc[item.port].to_dict()
         refs = [ref.index.iloc[pos].to_dict() for pos in item.refs]
-        name = schema.param_name(p["site"], p["arg"])
         if not _has_data(refs, p):
             new.append(_statistics_only(comparer, item, refs[0], p))
             continue
-        ref_values = [ref.read(pos) for pos in item.refs]
-        if p["role"] == "weight":
-            expected = combine(item.source, ref_values, port=name)
-            new.append(_row(comparer, RecordPair(item.refs[0], item.port, "converted", 1.0),
-                            refs[0], p, expected, port.read(item.port),
-                            _how(item, "f(reference) compared with the port's tensor")))
-            continue
-        at = _weights_at(ref, ref_by_key, refs)
-        pulled = pull_back(item.source, at, port.read(item.port), like=ref_values, port=name)
-        for pos, r, values, back in zip(item.refs, refs, ref_values, pulled, strict=True):
-            new.append(_row(comparer, RecordPair(pos, item.port, "converted", 1.0), r, p,
-                            values, back, _how(item, "the port's gradient pulled back "
-                                               "through the chain")))
+        how = _how(item, "f(reference) compared with the port's tensor" if p["role"] == "weight"
+                   else "the port's gradient pulled back through the chain")
+        for pos, values, back in converted_values(ref, port, item, ref_by_key):
+            new.append(_row(comparer, RecordPair(pos, item.port, "converted", 1.0),
+                            ref.index.iloc[pos].to_dict(), p, values, back, how))
     frame = pd.DataFrame(new, columns=R.ROW_COLUMNS)
     merged = frame if rows.empty else pd.concat([rows, frame], ignore_index=True)
     merged = merged.sort_values(["step", "seq"], kind="stable", ignore_index=True)
     return merged, source_warnings(port, converted)
+
+
+def converted_values(ref: Trace, port: Trace, item: ConvertedParam,
+                     ref_by_key: dict | None = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(reference position, reference side, port side) of each row a converted parameter
+    gives, as compared (before any loss scale): a weight's one row, ``f(reference tensors)``
+    against the port's tensor at the first reference tensor; a weight gradient's row per
+    reference tensor, against the port's gradient pulled back through the chain."""
+    from layerdiff.weights import combine, pull_back  # torch: a mapping names a function
+
+    p = port.index.iloc[item.port]
+    name = schema.param_name(p["site"], p["arg"])
+    ref_values = [ref.read(pos) for pos in item.refs]
+    if p["role"] == "weight":
+        expected = combine(item.source, ref_values, port=name)
+        return [(item.refs[0], expected, port.read(item.port))]
+    refs = [ref.index.iloc[pos].to_dict() for pos in item.refs]
+    at = _weights_at(ref, _positions(ref) if ref_by_key is None else ref_by_key, refs)
+    pulled = pull_back(item.source, at, port.read(item.port), like=ref_values, port=name)
+    return list(zip(item.refs, ref_values, pulled, strict=True))
+
+
+def _positions(ref: Trace) -> dict[tuple, int]:
+    return {(step, site, role, arg): pos for pos, (step, site, role, arg) in enumerate(
+        zip(ref.index["step"], ref.index["site"], ref.index["role"], ref.index["arg"],
+            strict=True))}
 
 
 def _how(item: ConvertedParam, what: str) -> str:
@@ -93,8 +106,6 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
          port_values: np.ndarray, how: str) -> dict[str, Any]:
     """One row as the engine makes it (tolerance, loss scale, baseline, notes), of two whole
     tensors in the same layout."""
-    from layerdiff.compare.engine import _new_metrics, _over
-
     shape = tuple(np.shape(ref_values))
     seen_r = dict(r, shape=schema.format_shape(shape), digest="")
     seen_p = dict(p, shape=schema.format_shape(tuple(np.shape(port_values))), digest="")
@@ -103,19 +114,14 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
     if row["verdict"]:  # shapes differ
         return row
     tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-    metrics = _new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
+    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
     metrics.scratch = comparer.scratch
     port_flat = np.ascontiguousarray(port_values).ravel()
     if row["role"] in GRAD_ROLES and comparer.grad_factor != 1.0:
         metrics.ulp_scale = None  # rescaled values: ULPs of neither side
         port_flat = port_flat.astype(np.float64) * comparer.grad_factor
     metrics.update(np.ascontiguousarray(ref_values).ravel(), port_flat, 0)
-    row.update(metrics.result(shape))
-    if row["rms_tol"] is not None:  # a baseline's second rule
-        row["ratio"] = judge.worst([row["ratio"], _over(row["rms"], row["rms_tol"])])
-    row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
-                                   port_nan=row["port_nan"], port_inf=row["port_inf"],
-                                   finite_ratio=row["finite_ratio"])
+    finish_row(row, metrics, shape)
     return row
 
 

@@ -25,10 +25,12 @@ from layerdiff.compare.absent import absent_rows
 from layerdiff.compare.adapted import adapt_calls
 from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
+from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
-from layerdiff.compare.origins import attach_hints, find_origins
+from layerdiff.compare.origins import find_origins
+from layerdiff.compare.pair import ConvertedPair, PairReader, RowKey
 from layerdiff.compare.rank_parts import (
     attach_ranks,
     gathered,
@@ -36,7 +38,8 @@ from layerdiff.compare.rank_parts import (
     replica_disagreement,
 )
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
-from layerdiff.compare.records import RecordPair, pair_records, sliced_shape
+from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
+from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.suggest import full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
@@ -101,8 +104,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
-            attach_ranks(result.origins, ref_trace, port_trace, mapping,
-                         ref_trace.loss_scale / port_trace.loss_scale)
+            attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
+                         mapping)
             result.meta["gathered"] = port_trace.meta["gathered"]
             result.meta["replicas"] = replicas
         return result
@@ -196,7 +199,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        port_missing=records.port_missing,
                                        extra_norms=records.norms)
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
-    attach_hints(origins, ref, port, grad_factor=grad_factor)
+    pairs = _row_pairs(ref_index, records)
+    attach_hints(origins, PairReader(ref, port, pairs))
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
@@ -218,7 +222,28 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "full_commands": full_commands(ref, port, origins, first_step),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
-                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS))
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs)
+
+
+def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, RecordPair]:
+    """How each row's records were paired, by the row's key: what a row is read back through
+    (:mod:`layerdiff.compare.pair`). A gradient the port never sent pairs the reference's with
+    zeros (``absent``), a parameter made through a conversion is read through it; rows a
+    call adapter made are read by their names."""
+    steps, sites = ref_index["step"].to_numpy(), ref_index["site"].to_numpy()
+    roles, args = ref_index["role"].to_numpy(), ref_index["arg"].to_numpy()
+    found: dict[RowKey, RecordPair] = {}
+    plans = [*records.pairs, *(RecordPair(ref, port, "absent", 1.0)
+                               for ref, port in records.absent)]
+    for item in records.converted:  # a weight's row at its first reference tensor, a
+        # gradient's at each (see compare/converted.py)
+        weight = roles[item.refs[0]] == "weight"
+        plans += [ConvertedPair(ref, item.port, "converted", 1.0, item=item)
+                  for ref in (item.refs[:1] if weight else item.refs)]
+    for plan in plans:
+        at = plan.ref
+        found.setdefault((int(steps[at]), str(sites[at]), str(roles[at]), str(args[at])), plan)
+    return found
 
 
 def _excuse_inner_ops(rows: pd.DataFrame) -> None:
@@ -351,7 +376,7 @@ class _Comparer:
                 continue
             shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
             tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-            metrics = _new_metrics(tolerance, r, p, shape, row["role"])
+            metrics = new_metrics(tolerance, r, p, shape, row["role"])
             metrics.scratch = self.scratch
             if row["role"] in GRAD_ROLES and self.grad_factor != 1.0:
                 metrics.ulp_scale = None  # rescaled values: ULPs of neither side
@@ -455,7 +480,6 @@ class _Comparer:
                 unread: list[list[TensorRef]], progress: Progress | None) -> None:
         """Metrics of the streamed pairs; meanwhile, on a second thread, the check of the
         records nothing else reads."""
-        paths = (str(self.ref.path), str(self.port.path))
         total = sum(ref.byte_range()[1] if ref.streamable else ref.nbytes
                     for _, ref, _, _, _ in streamed)
         checked = sum(tensor.nbytes for side in unread for tensor in side)
@@ -469,17 +493,19 @@ class _Comparer:
             done[1] += nbytes
             report()
 
-        with _Background(verify_tensors, ((h5, path, tensors, count_checked) for h5, path,
-                                          tensors in zip((self.ref.h5, self.port.h5), paths,
-                                                         unread, strict=True) if tensors)):
-            self._metrics(rows, streamed, paths, done, report)
+        with _Background(verify_tensors, ((trace.segments(), tensors, count_checked)
+                                          for trace, tensors in zip((self.ref, self.port),
+                                                                    unread, strict=True)
+                                          if tensors)):
+            self._metrics(rows, streamed, done, report)
 
-    def _metrics(self, rows: list[dict[str, Any]], streamed: list, paths: tuple[str, str],
-                 done: list[int], report: Callable[[], None]) -> None:
+    def _metrics(self, rows: list[dict[str, Any]], streamed: list, done: list[int],
+                 report: Callable[[], None]) -> None:
         if not streamed:
             return
         tensor_pairs = [(ref, port) for _, ref, port, _, _ in streamed]
-        for chunk in stream_pairs(self.ref.h5, self.port.h5, tensor_pairs, paths):
+        for chunk in stream_pairs(self.ref.segments(), self.port.segments(),
+                                  tensor_pairs):
             position, _, _, metrics, shape = streamed[chunk.pair]
             port_values = chunk.port
             if rows[position]["role"] in GRAD_ROLES and self.grad_factor != 1.0:
@@ -487,14 +513,7 @@ class _Comparer:
             metrics.update(chunk.ref, port_values, chunk.start)
             done[0] += chunk.ref.nbytes
             if chunk.last:
-                row = rows[position]
-                row.update(metrics.result(shape))
-                if row["rms_tol"] is not None:  # a baseline's second rule
-                    row["ratio"] = judge.worst([row["ratio"], _over(row["rms"],
-                                                                    row["rms_tol"])])
-                row["verdict"] = judge.verdict(
-                    row["ratio"], ref_nan=row["ref_nan"], port_nan=row["port_nan"],
-                    port_inf=row["port_inf"], finite_ratio=row["finite_ratio"])
+                finish_row(rows[position], metrics, shape)
             report()
 
 
@@ -544,21 +563,6 @@ def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
 
 
-def _over(value: float, limit: float) -> float:
-    if value == 0:
-        return 0.0
-    return value / limit if limit > 0 else np.inf
-
-
-def _new_metrics(tolerance: Tolerance, r: pd.Series, p: pd.Series, shape: tuple[int, ...],
-                 role: str) -> PairMetrics:
-    numel = int(np.prod(shape))
-    batch = shape[0] if len(shape) >= 2 and role not in ("weight", "weight_grad") else 0
-    same_float = r["dtype"] == p["dtype"] and schema.numpy_dtype(r["dtype"]).kind == "f"
-    ulp_scale = (2.0**16 if r["dtype"] == "bfloat16" else 1.0) if same_float else None
-    return PairMetrics(tolerance.rtol, tolerance.atol, numel, batch, ulp_scale)
-
-
 def _statistics(row: pd.Series) -> np.ndarray:
     """min, max, mean, std and rms: per-element quantities, so the per-element tolerance
     applies to them (an L2 norm's error grows with the square root of the size)."""
@@ -571,20 +575,6 @@ def _identical_metrics(r: pd.Series) -> dict[str, Any]:
             "max_ulp": 0.0, "frac_out": 0.0, "worst_index": "", "ratio": 0.0,
             "ref_nan": int(r["nan"]), "ref_inf": int(r["inf"]), "port_nan": int(r["nan"]),
             "port_inf": int(r["inf"])}
-
-
-def read_pair(diff_result: R.Diff, row: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """The reference and port tensors of one row (whole, in memory), for plots and drill-down."""
-    with open_trace(diff_result.reference) as ref, open_trace(diff_result.port) as port:
-        return _read_one(ref, row["step"], row["site"], row["role"], row["arg"]), _read_one(
-            port, row["step"], row["port_site"], row["role"], row["port_arg"])
-
-
-def _read_one(trace: Trace, step: int, site: str, role: str, arg: str) -> np.ndarray:
-    row = trace.find(step, site, role, arg)
-    if row is None:
-        raise DiffError(f"{trace.path} has no {role} {arg} at {site} in step {step}")
-    return trace.read(row)
 
 
 def save_rows_csv(diff_result: R.Diff, path: str | os.PathLike) -> Path:

@@ -19,6 +19,7 @@ import numpy as np
 
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
+from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import DiffError, LayerdiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import same_file
@@ -81,12 +82,13 @@ def replica_disagreement(manifest: Trace, mapping: Mapping) -> dict | None:
             "disagreeing": found.disagreeing}
 
 
-def attach_ranks(origins: list[R.Origin], ref: Trace, port: Trace, mapping: Mapping,
-                 grad_factor: float) -> None:
+def attach_ranks(origins: list[R.Origin], reader: PairReader, mapping: Mapping) -> None:
     """Set ``ranks`` on each origin whose port record was cut across ranks: the ranks whose
-    part holds out-of-tolerance elements."""
+    part holds out-of-tolerance elements (the pair read through ``reader``, as the diff
+    compared it)."""
+    port = reader.port
     world = int((port.meta.get("gathered") or {}).get("world_size", 1))
-    if world < 2 or port.summary or ref.summary:
+    if world < 2 or port.summary or reader.ref.summary:
         return
     modules = dict(zip(port.sites["site"], port.sites["module"], strict=True))
     for origin in origins:
@@ -96,21 +98,22 @@ def attach_ranks(origins: list[R.Origin], ref: Trace, port: Trace, mapping: Mapp
         if rule is None:
             continue
         with contextlib.suppress(LayerdiffError, ValueError):
-            origin.ranks = _ranks_out(origin, ref, port, rule.dim, world, grad_factor)
+            origin.ranks = _ranks_out(origin, reader, rule.dim, world)
 
 
-def _ranks_out(origin: R.Origin, ref: Trace, port: Trace, dim: int, world: int,
-               grad_factor: float) -> list[int] | None:
-    ref_row = ref.find(origin.step, origin.site, origin.role, origin.arg, kind="tensor")
-    port_row = port.find(origin.step, origin.port_site or origin.site, origin.role,
-                         origin.port_arg, kind="tensor")
+def _ranks_out(origin: R.Origin, reader: PairReader, dim: int, world: int) -> list[int] | None:
+    """The ranks whose equal part along ``dim`` of the port's record holds an element out of
+    tolerance; None where the record is not the port's as stored (sliced or transposed: the
+    rule's dim is the stored layout's), or too large to read whole."""
+    row = origin_row(origin)
+    ref_row, port_row = reader.records(row)
+    plan = reader.plan(row)
     if ref_row is None or port_row is None or ref_row["shape"] != port_row["shape"] or max(
-            int(ref_row["numel"]), int(port_row["numel"])) > MAX_ELEMENTS:
+            int(ref_row["numel"]), int(port_row["numel"])) > MAX_ELEMENTS or (
+            plan is not None and (plan.ref_slice or plan.port_slice or plan.transpose_port
+                                  or plan.match == "converted")):
         return None
-    ref_values = ref.read(ref_row).astype(np.float64)
-    port_values = port.read(port_row).astype(np.float64)
-    if origin.role in ("grad_output", "grad_input", "weight_grad"):
-        port_values *= grad_factor
+    ref_values, port_values = reader.read(row)  # float64, the port's gradients rescaled
     dim %= max(ref_values.ndim, 1)
     if ref_values.ndim == 0 or ref_values.shape[dim] % world:
         return None
@@ -118,4 +121,3 @@ def _ranks_out(origin: R.Origin, ref: Trace, port: Trace, dim: int, world: int,
     out = ~(judge.element_ratios(ref_values, port_values, rtol, atol) <= 1.0)  # the one rule
     parts = np.split(np.moveaxis(out, dim, 0), world)
     return [rank for rank, part in enumerate(parts) if part.any()]
-

@@ -426,9 +426,8 @@ class _Comparer:
             judges.append(_BitsJudge() if self.tolerances is None else _ToleranceJudge(
                 self._tolerance(a), int(a["numel"]), self.scratch))
         self.read += len(streamed)
-        paths = (str(self.paths[0]), str(self.paths[rank]))
         pairs = [(first, second) for _, first, second in streamed]
-        for chunk in stream_pairs(zero.h5, other.h5, pairs, paths):
+        for chunk in stream_pairs(zero.segments(), other.segments(), pairs):
             number, first, _ = streamed[chunk.pair]
             judges[chunk.pair].update(chunk)
             if chunk.last:

@@ -50,6 +50,12 @@ class DirectReader:
     or filtered segment, a short read, a range the segment does not hold) goes through
     SegmentReader, which reads it or refuses it as before.
 
+    It reaches HDF5's descriptor and the segments' file offsets through the trace's own
+    :class:`SegmentReader` (whose ``segment_dataset`` refuses links, external and virtual
+    storage first), and only for what HDF5 itself reports a contiguous, unfiltered dataset
+    of this very file: the one place below the trace reader that reads the file's bytes
+    itself, kept because it is the measured fast path of every diff (docs/benchmarks.md).
+
     ``mapped`` goes one step further and maps those bytes, so that nothing is copied out of
     the page cache: a 2 GB diff's reads cost 0.5 s of CPU per GB compared in ``preadv``
     copies (1.4-2 GB/s with the digest, this machine's memory being slow), against 11-12 GB/s
@@ -59,11 +65,11 @@ class DirectReader:
     truncated by another process while it is mapped ends the process with SIGBUS.
     """
 
-    def __init__(self, h5: h5py.File, path: str) -> None:
-        self.segments = SegmentReader(h5, path)
-        self.path = path
-        self._h5 = h5
-        self._fd = _descriptor(h5)
+    def __init__(self, segments: SegmentReader) -> None:
+        self.segments = segments
+        self.path = segments.path
+        self._h5 = segments.h5
+        self._fd = _descriptor(segments.h5)
         self._places: dict[int, tuple[int, int] | None] = {}
 
     def read(self, segment: int, offset: int, nbytes: int, out: np.ndarray) -> None:
@@ -164,15 +170,17 @@ class Chunk:
     last: bool
 
 
-def stream_pairs(ref_h5: h5py.File, port_h5: h5py.File, pairs: list[tuple[TensorRef, TensorRef]],
-                 paths: tuple[str, str]) -> Iterator[Chunk]:
-    """Chunks of every pair in order; each chunk's arrays are valid until the next one."""
+def stream_pairs(ref: SegmentReader, port: SegmentReader,
+                 pairs: list[tuple[TensorRef, TensorRef]]) -> Iterator[Chunk]:
+    """Chunks of every pair in order (each side's bytes from its trace's
+    :meth:`~layerdiff.trace.Trace.segments`); each chunk's arrays are valid until the next
+    one."""
     free: queue.Queue = queue.Queue()
     for _ in range(POOL):
         free.put(_Slot())
     ready: queue.Queue = queue.Queue(maxsize=POOL)
     stop = threading.Event()
-    readers = (DirectReader(ref_h5, paths[0]), DirectReader(port_h5, paths[1]))
+    readers = (DirectReader(ref), DirectReader(port))
 
     def take_slot() -> _Slot | None:
         slot = free.get()
@@ -336,11 +344,11 @@ def _checker(tensor: TensorRef, reader: DirectReader) -> RecordCheck | None:
                                                          statistics=tensor.statistics)
 
 
-def verify_tensors(h5: h5py.File, path: str, tensors: list[TensorRef],
+def verify_tensors(segments: SegmentReader, tensors: list[TensorRef],
                    done: Callable[[int], None] | None = None) -> None:
     """Read each tensor whole, in blocks, only to check its bytes against its index row (for
     records the diff decides from the index: identical digests, summary statistics)."""
-    reader = DirectReader(h5, path)
+    reader = DirectReader(segments)
     block = np.empty(WINDOW_CHUNKS * CHUNK_BYTES, np.uint8)  # a multiple of every element size
     for tensor in tensors:
         check = _checker(tensor, reader)
@@ -364,10 +372,18 @@ def _whole(tensor: TensorRef, reader: DirectReader) -> np.ndarray:
         check_bytes(raw, tensor.check, reader.path, statistics=tensor.statistics)
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
     values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
-    if tensor.part is not None:  # the slice first, on the stored layout; then the transpose
+    return np.ascontiguousarray(as_compared(values, tensor.part, tensor.transpose))
+
+
+def as_compared(values: np.ndarray, part: Slice | None,
+                transpose: bool | tuple[int, ...]) -> np.ndarray:
+    """A stored tensor as it is compared: cut to ``part`` on the stored layout first, then
+    transposed (True: every axis reversed; a tuple: those axes). The one place of that rule,
+    for the diff's reads and for reading a row back (:mod:`layerdiff.compare.pair`)."""
+    if part is not None:
         index = [slice(None)] * values.ndim
-        index[tensor.part.axis] = slice(tensor.part.start, tensor.part.stop)
+        index[part.axis] = slice(part.start, part.stop)
         values = values[tuple(index)]
-    if tensor.transpose:
-        values = values.T if tensor.transpose is True else values.transpose(tensor.transpose)
-    return np.ascontiguousarray(values)
+    if transpose:
+        values = values.T if transpose is True else values.transpose(transpose)
+    return values

@@ -81,6 +81,9 @@ class Diff:
     first_failing_step: int | None
     meta: dict[str, Any] = field(default_factory=dict)  # loss scales, steps, mapping, options
     not_taken: pd.DataFrame = field(default_factory=_no_rows)  # see NOT_TAKEN_COLUMNS
+    # how each row's records were paired (compare.records.RecordPair by compare.pair.row_key):
+    # what compare.pair reads a row back through; not part of the JSON
+    pairs: dict[tuple[int, str, str, str], Any] = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:

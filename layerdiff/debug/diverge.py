@@ -60,8 +60,10 @@ from layerdiff.capture import capture
 from layerdiff.capture.torch_capture import weights_meta
 from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import diff
+from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import PASSING
-from layerdiff.compare.origins import attach_hints, find_origins
+from layerdiff.compare.origins import find_origins
+from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
@@ -417,12 +419,12 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
     rows["status"], rows["cause"] = "", ""
     with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
         origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index)
-        attach_hints(origins, ref_trace, port_trace,
-                     grad_factor=ref_trace.loss_scale / port_trace.loss_scale)
+        attach_hints(origins, PairReader(ref_trace, port_trace, banded.pairs))
     meta = dict(banded.meta)
     meta["judged"] = ("each record by the looser of its per-dtype tolerance and the golden "
                       "band (4x the float64 run's error)")
-    return Diff(banded.reference, banded.port, rows, origins, banded.unmatched, first, meta)
+    return Diff(banded.reference, banded.port, rows, origins, banded.unmatched, first, meta,
+                pairs=banded.pairs)
 
 
 # ---- reading the results

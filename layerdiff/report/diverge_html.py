@@ -16,22 +16,20 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from layerdiff.compare.pair import PairReader
 from layerdiff.debug.diverge import DivergeResult
 from layerdiff.outputs import write_text
+from layerdiff.report import page
 from layerdiff.report.findings.debug import update_lines
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.html import (
     COLOURS,
-    CSS,
-    DPI,
-    _error_section,
-    _failing_section,
-    _figure,
-    _origin_section,
-    _origins_section,
-    _png,
-    _table,
+    error_section,
+    failing_section,
+    origin_section,
+    origins_section,
 )
+from layerdiff.report.page import CSS, DPI
 
 REFERENCE_COLOUR = "#1f77b4"
 PORT_COLOUR = "#d62728"
@@ -48,17 +46,14 @@ def render_diverge_html(result: DivergeResult) -> str:
                 _steps_section(result)]
     step = result.step_diff
     if step is not None:
-        sections += [f"<h2>Step {result.first_step} in full</h2>"
-                     "<p class=\"note\">Both runs again from the same start, this step recorded "
-                     "whole (every tensor), and compared record by record.</p>",
-                     _error_section(step), _origin_section(step), _origins_section(step),
-                     _failing_section(step)]
+        with PairReader.of(step) as reader:
+            sections += [f"<h2>Step {result.first_step} in full</h2>"
+                         "<p class=\"note\">Both runs again from the same start, this step "
+                         "recorded whole (every tensor), and compared record by record.</p>",
+                         error_section(step), origin_section(step, reader),
+                         origins_section(step), failing_section(step)]
     verdict = "DIVERGES" if result.found else "AGREES"
-    title = f"layerdiff diverge {verdict}: {result.port}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
-            + "\n".join(s for s in sections if s) + "\n</main></body></html>\n")
+    return page.document(f"layerdiff diverge {verdict}: {result.port}", sections, CSS)
 
 
 def _header(result: DivergeResult) -> str:
@@ -115,10 +110,10 @@ def _update_section(result: DivergeResult) -> str:
          for index, group in enumerate(listed)])
     return (f"<h2>Optimizer update of step {update.step}</h2>"
             f"<p>{escape(head[:1].upper() + head[1:])}</p><ul>{items}</ul>"
-            + (_table(frame, [c for c in frame.columns if c != "status"], row_class="status")
+            + (page.table(frame, [c for c in frame.columns if c != "status"], row_class="status")
                if not frame.empty else "")
             + "<p class=\"note\">Param groups as they stood after that update.</p>"
-            + (_table(groups, list(groups.columns)) if not groups.empty else ""))
+            + (page.table(groups, list(groups.columns)) if not groups.empty else ""))
 
 
 def _group(index: int | None) -> str:
@@ -142,7 +137,7 @@ def _curves_section(result: DivergeResult) -> str:
                "line is the tolerance (ratio 1). "
                + (f"The vertical line marks step {result.first_step}, the first out of "
                   "tolerance." if result.found else ""))
-    return head + _figure(_png(_curves_figure(result)), "loss curves of reference and port",
+    return head + page.figure(page.png(_curves_figure(result)), "loss curves of reference and port",
                           caption)
 
 
@@ -199,7 +194,7 @@ def _steps_section(result: DivergeResult) -> str:
          for row in result.per_step])
     if frame.empty:
         return ""
-    return ("<h2>Per step</h2>" + _table(frame, [c for c in frame.columns if c != "status"],
+    return ("<h2>Per step</h2>" + page.table(frame, [c for c in frame.columns if c != "status"],
                                          row_class="status"))
 
 

@@ -7,8 +7,6 @@ attached to a CI run or opened offline. All text from traces and diffs is HTML-e
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import os
@@ -27,20 +25,19 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
 from layerdiff.compare import judge
 from layerdiff.compare.judge import PASSING, Status, Verdict
+from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.compare.result import Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
+from layerdiff.report import page
 from layerdiff.report.findings.diff import describe_origin
+from layerdiff.report.page import CSS, DPI, present
 from layerdiff.report.tree import TREE_CSS, module_tree_section
-from layerdiff.trace import open_trace, schema
-from layerdiff.trace.reader import Trace
 
-MAX_TABLE_ROWS = 200
 MAX_HEATMAP_COLUMNS = 256
 MAX_HEATMAP_ROWS = 256
 MAX_HIST_VALUES = 4_000_000      # histograms of bigger tensors use an evenly strided sample
 LABEL_TICKS_UP_TO = 30           # name each point on the x axis when a panel has this few
-DPI = 110
 
 # One colour per kind of point, shared by the plot legend and the table rows.
 COLOURS = {
@@ -64,62 +61,9 @@ LABELS = {
     Verdict.IDENTICAL: "identical",
 }
 
-# Columns that may be long wrap, so a table fits the page's width: module paths after a dot,
-# sentences at spaces.
-NAME_COLUMNS = frozenset({"site", "port_site", "cause"})
-TEXT_COLUMNS = frozenset({"reason", "note"})
-
 FAILING_COLUMNS = ["site", "pass", "role", "arg", "step", "ratio", "max_abs", "max_rel",
                    "cosine", "verdict", "status", "cause"]
 
-CSS = """
-:root { --fail: #c62828; --pass: #2e7d32; --ink: #1f2328; --muted: #59636e;
-        --line: #d8dee4; --soft: #f6f8fa; }
-* { box-sizing: border-box; }
-body { margin: 0; background: #fff; color: var(--ink);
-       font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
-             sans-serif; }
-main { max-width: 1100px; margin: 0 auto; padding: 24px 20px 48px; }
-h2 { font-size: 18px; margin: 36px 0 8px; padding-bottom: 4px; border-bottom: 1px solid
-     var(--line); font-weight: 600; }
-h3 { font-size: 15px; margin: 20px 0 6px; font-weight: 600; }
-code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 13px; }
-.banner { display: flex; align-items: center; gap: 20px; padding: 16px 20px;
-          border-radius: 8px; color: #fff; }
-.banner.fail { background: var(--fail); }
-.banner.pass { background: var(--pass); }
-.verdict { font-size: 40px; font-weight: 800; letter-spacing: 2px; line-height: 1; }
-.banner p { margin: 0; font-size: 16px; }
-.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px;
-         margin: 16px 0 0; }
-.facts dt { color: var(--muted); }
-.facts dd { margin: 0; overflow-wrap: anywhere; }
-.counts { display: flex; flex-wrap: wrap; gap: 12px; margin-top: 16px; }
-.count { border: 1px solid var(--line); border-radius: 6px; padding: 6px 14px;
-         background: var(--soft); }
-.count b { display: block; font-size: 20px; }
-.count span { color: var(--muted); font-size: 13px; }
-.count.bad b { color: var(--fail); }
-figure { margin: 8px 0 0; }
-figure img { display: block; max-width: 100%; height: auto; }
-figcaption, .note { color: var(--muted); font-size: 13px; }
-.note { margin: 6px 0; }
-table { border-collapse: collapse; width: 100%; font-size: 13px; margin-top: 6px; }
-th, td { text-align: left; padding: 4px 6px; border-bottom: 1px solid var(--line);
-         vertical-align: top; white-space: nowrap; }
-td.name, td.text { white-space: normal; overflow-wrap: break-word; min-width: 14ch; }
-th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.table-wrap { overflow: auto; max-height: 640px; border-bottom: 1px solid var(--line); }
-tr.origin td:first-child { border-left: 4px solid #d62728; }
-tr.propagated td:first-child { border-left: 4px solid #ff7f0e; }
-tr.holds-origin td:first-child { border-left: 4px solid #9467bd; }
-ol.origins li { margin-bottom: 6px; }
-.hint { color: #1f4e79; }
-details { margin-top: 8px; }
-pre { background: var(--soft); padding: 10px; border-radius: 6px; overflow-x: auto;
-      font-size: 12px; }
-"""
 
 
 def write_html(diff: Diff, path: str | os.PathLike[str]) -> Path:
@@ -128,24 +72,23 @@ def write_html(diff: Diff, path: str | os.PathLike[str]) -> Path:
 
 
 def render_html(diff: Diff) -> str:
-    """The report page as a string (for notebooks, or to embed elsewhere)."""
-    sections = [
-        _header(diff),
-        module_tree_section(diff),
-        _ops_section(diff),
-        _error_section(diff),
-        _origin_section(diff),
-        _failing_section(diff),
-        _origins_section(diff),
-        _unmatched_section(diff),
-        _not_taken_section(diff),
-        _meta_section(diff),
-    ]
+    """The report page as a string (for notebooks, or to embed elsewhere): from the diff's
+    rows, and tensors read back through one :class:`PairReader` (each trace opened once)."""
+    with PairReader.of(diff) as reader:
+        sections = [
+            _header(diff),
+            module_tree_section(diff, reader),
+            _ops_section(diff),
+            error_section(diff),
+            origin_section(diff, reader),
+            failing_section(diff),
+            origins_section(diff),
+            _unmatched_section(diff),
+            _not_taken_section(diff),
+            _meta_section(diff),
+        ]
     title = f"layerdiff {diff.verdict.upper()}: {Path(diff.port).name}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title><style>{CSS}{TREE_CSS}</style></head>\n<body><main>\n"
-            + "\n".join(s for s in sections if s) + "\n</main></body></html>\n")
+    return page.document(title, sections, CSS + TREE_CSS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +145,7 @@ def _plot_step(diff: Diff) -> int | None:
     return int(min(steps))
 
 
-def _error_section(diff: Diff) -> str:
+def error_section(diff: Diff) -> str:
     step = _plot_step(diff)
     head = "<h2>Error per site, in execution order</h2>"
     if step is None:
@@ -213,13 +156,13 @@ def _error_section(diff: Diff) -> str:
     panels = [(name, frame) for name, frame in panels if not frame.empty]
     if not panels:
         return head + f"<p class=\"note\">Step {step} has no forward or backward rows.</p>"
-    png = _png(_error_figure(panels, step))
+    png = page.png(_error_figure(panels, step))
     caption = (f"Step {step}. y: the largest error over its tolerance, "
                "max |port − ref| / (atol + rtol·|ref|), on a log scale; the dashed line is the "
                "tolerance (ratio 1). ▼ on the bottom edge: identical (ratio 0); ▲ on the top "
                "edge: not finite or shapes differ. The backward panel is in backward execution "
                "order.")
-    return head + _figure(png, f"error over tolerance per site, step {step}", caption)
+    return head + page.figure(png, f"error over tolerance per site, step {step}", caption)
 
 
 def _error_figure(panels: Sequence[tuple[str, pd.DataFrame]], step: int) -> Figure:
@@ -347,7 +290,7 @@ def _ops_section(diff: Diff) -> str:
             "and name the op:</p><pre>" + escape("\n".join(commands)) + "</pre>")
 
 
-def _origin_section(diff: Diff) -> str:
+def origin_section(diff: Diff, reader: PairReader) -> str:
     origin = diff.origin
     if origin is None:
         return ""
@@ -355,14 +298,14 @@ def _origin_section(diff: Diff) -> str:
         f" (arg {origin.arg})" if origin.arg not in ("", "0") else "")
     head = f"<h2 id=\"origin\">The origin's tensors: {escape(what)}</h2>"
     row = _origin_row(diff, origin)
-    try:
-        ref, port = _origin_tensors(diff, origin, row)
+    try:  # as the diff compared them: sliced, transposed, at one loss scale
+        ref, port = reader.read(row if row is not None else origin_row(origin))
     except (LayerdiffError, OSError, ValueError) as exc:
         # The page is still worth having without the pictures; say why they are missing.
         return head + f"<p class=\"note\">No tensor plots: {escape(str(exc))}</p>"
     rtol, atol = _tolerance(row, origin)
     source = row.get("tol_source", "") if row is not None else ""
-    tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if _present(source) else "")
+    tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
     if origin.hint:
         parts.append(f"<p class=\"hint\">Likely cause: <b>{escape(origin.hint['kind'])}</b>: "
@@ -393,37 +336,9 @@ def _origin_row(diff: Diff, origin: Origin) -> pd.Series | None:
 def _tolerance(row: pd.Series | None, origin: Origin) -> tuple[float, float]:
     source: Any = row if row is not None else origin.metrics
     rtol, atol = source.get("rtol"), source.get("atol")
-    rtol = float(rtol) if _present(rtol) else 0.0
-    atol = float(atol) if _present(atol) else 0.0
+    rtol = float(rtol) if present(rtol) else 0.0
+    atol = float(atol) if present(atol) else 0.0
     return rtol, atol
-
-
-def _origin_tensors(diff: Diff, origin: Origin,
-                    row: pd.Series | None) -> tuple[np.ndarray, np.ndarray]:
-    port_site = origin.port_site or origin.site
-    port_arg = row["port_arg"] if row is not None and _present(row["port_arg"]) else origin.arg
-    with open_trace(diff.reference) as ref_trace, open_trace(diff.port) as port_trace:
-        for trace in (ref_trace, port_trace):
-            if trace.summary:
-                raise ValueError(f"{trace.path} is a summary trace (statistics only, no tensor "
-                                 "data); capture without --summary to see which elements differ")
-        ref = _read_tensor(ref_trace, origin.step, origin.pass_, origin.site, origin.role,
-                           origin.arg)
-        port = _read_tensor(port_trace, origin.step, origin.pass_, port_site, origin.role,
-                            port_arg)
-        if origin.role in schema.GRAD_ROLES:  # as the diff compared them: at one loss scale
-            port *= ref_trace.loss_scale / port_trace.loss_scale
-    return ref, port
-
-
-def _read_tensor(trace: Trace, step: int, pass_: str, site: str, role: str,
-                 arg: str) -> np.ndarray:
-    row = trace.find(step, site, role, arg, pass_=pass_, kind="tensor")
-    if row is None:
-        raise ValueError(f"{trace.path} has no tensor for {site} {role} {arg} at step {step}")
-    if int(row["segment"]) < 0:
-        raise ValueError(f"{trace.path} stores no data for {site} {role} {arg}")
-    return np.asarray(trace.read(row), dtype=np.float64)
 
 
 def _batch_matrix(values: np.ndarray) -> np.ndarray:
@@ -433,28 +348,14 @@ def _batch_matrix(values: np.ndarray) -> np.ndarray:
     return values.reshape(values.shape[0], -1)
 
 
-def max_pool(matrix: np.ndarray, axis: int, limit: int) -> tuple[np.ndarray, int]:
-    """Max-pool ``axis`` down to at most ``limit`` entries: a single bad element stays visible."""
-    n = matrix.shape[axis]
-    if n <= limit:
-        return matrix, 1
-    factor = math.ceil(n / limit)
-    pad = [(0, 0), (0, 0)]
-    pad[axis] = (0, factor * math.ceil(n / factor) - n)
-    padded = np.pad(matrix, pad, constant_values=0.0)
-    if axis == 1:
-        return padded.reshape(padded.shape[0], -1, factor).max(axis=2), factor
-    return padded.reshape(-1, factor, padded.shape[1]).max(axis=1), factor
-
-
 def _heatmap_html(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -> str:
     errors = _batch_matrix(judge.element_ratios(ref, port, rtol, atol))
     batch, width = errors.shape
     per_row = errors.max(axis=1) if errors.size else np.zeros(batch)
-    pooled, col_factor = max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
-    pooled, row_factor = max_pool(pooled, 0, MAX_HEATMAP_ROWS)
-    per_row_pooled, _ = max_pool(per_row[:, None], 0, MAX_HEATMAP_ROWS)
-    png = _png(_heatmap(pooled, per_row_pooled[:, 0], row_factor))
+    pooled, col_factor = page.max_pool(errors, 1, MAX_HEATMAP_COLUMNS)
+    pooled, row_factor = page.max_pool(pooled, 0, MAX_HEATMAP_ROWS)
+    per_row_pooled, _ = page.max_pool(per_row[:, None], 0, MAX_HEATMAP_ROWS)
+    png = page.png(_heatmap(pooled, per_row_pooled[:, 0], row_factor))
     bad = int(np.count_nonzero(per_row > 1))
     notes = [f"Tensor shape {tuple(ref.shape)}: {batch} batch element(s) × {width} value(s) "
              f"each; {bad} of {batch} batch element(s) have an element out of tolerance."]
@@ -464,7 +365,7 @@ def _heatmap_html(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float) -
     notes.append("Red is over tolerance, blue within, white exactly at it; the bars on the "
                  "right are each batch element's worst ratio.")
     return ("<h3>Error per batch element</h3>"
-            + _figure(png, "per-batch-element error heatmap", " ".join(notes),
+            + page.figure(png, "per-batch-element error heatmap", " ".join(notes),
                       element_id="heatmap"))
 
 
@@ -530,11 +431,11 @@ def _per_row_bars(ax: Any, per_row: np.ndarray) -> None:
 
 
 def _histograms_html(ref: np.ndarray, port: np.ndarray) -> str:
-    png = _png(_histograms(ref, port))
+    png = page.png(_histograms(ref, port))
     caption = ("Finite values only. Counts are on a log axis, so tails and a few large "
                "differences among many small ones stay visible.")
     return ("<h3>Values and differences</h3>"
-            + _figure(png, "histograms of reference values, port values and differences",
+            + page.figure(png, "histograms of reference values, port values and differences",
                       caption))
 
 
@@ -582,15 +483,15 @@ def _histogram(ax: Any, title: str, values: np.ndarray | None, colour: str) -> N
 # Tables
 
 
-def _failing_section(diff: Diff) -> str:
+def failing_section(diff: Diff) -> str:
     failing = diff.failing()
     head = "<h2>Rows out of tolerance</h2>"
     if failing.empty:
         return head + "<p class=\"note\">None.</p>"
-    return head + _table(failing, FAILING_COLUMNS, row_class="status")
+    return head + page.table(failing, FAILING_COLUMNS, row_class="status")
 
 
-def _origins_section(diff: Diff) -> str:
+def origins_section(diff: Diff) -> str:
     head = "<h2>Origins</h2>"
     if not diff.origins:
         return head + "<p class=\"note\">None.</p>"
@@ -612,7 +513,7 @@ def _unmatched_section(diff: Diff) -> str:
     head = "<h2>Records without a partner</h2>"
     if diff.unmatched.empty:
         return head + "<p class=\"note\">None: every record found its partner.</p>"
-    return head + _table(diff.unmatched, list(diff.unmatched.columns))
+    return head + page.table(diff.unmatched, list(diff.unmatched.columns))
 
 
 def _not_taken_section(diff: Diff) -> str:
@@ -623,7 +524,7 @@ def _not_taken_section(diff: Diff) -> str:
     return ("<h2>Not taken by the port</h2><p class=\"note\">Reference arguments the port's "
             "layer has no parameter for: left out of the input check; the port layer computed "
             "its output from what it took.</p>"
-            + _table(diff.not_taken, list(diff.not_taken.columns)))
+            + page.table(diff.not_taken, list(diff.not_taken.columns)))
 
 
 def _meta_section(diff: Diff) -> str:
@@ -634,75 +535,5 @@ def _meta_section(diff: Diff) -> str:
             f"<pre>{escape(text)}</pre></details>")
 
 
-def _table(frame: pd.DataFrame, columns: Sequence[str], row_class: str | None = None) -> str:
-    """An HTML table of at most MAX_TABLE_ROWS rows, with a note of how many were left out."""
-    columns = [c for c in columns if c in frame.columns]
-    shown = frame.head(MAX_TABLE_ROWS)
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    body = []
-    for record in shown.to_dict(orient="records"):
-        css = record.get(row_class) if row_class else None
-        attr = f" class=\"{escape(str(css))}\"" if _present(css) else ""
-        cells = "".join(_cell(record.get(c), c) for c in columns)
-        body.append(f"<tr{attr}>{cells}</tr>")
-    more = len(frame) - len(shown)
-    note = (f"<p class=\"note\">{more:,} more row(s) not shown; the JSON or CSV report has "
-            "them all.</p>" if more > 0 else "")
-    return (f"<div class=\"table-wrap\"><table><thead><tr>{head}</tr></thead><tbody>"
-            + "".join(body) + "</tbody></table></div>" + note)
-
-
-def _cell(value: Any, column: str) -> str:
-    if isinstance(value, (bool, np.bool_)):
-        return f"<td>{escape(str(bool(value)))}</td>"
-    if isinstance(value, (int, np.integer)):
-        return f"<td class=\"num\">{int(value)}</td>"
-    if isinstance(value, (float, np.floating)):
-        return f"<td class=\"num\">{escape(_number(float(value)))}</td>"
-    text = escape(str(value)) if _present(value) else ""
-    if column in NAME_COLUMNS:
-        return f"<td class=\"name\">{text.replace('.', '.<wbr>')}</td>"
-    if column in TEXT_COLUMNS:
-        return f"<td class=\"text\">{text}</td>"
-    return f"<td>{text}</td>"
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return ""
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
-
-
-def _present(value: Any) -> bool:
-    """False for None, NaN and the empty string: cells pandas leaves blank."""
-    if value is None:
-        return False
-    if isinstance(value, str):
-        return value != ""
-    if isinstance(value, (float, np.floating)):
-        return not math.isnan(value)
-    return True
-
-
 def _text_column(frame: pd.DataFrame, column: str) -> list[str]:
-    return [str(v) if _present(v) else "" for v in frame[column]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Images
-
-
-def _png(fig: Figure) -> str:
-    """The figure as base64 PNG. Figure.savefig renders with Agg; no pyplot, no display."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, facecolor="white")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _figure(png: str, alt: str, caption: str, element_id: str | None = None) -> str:
-    """An inline PNG with its caption; ``caption`` is plain text and is escaped here."""
-    ident = f" id=\"{escape(element_id)}\"" if element_id else ""
-    return (f"<figure{ident}><img src=\"data:image/png;base64,{png}\" alt=\"{escape(alt)}\">"
-            f"<figcaption>{escape(caption)}</figcaption></figure>")
+    return [str(v) if present(v) else "" for v in frame[column]]

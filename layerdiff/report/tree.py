@@ -20,9 +20,10 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare.judge import PASSING, Status
+from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Diff
 from layerdiff.errors import LayerdiffError
-from layerdiff.trace import open_trace
+from layerdiff.report.text import number
 from layerdiff.trace.schema import ROOT_MODULE
 
 # Nodes drawn at most. Past it the shallowest levels are drawn first and each parent's
@@ -81,12 +82,16 @@ class _Score:
     state: str        # 'o' out of tolerance, 'p' out but each such row propagated, 'w' within
 
 
-def module_tree_section(diff: Diff) -> str:
-    """The module tree as an HTML section; "" when the reference trace lists no sites."""
+def module_tree_section(diff: Diff, reader: PairReader | None = None) -> str:
+    """The module tree as an HTML section; "" when the reference trace lists no sites.
+    ``reader``: the report's reader of the diff's traces (one is opened when not given)."""
     head = "<section class=\"mt\" id=\"module-tree\"><h2>Module tree</h2>"
     try:
-        with open_trace(diff.reference) as trace:
-            sites = trace.sites
+        if reader is None:
+            with PairReader.of(diff) as own:
+                sites = own.ref.sites
+        else:
+            sites = reader.ref.sites
     except (LayerdiffError, OSError) as exc:
         # The rest of the page stands without it; say why it is missing.
         return head + f"<p class=\"note\">Not drawn: {escape(str(exc))}</p></section>"
@@ -312,7 +317,7 @@ def _line(node: _Node, score: _Score | None, notes: list[str]) -> str:
     if score is None:
         ratio = "<span class=\"u\">unpaired</span>"
     else:
-        ratio = f"<span class=\"r {score.state}\">{_number(score.worst)}</span>"
+        ratio = f"<span class=\"r {score.state}\">{number(score.worst, 3)}</span>"
     return label + ratio + "".join(notes)
 
 
@@ -334,7 +339,7 @@ def _more(run: list[_Node], scores: dict[str, _Score]) -> str:
     if found:
         worst = max(score.worst for score in found)
         state = min(score.state for score in found)  # 'o' before 'p' before 'w'
-        ratio = f"<span class=\"r {state}\">worst {_number(worst)}</span>"
+        ratio = f"<span class=\"r {state}\">worst {number(worst, 3)}</span>"
     else:
         ratio = "<span class=\"u\">unpaired</span>"
     first, last = _short_name(run[0]), _short_name(run[-1])
@@ -345,9 +350,3 @@ def _more(run: list[_Node], scores: dict[str, _Score]) -> str:
     holding = f" ({below:,} sites inside)" if below else ""
     return (f"<li data-more=\"{len(inside)}\"><div class=\"row more\">{len(run):,} more {what}"
             f"{holding} not drawn: <span class=\"n\">{span}</span>{ratio}</div></li>")
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "inf"
-    return "0" if value == 0 else f"{value:.3g}"

@@ -19,7 +19,7 @@ from layerdiff.trace.guards import H5_ERRORS, guard_global_heaps, short
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
 from layerdiff.trace.printable import make_visible
-from layerdiff.trace.segments import segment_dataset
+from layerdiff.trace.segments import SegmentReader, segment_dataset
 from layerdiff.trace.stats import table_digest, text_digest
 from layerdiff.trace.verify import check_bytes, check_index, check_sites, describe
 
@@ -118,6 +118,11 @@ class Trace:
     def h5(self) -> h5py.File:
         """The open HDF5 file, for readers that stream tensor data (the diff)."""
         return self._h5
+
+    def segments(self) -> SegmentReader:
+        """A reader of byte ranges of this trace's tensor segments, for readers that stream
+        tensor data (the diff, the trace browser)."""
+        return SegmentReader(self._h5, str(self.path))
 
     @property
     def loss_scale(self) -> float:

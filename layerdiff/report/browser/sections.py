@@ -4,19 +4,16 @@ the sites table. Histograms are in browser_hist. Every text from a trace is esca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from html import escape
-from typing import Any
 
 import pandas as pd
 
 from layerdiff.compare.result import Diff
-from layerdiff.report import browser_data as data
-from layerdiff.report import browser_plots as plots
-from layerdiff.report import browser_svg as svg
-from layerdiff.report.browser_data import BatchErrors, NonFinite, Progress, spans
-from layerdiff.report.html import CSS as REPORT_CSS
+from layerdiff.report import page as kit
+from layerdiff.report.browser import data, plots, svg
+from layerdiff.report.browser.data import BatchErrors, NonFinite, Progress, spans
+from layerdiff.report.page import CSS as REPORT_CSS
 from layerdiff.trace import schema
 from layerdiff.trace.reader import Trace
 
@@ -62,10 +59,7 @@ class Page:
 
 
 def document(title: str, body: list[str]) -> str:
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body><main>\n"
-            + "\n".join(s for s in body if s) + "\n</main></body></html>\n")
+    return kit.document(title, body, CSS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +125,7 @@ def nonfinite_section(page: Page) -> str:
     shown = page.nonfinite[:MAX_NONFINITE_ROWS]
     rows = "".join(
         f"<tr class=\"nonfinite\"><td>{escape(n.trace)}</td><td class=\"num\">{n.step}</td>"
-        f"<td>{escape(n.pass_)}</td><td class=\"name\">{_wrap(n.site)}</td>"
+        f"<td>{escape(n.pass_)}</td><td class=\"name\">{kit.breakable(escape(n.site))}</td>"
         f"<td>{escape(n.role)}</td><td>{escape(n.arg)}</td>"
         f"<td class=\"num\">{n.nan:,}</td><td class=\"num\">{n.inf:,}</td></tr>" for n in shown)
     if len(page.nonfinite) > len(shown):
@@ -188,7 +182,7 @@ def batch_section(page: Page, batch: BatchErrors | None, summary: bool) -> str:
     if batch.skipped:
         caption += (f" {batch.skipped} record(s) whose leading axis is not the batch of "
                     f"{batch.batch} are not drawn.")
-    parts.append(_figure(image, "error per batch element and record", caption, "batch-image"))
+    parts.append(kit.figure(image, "error per batch element and record", caption, "batch-image"))
     return "\n".join(parts)
 
 
@@ -299,14 +293,15 @@ def table_section(page: Page, hist_sites: list[str], batch: BatchErrors | None) 
         flags = ", ".join(f"{k} {v:,}" for k, v in (
             ("out NaN", r.out_nan), ("out Inf", r.out_inf), ("grad NaN", r.grad_nan),
             ("grad Inf", r.grad_inf)) if v)
-        cells = [f"<td class=\"num\">{n}</td>", f"<td class=\"name\">{_wrap(r.site)}</td>",
+        cells = [f"<td class=\"num\">{n}</td>",
+                 f"<td class=\"name\">{kit.breakable(escape(r.site))}</td>",
                  f"<td>{escape(str(r.type))}</td>", f"<td>{escape(str(r.out_shape))}</td>"]
-        cells += [f"<td class=\"num\">{_num(v)}</td>" for v in (
+        cells += [f"<td class=\"num\">{kit.number_cell(v)}</td>" for v in (
             r.out_min, r.out_max, r.out_mean, r.grad_min, r.grad_max)]
         badge = "<span class=\"badge\">!</span> " if bad else ""
         cells.append(f"<td>{badge}{escape(flags)}</td>")
         if pair:
-            cells.append(f"<td class=\"num\">{_num(ratio)}</td>")
+            cells.append(f"<td class=\"num\">{kit.number_cell(ratio)}</td>")
             cells.append(f"<td>{escape(wrong.get(r.site, ''))}</td>")
         link = (f"<a href=\"#hist-{hist_sites.index(r.site)}\">show</a>"
                 if r.site in hist_sites else "")
@@ -347,28 +342,8 @@ def limits(page: Page) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _figure(png: str, alt: str, caption: str, element_id: str) -> str:
-    return (f"<figure id=\"{escape(element_id)}\"><img src=\"data:image/png;base64,{png}\" "
-            f"alt=\"{escape(alt)}\"><figcaption>{escape(caption)}</figcaption></figure>")
-
-
 def _bytes(count: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:
             return f"{count / size:,.1f} {unit}"
     return f"{count} B"
-
-
-def _wrap(name: str) -> str:
-    return escape(name).replace(".", ".<wbr>")
-
-
-def _num(value: Any) -> str:
-    if value is None:
-        return ""
-    value = float(value)
-    if math.isnan(value):
-        return ""
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"

@@ -10,7 +10,7 @@ record: which batch elements are wrong.
 Cost: ranges, norms and NaN flags come from the index alone (statistics every trace holds, a
 summary trace included). Tensor data is read only for histograms (streamed in 1 MiB chunks) and,
 in pair mode, by the diff itself (streamed, bounded memory). What is drawn is capped (see
-browser_page and browser_hist); the page lists what it left out. Inline CSS, SVG and base64
+browser.sections and browser.hist); the page lists what it left out. Inline CSS, SVG and base64
 PNG only: nothing is fetched, so the page can be mailed or opened offline.
 """
 
@@ -29,11 +29,9 @@ import pandas as pd
 from layerdiff.compare import diff as diff_traces
 from layerdiff.errors import TraceError
 from layerdiff.outputs import refuse_inputs, write_text
-from layerdiff.report import browser_data as data
-from layerdiff.report import browser_hist as hist
-from layerdiff.report import browser_page as sections
-from layerdiff.report.browser_data import BatchErrors, NonFinite, Progress, spans
-from layerdiff.report.browser_page import Page
+from layerdiff.report.browser import data, hist, sections
+from layerdiff.report.browser.data import BatchErrors, NonFinite, Progress, spans
+from layerdiff.report.browser.sections import Page
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.trace.reader import open_trace
 

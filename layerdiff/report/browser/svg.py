@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerdiff.report.page import number_cell
+from layerdiff.report.text import clip_left
+
 REF, PORT, BAD = "#1f77b4", "#ff7f0e", "#d62728"
 SERIES = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
 WIDTH = 1080
@@ -26,12 +29,6 @@ LABEL_TICKS_UP_TO = 40      # name each site under the x axis when a panel has t
 def _svg(width: float, height: float, body: list[str], css: str = "chart") -> str:
     return (f'<svg viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
             f'height="{height:.0f}" role="img" class="{css}">' + "".join(body) + "</svg>")
-
-
-def _num(value: float) -> str:
-    if not math.isfinite(value):
-        return "" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return f"{value:.4g}"
 
 
 def _decade_label(k: int, negative: bool = False) -> str:
@@ -143,8 +140,8 @@ def _range_panel(frames: Sequence[pd.DataFrame], prefix: str, left: float, top: 
                 continue
             x = left + (i + 0.5) * slot + (k - (len(frames) - 1) / 2) * bar
             y_hi, y_lo = y_of(hi), y_of(lo)
-            tip = (f"{frame['site'].iat[i]} ({('reference', 'port')[k]}): min {_num(lo)}, "
-                   f"max {_num(hi)}, mean {_num(mean)}")
+            tip = (f"{frame['site'].iat[i]} ({('reference', 'port')[k]}): min {number_cell(lo)}, "
+                   f"max {number_cell(hi)}, mean {number_cell(mean)}")
             parts.append(f'<rect x="{x - bar / 2:.1f}" y="{y_hi:.1f}" width="{bar:.1f}" '
                          f'height="{max(y_lo - y_hi, 1.5):.1f}" fill="{(REF, PORT)[k]}">'
                          f"<title>{escape(tip)}</title></rect>")
@@ -183,7 +180,7 @@ def norms_svg(series: Sequence[tuple[str, pd.DataFrame]], layers: Sequence[str])
     for i, layer in enumerate(layers):
         y = top + (i + 0.5) * row
         body.append(f'<text x="{label_width - 6:.0f}" y="{y + 3:.1f}" class="n" '
-                    f'text-anchor="end">{escape(_clip_left(layer, int(label_width / 6.2)))}'
+                    f'text-anchor="end">{escape(clip_left(layer, int(label_width / 6.2)))}'
                     "</text>")
     for p, (column, title) in enumerate((("weight", "weight norm"),
                                          ("grad", "gradient norm"))):
@@ -236,7 +233,7 @@ def _norm_panel(series: Sequence[tuple[str, pd.DataFrame]], layers: Sequence[str
                 parts.append(f'<text x="{x0 + 4:.1f}" y="{y + bar:.1f}" class="bad">'
                              "not finite</text>")
             elif math.isfinite(value) and value > 0:
-                tip = f"{layer} ({series[k][0]}): {column} norm {_num(value)}"
+                tip = f"{layer} ({series[k][0]}): {column} norm {number_cell(value)}"
                 parts.append(f'<rect x="{x0:.1f}" y="{y:.1f}" '
                              f'width="{max(x_of(value) - x0, 1):.1f}" height="{bar - 1:.1f}" '
                              f'fill="{SERIES[k % len(SERIES)]}"><title>{escape(tip)}</title>'
@@ -246,11 +243,6 @@ def _norm_panel(series: Sequence[tuple[str, pd.DataFrame]], layers: Sequence[str
 
 def _count(value: float) -> int:
     return int(value) if math.isfinite(value) else 0
-
-
-def _clip_left(text: str, width: int) -> str:
-    """Cut a module path from the left: its end is the specific part."""
-    return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
 # ---------------------------------------------------------------------------------------------

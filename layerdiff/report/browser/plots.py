@@ -8,8 +8,6 @@ returns a base64 PNG.
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,18 +16,11 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from layerdiff.report.browser_data import BatchErrors
-from layerdiff.report.html import max_pool
+from layerdiff.report.browser.data import BatchErrors
+from layerdiff.report.page import DPI, max_pool, png
 
-DPI = 110
 BAD = "#d62728"
 LABEL_ROWS_UP_TO = 80      # name each row of the batch image when it has this few
-
-
-def png(fig: Figure) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, facecolor="white")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from layerdiff.compare.result import Diff
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.reader import Trace
-from layerdiff.trace.segments import SegmentReader, decode
+from layerdiff.trace.segments import decode
 
 CHUNK_BYTES = 1 << 20
 BINS = 60
@@ -231,7 +231,7 @@ class TensorStream:
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
-        self._reader = SegmentReader(trace.h5, str(trace.path))
+        self._reader = trace.segments()
         self._buffer = np.empty(CHUNK_BYTES, np.uint8)
 
     def chunks(self, row: pd.Series):

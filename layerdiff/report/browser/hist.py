@@ -2,7 +2,7 @@
 
 A site's histograms show its first output (values) and the first gradient arriving at its
 outputs, streamed from the trace in 1 MiB chunks into 60 bins fixed by the index's min and
-max (see :func:`layerdiff.report.browser_data.histogram`), so memory stays bounded. In pair
+max (see :func:`layerdiff.report.browser.data.histogram`), so memory stays bounded. In pair
 mode the port's tensor is counted on the same bins.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import pandas as pd
 
+from layerdiff.compare.pair import PairReader
 from layerdiff.errors import TraceError
-from layerdiff.report import browser_data as data
-from layerdiff.report import browser_svg as svg
-from layerdiff.report.browser_page import Page
+from layerdiff.report.browser import data, svg
+from layerdiff.report.browser.sections import Page
 from layerdiff.trace.reader import Trace
 
 # A trace is "small", and every site gets histograms, when the tensors they read (one output
@@ -101,22 +101,17 @@ def histogram_section(page: Page, sites: list[str], summary: bool) -> str:
 
 def _port_records(page: Page) -> dict[tuple[str, str, str], pd.Series]:
     """The port's tensor record paired with each reference (site, role, arg) at the step
-    shown, through the diff's pairing: built once, as dicts (a pandas filter per record costs
-    15 ms, seconds over a page of sites)."""
+    shown, as the diff paired them (read through :class:`PairReader`, whose by-name table is
+    built once: a pandas filter per record costs 15 ms, seconds over a page of sites)."""
     assert page.port is not None and page.diff is not None
+    reader = PairReader(page.ref, page.port, page.diff.pairs)
     rows = page.diff.rows
     rows = rows[rows["step"] == page.step]
-    index = page.port.index
-    mine = index[(index["step"] == page.step) & (index["kind"] == "tensor")]
-    positions = {key: n for n, key in enumerate(zip(mine["site"], mine["role"], mine["arg"],
-                                                     strict=True))}
     found: dict[tuple[str, str, str], pd.Series] = {}
-    for site, role, arg, port_site, port_arg in zip(rows["site"], rows["role"], rows["arg"],
-                                                   rows["port_site"], rows["port_arg"],
-                                                   strict=True):
-        n = positions.get((port_site, role, port_arg))
-        if n is not None:
-            found[(site, role, arg)] = mine.iloc[n]
+    for row in rows[["step", "site", "role", "arg", "port_site", "port_arg"]].to_dict("records"):
+        port = reader.records(row)[1]
+        if port is not None:
+            found[(row["site"], row["role"], row["arg"])] = port
     return found
 
 

@@ -1,0 +1,333 @@
+"""Likely-cause hints for origins: each origin's tensors, read back as the diff compared
+them (:mod:`layerdiff.compare.pair`), with the reference's tensors around it, and what they
+suggest (:func:`layerdiff.compare.hints.hint`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.compare import hints
+from layerdiff.compare import result as R
+from layerdiff.compare.pair import PairReader, origin_row
+from layerdiff.errors import TraceError
+from layerdiff.trace import Trace, schema
+
+# An origin whose tensor is larger is examined on its first batch elements only (as many as
+# fit); a weight larger than this gets no hint. 2^20 float64 values are 8 MiB per copy, and a
+# hint makes a few dozen passes over them.
+HINT_MAX_ELEMENTS = 1 << 20
+# A replay judges every site on its own and can name hundreds of origins: the first ones (in
+# the order the diff lists them) get hints, a bounded cost.
+HINT_MAX_ORIGINS = 32
+
+
+def attach_hints(origins: list[R.Origin], reader: PairReader, *,
+                 max_elements: int = HINT_MAX_ELEMENTS,
+                 max_origins: int = HINT_MAX_ORIGINS) -> None:
+    """Set each origin's ``hint``: the kind of porting mistake its error looks like, with the
+    numbers (see :mod:`layerdiff.compare.hints`), or None when nothing matches, when the traces
+    hold no tensor data there (summary traces) or past the first ``max_origins``. The
+    origin's tensors come from ``reader`` as the diff compared them (sliced, transposed, the
+    port's gradients at the reference's loss scale)."""
+    if reader.ref.summary or reader.port.summary:
+        return
+    for origin in origins[:max_origins]:
+        try:
+            with np.errstate(all="ignore"):  # -inf from a mask in the inputs: no warnings
+                found = _hint(origin, reader, max_elements)
+        except (TraceError, ValueError, np.linalg.LinAlgError):
+            # a record that cannot be read, or tensors no model fits the shapes of: a hint is
+            # a help, never a reason for the diff to fail
+            found = None
+        origin.hint = None if found is None else found.as_json()
+
+
+def _hint(origin: R.Origin, reader: PairReader, max_elements: int) -> hints.Hint | None:
+    row = origin_row(origin)
+    ref_row, port_row = reader.records(row)
+    if ref_row is None or port_row is None or min(int(ref_row["segment"]),
+                                                  int(port_row["segment"])) < 0:
+        return None
+    ref, port = reader.ref, reader.port
+    ref_values, port_values = reader.read(row, stored=True)
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements)
+    if found is not None or origin.role != "output" or origin.pass_ != "forward":
+        return found
+    inner = _own_code_record(origin, ref, port, max_elements)
+    if inner is None:
+        return None
+    # the first value the site's own code made wrong, before its later children reshaped it
+    child, ref_values, port_values = inner
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements,
+                     children_only=True)
+    if found is None:
+        return None
+    return hints.Hint(found.kind, f"at {child}'s input (the first value the site's own code "
+                      f"makes that is out): {found.evidence}")
+
+
+def _relative(site: str, child: str) -> str:
+    """The child's module path below the site's ('mlp.down_proj' under 'mlp': 'down_proj')."""
+    parent, module = schema.split_site(site)[0], schema.split_site(child)[0]
+    if parent != schema.ROOT_MODULE and module.startswith(parent + "."):
+        return module[len(parent) + 1:]
+    return module
+
+
+def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: int
+                     ) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """(child, reference, port) for the first child of the origin's site, in call order, whose
+    input is out of the origin's tolerance while the site's own output is the origin: the
+    site's own code between its children made it. Port children are found by the same name
+    under the port's site (a mapping that renames children leaves this out)."""
+    rtol = float(origin.metrics.get("rtol") or 0.0)
+    atol = float(origin.metrics.get("atol") or 0.0)
+    sites = ref.sites
+    rows = sites[(sites["step"] == origin.step) & (sites["parent"] == origin.site)]
+    if rows.empty or len(rows) > MAX_CHILDREN:
+        return None
+    ref_module = schema.split_site(origin.site)[0]
+    port_module = schema.split_site(origin.port_site or origin.site)[0]
+    for child in rows.sort_values("enter_seq")["site"]:
+        module, call = schema.split_site(child)
+        if schema.is_op_site(child):
+            continue
+        suffix = module if ref_module == schema.ROOT_MODULE else module[len(ref_module) + 1:]
+        if ref_module != schema.ROOT_MODULE and not module.startswith(ref_module + "."):
+            continue
+        port_child = (suffix if port_module == schema.ROOT_MODULE
+                      else f"{port_module}.{suffix}") + f"#{call}"
+        ref_row = _tensor_row(ref, origin.step, child, "input", "0")
+        port_row = _tensor_row(port, origin.step, port_child, "input", "0")
+        if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
+            continue
+        a = np.asarray(ref.read(ref_row), np.float64)
+        b = np.asarray(port.read(port_row), np.float64)
+        if a.shape != b.shape:
+            continue
+        if np.any(np.abs(b - a) > atol + rtol * np.abs(a)):
+            return suffix, a, b
+    return None
+
+
+def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: np.ndarray,
+             ref_row: pd.Series, max_elements: int,
+             children_only: bool = False) -> hints.Hint | None:
+    step, role = origin.step, origin.role
+    port_values = _as_compared(ref_values, port_values, None if children_only
+                               else origin.metrics.get("max_abs"))
+    if port_values is None:
+        return None
+    keep = _batch_kept(ref_values, role, max_elements)
+    if keep == 0:
+        return None
+    batch = ref_values.shape[0] if ref_values.ndim else 0
+
+    def cut(values: np.ndarray) -> np.ndarray:
+        return values[:keep] if values.ndim and values.shape[0] == batch else values
+
+    params = role in ("weight", "weight_grad")
+    inputs = {} if params else _site_tensors(ref, step, origin.site, "input", max_elements)
+    weights = _module_weights(ref, step, origin.site, max_elements)
+    grad_output = None
+    if role == "grad_input":
+        grads = _site_tensors(ref, step, origin.site, "grad_output", max_elements)
+        grad_output = cut(grads["0"]) if "0" in grads else None
+    attention = (_attention_parts(ref, step, origin.site, ref_row, max_elements)
+                 if role == "output" and origin.pass_ == "forward" and not children_only
+                 else None)
+    if attention is not None:
+        attention = hints.Attention(
+            cut(attention.q), cut(attention.k), cut(attention.v), cut(attention.context),
+            attention.out_weight, attention.out_bias,
+            None if attention.mask is None else cut(attention.mask), attention.output_heads)
+    children = (_children(ref, step, origin.site, max_elements, cut)
+                if role == "output" and origin.pass_ == "forward" else [])
+    rtol, atol = origin.metrics.get("rtol"), origin.metrics.get("atol")
+    return hints.hint(cut(ref_values), cut(port_values), role=role,
+                      rtol=float(rtol or 0.0), atol=float(atol or 0.0),
+                      inputs={k: cut(v) for k, v in inputs.items()}, weights=weights,
+                      grad_output=grad_output, attention=attention, children=children)
+
+
+MAX_CHILDREN = 16      # a module with more sub-modules than this is not looked inside
+
+
+def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> list[hints.Child]:
+    """What the site's sub-modules recorded (first input, first output, weight and bias), in
+    call order: the pieces a hint may rebuild the site's own code from."""
+    sites = trace.sites
+    rows = sites[(sites["step"] == step) & (sites["parent"] == site)].sort_values("enter_seq")
+    if len(rows) > MAX_CHILDREN:
+        return []
+    out = []
+    for child in rows["site"]:
+        tensors = []
+        for role in ("input", "output"):
+            row = _tensor_row(trace, step, child, role, "0")
+            small = row is not None and int(row["numel"]) <= max_elements
+            tensors.append(cut(trace.read(row)) if small else None)
+        params = []
+        for arg in ("weight", "bias"):
+            row = _module_param(trace, step, child, arg)
+            small = row is not None and int(row["numel"]) <= max_elements
+            params.append(np.asarray(trace.read(row)) if small else None)
+        out.append(hints.Child(_relative(site, child), *tensors, *params))
+    return out
+
+
+def _as_compared(ref_values: np.ndarray, port_values: np.ndarray,
+                 max_abs: float | None) -> np.ndarray | None:
+    """The port's tensor as the diff compared it with the reference's: as read, or
+    transposed, whichever gives the diff's own largest difference; None when neither does (a
+    row read by its names whose parameter the mapping transforms otherwise, say through a
+    conversion): a hint of the stored tensors would describe the mapping's layout, not the
+    port's mistake."""
+    candidates = [port_values] if port_values.shape == ref_values.shape else []
+    if port_values.ndim == 2 and port_values.shape[::-1] == ref_values.shape:
+        candidates.append(port_values.T)
+    if max_abs is None or not np.isfinite(max_abs):
+        return candidates[0] if candidates else None
+    for values in candidates:
+        with np.errstate(all="ignore"):
+            gap = float(np.max(np.abs(np.asarray(values, np.float64) - ref_values), initial=0.0))
+        if abs(gap - max_abs) <= 1e-3 * max(gap, max_abs) + 1e-30:
+            return values
+    return None
+
+
+def _batch_kept(values: np.ndarray, role: str, max_elements: int) -> int:
+    """How many leading batch elements a hint examines (all when small enough; 0: none)."""
+    if values.size <= max_elements:
+        return values.shape[0] if values.ndim else 1
+    if role in ("weight", "weight_grad") or values.ndim < 2:
+        return 0
+    per_element = values.size // values.shape[0]
+    return max_elements // per_element
+
+
+def _tensor_row(trace: Trace, step: int, site: str, role: str, arg: str) -> pd.Series | None:
+    """The record of one tensor with data; a parameter compared through a mapping is named by
+    its full name (``module.param``), whichever call recorded it."""
+    row = trace.find(step, site, role, arg, kind="tensor")
+    if row is None and role in ("weight", "weight_grad"):
+        rows = trace.records(step, role=role, kind="tensor")
+        named = [i for i, (s, a) in enumerate(zip(rows["site"], rows["arg"], strict=True))
+                 if schema.param_name(s, a) == arg]
+        row = rows.iloc[named[0]] if named else None
+    return None if row is None or int(row["segment"]) < 0 else row
+
+
+def _site_tensors(trace: Trace, step: int, site: str, role: str,
+                  max_elements: int) -> dict[str, np.ndarray]:
+    rows = trace.records(step, site, role, kind="tensor")
+    return {str(row["arg"]): trace.read(row) for _, row in rows.iterrows()
+            if int(row["segment"]) >= 0 and int(row["numel"]) <= max_elements}
+
+
+def _module_weights(trace: Trace, step: int, site: str,
+                    max_elements: int) -> dict[str, np.ndarray]:
+    """The site's own parameters, as whichever call of its module recorded them."""
+    weights: dict[str, np.ndarray] = {}
+    for _, row in _module_params(trace, step, site).iterrows():
+        if row["arg"] not in weights and int(row["numel"]) <= max_elements:
+            weights[str(row["arg"])] = trace.read(row)
+    return weights
+
+
+def _module_params(trace: Trace, step: int, site: str) -> pd.DataFrame:
+    """The weight records, with data, of the module ``site`` is a call of (any call)."""
+    rows = trace.records(step, role="weight", kind="tensor")
+    module = schema.split_site(site)[0]
+    same = [schema.split_site(s)[0] == module for s in rows["site"]]
+    rows = rows[np.asarray(same, dtype=bool)] if len(rows) else rows
+    return rows[rows["segment"] >= 0]
+
+
+def _module_param(trace: Trace, step: int, site: str, arg: str) -> pd.Series | None:
+    rows = _module_params(trace, step, site)
+    rows = rows[rows["arg"] == arg]
+    return None if rows.empty else rows.iloc[0]
+
+
+def _attention_parts(trace: Trace, step: int, site: str, output_row: pd.Series,
+                     max_elements: int) -> hints.Attention | None:
+    """The reference's q, k, v and context at ``site`` when it is attention: a module built
+    as attention usually is (see :func:`_projected_attention`), or else a kernel whose inputs
+    are q, k and v and whose output is the context."""
+    inputs = trace.records(step, site, "input", kind="tensor")
+    floats = [row for _, row in inputs.iterrows()
+              if str(row["dtype"]).startswith(("float", "bfloat")) and int(row["segment"]) >= 0]
+    masks = [row for _, row in inputs.iterrows()
+             if not str(row["dtype"]).startswith(("float", "bfloat", "complex"))
+             and int(row["segment"]) >= 0]
+    mask = trace.read(masks[0]) if masks else None
+    projected = _projected_attention(trace, step, site, output_row, max_elements, mask)
+    if projected is not None:
+        return projected
+    out_shape = schema.parse_shape(output_row["shape"])
+    if len(floats) >= 3:
+        shapes = [schema.parse_shape(row["shape"]) for row in floats[:3]]
+        if _kernel_shapes(*shapes, out_shape) and all(
+                int(row["numel"]) <= max_elements for row in floats[:3]):
+            q, k, v = (trace.read(row) for row in floats[:3])
+            context = trace.read(output_row)
+            heads = None
+            if q.ndim == 4:  # heads apart, (batch, heads, length, d): merged, and split back
+                heads = q.shape[1]
+                q, k, v, context = (_merge_heads(a) for a in (q, k, v, context))
+            return hints.Attention(q, k, v, context, mask=mask, output_heads=heads)
+    return None
+
+
+def _kernel_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
+                   out: tuple[int, ...]) -> bool:
+    """q (b, [h,] Lq, d), k (b, [h,] Lk, d), v (b, [h,] Lk, dv) -> out (b, [h,] Lq, dv)."""
+    if not (len(q) == len(k) == len(v) == len(out) and len(q) in (3, 4)):
+        return False
+    lead = q[:-2]
+    return (k[:-2] == lead and v[:-2] == lead and out[:-2] == lead and q[-1] == k[-1]
+            and k[-2] == v[-2] and out[-2] == q[-2] and out[-1] == v[-1])
+
+
+def _merge_heads(values: np.ndarray) -> np.ndarray:
+    batch, heads, length, width = values.shape
+    return values.transpose(0, 2, 1, 3).reshape(batch, length, heads * width)
+
+
+def _projected_attention(trace: Trace, step: int, site: str, output_row: pd.Series,
+                         max_elements: int, mask: np.ndarray | None) -> hints.Attention | None:
+    """Sub-modules with matrix weights project q, k, v (three, one fused, or q and a fused
+    k-v), and the last one, the output projection, gives the site's output."""
+    sites = trace.sites
+    children = sites[(sites["step"] == step) & (sites["parent"] == site)].sort_values(
+        "enter_seq")
+    linear = []
+    for child in children["site"]:
+        weight = _module_param(trace, step, child, "weight")
+        if weight is not None and len(schema.parse_shape(weight["shape"])) == 2:
+            linear.append((child, weight))
+    if len(linear) < 2:
+        return None
+    out_site, out_weight = linear[-1]
+    out = _tensor_row(trace, step, out_site, "output", "0")
+    context = _tensor_row(trace, step, out_site, "input", "0")
+    if out is None or context is None or not output_row["digest"] \
+            or out["digest"] != output_row["digest"]:
+        return None  # the last projection's output is not the site's: not this structure
+    projected = [_tensor_row(trace, step, child, "output", "0") for child, _ in linear[:-1]]
+    if any(p is None or int(p["numel"]) > max_elements for p in projected):
+        return None
+    values = [trace.read(p) for p in projected]
+    if len(values) == 1 and values[0].shape[-1] % 3 == 0:
+        q, k, v = np.split(values[0], 3, axis=-1)
+    elif len(values) == 2 and values[1].shape[-1] % 2 == 0:
+        q, (k, v) = values[0], np.split(values[1], 2, axis=-1)
+    elif len(values) == 3:
+        q, k, v = values
+    else:
+        return None
+    bias = _module_param(trace, step, out_site, "bias")
+    return hints.Attention(q, k, v, trace.read(context), trace.read(out_weight),
+                           None if bias is None else trace.read(bias), mask)
