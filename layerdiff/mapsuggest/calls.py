@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from layerdiff.capture.hooks import flatten
+from layerdiff.capture.modules import named_modules
 from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
@@ -86,8 +87,7 @@ class _PortRun:
 
     def __init__(self, case: Case) -> None:
         self.case = case
-        self.paths = {module: name or schema.ROOT_MODULE
-                      for name, module in case.model.named_modules()}
+        self.paths = {module: path for path, module in named_modules(case.model)}
 
     def run(self, keep_values: bool) -> tuple[list[_Call], dict[str, tuple[dict, dict]]]:
         model = self.case.model
