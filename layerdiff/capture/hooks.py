@@ -337,7 +337,7 @@ class ModuleRecorder:
         opened = self.open_call(site, path, call, type(module).__name__,
                                 self.open[-1].site if self.open else "")
         self.open.append(opened)
-        self.record_inputs(opened, _arguments(args, kwargs))
+        self.record_inputs(opened, call_arguments(args, kwargs))
         owned = slot.owned
         if owned is not None and call == 0:
             if not self._learning:
@@ -589,7 +589,9 @@ def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -
     return slots
 
 
-def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+def call_arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """(argument path, leaf) pairs of a call's arguments, as capture records them: ``0``,
+    ``1.0``, ``1.1``, ``mask`` for ``layer(x, (h, c), mask=m)``."""
     for i, value in enumerate(args):
         yield from flatten(value, str(i))
     for key, value in kwargs.items():
