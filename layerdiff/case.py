@@ -7,17 +7,16 @@ import importlib
 import inspect
 import os
 import pkgutil
-import random
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from layerdiff.errors import CaseError
+from layerdiff.rng import seed_everything  # noqa: F401  (a case seeds with it: public here too)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,13 +74,6 @@ class ExternalCase:
     steps: int = 1
     name: str = ""
     layers: dict[str, Any] | None = None
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch, so that dropout and data draws repeat exactly."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _case_names(module: Any) -> list[str]:

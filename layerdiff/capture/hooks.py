@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from layerdiff.capture.direct import DirectCalls
+from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
 from layerdiff.capture.stage import Stager
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
@@ -179,7 +180,7 @@ def around_modules(model: nn.Module, around: Sequence[str], radius: int) -> set[
     them: the layer where a summary diff found the origin, and the layers before and after."""
     if radius < 0:
         raise CaptureError(f"--radius must be 0 or more (got {radius})")
-    named = [(path or schema.ROOT_MODULE) for path, _ in model.named_modules()]
+    named = module_paths(model)
     children: dict[str, list[str]] = {}
     for path in named:
         if path != schema.ROOT_MODULE:
@@ -210,7 +211,7 @@ def around_modules(model: nn.Module, around: Sequence[str], radius: int) -> set[
 def select_modules(model: nn.Module, include: Sequence[str],
                    exclude: Sequence[str]) -> list[tuple[str, nn.Module]]:
     """The (path, module) pairs to record; an include glob that matches nothing is an error."""
-    named = [(path or schema.ROOT_MODULE, module) for path, module in model.named_modules()]
+    named = named_modules(model)
     for pattern in include:
         if not any(fnmatch.fnmatchcase(path, pattern) for path, _ in named):
             sample = ", ".join(path for path, _ in named[:8])
@@ -246,9 +247,9 @@ class ModuleRecorder:
         # the loss is recorded: (node, output_nr, first sequence number outside, site, role,
         # arg, None; or for the base of an output that is a view, the view's geometry)
         self._watched: list[tuple[Any, int, int, str, str, str, _ViewGeometry | None]] = []
-        self._handles: list[Any] = []
         # ``child.forward(...)`` called directly runs these hooks too (OpRecorder adds its own)
         self.direct = DirectCalls()
+        self._hooks = ModuleHooks(self.direct)
         self._slots: dict[str, _Slot] = {}
         # until the first recorded step has run: which owners are never called is being learnt
         self._learning = False
@@ -259,20 +260,19 @@ class ModuleRecorder:
     def attach(self) -> None:
         self._slots = _slots(self.modules, owned_tensors(self.modules) if self.weights else {})
         self._learning = any(slot.below for slot in self._slots.values())
-        own = self.direct.own
-        for path, module in self.modules:
-            slot = self._slots[path]
-            self._handles.append(own(module.register_forward_pre_hook(
-                partial(self._before, path, slot), with_kwargs=True)))
-            self._handles.append(own(module.register_forward_hook(
-                partial(self._after, path, slot), with_kwargs=True)))
-            self.direct.wrap(module)
+        hooks = self._hooks
+        try:
+            for path, module in self.modules:
+                slot = self._slots[path]
+                hooks.before(module, partial(self._before, path, slot), with_kwargs=True)
+                hooks.after(module, partial(self._after, path, slot), with_kwargs=True)
+                hooks.wrap_forward(module)
+        except BaseException:   # no hook outlives a failed attach
+            hooks.remove()
+            raise
 
     def detach(self) -> None:
-        self.direct.unwrap()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
 
     def begin_step(self, step: int) -> None:
         if self._learning and self._calls:  # the first recorded step ran: what it learnt holds
@@ -337,7 +337,7 @@ class ModuleRecorder:
         opened = self.open_call(site, path, call, type(module).__name__,
                                 self.open[-1].site if self.open else "")
         self.open.append(opened)
-        self.record_inputs(opened, _arguments(args, kwargs))
+        self.record_inputs(opened, call_arguments(args, kwargs))
         owned = slot.owned
         if owned is not None and call == 0:
             if not self._learning:
@@ -589,7 +589,9 @@ def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -
     return slots
 
 
-def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+def call_arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """(argument path, leaf) pairs of a call's arguments, as capture records them: ``0``,
+    ``1.0``, ``1.1``, ``mask`` for ``layer(x, (h, c), mask=m)``."""
     for i, value in enumerate(args):
         yield from flatten(value, str(i))
     for key, value in kwargs.items():

@@ -40,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from layerdiff.capture.hooks import ModuleRecorder, flatten
+from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 
@@ -133,7 +134,7 @@ def select_op_modules(model: nn.Module, globs: Sequence[str],
                       recorded: Sequence[tuple[str, nn.Module]]) -> set[str]:
     """Module paths whose own ops are recorded; a glob that matches no module, or only modules
     the capture leaves out (--include / --exclude), is an error."""
-    paths = [path or schema.ROOT_MODULE for path, _ in model.named_modules()]
+    paths = module_paths(model)
     kept = {path for path, _ in recorded}
     chosen: set[str] = set()
     for glob in globs:
@@ -174,24 +175,25 @@ class OpRecorder:
         self.skipped = NEVER if all_ops else NEVER | VIEW_OPS
         self.frames: list[_Frame] = []
         self._names: dict[Any, str] = {}     # func -> op name (one lookup per distinct func)
-        self._handles: list[Any] = []
+        # a module called as child.forward(...) runs these hooks too
+        self._hooks = ModuleHooks(hooks.direct)
         self._mode = _Mode(self)
         self._depth = 0      # selected calls running: the mode is on while any is
         self._token = None
 
     # ---- lifecycle: attach after the ModuleRecorder, so these hooks wrap its hooks ----
     def attach(self) -> None:
-        own = self.hooks.direct.own   # a module called as child.forward(...) runs them too
-        for path, module in self.model.named_modules():
-            path = path or schema.ROOT_MODULE
-            self._handles.append(own(module.register_forward_pre_hook(self._push,
-                                                                      prepend=True)))
-            if path in self.selected:
-                self._handles.append(own(module.register_forward_pre_hook(self._start)))
-                self._handles.append(own(module.register_forward_hook(
-                    self._stop, prepend=True, always_call=True)))
-            self._handles.append(own(module.register_forward_hook(self._pop,
-                                                                  always_call=True)))
+        hooks = self._hooks
+        try:
+            for path, module in named_modules(self.model):
+                hooks.before(module, self._push, prepend=True)
+                if path in self.selected:
+                    hooks.before(module, self._start)
+                    hooks.after(module, self._stop, prepend=True, always_call=True)
+                hooks.after(module, self._pop, always_call=True)
+        except BaseException:   # no hook outlives a failed attach
+            hooks.remove()
+            raise
         _wrap_apply()
         self._token = _ACTIVE.set(self)
 
@@ -203,9 +205,7 @@ class OpRecorder:
         _ACTIVE.reset(self._token)
         self._token = None
         _unwrap_apply()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
         self.frames.clear()
 
     def begin_step(self) -> None:

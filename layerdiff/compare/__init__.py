@@ -6,9 +6,9 @@ port in another framework, can use it without torch installed.
 
 from layerdiff.compare.engine import diff, save_rows_csv
 from layerdiff.compare.pair import read_pair
-from layerdiff.compare.result import Diff, Origin
-from layerdiff.compare.tolerances import Tolerance, Tolerances
+from layerdiff.compare.result import Diff, DiffVerdict, Origin
+from layerdiff.compare.tolerances import Tolerance, ToleranceKind, Tolerances
 from layerdiff.mapping import Mapping
 
-__all__ = ["Diff", "Mapping", "Origin", "Tolerance", "Tolerances", "diff", "read_pair",
-           "save_rows_csv"]
+__all__ = ["Diff", "DiffVerdict", "Mapping", "Origin", "Tolerance", "ToleranceKind", "Tolerances",
+           "diff", "read_pair", "save_rows_csv"]

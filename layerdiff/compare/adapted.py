@@ -41,7 +41,7 @@ from layerdiff.compare.baseline import Baseline, BaselineError, Limit
 from layerdiff.compare.metrics import PairMetrics
 from layerdiff.compare.records import RecordPair, RecordPairing
 from layerdiff.compare.row_metrics import rms_over
-from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
+from layerdiff.compare.tolerances import Tolerance, ToleranceKind, Tolerances, looser_dtype
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
@@ -168,7 +168,8 @@ class _Call:
         dtype = looser_dtype(ref_dtype, port_dtype)
         tolerance = self.tolerances.lookup(self.pair.reference, Role.INPUT, arg, dtype)
         rms_tol = None
-        if self.baseline is not None and tolerance.kind not in ("rule", "flags"):
+        if self.baseline is not None and tolerance.kind not in (ToleranceKind.RULE,
+                                                                  ToleranceKind.FLAGS):
             # what the user said wins, as in the engine
             tolerance, rms_tol = self._baseline_limit(tolerance, ref_values, port_dtype,
                                                       source, viewed)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare.tolerances import DEFAULTS, Tolerance
+from layerdiff.compare.tolerances import DEFAULTS, Tolerance, ToleranceKind
 from layerdiff.trace.stats import record_rms
 
 # Measured (docs/tolerances.md, scripts/precision_study.py: 8 kernel paths of one CPU, and
@@ -159,7 +159,7 @@ class Baseline:
             allowed_max = self.factor * error.max_abs + u * largest + tiny
             source = (f"baseline {self.name}: {self.factor:g} x its worst error here "
                       f"({error.max_abs:.3g}) + {dtype} rtol {u:g} x the largest element")
-            return Limit(Tolerance(0.0, allowed_max, source, "baseline"), None)
+            return Limit(Tolerance(0.0, allowed_max, source, ToleranceKind.BASELINE), None)
         ref_rms = record_rms(ref)
         chance = sampling_factor(numel)
         allowed_rms = self.factor * chance * error.rms + u * ref_rms + tiny
@@ -169,7 +169,8 @@ class Baseline:
         source = (f"baseline {self.name}: rms <= {self.factor:g} x its rms error here "
                   f"({error.rms:.3g}){sampled} + {dtype} rtol {u:g} x rms(ref) = "
                   f"{allowed_rms:.3g}")
-        return Limit(Tolerance(0.0, float(element), source, "baseline"), float(allowed_rms))
+        return Limit(Tolerance(0.0, float(element), source, ToleranceKind.BASELINE),
+                     float(allowed_rms))
 
 
 def _looser(a: str, b: str) -> str:

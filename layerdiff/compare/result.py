@@ -7,6 +7,7 @@ the manner of Polygraphy's comparator results.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,13 @@ NOT_TAKEN_COLUMNS = ["step", "site", "port_site", "role", "arg", "dtype", "shape
 
 def _no_rows() -> pd.DataFrame:
     return pd.DataFrame(columns=NOT_TAKEN_COLUMNS)
+
+
+class DiffVerdict(StrEnum):
+    """A :class:`Diff`'s verdict (``Diff.verdict``); a string, as its JSON has it."""
+
+    PASS = "pass"   # every compared record within tolerance
+    FAIL = "fail"
 
 
 @dataclass
@@ -93,8 +101,8 @@ class Diff:
         return self.passed
 
     @property
-    def verdict(self) -> str:
-        return "pass" if self.passed else "fail"
+    def verdict(self) -> DiffVerdict:
+        return DiffVerdict.PASS if self.passed else DiffVerdict.FAIL
 
     @property
     def origin(self) -> Origin | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,21 @@ DEFAULTS: dict[str, tuple[float, float]] = {
 EXACT = (0.0, 0.0)  # integers, booleans and anything not floating point
 
 
+class ToleranceKind(StrEnum):
+    """Where a :class:`Tolerance` came from: what a baseline may replace and what it may not."""
+
+    DEFAULT = "default"     # the dtype's default
+    FLAGS = "flags"         # --rtol / --atol (what the user said wins over a baseline)
+    RULE = "rule"           # a tolerance file's rule (so does this)
+    BASELINE = "baseline"   # the error the baseline shows that precision makes
+
+
 @dataclass(frozen=True)
 class Tolerance:
     rtol: float
     atol: float
     source: str  # where the numbers came from, for the verdict's explanation
-    kind: str = "default"  # default | flags (--rtol/--atol) | rule (a tolerance file) | baseline
+    kind: ToleranceKind = ToleranceKind.DEFAULT
 
     def describe(self) -> str:
         return f"rtol={self.rtol:g} atol={self.atol:g} ({self.source})"
@@ -157,12 +167,12 @@ class Tolerances:
                                                           ("atol", self.atol)) if v is not None)
             tolerance = Tolerance(tolerance.rtol if self.rtol is None else self.rtol,
                                   tolerance.atol if self.atol is None else self.atol,
-                                  given, "flags")
+                                  given, ToleranceKind.FLAGS)
         for rule in self.rules:
             if rule.matches(site, role, arg, dtype):
                 tolerance = Tolerance(tolerance.rtol if rule.rtol is None else rule.rtol,
                                       tolerance.atol if rule.atol is None else rule.atol,
-                                      rule.label, "rule")
+                                      rule.label, ToleranceKind.RULE)
         return tolerance
 
     def unmatched(self, records: pd.DataFrame) -> list[str]:

@@ -45,18 +45,18 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.case import Case, ExternalCase, load_case, seed_everything
+from layerdiff import rng
+from layerdiff.capture.modules import hook_every_call
+from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
@@ -291,28 +291,17 @@ def _record_calls(case: Case) -> list[_Call]:
     def after(*_: Any) -> None:
         stack.pop()
 
-    handles = []
-    for path, module in case.model.named_modules():
-        path = path or schema.ROOT_MODULE
-        handles.append(module.register_forward_pre_hook(
-            lambda m, a, k, path=path: before(path, m, a, k), with_kwargs=True))
-        handles.append(module.register_forward_hook(after))
     saved = _Buffers(case.model)
-    states = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(case.model)):
-            seed_everything(case.seed)
+        with hook_every_call(case.model, before, after), rng.preserved(_cuda_devices(case.model)):
+            rng.seed_everything(case.seed)
             case.call_model()
     except Exception as exc:
         where = f" inside site {stack[-1].site}" if stack else ""
         raise CaptureError(f"case {case.name}: the model raised {type(exc).__name__}: {exc}"
                            f"{where} during its forward") from exc
     finally:
-        for handle in handles:
-            handle.remove()
         saved.restore()
-        random.setstate(states[0])
-        np.random.set_state(states[1])
     return calls
 
 
@@ -390,17 +379,8 @@ class _Buffers:
                 original.copy_(saved)
 
 
-def _seed(seed: int, devices: list[int]) -> None:
-    """Seed the CPU generator and those of ``devices``: ``torch.manual_seed`` would also queue
-    a lazy seeding of every CUDA device, a stack trace each time, on a machine without one."""
-    torch.default_generator.manual_seed(seed)
-    for device in devices:
-        torch.cuda.default_generators[device].manual_seed(seed)
-
-
 def _cuda_devices(module: nn.Module) -> list[int]:
-    return sorted({t.device.index or 0 for t in (*module.parameters(), *module.buffers())
-                   if t.is_cuda})
+    return rng.cuda_devices((*module.parameters(), *module.buffers()))
 
 
 # ---- one site's tests
@@ -494,8 +474,8 @@ class _Site:
                 given[i] = grads[i].clone()  # an in-place op in the module may change it
         args, kwargs = _fill(self.template, given)
         self.buffers.fresh()
-        with torch.random.fork_rng(devices=self.devices), torch.enable_grad():
-            _seed(self.checker.seed, self.devices)  # the same dropout masks every run
+        # the same dropout masks every run
+        with rng.seeded(self.checker.seed, self.devices), torch.enable_grad():
             output = self.call.module(*args, **kwargs)
         return _Run(_tensors(output), grads)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from layerdiff import rng
 from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import dtype_name
@@ -497,12 +497,12 @@ class _TorchWatch(_Watch):
 
             run_case(replace(self.case, optimizer=keep), steps=failing)
             state = optimizers[-1].state_dict()
-            rng = _rng_state()
+            random_state = rng.save()
 
             def resume(params, factory=self.case.optimizer):
                 optimizer = factory(params)
                 optimizer.load_state_dict(state)
-                _set_rng_state(rng)  # capture seeded the generators just before this
+                random_state.restore()  # capture seeded the generators just before this
                 return optimizer
 
         single = replace(self.case, steps=1, optimizer=resume or self.case.optimizer)
@@ -522,20 +522,6 @@ def _restore(model: torch.nn.Module, saved: list[tuple[torch.Tensor, torch.Tenso
         for tensor, value in saved:
             tensor.copy_(value)
     model.zero_grad(set_to_none=True)
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---- ports that record themselves ----
@@ -604,10 +590,8 @@ class _ExternalWatch(_Watch):
             self.progress(step + 1, self.total)
 
     def run(self) -> tuple[FirstNonFinite, Producer, R.Origin | None] | None:
-        from layerdiff.case import seed_everything
-
         self.writer = _CheckingWriter(self._stepped)
-        seed_everything(self.case.seed)
+        rng.seed_everything(self.case.seed)
         self.began = [time.perf_counter()]
         try:
             self.case.run(self.writer, steps=self.total, loss_scale=1.0)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.capture.hooks import flatten
+from layerdiff.capture.hooks import call_arguments, flatten
+from layerdiff.capture.modules import named_modules
 from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
@@ -87,8 +88,7 @@ class _PortRun:
 
     def __init__(self, case: Case) -> None:
         self.case = case
-        self.paths = {module: name or schema.ROOT_MODULE
-                      for name, module in case.model.named_modules()}
+        self.paths = {module: path for path, module in named_modules(case.model)}
 
     def run(self, keep_values: bool) -> tuple[list[_Call], dict[str, tuple[dict, dict]]]:
         model = self.case.model
@@ -116,10 +116,10 @@ class _PortRun:
                     stack.pop()
                 outs = [v for _, v in flatten(out, "") if torch.is_tensor(v)]
                 call.output = tuple(outs[0].shape) if outs else None
-                ins = [v for _, v in _arguments(args, kwargs) if torch.is_tensor(v)]
+                ins = [v for _, v in call_arguments(args, kwargs) if torch.is_tensor(v)]
                 call.input = tuple(ins[0].shape) if ins else None
                 if keep_values:
-                    values[site] = (_tensors(_arguments(args, kwargs)),
+                    values[site] = (_tensors(call_arguments(args, kwargs)),
                                     _tensors(flatten(out, "")))
                 return out
             return forward
@@ -146,13 +146,6 @@ class _PortRun:
                 else:
                     module.forward = before
         return _number_siblings(calls), values
-
-
-def _arguments(args: tuple, kwargs: dict):
-    for i, value in enumerate(args):
-        yield from flatten(value, str(i))
-    for key, value in kwargs.items():
-        yield from flatten(value, key)
 
 
 def _tensors(pairs) -> dict[str, np.ndarray]:

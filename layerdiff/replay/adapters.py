@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.capture.hooks import _arguments, flatten
+from layerdiff.capture.hooks import call_arguments, flatten
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.arguments import dropped_arguments, map_argument
@@ -130,7 +130,7 @@ class LayerAdapter(nn.Module):
     def _adapted(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The call through the mapping's adapter: the caller's arguments, moved to the
         layer's device and dtype, become the adapter's ``(args, kwargs)`` for the layer."""
-        caller = _placement([v for _, v in _arguments(args, kwargs)])
+        caller = _placement([v for _, v in call_arguments(args, kwargs)])
         layer = _placement([*self.layer.parameters(), *self.layer.buffers()])
         moved = caller is not None and layer is not None and (
             caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
@@ -211,7 +211,7 @@ def _moved(value: Any, source: tuple[torch.dtype | None, torch.device],
 def _mapped_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
                       ) -> list[tuple[str, Any]]:
     values, seen = [], set()
-    for path, value in _arguments(args, kwargs):
+    for path, value in call_arguments(args, kwargs):
         mapped = map_argument(path, args_map)
         if mapped not in seen:  # attn(x, x, x) -> attn(x)
             seen.add(mapped)
@@ -222,7 +222,7 @@ def _mapped_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
 def _inverse_arguments(args: tuple, kwargs: dict, args_map: dict[str, str]
                        ) -> list[tuple[str, Any]]:
     values = []
-    for path, value in _arguments(args, kwargs):
+    for path, value in call_arguments(args, kwargs):
         head, dot, rest = path.partition(".")
         targets = [ref for ref, port in args_map.items() if port == head]
         if head not in args_map:

@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,16 @@ from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
 from layerdiff.trace.schema import Pass, Role
+
+
+class LocalVerdict(StrEnum):
+    """A site's verdict in :attr:`ReplayResult.local` (its ``verdict`` column holds the
+    values)."""
+
+    LOCAL_ERROR = "LOCAL ERROR"   # out of tolerance on the reference's own inputs
+    EXONERATED = "exonerated"     # within on them, out in the port's own run: it passes one on
+    HOLDS_ONE = "holds one"       # a container out only because a site inside it is
+    WITHIN = "within"
 
 
 @dataclass
@@ -64,7 +75,7 @@ class ReplayResult:
     @property
     def local(self) -> pd.DataFrame:
         """One row per site and pass: local error, propagated error, amplification, verdict
-        (LOCAL ERROR, exonerated, holds one, within)."""
+        (a :class:`LocalVerdict`'s value)."""
         return _local_table(self.diff.rows, self.propagated)
 
     @property
@@ -302,9 +313,11 @@ def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
         parts.append(grouped)
     table = pd.concat(parts, ignore_index=True)
     local_error = ~table["local"].map(judge.within)
-    table["verdict"] = np.where(
-        table["holds"], "holds one", np.where(local_error, "LOCAL ERROR", np.where(
-            table["propagated"] > 1, "exonerated", "within")))
+    table["verdict"] = np.where(   # the values: a DataFrame column holds plain strings
+        table["holds"], LocalVerdict.HOLDS_ONE.value, np.where(
+            local_error, LocalVerdict.LOCAL_ERROR.value, np.where(
+                table["propagated"] > 1, LocalVerdict.EXONERATED.value,
+                LocalVerdict.WITHIN.value)))
     return table.sort_values(["pass", "seq"], ascending=[False, True], kind="stable")
 
 

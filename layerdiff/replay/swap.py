@@ -30,8 +30,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.hooks import flatten
+from layerdiff.capture.modules import (
+    get_module,
+    hook_every_call,
+    is_leaf,
+    module_paths,
+    named_modules,
+)
 from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase
 from layerdiff.compare import judge
@@ -46,6 +52,22 @@ from layerdiff.signature import Signature
 from layerdiff.trace import schema
 from layerdiff.trace.schema import Role
 from layerdiff.weights import load_weights_from, paired_parts, state_arrays
+
+
+class SwapDirection(StrEnum):
+    """Which model the swapped layers go into (``swap(..., into=...)``)."""
+
+    REFERENCE = "reference"   # the port's layers into the reference: does the port break it?
+    PORT = "port"             # the reference's layers into the port: does that fix it?
+
+    @classmethod
+    def parse(cls, into: str) -> SwapDirection:
+        """``into`` as given (the command line passes a string), or a DiffError."""
+        try:
+            return cls(into)
+        except ValueError:
+            raise DiffError(f"into={into!r} is not a swap direction; give "
+                            f"{' or '.join(repr(str(d)) for d in cls)}") from None
 
 
 class SwapOutcome(StrEnum):
@@ -82,7 +104,7 @@ class SwapResult:
     steps: int
     losses: list[tuple[float, float]]       # (reference, swapped) per step
     rows: list[SwapRow] = field(default_factory=list)
-    into: str = "reference"                 # which model the swapped layers went into
+    into: SwapDirection = SwapDirection.REFERENCE  # which model the swapped layers went into
     not_swapped: list[tuple[str, str]] = field(default_factory=list)  # (port layer, why)
     raised: str = ""                        # the swapped run failed outside a swapped call
     # layer -> [(argument, why)]: the caller's arguments the layer did not take
@@ -117,7 +139,7 @@ class SwapResult:
         return self.outcome == SwapOutcome.WITHIN
 
     def describe(self) -> str:
-        if self.into == "port":
+        if self.into == SwapDirection.PORT:
             names = "the reference's " + (", ".join(ref for ref, _ in self.swapped) or
                                           "nothing") + " in the port"
         else:
@@ -131,7 +153,7 @@ class SwapResult:
             return f"with {names} swapped in: within tolerance ({self.ratio:.3g})"
         judged = [r for r in self.rows if r.judged]
         worst = max(judged, key=lambda r: r.ratio if not np.isnan(r.ratio) else np.inf)
-        verb = "differs" if self.into == "port" else "breaks"
+        verb = "differs" if self.into == SwapDirection.PORT else "breaks"
         return f"with {names} swapped in: {verb}; worst {worst.what} {worst.ratio:.3g}x tolerance"
 
     def as_json(self) -> dict[str, Any]:
@@ -231,8 +253,9 @@ class Swapper:
                         f"both called in a forward pass); such layers look like: {known}")
 
     def run(self, modules: Sequence[str], *, steps: int | None = None,
-            into: str = "reference") -> SwapResult:
+            into: SwapDirection | str = SwapDirection.REFERENCE) -> SwapResult:
         """The host case with ``modules`` (reference names) swapped, against the reference."""
+        into = SwapDirection.parse(into)
         modules = _outermost([self.resolve(m) for m in modules])
         if steps is not None and steps < 1:
             raise DiffError(f"--steps must be at least 1 (got {steps})")
@@ -245,7 +268,7 @@ class Swapper:
             host, adapters = self._swapped_host(modules, into)
             host_run = run_case(host, steps=steps)
         except LayerCallError as exc:
-            layer = self.pairs[exc.module][0] if into == "reference" else exc.module
+            layer = self.pairs[exc.module][0] if into == SwapDirection.REFERENCE else exc.module
             result.not_swapped.append((layer, exc.reason))
             return result
         except Exception as exc:  # the port's layers broke the run itself: a break
@@ -265,16 +288,16 @@ class Swapper:
             if torch.is_tensor(a) and torch.is_tensor(b):
                 rows.append(self._compare(f"output {arg}, step {steps - 1}",
                                           (steps - 1, root, Role.OUTPUT, arg), a, b))
-        if into == "reference":
+        if into == SwapDirection.REFERENCE:
             rows += self._parameter_rows(pure.model, host.model, steps)
             rows += self._swapped_grad_rows(pure.model, adapters, steps)
         return result
 
-    def _swapped_host(self, modules: list[str], into: str
+    def _swapped_host(self, modules: list[str], into: SwapDirection
                       ) -> tuple[Any, list[tuple[str, nn.Module]]]:
         """The host case with ``modules`` replaced, and the layers put in (by reference
         module)."""
-        if into == "reference":
+        if into == SwapDirection.REFERENCE:
             host = self.make_reference()
             donor = self.make_port()  # one port for all the swapped layers of this run
             if not isinstance(donor, ExternalCase):
@@ -290,8 +313,8 @@ class Swapper:
         adapters = []
         for module in modules:
             port_module, args_map = self.pairs[module]
-            if into == "reference":
-                replaced = _get(host.model, module)
+            if into == SwapDirection.REFERENCE:
+                replaced = get_module(host.model, module)
                 layer = self._port_layer(donor, port_module, args_map, module, replaced)
                 _tie_shared(host.model, module, layer, self.mapping, port_module)
                 _replace(host.model, module, layer)
@@ -303,8 +326,8 @@ class Swapper:
                                          f"{module} into the port's; the reverse, to call the "
                                          f"reference's layer from the port's code, is not "
                                          "written, so it cannot go into the port")
-                replaced = _get(host.model, port_module)
-                layer = LayerAdapter(port_module, _get(donor.model, module), args_map,
+                replaced = get_module(host.model, port_module)
+                layer = LayerAdapter(port_module, get_module(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
                                      expected=self.port_outputs.get(port_module), inverse=True)
                 _replace(host.model, port_module, layer)
@@ -329,7 +352,7 @@ class Swapper:
                                      "mapping's call adapter makes a torch call, and a numpy "
                                      "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map)
-        return LayerAdapter(ref_module, _get(donor.model, port_module), args_map,
+        return LayerAdapter(ref_module, get_module(donor.model, port_module), args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
                             call=self.calls.get(ref_module))
@@ -445,8 +468,8 @@ class Swapper:
             names = set(port.layers)
             port_leaves = {n for n in names if not any(o.startswith(n + ".") for o in names)}
         else:
-            port_leaves = {name for name, module in port.model.named_modules()
-                           if name and not any(True for _ in module.children())}
+            port_leaves = {path for path, module in named_modules(port.model)
+                           if path != schema.ROOT_MODULE and is_leaf(module)}
         return [m for m in self.order if m in self.pairs and self.pairs[m][0] in port_leaves]
 
     def containers(self) -> list[str]:
@@ -462,12 +485,14 @@ class Swapper:
 
 def swap(reference: Any, port: Any, sites: Sequence[str], *,
          mapping: str | os.PathLike | Mapping | None = None, steps: int | None = None,
-         into: str = "reference", tolerances: Tolerances | None = None,
+         into: SwapDirection | str = SwapDirection.REFERENCE,
+         tolerances: Tolerances | None = None,
          baseline: str | os.PathLike | None = None) -> SwapResult:
     """Run ``reference`` (a Case, or a function making one) with the port's layers at
     ``sites`` in place (``into="port"``: the reference's layers in the port instead) and
     compare loss, outputs, weight gradients and weights after the steps with the pure reference.
-    Cases are built afresh for each run when given as functions (recommended: a run trains).
+    ``into``: a :class:`SwapDirection` or its value. Cases are built afresh for each run when
+    given as functions (recommended: a run trains).
     ``tolerances`` (see :meth:`Tolerances.build`) and ``baseline`` judge the comparisons."""
     return Swapper(reference, port, mapping, tolerances=tolerances,
                    baseline=baseline).run(sites, steps=steps, into=into)
@@ -479,30 +504,15 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
     order: dict[str, None] = {}
     outputs: dict[str, Any] = {}
 
-    def before(name: str):
-        def hook(_module, _args) -> None:  # returning a value would replace the arguments
-            order.setdefault(name)
-        return hook
+    def before(name: str, _module: nn.Module, _args: tuple, _kwargs: dict) -> None:
+        order.setdefault(name)
 
-    def after(name: str):
-        def hook(_module, _args, out) -> None:
-            outputs.setdefault(name, skeleton(out))
-        return hook
+    def after(name: str, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+        outputs.setdefault(name, skeleton(out))
 
-    handles = []
-    direct = DirectCalls()  # a module called as child.forward(...) (llama2.c) is called too
-    for name, module in case.model.named_modules():
-        name = name or schema.ROOT_MODULE
-        handles += [direct.own(module.register_forward_pre_hook(before(name))),
-                    direct.own(module.register_forward_hook(after(name)))]
-        direct.wrap(module)
-    try:
-        with torch.no_grad():
-            case.call_model()
-    finally:
-        direct.unwrap()
-        for handle in handles:
-            handle.remove()
+    # a module called as child.forward(...) (llama2.c) is called too
+    with hook_every_call(case.model, before, after, direct_calls=True), torch.no_grad():
+        case.call_model()
     return list(order), outputs
 
 
@@ -541,7 +551,7 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
 
 
 def _modules(case: Any) -> list[str]:
-    return [name or schema.ROOT_MODULE for name, _ in case.model.named_modules()]
+    return module_paths(case.model)
 
 
 def _port_modules(port: Any) -> list[str]:
@@ -560,10 +570,6 @@ def _outermost(modules: Sequence[str]) -> list[str]:
             if not any(m.startswith(outer + ".") for outer in chosen[:i])]
 
 
-def _get(model: nn.Module, path: str) -> nn.Module:
-    return model if path == schema.ROOT_MODULE else model.get_submodule(path)
-
-
 def _replace(model: nn.Module, path: str, layer: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
-    setattr(_get(model, parent) if parent else model, name, layer)
+    setattr(get_module(model, parent) if parent else model, name, layer)

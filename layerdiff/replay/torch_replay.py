@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerdiff import rng
 from layerdiff.capture.hooks import flatten
+from layerdiff.capture.modules import named_modules
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.arguments import (
@@ -50,10 +52,11 @@ class TorchPort:
     """A torch port's modules, replayed one recorded call at a time."""
 
     def __init__(self, model: nn.Module, ref: Trace) -> None:
-        self.modules = {name or schema.ROOT_MODULE: module
-                        for name, module in model.named_modules()}
+        self.modules = dict(named_modules(model))
         self.ref = ref
         self.device = next(model.parameters(), torch.empty(0)).device
+        # the CUDA generator its layers draw from, seeded and restored around each call
+        self._devices = [self.device.index or 0] if self.device.type == "cuda" else []
         self._weights_recorded: set[str] = set()
         # weight gradients summed per parameter over every call of every module holding it
         # (a tied embedding and head: one parameter, one gradient, as the reference records)
@@ -196,7 +199,7 @@ class TorchPort:
             fresh = [(a, leaves[a].clone() if a in leaves else (
                 v.clone() if torch.is_tensor(v) else v)) for a, v in values]
             args, kwargs = caller(fresh)
-            with _random_seed(seed, self.device), restored(module.buffers()):
+            with rng.seeded(seed, self._devices), restored(module.buffers()):
                 return module(*args, **kwargs)
 
         outputs = call(1)
@@ -287,14 +290,6 @@ def _numpy(value: Any) -> Any:
     if value.dtype == torch.bfloat16:
         value = value.float()  # TraceWriter stores numpy dtypes; compared at bfloat16's tolerance
     return value.numpy()
-
-
-@contextmanager
-def _random_seed(seed: int, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 @contextmanager
