@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -122,6 +121,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     publishes OUTPUT last: a manifest naming them (see docs/distributed.md).
     """
     from layerdiff.capture.distributed import capture_ranks, launched_world
+    from layerdiff.capture.port import capture_port
     from layerdiff.trace.manifest import rank_path
 
     refuse_inputs({"-o": output}, {"--weights-from trace": weights_from,
@@ -131,15 +131,15 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     if ops_all and not ops:
         raise click.UsageError("--ops-all keeps more of the ops that --ops records; give --ops "
                                "GLOB too")
-    options = dict(case_spec=case_spec, include=include, exclude=exclude,
-                   loss_scale=loss_scale, steps=steps, summary=summary, weights=not no_weights,
-                   queue_bytes=queue_mib * 2**20, weights_from=weights_from, mapping=mapping,
-                   dtype=dtype, autocast=autocast, ops=ops, ops_all=ops_all,
-                   full_around=full_around, radius=radius)
+    options = dict(include=include, exclude=exclude, loss_scale=loss_scale, steps=steps,
+                   summary=summary, weights=not no_weights, queue_bytes=queue_mib * 2**20,
+                   weights_from=weights_from, mapping=mapping, dtype=dtype, autocast=autocast,
+                   ops=ops, ops_all=ops_all, full_around=full_around, radius=radius,
+                   on_weights=say_weights, on_written=say_written)
     launched = launched_world()
     if nproc is None and launched is None:
         refuse_existing(output, "-o", force)
-        capture_one(output=output, **options)
+        capture_port(case_spec, output, **options)
         return
     world = nproc or launched[1]
     refuse_inputs({f"-o's rank {r} file": rank_path(output, r) for r in range(world)},
@@ -148,50 +148,20 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         for path in [output, *(rank_path(output, r) for r in range(world))]:
             refuse_existing(str(path), "-o", force)
     start = time.perf_counter()
-    with _interrupt_names_partial(output):
-        published = capture_ranks(capture_one, output, nproc=nproc, options=options)
+    published = capture_ranks(case_spec, output, nproc=nproc, **options)
     if published is not None:
         click.echo(f"wrote manifest {published} naming {world} rank files in "
                    f"{time.perf_counter() - start:.2f} s")
 
 
-def capture_one(*, case_spec: str, output: str | os.PathLike, weights_from: str | None,
-                mapping: str | None, dtype: str | None, rank: int | None = None,
-                world_size: int | None = None, **options) -> Path:
-    """One process's capture: load the case (after the process group exists, so that it can
-    build its rank's shard), cast it, load the reference weights, capture. Progress and the
-    result line come from rank 0 only."""
-    from layerdiff.capture import capture
-    from layerdiff.capture.precision import cast_case
-    from layerdiff.case import ExternalCase, load_case
-
-    case = load_case(case_spec)
-    if dtype and not isinstance(case, ExternalCase):
-        cast_case(case, dtype)  # before the weights, so that loading says what it cast
-    extra_meta = _load_reference_weights(case, weights_from, mapping) if weights_from else {}
-    if rank is not None:
-        extra_meta.update(rank=rank, world_size=world_size)
-    start = time.perf_counter()
-    with _interrupt_names_partial(str(output)):
-        path = capture(case, output, progress=not rank, dtype=dtype, extra_meta=extra_meta,
-                       **options)
-    if not rank:
-        _print_capture_result(path, time.perf_counter() - start)
-    return path
+def say_weights(trace: str | os.PathLike, report) -> None:
+    """What loading the reference's weights did (every rank says it)."""
+    click.echo(f"weights from {trace}: {report.summary()}")
 
 
-@contextlib.contextmanager
-def _interrupt_names_partial(output: str):
-    """Ctrl-C during a capture: say where what was recorded is, and how to look at it."""
-    from layerdiff.trace.h5file import partial_path
-
-    try:
-        yield
-    except KeyboardInterrupt:
-        partial = partial_path(output)
-        left = (f"{partial} holds what was recorded up to there (layerdiff show {partial} "
-                "--allow-incomplete)" if partial.exists() else "nothing was recorded yet")
-        raise Interrupted(f"interrupted: no trace was published at {output}; {left}") from None
+def say_written(path: Path, seconds: float) -> None:
+    size = os.path.getsize(path)
+    click.echo(f"wrote {path} ({size / 2**20:,.1f} MiB) in {seconds:.2f} s")
 
 
 @main.command("show")
@@ -559,7 +529,7 @@ def golden_command(case_spec: str, output: str, summary: bool, steps: int | None
                         force)
     start = time.perf_counter()
     path = golden(case_spec, output, summary=summary, steps=steps, loss_scale=loss_scale)
-    _print_capture_result(path, time.perf_counter() - start)
+    say_written(path, time.perf_counter() - start)
     if runs is not None:
         tolerances = path.with_suffix(".tolerances.toml")
         result = calibrate(case_spec, tolerances, runs=runs, margin=margin, steps=steps,
@@ -704,29 +674,6 @@ def _demo_next(info, port_spec: str, reference: Path, port: Path, origin) -> lis
                   (f"the port's {layer} alone inside the reference: does it break training?",
                    f"layerdiff swap {info.reference} \\\n    {port_spec} --site {layer}{mapping}")]
     return steps
-
-
-def _load_reference_weights(case, trace: str, mapping: str | None) -> dict:
-    """Load the weights; returns what the trace's meta records of it (the mapping's text)."""
-    from layerdiff.capture.torch_capture import weights_meta
-    from layerdiff.case import ExternalCase
-    from layerdiff.errors import CaptureError
-    from layerdiff.weights import conversions_provenance, load_weights
-
-    if isinstance(case, ExternalCase):
-        raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
-                           "weights; load them from the reference in the port's own code")
-    report = load_weights(case.model, trace, mapping)
-    click.echo(f"weights from {trace}: {report.summary()}")
-    meta = weights_meta(trace, mapping)
-    if mapping is not None:  # which code made the port's weights, beside the mapping's text
-        meta["weights"]["conversions"] = conversions_provenance(mapping)
-    return meta
-
-
-def _print_capture_result(path: Path, seconds: float) -> None:
-    size = os.path.getsize(path)
-    click.echo(f"wrote {path} ({size / 2**20:,.1f} MiB) in {seconds:.2f} s")
 
 
 if __name__ == "__main__":
