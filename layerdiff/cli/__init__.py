@@ -14,8 +14,6 @@ Nothing in the library imports this package.
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from layerdiff.cli import capture, ci, debug, demo, diff, ranks, replay, session
@@ -58,7 +56,3 @@ def main(ctx: click.Context, debug: bool) -> None:
 for _family in (capture, diff, replay, session, debug, ranks, ci, demo):
     for _command in _family.COMMANDS:
         main.add_command(_command)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
