@@ -15,12 +15,15 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from layerdiff.cli.options import case_factory, map_option
 from layerdiff.errors import DiffError, LayerdiffError
-from layerdiff.replay.session import Session
+
+if TYPE_CHECKING:  # imported when the command runs: it brings torch, too slow for --help
+    from layerdiff.replay.session import Session
 
 HISTORY = Path(os.environ.get("LAYERDIFF_HISTORY", Path.home() / ".layerdiff_history"))
 
@@ -31,6 +34,8 @@ HISTORY = Path(os.environ.get("LAYERDIFF_HISTORY", Path.home() / ".layerdiff_his
 @map_option
 def session_command(reference_spec: str, port_spec: str, mapping: str | None) -> None:
     """An interactive shell: swap port layers into REF_CASE, run, diff, replay, bisect."""
+    from layerdiff.replay.session import Session
+
     case_factory(reference_spec), case_factory(port_spec)  # both load, or a clear error now
     interact(Session(reference_spec, port_spec, mapping), echo=click.echo)
 
