@@ -40,6 +40,19 @@ def test_python_dash_m_layerdiff_lists_every_command_there_was():
     assert _listed(done.stdout) == COMMANDS
 
 
+def test_the_command_line_starts_without_torch():
+    """--help, a typo or a bad path answers at once: the heavy libraries load when a command
+    runs, not when the group is built (the session's command once pulled in torch: 2-4 s)."""
+    code = ("import sys, layerdiff.cli; print(' '.join(m for m in ('torch', 'pandas', 'h5py', "
+            "'numpy', 'matplotlib') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+
+
 def test_the_console_script_and_the_import_name_the_same_group(run):
     from layerdiff.cli import main
 
