@@ -86,3 +86,21 @@ def test_capture_port_writes_the_trace_that_capture_weights_from_writes(run, ref
         assert differs <= {"created"}  # when it was captured, to the second
         weights = call.meta["weights"]
         assert weights["from"] == reference and weights["mapping"]["name"] == TRANSFORMER_MAP.name
+
+
+def test_diff_writes_every_output_without_torch(reference_traces, tmp_path):
+    """`layerdiff diff` of two stored traces needs h5py and numpy alone (a CI job that only
+    compares), with its JSON, CSV and HTML outputs too: the one place that writes them for
+    every command must not pull in a model-running result's module to tell them apart."""
+    trace = str(reference_traces("tests.tiny_cases:tiny"))
+    outputs = [tmp_path / name for name in ("d.json", "d.csv", "d.html")]
+    code = ("import sys; from layerdiff.cli import main\n"
+            "try: main(sys.argv[1:], prog_name='layerdiff')\n"
+            "except SystemExit as exit: assert exit.code == 0, exit.code\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    command = ["diff", trace, trace, "--json", outputs[0], "--csv", outputs[1], "--html",
+               outputs[2]]
+    done = subprocess.run([sys.executable, "-c", code, *map(str, command)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(path.stat().st_size > 0 for path in outputs)

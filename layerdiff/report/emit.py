@@ -51,18 +51,21 @@ def write_outputs(result: Any, *, json_path: str | None = None, csv_path: str | 
 
 
 def _write_html(result: Any, path: str) -> Path:
+    from layerdiff.compare.result import Diff
+    from layerdiff.report.html import write_html
+
+    if isinstance(result, Diff):
+        return write_html(result, path)
+    if hasattr(result, "write"):  # a page rendered when it was made (the trace browser's)
+        return result.write(path)
+    # only a result that ran a model is left: torch, which diverge's module needs, is loaded
     from layerdiff.debug.diverge import DivergeResult
 
     if isinstance(result, DivergeResult):
         from layerdiff.report.diverge_html import write_diverge_html
 
         return write_diverge_html(result, path)
-    if hasattr(result, "write"):  # a page rendered when it was made (the trace browser's)
-        return result.write(path)
-    from layerdiff.compare.result import Diff
-    from layerdiff.report.html import write_html
-
-    return write_html(result if isinstance(result, Diff) else result.diff, path)
+    return write_html(result.diff, path)  # a replay's report is its diff's
 
 
 def say(text: Callable[[], str], json_path: str | None) -> None:
