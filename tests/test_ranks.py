@@ -110,7 +110,6 @@ def _capture_each(rank: int, world: int, port: int, jobs: list[tuple[str, str, i
     import os
 
     from layerdiff.capture.distributed import capture_ranks
-    from layerdiff.cli import capture_one
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -118,9 +117,7 @@ def _capture_each(rank: int, world: int, port: int, jobs: list[tuple[str, str, i
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for spec, output, steps in jobs:
-            capture_ranks(capture_one, output, nproc=None,
-                          options=dict(case_spec=spec, steps=steps, weights_from=None,
-                                       mapping=None, dtype=None))
+            capture_ranks(spec, output, nproc=None, steps=steps)
     finally:
         dist.destroy_process_group()
 

@@ -10,7 +10,7 @@ from layerdiff.replay import Session
 
 @pytest.fixture(autouse=True)
 def _history(tmp_path, monkeypatch):
-    monkeypatch.setattr("layerdiff.replay.session.HISTORY", tmp_path / "history")
+    monkeypatch.setattr("layerdiff.cli.session.HISTORY", tmp_path / "history")
 
 
 BUG = "reference_models.mlp_port:bug_weight_not_transposed"
@@ -75,7 +75,7 @@ def test_help_lists_the_commands_to_type_and_not_eof():
     import cmd
     import io
 
-    from layerdiff.replay.session import SessionShell
+    from layerdiff.cli.session import SessionShell
 
     shell = SessionShell.__new__(SessionShell)  # help needs no session
     cmd.Cmd.__init__(shell, stdout=io.StringIO())

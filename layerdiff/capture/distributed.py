@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from layerdiff.capture.port import capture_port, interrupt_names_partial
 from layerdiff.errors import CaptureError
 from layerdiff.trace.manifest import rank_path, write_manifest
 
@@ -38,21 +38,30 @@ def launched_world() -> tuple[int, int] | None:
     return (rank, world) if world > 1 else None
 
 
-def capture_ranks(capture_one: Callable[..., Path], output: str | os.PathLike, *,
-                  nproc: int | None, options: dict[str, Any]) -> Path | None:
-    """Run ``capture_one(output=<rank file>, rank=r, world_size=N, **options)`` on every rank,
-    then publish the manifest at ``output``; returns its path on rank 0 (the launching process
-    for --nproc), None on the other ranks. ``nproc`` None: the ranks torchrun started."""
-    if nproc is None:
-        found = launched_world()
-        if found is None:
-            raise CaptureError("capture_ranks needs --nproc or a torchrun launch")
-        rank, world = found
-        return _rank_main(rank, world, capture_one, str(output), options, own_group=True)
+def capture_ranks(case: str, output: str | os.PathLike, *, nproc: int | None = None,
+                  **options: Any) -> Path | None:
+    """Capture the case ``case`` (its spec, built on each rank) on every rank with
+    :func:`~layerdiff.capture.port.capture_port` (``options`` are its: ``weights_from``,
+    ``mapping``, ``dtype``, ``steps``, ...), each rank into ``output``'s rank file, then publish
+    the manifest at ``output``; returns its path on rank 0 (the launching process for --nproc),
+    None on the other ranks. ``nproc`` None: the ranks torchrun started.
+
+    Raises :class:`Interrupted` on Ctrl-C, naming what was recorded."""
+    with interrupt_names_partial(output):
+        if nproc is None:
+            found = launched_world()
+            if found is None:
+                raise CaptureError("capture_ranks needs --nproc or a torchrun launch")
+            rank, world = found
+            return _rank_main(rank, world, case, str(output), options, own_group=True)
+        return _spawn(nproc, case, output, options)
+
+
+def _spawn(nproc: int, case: str, output: str | os.PathLike, options: dict[str, Any]) -> Path:
     import torch.multiprocessing as mp
 
     port = _free_port()
-    context = mp.start_processes(_spawned, args=(nproc, port, capture_one, str(output), options),
+    context = mp.start_processes(_spawned, args=(nproc, port, case, str(output), options),
                                  nprocs=nproc, join=False, start_method="spawn")
     try:
         while not context.join():
@@ -66,16 +75,15 @@ def capture_ranks(capture_one: Callable[..., Path], output: str | os.PathLike, *
     return Path(output)
 
 
-def _spawned(rank: int, world: int, port: int, capture_one: Callable[..., Path], output: str,
+def _spawned(rank: int, world: int, port: int, case: str, output: str,
              options: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _rank_main(rank, world, capture_one, output, options, own_group=True, backend="gloo")
+    _rank_main(rank, world, case, output, options, own_group=True, backend="gloo")
 
 
-def _rank_main(rank: int, world: int, capture_one: Callable[..., Path], output: str,
-               options: dict[str, Any], *, own_group: bool, backend: str | None = None
-               ) -> Path | None:
+def _rank_main(rank: int, world: int, case: str, output: str, options: dict[str, Any], *,
+               own_group: bool, backend: str | None = None) -> Path | None:
     import torch
     import torch.distributed as dist
 
@@ -88,8 +96,8 @@ def _rank_main(rank: int, world: int, capture_one: Callable[..., Path], output: 
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=BARRIER_TIMEOUT)
         started = True
     try:
-        mine = capture_one(output=rank_path(output, rank), rank=rank, world_size=world,
-                           **options)
+        mine = capture_port(case, rank_path(output, rank), rank=rank, world_size=world,
+                            **options)
         # every rank's file is published before the manifest names them
         done = [None] * world
         dist.all_gather_object(done, str(mine))

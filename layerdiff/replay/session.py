@@ -1,19 +1,14 @@
-"""An interactive session: swap port layers in and out of the reference, run, diff, replay
-and bisect, from a shell with history and tab completion of layer names, or from a notebook
-through :class:`Session`.
+"""A session: a reference, a port and the port layers swapped into the reference; swap them
+in and out, run, diff, replay and bisect from a notebook through :class:`Session`.
 
-    layerdiff session reference_models.mlp:reference reference_models.mlp_port:port
-    layerdiff> swap fc2
-    layerdiff> run
+``layerdiff session REF_CASE PORT_CASE`` is the interactive shell around it
+(:mod:`layerdiff.cli.session`).
 """
 
 from __future__ import annotations
 
-import cmd
 import fnmatch
 import os
-import shlex
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,12 +17,10 @@ from typing import Any
 from layerdiff.case import load_case
 from layerdiff.compare import diff as diff_traces
 from layerdiff.compare.result import Diff
-from layerdiff.errors import DiffError, LayerdiffError
+from layerdiff.errors import DiffError
 from layerdiff.replay.bisect import BisectResult, bisect
 from layerdiff.replay.replay import replay
 from layerdiff.replay.swap import Swapper, SwapResult
-
-HISTORY = Path(os.environ.get("LAYERDIFF_HISTORY", Path.home() / ".layerdiff_history"))
 
 
 class Session:
@@ -113,139 +106,3 @@ class Session:
 
     def close(self) -> None:
         self._directory.cleanup()
-
-
-class SessionShell(cmd.Cmd):
-    """The shell around a Session; every error is printed and the session goes on."""
-
-    intro = ("layerdiff session: swap port layers into the reference and see what breaks.\n"
-             "Type help for the commands, Tab completes layer names.")
-    prompt = "layerdiff> "
-
-    def __init__(self, session: Session, echo: Callable[[str], None] = print) -> None:
-        super().__init__()
-        self.session, self.echo = session, echo
-
-    # ---- commands
-    def do_sites(self, arg: str) -> None:
-        """sites [GLOB]: the layers both models have (reference <- port), * marks swapped."""
-        for ref, port in self.session.sites(arg.strip() or "*"):
-            mark = "*" if ref in self.session.swapped else " "
-            self.echo(f" {mark} {ref}" + ("" if port == ref else f" <- {port}"))
-
-    def do_swap(self, arg: str) -> None:
-        """swap NAME [NAME ...]: put the port's layers in place of the reference's."""
-        self._need(arg, "swap NAME")
-        self.echo("swapped: " + ", ".join(self.session.swap(*shlex.split(arg))))
-
-    def do_unswap(self, arg: str) -> None:
-        """unswap [NAME ...]: put the reference's own layers back (all without names)."""
-        swapped = self.session.unswap(*shlex.split(arg))
-        self.echo("swapped: " + (", ".join(swapped) or "nothing"))
-
-    def do_run(self, arg: str) -> None:
-        """run [STEPS]: run the reference with the swapped layers against the pure reference."""
-        from layerdiff.report.terminal import format_swap
-
-        if arg.strip() and not arg.strip().isdigit():
-            raise DiffError(f"usage: run [STEPS], with STEPS a whole number (got {arg.strip()!r})")
-        self.echo(format_swap(self.session.run(int(arg) if arg.strip() else None)))
-
-    def do_diff(self, arg: str) -> None:
-        """diff: capture the whole port and diff it against the reference."""
-        from layerdiff.report.terminal import format_diff
-
-        self.echo(format_diff(self.session.diff()))
-
-    def do_show(self, arg: str) -> None:
-        """show NAME: the last diff's metrics for one layer."""
-        from layerdiff.report.terminal import format_rows
-
-        self._need(arg, "show NAME")
-        self.echo(format_rows(self.session.show(arg.strip())))
-
-    def do_replay(self, arg: str) -> None:
-        """replay [GLOB ...]: run port layers on the reference's recorded inputs."""
-        from layerdiff.report.terminal import format_replay
-
-        self.echo(format_replay(self.session.replay(*shlex.split(arg))))
-
-    def do_bisect(self, arg: str) -> None:
-        """bisect: find the smallest set of port layers that breaks the reference."""
-        from layerdiff.report.terminal import format_bisect
-
-        result = self.session.bisect(lambda n, p: self.echo(
-            f"probe {n:>3}  {p.outcome:<12}  {', '.join(p.swapped)}"))
-        self.echo(format_bisect(result))
-
-    def do_quit(self, arg: str) -> bool:
-        """quit: leave the session."""
-        return True
-
-    do_exit = do_quit
-
-    def do_EOF(self, arg: str) -> bool:
-        """Ctrl-D: leave the session."""
-        self.echo("")
-        return True
-
-    def get_names(self) -> list[str]:
-        """What ``help`` lists and Tab completes: not EOF (Ctrl-D, not a command to type)."""
-        return [name for name in super().get_names() if name != "do_EOF"]
-
-    # ---- completion and errors
-    def completenames_for_layers(self, text: str) -> list[str]:
-        names = {n for pair in self.session.sites() for n in pair}
-        return sorted(n for n in names if n.startswith(text))
-
-    def complete_swap(self, text, line, begidx, endidx):
-        return self.completenames_for_layers(text)
-
-    complete_unswap = complete_show = complete_replay = complete_sites = complete_swap
-
-    def onecmd(self, line: str) -> bool:
-        try:
-            return super().onecmd(line)
-        except LayerdiffError as exc:
-            self.echo(f"error: {exc}")
-        except Exception as exc:  # a port layer that raises: named, and the session goes on
-            self.echo(f"error: {type(exc).__name__}: {exc}")
-        return False
-
-    def default(self, line: str) -> None:
-        self.echo(f"unknown command {line.split()[0]!r}; type help for the commands")
-
-    def emptyline(self) -> None:
-        pass
-
-    def _need(self, arg: str, usage: str) -> None:
-        if not arg.strip():
-            raise DiffError(f"usage: {usage}")
-
-
-def interact(session: Session, echo: Callable[[str], None] = print) -> None:
-    """Run the shell, with readline history when on a terminal."""
-    shell = SessionShell(session, echo)
-    history = _load_history(echo) if sys.stdin.isatty() else None
-    try:
-        shell.cmdloop()
-    finally:
-        session.close()
-        if history is not None:
-            try:
-                history.write_history_file(str(HISTORY))
-            except OSError as exc:
-                echo(f"warning: history not saved to {HISTORY} ({exc})")
-
-
-def _load_history(echo: Callable[[str], None]):
-    try:
-        import readline
-    except ImportError:  # pragma: no cover - no readline on this platform
-        return None
-    try:
-        if HISTORY.exists():
-            readline.read_history_file(str(HISTORY))
-    except OSError as exc:
-        echo(f"warning: history not read from {HISTORY} ({exc})")
-    return readline

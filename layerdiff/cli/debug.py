@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import click
 
-from layerdiff.cli_options import (
-    finish_result,
+from layerdiff.cli.options import (
     force_option,
     json_option,
     map_option,
@@ -19,6 +18,7 @@ from layerdiff.cli_options import (
     tolerances_option,
 )
 from layerdiff.outputs import refuse_existing, refuse_inputs
+from layerdiff.report.emit import STDOUT, finish, write_outputs
 
 
 @click.command("nan")
@@ -43,9 +43,9 @@ def nan_command(case_spec: str, steps: int | None, output: str | None, force: bo
     if output:
         refuse_inputs({"--json": json_path}, {"-o trace": output})
         refuse_existing(output, "-o", force)
-    with CountProgress("nan", "steps", enabled=json_path != "-") as bar:
+    with CountProgress("nan", "steps", enabled=json_path != STDOUT) as bar:
         result = find_nan(case_spec, steps, output=output, progress=bar.progress)
-    finish_result(result, json_path)
+    finish(result, json_path=json_path)
 
 
 @click.command("determinism")
@@ -77,12 +77,12 @@ def determinism_command(case_spec: str, runs: int, steps: int | None, tolerances
     kept = kept_paths(keep, runs) if keep else []
     refuse_inputs({"--json": json_path}, {"tolerance file": tolerances, **{
         f"trace of run {number} kept in --keep": path for number, path in enumerate(kept, 1)}})
-    with CountProgress("determinism", "runs", enabled=json_path != "-") as bar:
+    with CountProgress("determinism", "runs", enabled=json_path != STDOUT) as bar:
         result = check_determinism(case_spec, runs=runs, steps=steps,
                                    tolerances=tolerances_from(tolerances, rtol, atol),
                                    progress=bar.progress, keep=keep, force=force,
                                    parallel=parallel)
-    finish_result(result, json_path)
+    finish(result, json_path=json_path)
 
 
 @click.command("batch-independence")
@@ -103,10 +103,10 @@ def batch_command(case_spec: str, allow: tuple[str, ...], batch_axis: int,
     from layerdiff.debug.batch import batch_independence
     from layerdiff.progress import CountProgress
 
-    with CountProgress("batch independence", "sites", enabled=json_path != "-") as bar:
+    with CountProgress("batch independence", "sites", enabled=json_path != STDOUT) as bar:
         result = batch_independence(case_spec, allow, batch_axis=batch_axis,
                                     progress=bar.progress)
-    finish_result(result, json_path)
+    finish(result, json_path=json_path)
 
 
 @click.command("diverge")
@@ -142,12 +142,9 @@ def diverge_command(reference_spec: str, port_spec: str, mapping: str | None, st
                   {"mapping file": mapping, "tolerance file": tolerances})
     result = diverge(reference_spec, port_spec, mapping=mapping, steps=steps,
                      tolerances=tolerances_from(tolerances, rtol, atol), output_dir=output_dir,
-                     golden=not no_golden, progress=json_path != "-")
-    if html_path:
-        from layerdiff.report.diverge_html import write_diverge_html
-
-        write_diverge_html(result, html_path)
-    finish_result(result, json_path)
+                     golden=not no_golden, progress=json_path != STDOUT)
+    write_outputs(result, html_path=html_path)  # the page first, then what it found
+    finish(result, json_path=json_path)
 
 
 COMMANDS = (nan_command, determinism_command, batch_command, diverge_command)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import click
 
-from layerdiff.cli_options import (
-    finish_result,
+from layerdiff.cli.options import (
     json_option,
     tolerance_flags,
     tolerances_from,
     tolerances_option,
 )
 from layerdiff.outputs import refuse_inputs
+from layerdiff.report.emit import STDOUT, finish
 
 
 @click.command("ranks")
@@ -48,11 +48,11 @@ def ranks_command(port: str, mapping: str | None, tolerance: bool, tolerances: s
     refuse_inputs({"--json": json_path}, {"manifest": port, "mapping file": mapping,
                                           "tolerance file": tolerances}, gathers=False)
     judged = tolerance or tolerances is not None or rtol is not None or atol is not None
-    with CountProgress("ranks", "records", enabled=json_path != "-") as bar:
+    with CountProgress("ranks", "records", enabled=json_path != STDOUT) as bar:
         result = check_ranks(port, mapping=mapping,
                              tolerance=tolerances_from(tolerances, rtol, atol) if judged
                              else False, progress=bar.progress)
-    finish_result(result, json_path)
+    finish(result, json_path=json_path)
 
 
 COMMANDS = (ranks_command,)

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Any
-
 import click
-
-from layerdiff.outputs import write_text
 
 map_option = click.option(
     "--map", "mapping", type=click.Path(dir_okay=False), metavar="FILE",
@@ -46,14 +40,6 @@ json_option = click.option(
     help="Write the result as JSON ('-' for stdout).")
 
 
-def echo_or_write(text: str, path: str) -> None:
-    """``text`` on stdout for ``-``, else into the file (through a temporary name)."""
-    if path == "-":
-        click.echo(text)
-    else:
-        write_text(path, text + "\n")
-
-
 def case_factory(spec: str):
     """A function building the case afresh: swap and bisect train, so every run needs one."""
     from layerdiff.case import load_case
@@ -66,12 +52,3 @@ workers_option = click.option(
     "--workers", type=click.IntRange(min=1), metavar="N",
     help="Processes that check a multi-rank port's rank files while they are gathered "
          "(default: every core but one).")
-
-
-def finish_result(result: Any, json_path: str | None) -> None:
-    """Print or write a diagnostic's result, then exit 1 when it found something."""
-    if json_path:
-        echo_or_write(json.dumps(result.as_json(), indent=1), json_path)
-    if json_path != "-":
-        from layerdiff.report.findings import render; click.echo(render(result))  # noqa: E702, I001
-    sys.exit(1 if result.found else 0)

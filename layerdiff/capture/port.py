@@ -1,0 +1,108 @@
+"""Capturing a port with the reference's weights: the workflow behind ``layerdiff capture PORT
+--weights-from REFERENCE [--map FILE]``, as one library call.
+
+    from layerdiff.capture.port import capture_port
+    capture_port("reference_models.mlp_port:port", "port.h5", weights_from="reference.h5")
+
+The order matters and is kept here once: build the case (under torch.distributed, after the
+process group exists, so that it can build its rank's shard), cast it to ``dtype`` (before the
+weights, so that loading says what it cast), load the reference's weights through the mapping,
+then capture with the weights' provenance (the reference trace, the mapping's text and the code
+of its conversions) in the trace's meta, where ``diff`` finds the mapping again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from layerdiff.case import Case, ExternalCase
+from layerdiff.errors import CaptureError, Interrupted
+from layerdiff.weights import WeightsReport
+
+# Told where the weights came from and what loading them did, before the capture starts.
+OnWeights = Callable[[str | os.PathLike, WeightsReport], None]
+# Told the published trace and the seconds the capture took (rank 0's only, under ranks).
+OnWritten = Callable[[Path, float], None]
+
+
+def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
+                 weights_from: str | os.PathLike | None = None,
+                 mapping: str | os.PathLike | None = None, *, dtype: str | None = None,
+                 rank: int | None = None, world_size: int | None = None,
+                 progress: bool = True, on_weights: OnWeights | None = None,
+                 on_written: OnWritten | None = None, **options: Any) -> Path:
+    """Capture ``case`` into ``output``, with its weights loaded from the reference trace
+    ``weights_from`` first (through ``mapping`` where names differ); returns the published path.
+
+    ``case`` is a case or its spec (``package.module:name``, loaded here). ``dtype`` casts the
+    model and its inputs before the weights are loaded (a baseline). ``rank`` and
+    ``world_size`` are recorded in the trace's meta (one rank's file of a multi-rank capture,
+    see :func:`layerdiff.capture.distributed.capture_ranks`); the progress display and
+    ``on_written`` are rank 0's only. ``options`` are :func:`layerdiff.capture.capture`'s
+    (``include``, ``loss_scale``, ``steps``, ``summary``, ``ops``, ...).
+
+    Raises :class:`CaptureError` for a mapping without ``weights_from`` or a case that records
+    itself (layerdiff cannot set its weights), and :class:`Interrupted` on Ctrl-C, naming the
+    partial file that holds what was recorded.
+    """
+    from layerdiff.capture import capture
+    from layerdiff.capture.precision import cast_case
+    from layerdiff.case import load_case
+
+    if mapping is not None and weights_from is None:
+        raise CaptureError(f"the mapping {mapping} says how to load a reference's weights; "
+                           "give the reference trace to load them from as well")
+    if isinstance(case, str):
+        case = load_case(case)
+    if dtype and not isinstance(case, ExternalCase):
+        cast_case(case, dtype)  # before the weights, so that loading says what it cast
+    extra_meta = (_load_reference_weights(case, weights_from, mapping, on_weights)
+                  if weights_from else {})
+    if rank is not None:
+        extra_meta.update(rank=rank, world_size=world_size)
+    start = time.perf_counter()
+    with interrupt_names_partial(output):
+        path = capture(case, output, progress=progress and not rank, dtype=dtype,
+                       extra_meta=extra_meta, **options)
+    if not rank and on_written is not None:
+        on_written(path, time.perf_counter() - start)
+    return path
+
+
+def _load_reference_weights(case: Case | ExternalCase, trace: str | os.PathLike,
+                            mapping: str | os.PathLike | None,
+                            on_weights: OnWeights | None) -> dict[str, Any]:
+    """Load the weights; returns what the trace's meta records of it (the mapping's text)."""
+    from layerdiff.capture.torch_capture import weights_meta
+    from layerdiff.weights import conversions_provenance, load_weights
+
+    if isinstance(case, ExternalCase):
+        raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
+                           "weights; load them from the reference in the port's own code")
+    report = load_weights(case.model, trace, mapping)
+    if on_weights is not None:
+        on_weights(trace, report)
+    meta = weights_meta(trace, mapping)
+    if mapping is not None:  # which code made the port's weights, beside the mapping's text
+        meta["weights"]["conversions"] = conversions_provenance(mapping)
+    return meta
+
+
+@contextlib.contextmanager
+def interrupt_names_partial(output: str | os.PathLike) -> Iterator[None]:
+    """Ctrl-C during a capture: an :class:`Interrupted` that says where what was recorded is,
+    and how to look at it."""
+    from layerdiff.trace.h5file import partial_path
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        partial = partial_path(output)
+        left = (f"{partial} holds what was recorded up to there (layerdiff show {partial} "
+                "--allow-incomplete)" if partial.exists() else "nothing was recorded yet")
+        raise Interrupted(f"interrupted: no trace was published at {output}; {left}") from None

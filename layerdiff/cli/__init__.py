@@ -1,0 +1,58 @@
+"""The ``layerdiff`` command: one click group. Each command, in the module of its family,
+parses its arguments, calls one library function and emits the result
+(:mod:`layerdiff.report.emit`).
+
+    capture.py  capture                    diff.py     diff, show, gather
+    replay.py   replay, swap, bisect, map-check, map-suggest
+    session.py  session (the interactive shell)
+    debug.py    nan, determinism, batch-independence, diverge
+    ranks.py    ranks                      ci.py       golden, check
+    demo.py     demo, cases
+
+Nothing in the library imports this package.
+"""
+
+from __future__ import annotations
+
+import click
+
+from layerdiff.cli import capture, ci, debug, demo, diff, ranks, replay, session
+from layerdiff.errors import Interrupted, LayerdiffError
+
+
+class _Group(click.Group):
+    """Turns a LayerdiffError into one sentence on stderr and exit code 2 (unless --debug)."""
+
+    def invoke(self, ctx: click.Context):
+        from layerdiff.trace.signals import interrupts_kept
+
+        try:
+            with interrupts_kept():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo("interrupted: nothing was published", err=True)
+            ctx.exit(Interrupted.exit_code)
+        except LayerdiffError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            from layerdiff.trace.printable import visible
+
+            message = visible(str(exc))  # one line, which may quote a name from a trace
+            click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{message}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"max_content_width": 100, "terminal_width": 100})
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.version_option(package_name="layerdiff")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Find the first layer where a port computes something different from its reference."""
+    ctx.obj = {"debug": debug}
+
+
+for _family in (capture, diff, replay, session, debug, ranks, ci, demo):
+    for _command in _family.COMMANDS:
+        main.add_command(_command)
