@@ -145,7 +145,7 @@ class DeterminismResult:
         return self._first is not None
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> DeterminismVerdict:
         return (DeterminismVerdict.NONDETERMINISTIC if self.found
                 else DeterminismVerdict.DETERMINISTIC)
 

@@ -48,6 +48,14 @@ class LocalVerdict(StrEnum):
     WITHIN = "within"
 
 
+class ReplayOutcome(StrEnum):
+    """:attr:`ReplayResult.outcome` (the ``verdict`` of its JSON)."""
+
+    PASS = "pass"                   # no layer has a local error, every one could be called
+    FAIL = "fail"                   # some layer has a local error
+    CANNOT_JUDGE = "cannot-judge"   # none has one, but some could not be called
+
+
 @dataclass
 class ReplayResult:
     """What replay found: each port layer's own error on the reference's recorded inputs.
@@ -79,14 +87,14 @@ class ReplayResult:
         return _local_table(self.diff.rows, self.propagated)
 
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> ReplayOutcome:
         if not self.diff.passed:
-            return "fail"
-        return "cannot-judge" if self.cannot_judge else "pass"
+            return ReplayOutcome.FAIL
+        return ReplayOutcome.CANNOT_JUDGE if self.cannot_judge else ReplayOutcome.PASS
 
     @property
     def passed(self) -> bool:
-        return self.outcome == "pass"
+        return self.outcome == ReplayOutcome.PASS
 
     def __bool__(self) -> bool:
         return self.passed
@@ -97,7 +105,7 @@ class ReplayResult:
 
     def as_json(self) -> dict[str, Any]:
         local = self.local
-        return {**self.diff.as_json(), "verdict": self.outcome,
+        return {**self.diff.as_json(), "verdict": str(self.outcome),
                 "replay": {"replayed": len(self.replayed),
                            "cannot_judge": [list(entry) for entry in self.cannot_judge],
                            "skipped": [list(entry) for entry in self.skipped],

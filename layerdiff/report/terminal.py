@@ -271,13 +271,15 @@ REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propa
 def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     """A replay (a ``ReplayResult``): its verdict, then local beside propagated error per
     site and pass, and the layers that could not be judged."""
+    from layerdiff.replay.replay import LocalVerdict, ReplayOutcome  # torch: not for a diff
+
     table = result.local
-    local = table[table["verdict"] == "LOCAL ERROR"]
+    local = table[table["verdict"] == LocalVerdict.LOCAL_ERROR]
     unjudged = result.cannot_judge
-    if result.outcome == "pass":
+    if result.outcome == ReplayOutcome.PASS:
         head = ("PASS  no layer has a local error: each is within tolerance on the reference's "
                 "inputs")
-    elif result.outcome == "cannot-judge":
+    elif result.outcome == ReplayOutcome.CANNOT_JUDGE:
         head = (f"CANNOT JUDGE  {len(unjudged)} layer(s) could not be called: "
                 + ", ".join(site for site, _ in unjudged[:6])
                 + "; no other layer has a local error")

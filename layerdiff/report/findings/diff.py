@@ -7,7 +7,7 @@ from html import escape
 
 import numpy as np
 
-from layerdiff.ci.check import DRIFT, IDENTICAL_OUTCOME, CheckResult
+from layerdiff.ci.check import CheckOutcome, CheckResult
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.result import Diff, Origin
 
@@ -60,10 +60,10 @@ def check_line(result: CheckResult) -> str:
     """A CI check's one-line verdict: IDENTICAL, DRIFT (how much, where the most) or FAIL
     (the origin)."""
     rows = result.diff.rows
-    if result.outcome == IDENTICAL_OUTCOME:
+    if result.outcome == CheckOutcome.IDENTICAL:
         return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
                 f"{result.golden.name}")
-    if result.outcome == DRIFT:
+    if result.outcome == CheckOutcome.DRIFT:
         changed = rows[rows["verdict"] != Verdict.IDENTICAL]
         worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
         return (f"DRIFT  {result.case}: {len(changed):,} of {len(rows):,} records changed, "
