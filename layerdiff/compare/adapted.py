@@ -46,7 +46,7 @@ from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import Pass, Role
 
 
 @dataclass
@@ -178,7 +178,7 @@ class _Call:
                f"made by call adapter {self.spec} from the reference's arguments")
         row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
         row.update({
-            "step": self.step, "pass": "forward", "seq": seq, "site": self.pair.reference,
+            "step": self.step, "pass": Pass.FORWARD, "seq": seq, "site": self.pair.reference,
             "role": Role.INPUT, "arg": arg, "port_site": self.pair.port, "port_arg": port_path,
             "match": "adapted", "confidence": 1.0,
             "shape": schema.format_shape(tuple(ref_values.shape)),

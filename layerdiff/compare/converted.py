@@ -26,8 +26,7 @@ from layerdiff.compare.records import ConvertedParam, RecordPair
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
-
-GRAD_ROLES = schema.GRAD_ROLES
+from layerdiff.trace.schema import GRAD_ROLES, Role
 
 
 def converted_rows(comparer: Any, rows: pd.DataFrame,
@@ -44,7 +43,7 @@ def converted_rows(comparer: Any, rows: pd.DataFrame,
         if not _has_data(refs, p):
             new.append(_statistics_only(comparer, item, refs[0], p))
             continue
-        how = _how(item, "f(reference) compared with the port's tensor" if p["role"] == "weight"
+        how = _how(item, "f(reference) compared with the port's tensor" if p["role"] == Role.WEIGHT
                    else "the port's gradient pulled back through the chain")
         for pos, values, back in converted_values(ref, port, item, ref_by_key):
             new.append(_row(comparer, RecordPair(pos, item.port, "converted", 1.0),
@@ -66,7 +65,7 @@ def converted_values(ref: Trace, port: Trace, item: ConvertedParam,
     p = port.index.iloc[item.port]
     name = schema.param_name(p["site"], p["arg"])
     ref_values = [ref.read(pos) for pos in item.refs]
-    if p["role"] == "weight":
+    if p["role"] == Role.WEIGHT:
         expected = combine(item.source, ref_values, port=name)
         return [(item.refs[0], expected, port.read(item.port))]
     refs = [ref.index.iloc[pos].to_dict() for pos in item.refs]
@@ -93,7 +92,7 @@ def _has_data(refs: list[dict], p: dict) -> bool:
 def _weights_at(ref: Trace, ref_by_key: dict, grads: list[dict]) -> list[np.ndarray] | None:
     """The reference's weights at the gradients' step (the point the chain is pulled back
     at), or None when the trace lacks one (a linear chain needs none)."""
-    positions = [ref_by_key.get((g["step"], g["site"], "weight", g["arg"])) for g in grads]
+    positions = [ref_by_key.get((g["step"], g["site"], Role.WEIGHT, g["arg"])) for g in grads]
     if any(pos is None for pos in positions):
         return None
     rows = [ref.index.iloc[pos] for pos in positions]

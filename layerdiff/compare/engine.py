@@ -46,9 +46,9 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.schema import GRAD_ROLES, PARAM_ROLES, Role
 from layerdiff.trace.stats import record_rms
 
-GRAD_ROLES = schema.GRAD_ROLES
 STAT_COLUMNS = ("min", "max", "mean", "std")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -237,7 +237,7 @@ def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, 
                                for ref, port in records.absent)]
     for item in records.converted:  # a weight's row at its first reference tensor, a
         # gradient's at each (see compare/converted.py)
-        weight = roles[item.refs[0]] == "weight"
+        weight = roles[item.refs[0]] == Role.WEIGHT
         plans += [ConvertedPair(ref, item.port, "converted", 1.0, item=item)
                   for ref in (item.refs[:1] if weight else item.refs)]
     for plan in plans:
@@ -256,7 +256,7 @@ def _excuse_inner_ops(rows: pd.DataFrame) -> None:
     if not ops:
         return
     module_ok: dict[tuple[int, str, str], bool] = {}
-    own = rows[~rows["role"].isin(["weight", "weight_grad"])]
+    own = rows[~rows["role"].isin(PARAM_ROLES)]
     for key, verdicts in own.groupby(["step", "pass", "site"], sort=False)["verdict"]:
         module_ok[key] = bool(verdicts.isin(judge.PASSING).all())
     for pos in ops:
@@ -295,7 +295,7 @@ def _refuse_other_models(ref: Trace, port: Trace, rows: pd.DataFrame) -> None:
     models (or cases), and no verdict on them means anything."""
     tensors = rows[rows["numel"] > 0]
     clashes = tensors[tensors["verdict"] == Verdict.SHAPE_MISMATCH]
-    inputs = clashes[(clashes["site"] == "<root>#0") & (clashes["role"] == "input")]
+    inputs = clashes[(clashes["site"] == "<root>#0") & (clashes["role"] == Role.INPUT)]
     sizes = [(row, int(np.prod(schema.parse_shape(row["port_shape"]))))
              for _, row in inputs.iterrows()]
     wrong = [(row, size) for row, size in sizes if size != row["numel"]]

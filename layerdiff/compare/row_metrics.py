@@ -15,6 +15,7 @@ from layerdiff.compare import judge
 from layerdiff.compare.metrics import PairMetrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import schema
+from layerdiff.trace.schema import PARAM_ROLES
 
 
 def new_metrics(tolerance: Tolerance, r: Any, p: Any, shape: tuple[int, ...],
@@ -23,7 +24,7 @@ def new_metrics(tolerance: Tolerance, r: Any, p: Any, shape: tuple[int, ...],
     element when the leading axis is a batch (not a parameter's), in ULPs when both sides
     have the same floating dtype."""
     numel = int(np.prod(shape))
-    batch = shape[0] if len(shape) >= 2 and role not in ("weight", "weight_grad") else 0
+    batch = shape[0] if len(shape) >= 2 and role not in PARAM_ROLES else 0
     same_float = r["dtype"] == p["dtype"] and schema.numpy_dtype(r["dtype"]).kind == "f"
     ulp_scale = (2.0**16 if r["dtype"] == "bfloat16" else 1.0) if same_float else None
     return PairMetrics(tolerance.rtol, tolerance.atol, numel, batch, ulp_scale)
