@@ -20,7 +20,7 @@ from typing import Any
 
 from layerdiff.compare import diff
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import DiffError, TraceError
 from layerdiff.trace import open_trace, schema
 
@@ -89,7 +89,7 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
         result.meta["structure"] = structural
     if not result.passed or structural:
         outcome = CheckOutcome.FAIL
-    elif (result.rows["verdict"] == Verdict.IDENTICAL).all():
+    elif (result.rows[Column.VERDICT] == Verdict.IDENTICAL).all():
         outcome = CheckOutcome.IDENTICAL
     else:
         outcome = CheckOutcome.DRIFT

@@ -26,6 +26,7 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.reading import as_compared
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.result import Column
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, open_trace, schema
 
@@ -42,7 +43,7 @@ class ConvertedPair(RecordPair):
 
 def row_key(row: Mapping[str, Any] | pd.Series) -> RowKey:
     """The key of a diff row (or of an origin's fields, see :func:`origin_row`)."""
-    return int(row["step"]), str(row["site"]), str(row["role"]), str(row["arg"])
+    return int(row[Column.STEP]), str(row[Column.SITE]), str(row[Column.ROLE]), str(row[Column.ARG])
 
 
 def origin_row(origin: R.Origin) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from layerdiff.ci.check import CheckOutcome, CheckResult
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import Column, Diff, Origin
 
 NOTEBOOK_ROWS = 20     # failing rows a notebook shows (.failing() has them all)
 NOTEBOOK_ORIGINS = 10
@@ -64,8 +64,8 @@ def check_line(result: CheckResult) -> str:
         return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
                 f"{result.golden.name}")
     if result.outcome == CheckOutcome.DRIFT:
-        changed = rows[rows["verdict"] != Verdict.IDENTICAL]
-        worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
+        changed = rows[rows[Column.VERDICT] != Verdict.IDENTICAL]
+        worst = changed.loc[changed[Column.RATIO].fillna(0).idxmax()]
         return (f"DRIFT  {result.case}: {len(changed):,} of {len(rows):,} records changed, "
                 f"within tolerance; the most at {worst['site']} {worst['role']} "
                 f"({worst['ratio']:.3g}x tolerance)")
