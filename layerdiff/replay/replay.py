@@ -26,7 +26,7 @@ from layerdiff.case import Case, ExternalCase
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import Status
 from layerdiff.compare.matching import port_site_for
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
 from layerdiff.mapping import Mapping
@@ -35,7 +35,7 @@ from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
-from layerdiff.trace.schema import Pass, Role
+from layerdiff.trace.schema import COMPUTED_GRAD_ROLES, Pass, Role
 
 
 class LocalVerdict(StrEnum):
@@ -297,26 +297,27 @@ def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) 
 
 def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
     """One row per site and pass: local error, propagated error, amplification, verdict."""
-    keys = ["step", "site", "role", "arg"]
+    keys = [Column.STEP, Column.SITE, Column.ROLE, Column.ARG]
     if plain is None:
         rows = rows.assign(propagated_ratio=np.nan, amplification=np.nan)
     else:
-        rows = rows.merge(plain.rows[[*keys, "ratio"]].rename(
-            columns={"ratio": "propagated_ratio"}), on=keys, how="left")
-        first = plain.rows[plain.rows["step"] == 0]
-        inputs = first[first["role"] == Role.INPUT].groupby("site")["ratio"].max()
-        outputs = first[first["role"] == Role.OUTPUT].groupby("site")["ratio"].max()
+        rows = rows.merge(plain.rows[[*keys, Column.RATIO]].rename(
+            columns={Column.RATIO: "propagated_ratio"}), on=keys, how="left")
+        first = plain.rows[plain.rows[Column.STEP] == 0]
+        by_site = {role: first[first[Column.ROLE] == role].groupby(Column.SITE)[Column.RATIO].max()
+                   for role in (Role.INPUT, Role.OUTPUT)}
         with np.errstate(divide="ignore", invalid="ignore"):
-            amplification = (outputs / inputs).replace([np.inf, -np.inf], np.nan)
-        rows = rows.assign(amplification=rows["site"].map(amplification))
-    roles = {Pass.FORWARD: [Role.OUTPUT], Pass.BACKWARD: [Role.GRAD_INPUT, Role.WEIGHT_GRAD]}
+            amplification = (by_site[Role.OUTPUT] / by_site[Role.INPUT]).replace(
+                [np.inf, -np.inf], np.nan)
+        rows = rows.assign(amplification=rows[Column.SITE].map(amplification))
+    roles = {Pass.FORWARD: [Role.OUTPUT], Pass.BACKWARD: list(COMPUTED_GRAD_ROLES)}
     parts = []
     for pass_, wanted in roles.items():
-        chosen = rows[(rows["pass"] == pass_) & rows["role"].isin(wanted)]
-        grouped = chosen.groupby(["site", "port_site"], sort=False).agg(
-            seq=("seq", "min"), local=("ratio", _worst), propagated=("propagated_ratio", "max"),
-            amplification=("amplification", "max"),
-            holds=("status", lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
+        chosen = rows[(rows[Column.PASS] == pass_) & rows[Column.ROLE].isin(wanted)]
+        grouped = chosen.groupby([Column.SITE, Column.PORT_SITE], sort=False).agg(
+            seq=(Column.SEQ, "min"), local=(Column.RATIO, _worst),
+            propagated=("propagated_ratio", "max"), amplification=("amplification", "max"),
+            holds=(Column.STATUS, lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
         grouped["pass"] = str(pass_)
         parts.append(grouped)
     table = pd.concat(parts, ignore_index=True)
