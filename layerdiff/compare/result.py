@@ -129,7 +129,7 @@ class Diff:
 
     @property
     def passed(self) -> bool:
-        return bool(self.rows.empty or self.rows["verdict"].isin(PASSING).all())
+        return bool(self.rows.empty or self.rows[Column.VERDICT].isin(PASSING).all())
 
     def __bool__(self) -> bool:
         return self.passed
@@ -150,7 +150,7 @@ class Diff:
 
     def failing(self) -> pd.DataFrame:
         """Rows out of tolerance, in order."""
-        return self.rows[~self.rows["verdict"].isin(PASSING)]
+        return self.rows[~self.rows[Column.VERDICT].isin(PASSING)]
 
     def as_json(self) -> dict[str, Any]:
         """Everything, as plain JSON types: the JSON report."""
