@@ -34,6 +34,7 @@ from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.result import Column
 from layerdiff.trace import schema
 from layerdiff.trace.schema import (
+    CALL_ROLES,
     COMPUTED_GRAD_ROLES,
     FORWARD_ROLES,
     GRAD_ROLES,
@@ -401,7 +402,7 @@ def _unexplained(rows: pd.DataFrame, candidates: list[_Site], roles: tuple[str, 
     return kept
 
 
-_PASS_ROLES = {Pass.FORWARD: (Role.INPUT, Role.OUTPUT),
+_PASS_ROLES = {Pass.FORWARD: CALL_ROLES,
                Pass.BACKWARD: GRAD_ROLES}
 
 

@@ -35,7 +35,7 @@ from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
-from layerdiff.trace.schema import COMPUTED_GRAD_ROLES, Pass, Role
+from layerdiff.trace.schema import CALL_ROLES, COMPUTED_GRAD_ROLES, Pass, Role
 
 
 class LocalVerdict(StrEnum):
@@ -305,7 +305,7 @@ def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
             columns={Column.RATIO: "propagated_ratio"}), on=keys, how="left")
         first = plain.rows[plain.rows[Column.STEP] == 0]
         by_site = {role: first[first[Column.ROLE] == role].groupby(Column.SITE)[Column.RATIO].max()
-                   for role in (Role.INPUT, Role.OUTPUT)}
+                   for role in CALL_ROLES}
         with np.errstate(divide="ignore", invalid="ignore"):
             amplification = (by_site[Role.OUTPUT] / by_site[Role.INPUT]).replace(
                 [np.inf, -np.inf], np.nan)

@@ -12,7 +12,7 @@ from layerdiff.compare import result as R
 from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, schema
-from layerdiff.trace.schema import PARAM_ROLES, Pass, Role
+from layerdiff.trace.schema import CALL_ROLES, PARAM_ROLES, Pass, Role
 
 # An origin whose tensor is larger is examined on its first batch elements only (as many as
 # fit); a weight larger than this gets no hint. 2^20 float64 values are 8 MiB per copy, and a
@@ -165,7 +165,7 @@ def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> lis
     out = []
     for child in rows["site"]:
         tensors = []
-        for role in (Role.INPUT, Role.OUTPUT):
+        for role in CALL_ROLES:
             row = _tensor_row(trace, step, child, role, "0")
             small = row is not None and int(row["numel"]) <= max_elements
             tensors.append(cut(trace.read(row)) if small else None)
