@@ -23,6 +23,7 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
@@ -50,7 +51,7 @@ def converted_rows(comparer: Any, rows: pd.DataFrame,
                             ref.index.iloc[pos].to_dict(), p, values, back, how))
     frame = pd.DataFrame(new, columns=R.ROW_COLUMNS)
     merged = frame if rows.empty else pd.concat([rows, frame], ignore_index=True)
-    merged = merged.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+    merged = merged.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
     return merged, source_warnings(port, converted)
 
 
@@ -109,14 +110,14 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
     seen_r = dict(r, shape=schema.format_shape(shape), digest="")
     seen_p = dict(p, shape=schema.format_shape(tuple(np.shape(port_values))), digest="")
     row = comparer._base_row(pair, seen_r, seen_p)
-    row["note"] = "; ".join(filter(None, [how, row["note"]]))
-    if row["verdict"]:  # shapes differ
+    row[Column.NOTE] = "; ".join(filter(None, [how, row[Column.NOTE]]))
+    if row[Column.VERDICT]:  # shapes differ
         return row
-    tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
+    tolerance = Tolerance(row[Column.RTOL], row[Column.ATOL], row[Column.TOL_SOURCE])
+    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row[Column.ROLE])
     metrics.scratch = comparer.scratch
     port_flat = np.ascontiguousarray(port_values).ravel()
-    if row["role"] in GRAD_ROLES and comparer.grad_factor != 1.0:
+    if row[Column.ROLE] in GRAD_ROLES and comparer.grad_factor != 1.0:
         metrics.ulp_scale = None  # rescaled values: ULPs of neither side
         port_flat = port_flat.astype(np.float64) * comparer.grad_factor
     metrics.update(np.ascontiguousarray(ref_values).ravel(), port_flat, 0)
