@@ -130,7 +130,8 @@ def _statistics_only(comparer: Any, item: ConvertedParam, r: dict, p: dict) -> d
     statistics, so the record is listed, not compared."""
     seen_p = dict(p, shape=r["shape"], digest="")
     row = comparer._base_row(RecordPair(item.refs[0], item.port, "converted", 1.0), r, seen_p)
-    for column in ("max_abs", "ref_nan", "ref_inf", "port_nan", "port_inf"):
+    for column in (Column.MAX_ABS, Column.REF_NAN, Column.REF_INF, Column.PORT_NAN,
+                   Column.PORT_INF):
         row[column] = None
     row.update(verdict=Verdict.WITHIN, ratio=np.nan, note=(
         f"statistics only: a parameter made through a conversion ({item.source.transform}) "

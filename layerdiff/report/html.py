@@ -307,7 +307,7 @@ def origin_section(diff: Diff, reader: PairReader) -> str:
         # The page is still worth having without the pictures; say why they are missing.
         return head + f"<p class=\"note\">No tensor plots: {escape(str(exc))}</p>"
     rtol, atol = _tolerance(row, origin)
-    source = row.get("tol_source", "") if row is not None else ""
+    source = row.get(Column.TOL_SOURCE, "") if row is not None else ""
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
     if origin.hint:
@@ -338,7 +338,7 @@ def _origin_row(diff: Diff, origin: Origin) -> pd.Series | None:
 
 def _tolerance(row: pd.Series | None, origin: Origin) -> tuple[float, float]:
     source: Any = row if row is not None else origin.metrics
-    rtol, atol = source.get("rtol"), source.get("atol")
+    rtol, atol = source.get(Column.RTOL), source.get(Column.ATOL)
     rtol = float(rtol) if present(rtol) else 0.0
     atol = float(atol) if present(atol) else 0.0
     return rtol, atol

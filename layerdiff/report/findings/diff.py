@@ -46,8 +46,8 @@ def notebook_html(diff: Diff) -> str:
             + "</li>" for origin in diff.origins[:NOTEBOOK_ORIGINS])
         parts.append(f"<p>origins:</p><ol>{items}</ol>")
     if not failing.empty:
-        columns = ["step", "pass", "site", "role", "arg", "ratio", "max_abs", "cosine",
-                   "status"]
+        columns = [Column.STEP, Column.PASS, Column.SITE, Column.ROLE, Column.ARG, Column.RATIO,
+                   Column.MAX_ABS, Column.COSINE, Column.STATUS]
         table = failing[[c for c in columns if c in failing.columns]].head(NOTEBOOK_ROWS)
         parts.append(table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
         if len(failing) > NOTEBOOK_ROWS:
