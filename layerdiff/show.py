@@ -11,6 +11,7 @@ import pandas as pd
 from layerdiff.report.text import WIDTH, clip, clip_left, number
 from layerdiff.trace.printable import printable, visible
 from layerdiff.trace.reader import Trace
+from layerdiff.trace.schema import FORWARD_ROLES, GRAD_ROLES, Pass
 
 
 def select_records(trace: Trace, site: str | None = None, role: str | None = None,
@@ -37,8 +38,8 @@ def site_summary(trace: Trace, step: int = 0) -> pd.DataFrame:
     rows = []
     for site in sites.itertuples():
         row = {"site": site.site, "type": site.type}
-        for role in ("input", "output", "weight", "grad_output", "grad_input", "weight_grad"):
-            row[role] = int(counts.at[site.site, role]) if (
+        for role in (*FORWARD_ROLES, *GRAD_ROLES):
+            row[str(role)] = int(counts.at[site.site, role]) if (
                 site.site in counts.index and role in counts.columns) else 0
         row["bytes"] = int(nbytes.get(site.site, 0))
         rows.append(row)
@@ -86,7 +87,7 @@ def format_records(records: pd.DataFrame, width: int = WIDTH) -> str:
                 {c: c for c, _, _ in columns})]
     for rec in records.rename(columns={"pass": "pass_"}).itertuples(index=False):
         values = {
-            "step": str(rec.step), "pass": "fwd" if rec.pass_ == "forward" else "bwd",
+            "step": str(rec.step), "pass": "fwd" if rec.pass_ == Pass.FORWARD else "bwd",
             "site": rec.site, "role": rec.role, "arg": rec.arg,
             "shape": rec.shape if rec.kind == "tensor" else "value",
             "dtype": rec.dtype if rec.kind == "tensor" else "",

@@ -28,6 +28,7 @@ from layerdiff.errors import MappingError
 from layerdiff.mapping import CodeRef, Mapping, ParamSource, Slice
 from layerdiff.mapping.code import is_code
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.schema import Role
 
 
 @dataclass
@@ -208,7 +209,7 @@ def _shard(found: Assignment, mapping: Mapping, world: tuple[int, int]) -> Assig
     from a one-process reference): part ``rank`` of ``size`` equal parts along the dim."""
     rank, size = world
     module, _, leaf = found.port.rpartition(".")
-    rule = mapping.shard_rule(module, "weight", leaf) if size > 1 else None
+    rule = mapping.shard_rule(module, Role.WEIGHT, leaf) if size > 1 else None
     if rule is None or found.value is None:
         return found
     value = found.value
@@ -449,7 +450,7 @@ def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
     if trace.summary:
         raise MappingError(f"{trace.path} is a summary trace: it has no tensor data to take "
                            "weights from; capture the reference without --summary")
-    rows = trace.records(trace.index["step"].min(), role="weight")
+    rows = trace.records(trace.index["step"].min(), role=Role.WEIGHT)
     if rows.empty:
         raise MappingError(f"{trace.path} records no weights (was it captured with "
                            "--no-weights?); capture the reference with weights")

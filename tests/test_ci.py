@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layerdiff import DiffError, TraceError
-from layerdiff.ci import calibrate, check, golden
+from layerdiff.ci import CheckOutcome, calibrate, check, golden
 from layerdiff.report.findings.diff import check_line
 from layerdiff.report.junit import write_junit
 from reference_models import mlp, mlp_port
@@ -32,6 +32,7 @@ def mlp_golden(tmp_path):
 def test_unchanged_code_is_identical(mlp_golden):
     result = check(PORT, mlp_golden)
     assert result.outcome == "identical" and result.passed
+    assert result.outcome is CheckOutcome.IDENTICAL
     assert check_line(result).startswith("IDENTICAL  reference_models.mlp_port:port: all")
 
 

@@ -22,7 +22,9 @@ from layerdiff import (
 )
 from layerdiff.case import ExternalCase
 from layerdiff.compare import result as R
+from layerdiff.compare import save_rows_csv
 from layerdiff.compare.judge import Status, Verdict
+from layerdiff.trace.schema import Role
 from reference_models import mlp_port
 from reference_models.catalog import CATALOG, find
 
@@ -311,6 +313,36 @@ def test_cli_exit_codes_and_reports(run, reference_traces, tmp_path):
     assert (tmp_path / "d.csv").read_text().splitlines()[0].startswith("step,pass,seq,site")
     stdout = run("diff", reference, port, "--json", "-")
     assert json.loads(stdout.output)["verdict"] == "fail"
+
+
+# the row columns as the CSV and JSON reports have always spelled them: a contract with every
+# script that reads them, whatever the code calls them (compare.result.Column)
+_OLD_ROW_COLUMNS = [
+    "step", "pass", "seq", "site", "role", "arg", "port_site", "port_arg", "match",
+    "confidence", "shape", "port_shape", "dtype", "port_dtype", "numel", "max_abs", "max_rel",
+    "mean_abs", "rms", "cosine", "max_ulp", "frac_out", "worst_index", "ratio", "ref_nan",
+    "ref_inf", "port_nan", "port_inf", "rtol", "atol", "tol_source", "rms_tol", "verdict",
+    "note", "batch_ratio", "status", "cause"]
+
+
+def test_csv_header_and_json_keys_are_the_plain_column_names(reference_traces, tmp_path):
+    info = find("reference_models.mlp_port:bug_weight_not_transposed")
+    reference = reference_traces(info.reference)
+    result = diff(reference, _capture_port(info, reference, tmp_path / "p.h5"))
+    assert list(result.rows.columns) == _OLD_ROW_COLUMNS == R.ROW_COLUMNS
+    assert all(type(name) is str for name in result.rows.columns)
+    header = save_rows_csv(result, tmp_path / "d.csv").read_text().splitlines()[0]
+    assert header == ",".join(_OLD_ROW_COLUMNS)
+    data = json.loads(json.dumps(result.as_json()))
+    assert data["verdict"] == "fail" and all(list(row) == _OLD_ROW_COLUMNS
+                                             for row in data["rows"])
+    # a Column reads, filters and renames the frame as its string does
+    rows = result.rows
+    assert rows[R.Column.VERDICT].equals(rows["verdict"])
+    assert rows[R.Column.ROLE].isin([Role.OUTPUT, Role.WEIGHT]).equals(
+        rows["role"].isin(["output", "weight"])) and (rows["role"] == Role.OUTPUT).any()
+    renamed = rows.rename(columns={R.Column.RATIO: "r"})
+    assert "r" in renamed.columns and "ratio" not in renamed.columns
 
 
 @pytest.mark.parametrize("make, message", [

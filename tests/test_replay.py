@@ -4,13 +4,14 @@ site and in its pass only, and exonerates the layers that merely pass an error o
 from __future__ import annotations
 
 import fnmatch
+import json
 
 import pytest
 import torch
 
 from layerdiff import DiffError, load_case
 from layerdiff.errors import CaptureError
-from layerdiff.replay import replay
+from layerdiff.replay import ReplayOutcome, replay
 from layerdiff.replay.arguments import rebuild_call
 from reference_models.catalog import CATALOG, find
 
@@ -70,6 +71,10 @@ def test_a_port_layer_that_raises_is_named_and_the_rest_replayed(reference_trace
     assert "fc2#0" in set(result.diff.rows["site"])
     # a layer that raises is never within tolerance: the replay as a whole cannot judge
     assert result.outcome == "cannot-judge" and not result
+    # the outcome is a ReplayOutcome, and its JSON the same plain string as before
+    assert result.outcome is ReplayOutcome.CANNOT_JUDGE
+    verdict = json.loads(json.dumps(result.as_json()))["verdict"]
+    assert verdict == "cannot-judge" and type(verdict) is str
 
 
 def test_replay_needs_tensors_not_a_summary(reference_traces):

@@ -76,3 +76,17 @@ def test_a_swap_records_its_direction_as_the_enum() -> None:
     assert result.into is SwapDirection.PORT and not result.breaks
     with pytest.raises(DiffError, match="not a swap direction"):
         swap(mlp.reference, mlp_port.port, ["fc1"], into="sideways")
+
+
+def test_the_named_role_sets_say_what_their_names_say() -> None:
+    """Code asks ``role in GRAD_ROLES`` where it once spelled the tuple out: each set must hold
+    exactly the roles of its pass, and the passes must cover every role once."""
+    from layerdiff.trace import schema
+    from layerdiff.trace.schema import Pass, Role
+
+    assert sorted(schema.FORWARD_ROLES + schema.GRAD_ROLES) == sorted(Role)
+    assert all(schema.ROLE_PASS[r] is Pass.FORWARD for r in schema.FORWARD_ROLES)
+    assert all(schema.ROLE_PASS[r] is Pass.BACKWARD for r in schema.GRAD_ROLES)
+    assert set(schema.CALL_ROLES) == set(schema.FORWARD_ROLES) - set(schema.PARAM_ROLES)
+    assert set(schema.COMPUTED_GRAD_ROLES) == set(schema.COMPUTED_ROLES) & set(schema.GRAD_ROLES)
+    assert all(isinstance(r, Role) for r in schema.COMPUTED_GRAD_ROLES + schema.CALL_ROLES)

@@ -53,6 +53,7 @@ from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
 from layerdiff.capture.stage import Stager
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
+from layerdiff.trace.schema import Pass, Role
 
 
 def _next_sequence_nr() -> int:
@@ -292,7 +293,7 @@ class ModuleRecorder:
             self._watched.clear()
             return
         seq = self.stager.recorder.seq
-        self.stager.tensor(self.step, "forward", schema.LOSS_SITE, "output", "0", loss)
+        self.stager.tensor(self.step, Pass.FORWARD, schema.LOSS_SITE, Role.OUTPUT, "0", loss)
         self._site_row(schema.LOSS_SITE, "<loss>", 0, "loss", "", seq)
         watched, self._watched = self._watched, []
         if watched and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
@@ -304,14 +305,14 @@ class ModuleRecorder:
             return
         for (site, role, arg), (_, total) in self._partial_grads.items():
             if total is not None:
-                self.stager.tensor(self.step, "backward", site, role, arg, total)
+                self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, total)
         self._partial_grads.clear()
         for site, prefix, owned in reversed(self._weight_sites):
             for store, name in owned.params:
                 param = store.get(name)
                 grad = param.grad if param is not None else None
                 if grad is not None:
-                    self.stager.tensor(self.step, "backward", site, "weight_grad",
+                    self.stager.tensor(self.step, Pass.BACKWARD, site, Role.WEIGHT_GRAD,
                                        prefix + name, grad)
 
     def weight_records(self) -> list[tuple[str, str, torch.Tensor]]:
@@ -352,7 +353,7 @@ class ModuleRecorder:
         for store, name in owned.tensors:
             tensor = store.get(name)
             if tensor is not None:
-                stager.tensor(step, "forward", site, "weight", prefix + name, tensor)
+                stager.tensor(step, Pass.FORWARD, site, Role.WEIGHT, prefix + name, tensor)
         self._weight_sites.append((site, prefix, owned))
 
     def _after(self, path: str, slot: _Slot, module: nn.Module, args: tuple, kwargs: dict,
@@ -379,7 +380,7 @@ class ModuleRecorder:
     def record_inputs(self, opened: _OpenCall, arguments: Iterable[tuple[str, Any]]) -> None:
         stager, step, site = self.stager, self.step, opened.site
         for arg, value in arguments:
-            stager.any(step, "forward", site, "input", arg, value)
+            stager.any(step, Pass.FORWARD, site, Role.INPUT, arg, value)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 opened.inputs.append((arg, _tensor_key(value), value.grad_fn))
 
@@ -387,7 +388,7 @@ class ModuleRecorder:
         """Record a call's outputs and its site row, and hook its backward."""
         stager, step, site = self.stager, self.step, opened.site
         for arg, value in outputs:
-            stager.any(step, "forward", site, "output", arg, value)
+            stager.any(step, Pass.FORWARD, site, Role.OUTPUT, arg, value)
         self._site_row(site, opened.module, opened.call, opened.type, opened.parent,
                        opened.enter_seq)
         if torch.is_grad_enabled():
@@ -399,9 +400,9 @@ class ModuleRecorder:
             watched = self._watched
             for arg, tensor in grads:
                 watched.append((tensor.grad_fn, tensor.output_nr, outside, site,
-                                "grad_output", arg, None))
+                                Role.GRAD_OUTPUT, arg, None))
                 if tensor._is_view():   # changed in place later, its gradient goes to the base
-                    self._watch_base(tensor, outside, site, "grad_output", arg)
+                    self._watch_base(tensor, outside, site, Role.GRAD_OUTPUT, arg)
             if opened.inputs:
                 self._hook_grad_inputs(opened, grads, outside)
 
@@ -490,7 +491,7 @@ class ModuleRecorder:
                 node.register_hook(partial(self._on_gradients, slots))
         # an output that nothing outside its call consumes gets no record at all
         for key, (left, _) in list(partials.items()):
-            if left == 0 and key[1] == "grad_output":
+            if left == 0 and key[1] == Role.GRAD_OUTPUT:
                 del partials[key]
 
     def _hook_grad_inputs(self, opened: _OpenCall, outputs: list[tuple[str, torch.Tensor]],
@@ -513,9 +514,9 @@ class ModuleRecorder:
                 if arg not in passed_through:   # passes through to the input
                     passed_through.add(arg)
                     self._watched.append((tensor.grad_fn, tensor.output_nr, outside,
-                                          opened.site, "grad_input", arg, None))
+                                          opened.site, Role.GRAD_INPUT, arg, None))
                     if tensor._is_view():
-                        self._watch_base(tensor, outside, opened.site, "grad_input", arg)
+                        self._watch_base(tensor, outside, opened.site, Role.GRAD_INPUT, arg)
             elif tensor.grad_fn._sequence_nr() >= opened.first_node:  # else made before the call
                 todo.append(tensor.grad_fn)
         # The walk runs once per call, over every node the call created (a parent's walk covers
@@ -539,11 +540,11 @@ class ModuleRecorder:
                     if arg is None and child._sequence_nr() >= first:
                         todo.append(child)
                 if arg is not None:
-                    key = (opened.site, "grad_input", arg)
+                    key = (opened.site, Role.GRAD_INPUT, arg)
                     boundary.setdefault(id(node), (node, []))[1].append((slot, key, None))
         expected = Counter(key for _, slots in boundary.values() for _, key, _ in slots)
         for arg in passed_through:   # its outside consumers are counted in when hooked
-            self._partial_grads[(opened.site, "grad_input", arg)] = [0, None]
+            self._partial_grads[(opened.site, Role.GRAD_INPUT, arg)] = [0, None]
         for key, count in expected.items():
             self._partial_grads[key] = [count, None]
         for node, slots in boundary.values():
@@ -568,7 +569,7 @@ class ModuleRecorder:
                 del partials[key]
                 if entry[1] is not None:
                     site, role, arg = key
-                    self.stager.tensor(self.step, "backward", site, role, arg, entry[1])
+                    self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, entry[1])
 
 
 def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -> dict[str, _Slot]:

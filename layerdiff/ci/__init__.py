@@ -2,6 +2,6 @@
 is layerdiff.report.junit's)."""
 
 from layerdiff.ci.calibrate import Calibration, calibrate
-from layerdiff.ci.check import CheckResult, check, golden
+from layerdiff.ci.check import CheckOutcome, CheckResult, check, golden
 
-__all__ = ["Calibration", "CheckResult", "calibrate", "check", "golden"]
+__all__ = ["Calibration", "CheckOutcome", "CheckResult", "calibrate", "check", "golden"]

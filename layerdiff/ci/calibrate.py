@@ -20,6 +20,7 @@ import pandas as pd
 
 from layerdiff.compare import diff
 from layerdiff.compare.judge import Verdict
+from layerdiff.compare.result import Column
 from layerdiff.compare.tolerances import default_tolerance
 from layerdiff.outputs import write_text
 
@@ -63,8 +64,8 @@ def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
         for other in paths[1:]:
             rows = diff(paths[0], other).rows
             frames.append(rows)
-            changed = rows[rows["verdict"] != Verdict.IDENTICAL].sort_values("seq")
-            for site in changed["site"]:
+            changed = rows[rows[Column.VERDICT] != Verdict.IDENTICAL].sort_values(Column.SEQ)
+            for site in changed[Column.SITE]:
                 if site not in result.nondeterministic:
                     result.nondeterministic.append(site)
         try:
@@ -73,11 +74,11 @@ def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
         except Exception as exc:  # calibration goes on with the run-to-run noise alone
             result.float64 = f"{type(exc).__name__}: {exc}"
     noise = pd.concat(frames, ignore_index=True)
-    noise = noise[noise["dtype"].str.startswith("float") | noise["port_dtype"].str.startswith(
-        "float")]
-    result.floor = noise.groupby(["site", "role"], sort=False).agg(
-        abs_noise=("max_abs", "max"), rel_noise=("max_rel", "max"),
-        dtype=("port_dtype", "first")).reset_index()
+    noise = noise[noise[Column.DTYPE].str.startswith("float")
+                  | noise[Column.PORT_DTYPE].str.startswith("float")]
+    result.floor = noise.groupby([Column.SITE, Column.ROLE], sort=False).agg(
+        abs_noise=(Column.MAX_ABS, "max"), rel_noise=(Column.MAX_REL, "max"),
+        dtype=(Column.PORT_DTYPE, "first")).reset_index()
     _write(result, Path(output), case_spec)
     return result
 

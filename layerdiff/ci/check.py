@@ -14,30 +14,37 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from layerdiff.compare import diff
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import DiffError, TraceError
 from layerdiff.trace import open_trace, schema
 
-IDENTICAL_OUTCOME, DRIFT, FAIL = "identical", "drift", "fail"
+
+class CheckOutcome(StrEnum):
+    """:attr:`CheckResult.outcome`."""
+
+    IDENTICAL = "identical"   # every record bit for bit
+    DRIFT = "drift"           # something changed, within tolerance
+    FAIL = "fail"             # out of tolerance, or the model's records changed
 
 CaseLike = Any  # a spec 'package.module:name', a Case, or a function returning one
 
 
 @dataclass
 class CheckResult:
-    outcome: str               # identical | drift | fail
+    outcome: CheckOutcome
     diff: Diff
     golden: Path
     case: str
 
     @property
     def passed(self) -> bool:
-        return self.outcome != FAIL
+        return self.outcome != CheckOutcome.FAIL
 
     def __bool__(self) -> bool:
         return self.passed
@@ -81,11 +88,11 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
     if structural:
         result.meta["structure"] = structural
     if not result.passed or structural:
-        outcome = FAIL
-    elif (result.rows["verdict"] == Verdict.IDENTICAL).all():
-        outcome = IDENTICAL_OUTCOME
+        outcome = CheckOutcome.FAIL
+    elif (result.rows[Column.VERDICT] == Verdict.IDENTICAL).all():
+        outcome = CheckOutcome.IDENTICAL
     else:
-        outcome = DRIFT
+        outcome = CheckOutcome.DRIFT
     return CheckResult(outcome, result, golden_path, loaded.name)
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
 from layerdiff.compare.records import RecordPair
+from layerdiff.compare.result import Column
 from layerdiff.trace.schema import Role
 from layerdiff.trace.stats import record_rms
 
@@ -40,22 +41,23 @@ def absent_rows(comparer: Any, rows: pd.DataFrame,
         new.append(_against_zeros(row, r))
     frame = pd.DataFrame(new, columns=R.ROW_COLUMNS)
     return pd.concat([rows, frame], ignore_index=True).sort_values(
-        ["step", "seq"], kind="stable", ignore_index=True)
+        [Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
 
 
 def _against_zeros(row: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
     largest = max(abs(float(r["min"])), abs(float(r["max"])))
     rms = record_rms(r)
-    limit = row["atol"] + row["rtol"] * largest
+    limit = row[Column.ATOL] + row[Column.RTOL] * largest
     ratio = largest / limit if limit > 0 else (np.inf if largest > 0 else 0.0)
-    if row["rms_tol"] is not None:   # a baseline's second rule
-        ratio = judge.worst([ratio, rms / row["rms_tol"] if row["rms_tol"] > 0 else np.inf])
+    rms_tol = row[Column.RMS_TOL]
+    if rms_tol is not None:   # a baseline's second rule
+        ratio = judge.worst([ratio, rms / rms_tol if rms_tol > 0 else np.inf])
     what = "its input gradient is None" if r["role"] == Role.GRAD_INPUT else \
         "its parameter's gradient is None"
-    row.update(port_shape=row["shape"], port_dtype=r["dtype"], max_abs=largest,
+    row.update(port_shape=row[Column.SHAPE], port_dtype=r["dtype"], max_abs=largest,
                max_rel=1.0 if largest > 0 else 0.0, mean_abs=np.nan, rms=rms,
                cosine=np.nan, max_ulp=np.nan, frac_out=np.nan, worst_index="", ratio=ratio,
                ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=0, port_inf=0,
                note=NOTE.format(what=what), batch_ratio=None)
-    row["verdict"] = judge.verdict(ratio, ref_nan=row["ref_nan"], port_nan=0, port_inf=0)
+    row[Column.VERDICT] = judge.verdict(ratio, ref_nan=row[Column.REF_NAN], port_nan=0, port_inf=0)
     return row

@@ -40,13 +40,14 @@ from layerdiff.compare.arguments import CallSignatures, head_of
 from layerdiff.compare.baseline import Baseline, BaselineError, Limit
 from layerdiff.compare.metrics import PairMetrics
 from layerdiff.compare.records import RecordPair, RecordPairing
+from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import rms_over
 from layerdiff.compare.tolerances import Tolerance, ToleranceKind, Tolerances, looser_dtype
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import Pass, Role
 
 
 @dataclass
@@ -65,7 +66,7 @@ class AdaptedRows:
             return rows
         extra = pd.DataFrame(self.rows, columns=R.ROW_COLUMNS)
         joined = pd.concat([rows, extra], ignore_index=True) if len(rows) else extra
-        return joined.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+        return joined.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
 
 
 def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mapping,
@@ -176,16 +177,19 @@ class _Call:
         how = (f"the reference's '{source}', passed through by call adapter {self.spec}"
                if source is not None else
                f"made by call adapter {self.spec} from the reference's arguments")
-        row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
+        row: dict[str, Any] = dict.fromkeys(R.ROW_COLUMNS)  # plain strings: the frame's labels
         row.update({
-            "step": self.step, "pass": "forward", "seq": seq, "site": self.pair.reference,
-            "role": Role.INPUT, "arg": arg, "port_site": self.pair.port, "port_arg": port_path,
-            "match": "adapted", "confidence": 1.0,
-            "shape": schema.format_shape(tuple(ref_values.shape)),
-            "port_shape": schema.format_shape(tuple(port_values.shape)),
-            "dtype": ref_dtype, "port_dtype": port_dtype, "numel": int(ref_values.size),
-            "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
-            "rms_tol": rms_tol, "verdict": "", "note": how, "status": "", "cause": "",
+            Column.STEP: self.step, Column.PASS: Pass.FORWARD, Column.SEQ: seq,
+            Column.SITE: self.pair.reference, Column.ROLE: Role.INPUT, Column.ARG: arg,
+            Column.PORT_SITE: self.pair.port, Column.PORT_ARG: port_path,
+            Column.MATCH: "adapted", Column.CONFIDENCE: 1.0,
+            Column.SHAPE: schema.format_shape(tuple(ref_values.shape)),
+            Column.PORT_SHAPE: schema.format_shape(tuple(port_values.shape)),
+            Column.DTYPE: ref_dtype, Column.PORT_DTYPE: port_dtype,
+            Column.NUMEL: int(ref_values.size), Column.RTOL: tolerance.rtol,
+            Column.ATOL: tolerance.atol, Column.TOL_SOURCE: tolerance.source,
+            Column.RMS_TOL: rms_tol, Column.VERDICT: "", Column.NOTE: how, Column.STATUS: "",
+            Column.CAUSE: "",
         })
         if ref_values.shape != port_values.shape:
             row.update(verdict=judge.Verdict.SHAPE_MISMATCH, ratio=np.inf,
@@ -206,9 +210,9 @@ class _Call:
                        np.ascontiguousarray(port_values).reshape(-1), 0)
         row.update(metrics.result(shape))
         if rms_tol is not None:  # the baseline's second rule, as the engine folds it in
-            row["ratio"] = judge.worst([row["ratio"], rms_over(row["rms"], rms_tol)])
-        row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
-                                       port_nan=row["port_nan"], port_inf=row["port_inf"],
+            row[Column.RATIO] = judge.worst([row[Column.RATIO], rms_over(row[Column.RMS], rms_tol)])
+        row[Column.VERDICT] = judge.verdict(row[Column.RATIO], ref_nan=row[Column.REF_NAN],
+                                       port_nan=row[Column.PORT_NAN], port_inf=row[Column.PORT_INF],
                                        finite_ratio=row.get("finite_ratio"))
         return row
 

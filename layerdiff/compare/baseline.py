@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from layerdiff.compare.result import Column
 from layerdiff.compare.tolerances import DEFAULTS, Tolerance, ToleranceKind
 from layerdiff.trace.stats import record_rms
 
@@ -124,8 +125,9 @@ class Baseline:
         errors: dict[Key, BaselineError] = {}
         not_finite = []
         for step, site, role, arg, max_abs, rms, dtype in zip(
-                rows["step"], rows["site"], rows["role"], rows["arg"], rows["max_abs"],
-                rows["rms"], rows["port_dtype"], strict=True):
+                *(rows[c] for c in (Column.STEP, Column.SITE, Column.ROLE, Column.ARG,
+                                    Column.MAX_ABS, Column.RMS, Column.PORT_DTYPE)),
+                strict=True):
             if str(dtype) not in UNIT_ROUNDOFF:
                 continue  # integers and booleans stay exact: no error is "allowed" there
             if max_abs is None or not np.isfinite(max_abs):

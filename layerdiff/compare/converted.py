@@ -23,11 +23,11 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import Trace, schema
-
-GRAD_ROLES = schema.GRAD_ROLES
+from layerdiff.trace.schema import GRAD_ROLES, Role
 
 
 def converted_rows(comparer: Any, rows: pd.DataFrame,
@@ -44,14 +44,14 @@ def converted_rows(comparer: Any, rows: pd.DataFrame,
         if not _has_data(refs, p):
             new.append(_statistics_only(comparer, item, refs[0], p))
             continue
-        how = _how(item, "f(reference) compared with the port's tensor" if p["role"] == "weight"
+        how = _how(item, "f(reference) compared with the port's tensor" if p["role"] == Role.WEIGHT
                    else "the port's gradient pulled back through the chain")
         for pos, values, back in converted_values(ref, port, item, ref_by_key):
             new.append(_row(comparer, RecordPair(pos, item.port, "converted", 1.0),
                             ref.index.iloc[pos].to_dict(), p, values, back, how))
     frame = pd.DataFrame(new, columns=R.ROW_COLUMNS)
     merged = frame if rows.empty else pd.concat([rows, frame], ignore_index=True)
-    merged = merged.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+    merged = merged.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
     return merged, source_warnings(port, converted)
 
 
@@ -66,7 +66,7 @@ def converted_values(ref: Trace, port: Trace, item: ConvertedParam,
     p = port.index.iloc[item.port]
     name = schema.param_name(p["site"], p["arg"])
     ref_values = [ref.read(pos) for pos in item.refs]
-    if p["role"] == "weight":
+    if p["role"] == Role.WEIGHT:
         expected = combine(item.source, ref_values, port=name)
         return [(item.refs[0], expected, port.read(item.port))]
     refs = [ref.index.iloc[pos].to_dict() for pos in item.refs]
@@ -93,7 +93,7 @@ def _has_data(refs: list[dict], p: dict) -> bool:
 def _weights_at(ref: Trace, ref_by_key: dict, grads: list[dict]) -> list[np.ndarray] | None:
     """The reference's weights at the gradients' step (the point the chain is pulled back
     at), or None when the trace lacks one (a linear chain needs none)."""
-    positions = [ref_by_key.get((g["step"], g["site"], "weight", g["arg"])) for g in grads]
+    positions = [ref_by_key.get((g["step"], g["site"], Role.WEIGHT, g["arg"])) for g in grads]
     if any(pos is None for pos in positions):
         return None
     rows = [ref.index.iloc[pos] for pos in positions]
@@ -110,14 +110,14 @@ def _row(comparer: Any, pair: RecordPair, r: dict, p: dict, ref_values: np.ndarr
     seen_r = dict(r, shape=schema.format_shape(shape), digest="")
     seen_p = dict(p, shape=schema.format_shape(tuple(np.shape(port_values))), digest="")
     row = comparer._base_row(pair, seen_r, seen_p)
-    row["note"] = "; ".join(filter(None, [how, row["note"]]))
-    if row["verdict"]:  # shapes differ
+    row[Column.NOTE] = "; ".join(filter(None, [how, row[Column.NOTE]]))
+    if row[Column.VERDICT]:  # shapes differ
         return row
-    tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row["role"])
+    tolerance = Tolerance(row[Column.RTOL], row[Column.ATOL], row[Column.TOL_SOURCE])
+    metrics = new_metrics(tolerance, seen_r, seen_p, shape, row[Column.ROLE])
     metrics.scratch = comparer.scratch
     port_flat = np.ascontiguousarray(port_values).ravel()
-    if row["role"] in GRAD_ROLES and comparer.grad_factor != 1.0:
+    if row[Column.ROLE] in GRAD_ROLES and comparer.grad_factor != 1.0:
         metrics.ulp_scale = None  # rescaled values: ULPs of neither side
         port_flat = port_flat.astype(np.float64) * comparer.grad_factor
     metrics.update(np.ascontiguousarray(ref_values).ravel(), port_flat, 0)
@@ -130,7 +130,8 @@ def _statistics_only(comparer: Any, item: ConvertedParam, r: dict, p: dict) -> d
     statistics, so the record is listed, not compared."""
     seen_p = dict(p, shape=r["shape"], digest="")
     row = comparer._base_row(RecordPair(item.refs[0], item.port, "converted", 1.0), r, seen_p)
-    for column in ("max_abs", "ref_nan", "ref_inf", "port_nan", "port_inf"):
+    for column in (Column.MAX_ABS, Column.REF_NAN, Column.REF_INF, Column.PORT_NAN,
+                   Column.PORT_INF):
         row[column] = None
     row.update(verdict=Verdict.WITHIN, ratio=np.nan, note=(
         f"statistics only: a parameter made through a conversion ({item.source.transform}) "

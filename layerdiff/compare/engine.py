@@ -39,6 +39,7 @@ from layerdiff.compare.rank_parts import (
 )
 from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
+from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.suggest import full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
@@ -46,9 +47,9 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.schema import GRAD_ROLES, PARAM_ROLES, Role
 from layerdiff.trace.stats import record_rms
 
-GRAD_ROLES = schema.GRAD_ROLES
 STAT_COLUMNS = ("min", "max", "mean", "std")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -151,8 +152,8 @@ def measure_baseline(ref: Trace, base: Trace, factor: float,
                         "baseline.h5)")
     rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
         exact, progress)
-    floats = rows[rows["dtype"].astype(str).str.contains("float")]
-    if len(floats) and (floats["verdict"] == Verdict.IDENTICAL).all():
+    floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")]
+    if len(floats) and (floats[Column.VERDICT] == Verdict.IDENTICAL).all():
         raise DiffError(f"baseline {base.path} is identical to reference {ref.path}: it shows "
                         "no error to allow; a baseline is the reference run the port's way "
                         "(--dtype, --autocast, or on the port's device)")
@@ -237,7 +238,7 @@ def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, 
                                for ref, port in records.absent)]
     for item in records.converted:  # a weight's row at its first reference tensor, a
         # gradient's at each (see compare/converted.py)
-        weight = roles[item.refs[0]] == "weight"
+        weight = roles[item.refs[0]] == Role.WEIGHT
         plans += [ConvertedPair(ref, item.port, "converted", 1.0, item=item)
                   for ref in (item.refs[:1] if weight else item.refs)]
     for plan in plans:
@@ -251,20 +252,21 @@ def _excuse_inner_ops(rows: pd.DataFrame) -> None:
     is within, are marked ``module-within``: op sites pair by name and shapes, and a port that
     computes the module through other intermediate values (a scale moved before a matmul) is
     not wrong where the module is right."""
-    failing = rows.index[~rows["verdict"].isin(judge.PASSING)]
-    ops = [pos for pos in failing if schema.is_op_site(rows.at[pos, "site"])]
+    failing = rows.index[~rows[Column.VERDICT].isin(judge.PASSING)]
+    ops = [pos for pos in failing if schema.is_op_site(rows.at[pos, Column.SITE])]
     if not ops:
         return
     module_ok: dict[tuple[int, str, str], bool] = {}
-    own = rows[~rows["role"].isin(["weight", "weight_grad"])]
-    for key, verdicts in own.groupby(["step", "pass", "site"], sort=False)["verdict"]:
+    own = rows[~rows[Column.ROLE].isin(PARAM_ROLES)]
+    calls = own.groupby([Column.STEP, Column.PASS, Column.SITE], sort=False)
+    for key, verdicts in calls[Column.VERDICT]:
         module_ok[key] = bool(verdicts.isin(judge.PASSING).all())
     for pos in ops:
-        module = schema.split_op_site(rows.at[pos, "site"])[0]
-        if module_ok.get((rows.at[pos, "step"], rows.at[pos, "pass"], module), False):
-            rows.at[pos, "verdict"] = Verdict.MODULE_WITHIN
-            rows.at[pos, "note"] = "; ".join(filter(None, [
-                rows.at[pos, "note"], f"out, but every {rows.at[pos, 'pass']} record of "
+        module = schema.split_op_site(rows.at[pos, Column.SITE])[0]
+        if module_ok.get((rows.at[pos, Column.STEP], rows.at[pos, Column.PASS], module), False):
+            rows.at[pos, Column.VERDICT] = Verdict.MODULE_WITHIN
+            rows.at[pos, Column.NOTE] = "; ".join(filter(None, [
+                rows.at[pos, Column.NOTE], f"out, but every {rows.at[pos, 'pass']} record of "
                 f"{module} is within: the port computes it through other intermediate values"]))
 
 
@@ -273,7 +275,7 @@ def _refuse_guessed_names(ref: Trace, port: Trace, sites, rows: pd.DataFrame,
     """Most sites paired only by the structural guess, and shapes clash: the names differ and
     no verdict on such pairs can be trusted, so ask for a mapping instead of naming an origin."""
     guessed = [pair for pair in sites.pairs if pair.match == "structural"]
-    clashes = rows[rows["verdict"] == Verdict.SHAPE_MISMATCH]
+    clashes = rows[rows[Column.VERDICT] == Verdict.SHAPE_MISMATCH]
     if len(guessed) * 2 <= len(sites.pairs) or clashes.empty:
         return
     lost = [site for side, site, _, declared in sites.unmatched if not declared]
@@ -293,12 +295,12 @@ def _refuse_other_models(ref: Trace, port: Trace, rows: pd.DataFrame) -> None:
     """A port computes the reference's function on the reference's data: when the model's own
     inputs differ in size, or most paired records clash in shape, the traces are of different
     models (or cases), and no verdict on them means anything."""
-    tensors = rows[rows["numel"] > 0]
-    clashes = tensors[tensors["verdict"] == Verdict.SHAPE_MISMATCH]
-    inputs = clashes[(clashes["site"] == "<root>#0") & (clashes["role"] == "input")]
-    sizes = [(row, int(np.prod(schema.parse_shape(row["port_shape"]))))
+    tensors = rows[rows[Column.NUMEL] > 0]
+    clashes = tensors[tensors[Column.VERDICT] == Verdict.SHAPE_MISMATCH]
+    inputs = clashes[(clashes[Column.SITE] == "<root>#0") & (clashes[Column.ROLE] == Role.INPUT)]
+    sizes = [(row, int(np.prod(schema.parse_shape(row[Column.PORT_SHAPE]))))
              for _, row in inputs.iterrows()]
-    wrong = [(row, size) for row, size in sizes if size != row["numel"]]
+    wrong = [(row, size) for row, size in sizes if size != row[Column.NUMEL]]
     if not wrong and (clashes.empty or len(clashes) * 2 <= len(tensors)):
         return
     cases = (ref.meta.get("case"), port.meta.get("case"))
@@ -322,11 +324,11 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
                     mapping: Mapping) -> dict[str, Any] | None:
     """When the port runs in another precision and no baseline was given: the two commands
     that judge it by what that precision allows."""
-    floats = rows[rows["dtype"].astype(str).str.contains("float")]
-    differ = floats[floats["dtype"] != floats["port_dtype"]]
+    floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")]
+    differ = floats[floats[Column.DTYPE] != floats[Column.PORT_DTYPE]]
     if differ.empty:
         return None
-    port_dtype = str(differ["port_dtype"].mode().iloc[0])
+    port_dtype = str(differ[Column.PORT_DTYPE].mode().iloc[0])
     autocast = port.meta.get("autocast")
     flag = (f"--autocast {autocast}" if autocast
             else f"--dtype {port.meta.get('dtype') or port_dtype}")
@@ -336,7 +338,7 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
         options += f" --loss-scale {ref.loss_scale:g}"
     case = ref.meta.get("case") or "REF_CASE"
     base = ref.path.with_name(f"{ref.path.stem}.{port_dtype}.h5")
-    return {"reference": str(differ["dtype"].mode().iloc[0]), "port": port_dtype,
+    return {"reference": str(differ[Column.DTYPE].mode().iloc[0]), "port": port_dtype,
             "capture": f"layerdiff capture {case} {flag}{options} -o {base}",
             "diff": f"layerdiff diff {ref.path} {port.path} --baseline {base}"
                     + (f" --map {mapping.path}" if mapping.path and not mapping.origin else "")}
@@ -366,8 +368,8 @@ class _Comparer:
             r, p = ref_index[pair.ref], port_index[pair.port]
             row = self._base_row(pair, r, p)
             rows.append(row)
-            if row["verdict"]:  # decided from the index alone
-                if row["verdict"] == Verdict.IDENTICAL or min(r["segment"], p["segment"]) < 0:
+            if row[Column.VERDICT]:  # decided from the index alone
+                if row[Column.VERDICT] == Verdict.IDENTICAL or min(r["segment"], p["segment"]) < 0:
                     for side, trace, number, record in ((0, self.ref, pair.ref, r),
                                                         (1, self.port, pair.port, p)):
                         if trace.verify and record["kind"] == "tensor" and record["segment"] >= 0:
@@ -375,10 +377,10 @@ class _Comparer:
                                                            compared=False)
                 continue
             shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
-            tolerance = Tolerance(row["rtol"], row["atol"], row["tol_source"])
-            metrics = new_metrics(tolerance, r, p, shape, row["role"])
+            tolerance = Tolerance(row[Column.RTOL], row[Column.ATOL], row[Column.TOL_SOURCE])
+            metrics = new_metrics(tolerance, r, p, shape, row[Column.ROLE])
             metrics.scratch = self.scratch
-            if row["role"] in GRAD_ROLES and self.grad_factor != 1.0:
+            if row[Column.ROLE] in GRAD_ROLES and self.grad_factor != 1.0:
                 metrics.ulp_scale = None  # rescaled values: ULPs of neither side
             streamed.append((len(rows) - 1,
                              _tensor(self.ref, r, pair.ref_slice, False, compared=True),
@@ -386,7 +388,7 @@ class _Comparer:
                                      compared=True), metrics, shape))
         self._stream(rows, streamed, [list(side.values()) for side in unread], progress)
         frame = pd.DataFrame(rows, columns=R.ROW_COLUMNS)
-        return frame.sort_values(["step", "seq"], kind="stable", ignore_index=True)
+        return frame.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
 
     def _base_row(self, pair: RecordPair, r: dict, p: dict) -> dict[str, Any]:
         ref_shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
@@ -409,17 +411,17 @@ class _Comparer:
                 scale if r["role"] in GRAD_ROLES else 1.0)
             if limit is not None:
                 tolerance, rms_tol = limit.tolerance, limit.rms
-        row: dict[str, Any] = {column: None for column in R.ROW_COLUMNS}
+        row: dict[str, Any] = dict.fromkeys(R.ROW_COLUMNS)  # plain strings: the frame's labels
         row.update({
-            "step": int(r["step"]), "pass": r["pass"], "seq": int(r["seq"]),
-            "site": r["site"], "role": r["role"], "arg": r["arg"],
-            "port_site": p["site"], "port_arg": p["arg"], "match": pair.match,
-            "confidence": pair.confidence,
-            "shape": schema.format_shape(ref_shape), "port_shape": schema.format_shape(port_shape),
-            "dtype": r["dtype"], "port_dtype": p["dtype"], "numel": int(np.prod(ref_shape)),
-            "rtol": tolerance.rtol, "atol": tolerance.atol, "tol_source": tolerance.source,
-            "rms_tol": rms_tol,
-            "verdict": "", "note": "", "status": "", "cause": "",
+            Column.STEP: int(r["step"]), Column.PASS: r["pass"], Column.SEQ: int(r["seq"]),
+            Column.SITE: r["site"], Column.ROLE: r["role"], Column.ARG: r["arg"],
+            Column.PORT_SITE: p["site"], Column.PORT_ARG: p["arg"], Column.MATCH: pair.match,
+            Column.CONFIDENCE: pair.confidence, Column.SHAPE: schema.format_shape(ref_shape),
+            Column.PORT_SHAPE: schema.format_shape(port_shape), Column.DTYPE: r["dtype"],
+            Column.PORT_DTYPE: p["dtype"], Column.NUMEL: int(np.prod(ref_shape)),
+            Column.RTOL: tolerance.rtol, Column.ATOL: tolerance.atol,
+            Column.TOL_SOURCE: tolerance.source, Column.RMS_TOL: rms_tol,
+            Column.VERDICT: "", Column.NOTE: "", Column.STATUS: "", Column.CAUSE: "",
         })
         notes = []
         if r["kind"] != "tensor" or p["kind"] != "tensor":
@@ -442,7 +444,7 @@ class _Comparer:
         if r["role"] in GRAD_ROLES and self.grad_factor != 1.0:
             notes.append(f"port gradients multiplied by {self.grad_factor:g} to the "
                          f"reference's loss scale {self.ref.loss_scale:g}")
-        row["note"] = "; ".join(notes)
+        row[Column.NOTE] = "; ".join(notes)
         plain = pair.ref_slice is None and pair.port_slice is None and not pair.transpose_port
         unscaled = r["role"] not in GRAD_ROLES or self.grad_factor == 1.0
         if (plain and unscaled and r["digest"] and r["digest"] == p["digest"]
@@ -464,17 +466,18 @@ class _Comparer:
         ref_stats, port_stats = _statistics(r), _statistics(p) * factor
         with np.errstate(invalid="ignore"):
             gaps = np.abs(port_stats - ref_stats)
-        ratio = judge.statistics_ratio(ref_stats, port_stats, row["rtol"], row["atol"],
+        ratio = judge.statistics_ratio(ref_stats, port_stats, row[Column.RTOL], row[Column.ATOL],
                                        ref_counts=(int(r["nan"]), int(r["inf"])),
                                        port_counts=(int(p["nan"]), int(p["inf"])))
         row.update(max_abs=float(np.nanmax(gaps, initial=0.0)), ratio=ratio,
                    ref_nan=int(r["nan"]), ref_inf=int(r["inf"]), port_nan=int(p["nan"]),
                    port_inf=int(p["inf"]),
                    note="; ".join(filter(None, [
-                       row["note"], "statistics only (no tensor data on one side): min, max, "
+                       row[Column.NOTE], "statistics only (no tensor data on one side): min, max, "
                        "mean, std and rms compared"])))
-        row["verdict"] = judge.verdict(ratio, ref_nan=row["ref_nan"], port_nan=row["port_nan"],
-                                       port_inf=row["port_inf"])
+        row[Column.VERDICT] = judge.verdict(ratio, ref_nan=row[Column.REF_NAN],
+                                            port_nan=row[Column.PORT_NAN],
+                                            port_inf=row[Column.PORT_INF])
 
     def _stream(self, rows: list[dict[str, Any]], streamed: list,
                 unread: list[list[TensorRef]], progress: Progress | None) -> None:
@@ -508,7 +511,7 @@ class _Comparer:
                                   tensor_pairs):
             position, _, _, metrics, shape = streamed[chunk.pair]
             port_values = chunk.port
-            if rows[position]["role"] in GRAD_ROLES and self.grad_factor != 1.0:
+            if rows[position][Column.ROLE] in GRAD_ROLES and self.grad_factor != 1.0:
                 port_values = port_values.astype(np.float64) * self.grad_factor
             metrics.update(chunk.ref, port_values, chunk.start)
             done[0] += chunk.ref.nbytes
@@ -580,8 +583,8 @@ def _identical_metrics(r: pd.Series) -> dict[str, Any]:
 def save_rows_csv(diff_result: R.Diff, path: str | os.PathLike) -> Path:
     """The rows as CSV (per-batch errors as a JSON list in their column)."""
     frame = diff_result.rows.copy()
-    frame["batch_ratio"] = [json.dumps(None if v is None else [float(x) for x in v])
-                            for v in frame["batch_ratio"]]
+    frame[Column.BATCH_RATIO] = [json.dumps(None if v is None else [float(x) for x in v])
+                            for v in frame[Column.BATCH_RATIO]]
     with replacing(path) as temporary:
         frame.to_csv(temporary, index=False)
     return Path(path)

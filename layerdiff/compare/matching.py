@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from layerdiff.compare.op_alignment import align_gap, op_records
+from layerdiff.compare.result import Column
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import CALL_ROLES, Role
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _signatures(index: pd.DataFrame, sites: list[str]) -> dict[str, tuple[str, s
     """site -> (output shapes, input shapes) of its first step, as text."""
     first_step = index[index["step"] == index["step"].min()]
     wanted = first_step[first_step["site"].isin(sites) & first_step["role"].isin(
-        [Role.INPUT, Role.OUTPUT])]
+        CALL_ROLES)]
     result: dict[str, tuple[str, str]] = {}
     for site, rows in wanted.groupby("site", sort=False):
         out = ";".join(rows.loc[rows["role"] == Role.OUTPUT, "shape"])
@@ -366,11 +367,13 @@ def explain_op_pairings(origins: list, matching: SiteMatching, rows: pd.DataFram
         origin.pairing = pair.label
         if pair.match != "group":
             continue
-        held = rows[(rows["step"] == origin.step) & (rows["port_site"] == origin.port_site)
-                    & (rows["role"] == origin.role) & (rows["port_arg"] == origin.port_arg)]
-        if len(held) == 1 and held["site"].iloc[0] != origin.site:
-            named = str(held["site"].iloc[0])
+        held = rows[(rows[Column.STEP] == origin.step)
+                    & (rows[Column.PORT_SITE] == origin.port_site)
+                    & (rows[Column.ROLE] == origin.role)
+                    & (rows[Column.PORT_ARG] == origin.port_arg)]
+        if len(held) == 1 and held[Column.SITE].iloc[0] != origin.site:
+            named = str(held[Column.SITE].iloc[0])
             old = origin.site   # causes name it alone, or as "step N (site)" in later steps
-            rows["cause"] = [named if c == old else c.replace(f"({old})", f"({named})")
-                             if isinstance(c, str) else c for c in rows["cause"]]
-            origin.site, origin.arg = named, str(held["arg"].iloc[0])
+            rows[Column.CAUSE] = [named if c == old else c.replace(f"({old})", f"({named})")
+                             if isinstance(c, str) else c for c in rows[Column.CAUSE]]
+            origin.site, origin.arg = named, str(held[Column.ARG].iloc[0])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from layerdiff.trace import schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import ARGUMENT_ROLES, CALL_ROLES, Role
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _kind(dtype: str) -> str:
 
 def op_records(index: pd.DataFrame, sites: list[str]) -> dict[str, OpRecords]:
     """site -> its :class:`OpRecords`, from the index rows of the first step it ran in."""
-    wanted = index[index["site"].isin(sites) & index["role"].isin([Role.INPUT, Role.OUTPUT])]
+    wanted = index[index["site"].isin(sites) & index["role"].isin(CALL_ROLES)]
     found: dict[str, OpRecords] = {}
     for site, rows in wanted.groupby("site", sort=False):
         rows = rows[rows["step"] == rows["step"].min()]
@@ -230,7 +230,7 @@ def _as_group(refs: list[OpRecords], port: OpRecords, where: str
     pairs = []
     for ref in refs:
         args = {i.arg: partner.get((ref.site, i.arg), "") for i in ref.inputs}
-        roles = None if ref is last else frozenset({Role.INPUT, Role.GRAD_INPUT})
+        roles = None if ref is last else frozenset(ARGUMENT_ROLES)
         mine = frozenset(arg for site, arg in swapped if site == ref.site)
         pairs.append(GapPair(ref.site, port.site, "group", why, args, roles, mine))
     return pairs, {}

@@ -31,7 +31,17 @@ import pandas as pd
 
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING, Status
+from layerdiff.compare.result import Column
 from layerdiff.trace import schema
+from layerdiff.trace.schema import (
+    CALL_ROLES,
+    COMPUTED_GRAD_ROLES,
+    FORWARD_ROLES,
+    GRAD_ROLES,
+    PARAM_ROLES,
+    Pass,
+    Role,
+)
 
 # The Jacobian of a site without a weight matrix is estimated from the reference's aggregate
 # gains (see _gain); the worst row's gain can be larger (a layer norm's 1/sigma is largest for
@@ -39,8 +49,9 @@ from layerdiff.trace import schema
 # GPT block's first layer norm left it at 1.02x the estimate; planted bugs are 10-1000x.
 GAIN_SLACK = 2.0
 
-METRIC_KEYS = ("ratio", "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
-               "frac_out", "worst_index", "rtol", "atol", "tol_source", "note")
+METRIC_KEYS = (Column.RATIO, Column.MAX_ABS, Column.MAX_REL, Column.MEAN_ABS, Column.RMS,
+               Column.COSINE, Column.MAX_ULP, Column.FRAC_OUT, Column.WORST_INDEX, Column.RTOL,
+               Column.ATOL, Column.TOL_SOURCE, Column.NOTE)
 
 
 @dataclass
@@ -111,11 +122,11 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     ``verdict`` (failing when not in ``PASSING``), ``status`` and ``cause`` (see
     :func:`layerdiff.debug.origin.judged_rows`), and ``ref_sites`` ``step``, ``site`` and
     ``parent``."""
-    failing = ~rows["verdict"].isin(PASSING)
+    failing = ~rows[Column.VERDICT].isin(PASSING)
     if not failing.any():
         return [], None
-    step = int(rows.loc[failing, "step"].min())
-    in_step = rows.index[rows["step"] == step]
+    step = int(rows.loc[failing, Column.STEP].min())
+    in_step = rows.index[rows[Column.STEP] == step]
     sites = _collect(rows, in_step)
     norms: dict[int, float] = {}
     if ref_index is not None:
@@ -125,7 +136,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
         if missing_step == step and site in sites:
             lone.setdefault((site, port_site), []).append(name)
     for (site, port_site), names in lone.items():
-        sites[site].missing.add("input")
+        sites[site].missing.add(Role.INPUT)
         sites[site].why_missing.append(
             f"the port's {'input' if len(names) == 1 else 'inputs'} "
             f"{', '.join(repr(n) for n in names)} at {port_site} "
@@ -139,7 +150,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     _root_output_feeds_loss(sites)
     _unrecorded_results(rows, sites, parents)
 
-    weight_origins = [s for s in sites.values() if s.is_bad("weight")]
+    weight_origins = [s for s in sites.values() if s.is_bad(Role.WEIGHT)]
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
     backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
     unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
@@ -148,7 +159,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     # its block). A child unjudged only backward (a weight gradient at a projection whose
     # output has no partner) says nothing of the container's forward.
     blocked: dict[str, list[_Site]] = {}
-    for pass_, candidates in (("forward", forward_all), ("backward", backward_all)):
+    for pass_, candidates in ((Pass.FORWARD, forward_all), (Pass.BACKWARD, backward_all)):
         inner = [s for s in candidates if s in unjudged]
         around = {a: s.name for s in inner for a in _ancestors(s.name, parents)}
         blocked[pass_] = list(inner)
@@ -156,11 +167,11 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             if site.name in around and site not in unjudged:
                 site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
                 blocked[pass_].append(site)
-    forward = [s for s in forward_all if s not in blocked["forward"]]
-    backward = [s for s in backward_all if s not in blocked["backward"]]
+    forward = [s for s in forward_all if s not in blocked[Pass.FORWARD]]
+    backward = [s for s in backward_all if s not in blocked[Pass.BACKWARD]]
     if norms and not independent:
-        forward = _unexplained(rows, forward, ("output",), norms, sites)
-        backward = _unexplained(rows, backward, ("grad_input", "weight_grad"), norms, sites)
+        forward = _unexplained(rows, forward, (Role.OUTPUT,), norms, sites)
+        backward = _unexplained(rows, backward, COMPUTED_GRAD_ROLES, norms, sites)
     # The gradient reaching a site that ran before a forward origin has passed through that
     # origin's backward: small errors there, summed into a weight gradient, are its doing.
     last_forward = -1 if independent else max((s.order for s in forward), default=-1)
@@ -170,18 +181,18 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     # forward candidate, so the containers around it hold it rather than become origins.
     _, weight_holders = _innermost(weight_origins + forward, parents)
     for site in sorted(weight_origins, key=lambda s: s.order):
-        origin = _origin(rows, site, step, "weight", _weight_reason(step, words))
+        origin = _origin(rows, site, step, Role.WEIGHT, _weight_reason(step, words))
         origin.holders = sorted(weight_holders.get(site.name, []))
         origins.append(origin)
-    for group, role_order, reason in ((forward, ("output",), _forward_reason),
-                                      (backward, ("grad_input", "weight_grad"),
+    for group, role_order, reason in ((forward, (Role.OUTPUT,), _forward_reason),
+                                      (backward, COMPUTED_GRAD_ROLES,
                                        _backward_reason)):
         if group is forward:
             innermost, holders = _innermost(weight_origins + forward, parents)
             innermost = [s for s in innermost if s in forward]
         else:
             innermost, holders = _innermost(group, parents)
-        key = (lambda s: s.order) if role_order == ("output",) else (
+        key = (lambda s: s.order) if role_order == (Role.OUTPUT,) else (
             lambda s: s.backward_order)
         for site in sorted(innermost, key=key):
             role = next(r for r in role_order if site.is_bad(r))
@@ -205,19 +216,20 @@ def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
     ``w_q.weight`` with a slice of the port's fused ``in_proj_weight``) with the site that
     uses it in the port."""
     frame = rows.loc[positions]
-    params = frame["role"].isin(["weight", "weight_grad"])
-    partner = dict(zip(frame.loc[~params, "port_site"], frame.loc[~params, "site"],
+    params = frame[Column.ROLE].isin(PARAM_ROLES)
+    partner = dict(zip(frame.loc[~params, Column.PORT_SITE], frame.loc[~params, Column.SITE],
                        strict=True))
     sites: dict[str, _Site] = {}
     for pos, site, port_site, role, seq, verdict, ref_bad, port_bad in zip(
-            frame.index, frame["site"], frame["port_site"], frame["role"], frame["seq"],
-            frame["verdict"], frame["ref_nan"].fillna(0) + frame["ref_inf"].fillna(0),
-            frame["port_nan"].fillna(0) + frame["port_inf"].fillna(0), strict=True):
+            frame.index, frame[Column.SITE], frame[Column.PORT_SITE], frame[Column.ROLE],
+            frame[Column.SEQ], frame[Column.VERDICT],
+            frame[Column.REF_NAN].fillna(0) + frame[Column.REF_INF].fillna(0),
+            frame[Column.PORT_NAN].fillna(0) + frame[Column.PORT_INF].fillna(0), strict=True):
         name = partner.get(port_site, site)
         entry = sites.get(name)
         if entry is None:
             entry = sites[name] = _Site(name, port_site, int(seq))
-        if role in ("grad_output", "grad_input"):
+        if role in (Role.GRAD_OUTPUT, Role.GRAD_INPUT):
             entry.backward_order = min(entry.backward_order, int(seq))
         entry.rows.setdefault(role, []).append(pos)
         if verdict not in PASSING:
@@ -234,10 +246,10 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
     and role holds (``attn(x, x, x)`` pairs one of three equal inputs). An argument the
     mapping drops (``dropped``: the port computes what it holds itself) is not missing."""
     wanted = ref_index[(ref_index["step"] == step) & (ref_index["kind"] == "tensor")
-                       & ref_index["role"].isin(["input", "grad_output", "output"])
+                       & ref_index["role"].isin([Role.INPUT, Role.GRAD_OUTPUT, Role.OUTPUT])
                        & ref_index["dtype"].str.contains("float")]
-    frame = rows[rows["step"] == step]
-    paired = set(zip(frame["site"], frame["role"], frame["arg"], strict=True))
+    frame = rows[rows[Column.STEP] == step]
+    paired = set(zip(frame[Column.SITE], frame[Column.ROLE], frame[Column.ARG], strict=True))
     digests: dict[tuple[str, str], set[str]] = {}
     unpaired = []
     for site, role, arg, digest in zip(wanted["site"], wanted["role"], wanted["arg"],
@@ -248,13 +260,13 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
             unpaired.append((site, role, arg, digest))
     root = f"{schema.ROOT_MODULE}#0"
     # what the loss takes: the model's outputs that a gradient arrived at
-    fed = set(wanted.loc[(wanted["site"] == root) & (wanted["role"] == "grad_output"), "arg"])
+    fed = set(wanted.loc[(wanted["site"] == root) & (wanted["role"] == Role.GRAD_OUTPUT), "arg"])
     for site, role, arg, digest in unpaired:
         if digest in digests.get((site, role), set()):
             continue
-        if site == root and role == "output":
+        if site == root and role == Role.OUTPUT:
             if arg in fed and schema.LOSS_SITE in sites:
-                sites[schema.LOSS_SITE].missing.add("input")
+                sites[schema.LOSS_SITE].missing.add(Role.INPUT)
                 sites[schema.LOSS_SITE].why_missing.append(
                     f"the model's output '{arg}', which the loss takes, has no partner in the "
                     "port (name its partner with outputs = { ... } on a [[site]] rule for "
@@ -266,9 +278,9 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
 
 def _cannot_judge(site: _Site) -> bool:
     """Whether what comes into the failing record has no partner to be judged against."""
-    if site.is_bad("output") and not site.is_bad("grad_input", "weight_grad"):
-        return site.lacks("input")
-    return site.lacks("grad_output", "input")
+    if site.is_bad(Role.OUTPUT) and not site.is_bad(*COMPUTED_GRAD_ROLES):
+        return site.lacks(Role.INPUT)
+    return site.lacks(Role.GRAD_OUTPUT, Role.INPUT)
 
 
 def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame,
@@ -281,8 +293,9 @@ def _norms(rows: pd.DataFrame, positions: pd.Index, ref_index: pd.DataFrame,
     l2.update(zip(keys, ref_index["l2"], strict=True))
     frame = rows.loc[positions]
     return {pos: float(l2.get((int(step), site, role, arg), np.nan))
-            for pos, step, site, role, arg in zip(frame.index, frame["step"], frame["site"],
-                                                  frame["role"], frame["arg"], strict=True)}
+            for pos, step, site, role, arg in zip(
+                frame.index, frame[Column.STEP], frame[Column.SITE], frame[Column.ROLE],
+                frame[Column.ARG], strict=True)}
 
 
 def _error(rows: pd.DataFrame, positions: list[int]) -> float:
@@ -290,10 +303,10 @@ def _error(rows: pd.DataFrame, positions: list[int]) -> float:
     (a statistics-only row has no rms)."""
     parts = []
     for pos in positions:
-        rms = rows.at[pos, "rms"]
+        rms = rows.at[pos, Column.RMS]
         if rms is None or not np.isfinite(rms):
             return np.nan
-        parts.append(float(rms) * math.sqrt(int(rows.at[pos, "numel"])))
+        parts.append(float(rms) * math.sqrt(int(rows.at[pos, Column.NUMEL])))
     return math.hypot(*parts)  # no square overflows: float64 errors near the largest value
 
 
@@ -303,8 +316,8 @@ def _norm(norms: dict[int, float], positions: list[int]) -> float:
 
 def _float_inputs(rows: pd.DataFrame, site: _Site) -> list[int]:
     """A site's input rows that carry errors (token ids and masks do not)."""
-    return [p for p in site.rows.get("input", [])
-            if str(rows.at[p, "dtype"]).startswith(("float", "bfloat", "complex"))]
+    return [p for p in site.rows.get(Role.INPUT, [])
+            if str(rows.at[p, Column.DTYPE]).startswith(("float", "bfloat", "complex"))]
 
 
 def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[int, float],
@@ -324,21 +337,21 @@ def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[in
       over at that gain.
     """
     float_rows = _float_inputs(rows, site)
-    if role == "weight_grad":
+    if role == Role.WEIGHT_GRAD:
         module = schema.split_site(site.name)[0]
         calls = [s for n, s in sites.items() if schema.split_site(n)[0] == module] or [site]
         bound = 0.0
         for call in calls:
-            grads = call.rows.get("grad_output", [])
+            grads = call.rows.get(Role.GRAD_OUTPUT, [])
             inputs = _float_inputs(rows, call)
             e_a, n_a = _error(rows, grads), _norm(norms, grads)
             e_b, n_b = _error(rows, inputs), _norm(norms, inputs)
             bound += e_a * n_b + n_a * e_b + e_a * e_b
         return bound
-    incoming = site.rows.get("grad_output", []) if role == "grad_input" else float_rows
+    incoming = site.rows.get(Role.GRAD_OUTPUT, []) if role == Role.GRAD_INPUT else float_rows
     outgoing = site.rows.get(role, [])
-    weights = site.rows.get("weight", [])
-    matrices = [p for p in weights if len(str(rows.at[p, "shape"]).split(",")) >= 2]
+    weights = site.rows.get(Role.WEIGHT, [])
+    matrices = [p for p in weights if len(str(rows.at[p, Column.SHAPE]).split(",")) >= 2]
     e_a, n_a = _error(rows, incoming), _norm(norms, incoming)
     e_w, n_w = _error(rows, weights), _norm(norms, weights)
     if matrices:
@@ -346,7 +359,7 @@ def _propagated_bound(rows: pd.DataFrame, site: _Site, role: str, norms: dict[in
     else:
         bound = GAIN_SLACK * e_a * _gain(site, norms, float_rows) + _norm(norms, outgoing) * (
             e_w / n_w if n_w > 0 else 0.0)
-    if role == "grad_input":  # the forward inputs' error changes the Jacobian itself
+    if role == Role.GRAD_INPUT:  # the forward inputs' error changes the Jacobian itself
         e_x, n_x = _error(rows, float_rows), _norm(norms, float_rows)
         bound += _norm(norms, outgoing) * (e_x / n_x if n_x > 0 else 0.0)
     return bound
@@ -359,8 +372,8 @@ def _gain(site: _Site, norms: dict[int, float], float_inputs: list[int]) -> floa
     can miss it: a layer norm's backward removes the mean of the gradient it receives, so its
     backward gain is small while an error arriving there passes at 1/sigma, its forward gain."""
     gains = []
-    for out, into in ((site.rows.get("output", []), float_inputs),
-                      (site.rows.get("grad_input", []), site.rows.get("grad_output", []))):
+    for out, into in ((site.rows.get(Role.OUTPUT, []), float_inputs),
+                      (site.rows.get(Role.GRAD_INPUT, []), site.rows.get(Role.GRAD_OUTPUT, []))):
         n_in = _norm(norms, into)
         if out and into and n_in > 0:
             gains.append(_norm(norms, out) / n_in)
@@ -383,14 +396,14 @@ def _unexplained(rows: pd.DataFrame, candidates: list[_Site], roles: tuple[str, 
         else:
             site.explained = (error, bound)
     if not kept and candidates:
-        first = min(candidates, key=lambda s: s.order if "output" in roles
+        first = min(candidates, key=lambda s: s.order if Role.OUTPUT in roles
                     else s.backward_order)
         kept.append(first)
     return kept
 
 
-_PASS_ROLES = {"forward": ("input", "output"),
-               "backward": ("grad_output", "grad_input", "weight_grad")}
+_PASS_ROLES = {Pass.FORWARD: CALL_ROLES,
+               Pass.BACKWARD: GRAD_ROLES}
 
 
 def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site],
@@ -410,8 +423,8 @@ def _mark_rows(rows: pd.DataFrame, site: _Site, bad: dict[str, list[int]]) -> No
     cause = "; ".join(site.why_missing) or "its inputs have no partner in the port"
     for positions in bad.values():
         for pos in positions:
-            rows.at[pos, "status"] = Status.CANNOT_JUDGE
-            rows.at[pos, "cause"] = cause
+            rows.at[pos, Column.STATUS] = Status.CANNOT_JUDGE
+            rows.at[pos, Column.CAUSE] = cause
 
 
 def _parents(ref_sites: pd.DataFrame, step: int) -> dict[str, str]:
@@ -426,14 +439,14 @@ def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
         # the model's output was not captured (--include): blame nothing on the loss unless
         # every other forward record was within
         earlier = [p for s in sites.values() if s is not loss
-                   for role in ("input", "output", "weight") for p in s.bad.get(role, [])]
+                   for role in FORWARD_ROLES for p in s.bad.get(role, [])]
         if earlier:
-            loss.bad.setdefault("input", []).extend(earlier)
+            loss.bad.setdefault(Role.INPUT, []).extend(earlier)
     if loss is not None and root is not None:
-        if root.is_bad("output"):
-            loss.bad.setdefault("input", []).extend(root.bad["output"])
-        if root.new_non_finite.get("output"):
-            loss.new_non_finite["input"] = True
+        if root.is_bad(Role.OUTPUT):
+            loss.bad.setdefault(Role.INPUT, []).extend(root.bad[Role.OUTPUT])
+        if root.new_non_finite.get(Role.OUTPUT):
+            loss.new_non_finite[Role.INPUT] = True
 
 
 def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
@@ -451,44 +464,44 @@ def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
     for name, inside in children.items():
         site = sites[name]
         for result, handed, came, returned in (
-                ("output", "input", ("input", "weight"), "output"),
-                ("grad_input", "grad_output", ("grad_output",), "grad_input")):
+                (Role.OUTPUT, Role.INPUT, (Role.INPUT, Role.WEIGHT), Role.OUTPUT),
+                (Role.GRAD_INPUT, Role.GRAD_OUTPUT, (Role.GRAD_OUTPUT,), Role.GRAD_INPUT)):
             if site.rows.get(result) or site.is_bad(*came):
                 continue
-            if result == "grad_input" and any(  # a backward inherits its forward's error
-                    s.is_bad("input", "output", "weight") for s in [site, *inside]):
+            if result == Role.GRAD_INPUT and any(  # a backward inherits its forward's error
+                    s.is_bad(*FORWARD_ROLES) for s in [site, *inside]):
                 continue
             bad = sorted(p for child in inside for p in child.bad.get(handed, []))
             if not bad:
                 continue
-            seq = min(rows.at[p, "seq"] for p in bad)
-            if any(rows.at[p, "seq"] < seq for child in inside
+            seq = min(rows.at[p, Column.SEQ] for p in bad)
+            if any(rows.at[p, Column.SEQ] < seq for child in inside
                    for p in child.bad.get(returned, [])):
                 continue  # a child's own result came first: the fault may be that child's
             site.bad[result] = bad
             site.rows[result] = bad
-            site.handed = sorted({rows.at[p, "site"] for p in bad})
+            site.handed = sorted({rows.at[p, Column.SITE] for p in bad})
 
 
 def _forward_candidate(site: _Site) -> bool:
-    if site.is_bad("weight"):
+    if site.is_bad(Role.WEIGHT):
         return False
-    if site.is_bad("output") and not site.is_bad("input"):
+    if site.is_bad(Role.OUTPUT) and not site.is_bad(Role.INPUT):
         return True
-    return bool(site.new_non_finite.get("output") and not site.new_non_finite.get("input"))
+    return bool(site.new_non_finite.get(Role.OUTPUT) and not site.new_non_finite.get(Role.INPUT))
 
 
 def _backward_candidate(site: _Site, sites: dict[str, _Site], independent: bool) -> bool:
-    if site.is_bad("grad_output", "input", "output", "weight"):
+    if site.is_bad(Role.GRAD_OUTPUT, *FORWARD_ROLES):
         return False
-    if site.is_bad("grad_input"):
+    if site.is_bad(Role.GRAD_INPUT):
         return True
-    if not site.is_bad("weight_grad"):
+    if not site.is_bad(Role.WEIGHT_GRAD):
         return False
     if independent:
         return True
     module = schema.split_site(site.name)[0]
-    return not any(other.is_bad("grad_output") for name, other in sites.items()
+    return not any(other.is_bad(Role.GRAD_OUTPUT) for name, other in sites.items()
                    if schema.split_site(name)[0] == module)
 
 
@@ -534,7 +547,7 @@ _NO_OP_OUT = ("; no op of its own code is {short} on its own either, so the faul
 
 def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site],
                     words: Words = TOLERANCE) -> str:
-    if site.new_non_finite.get("output"):
+    if site.new_non_finite.get(Role.OUTPUT):
         return "its output holds NaN or Inf where the reference is finite, while its inputs do not"
     if site.handed:
         return (f"the input it hands {', '.join(site.handed)} is {words.out} while all its "
@@ -551,7 +564,7 @@ def _forward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site
 
 def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Site],
                      words: Words = TOLERANCE) -> str:
-    role = "grad_input" if site.is_bad("grad_input") else "weight_grad"
+    role = Role.GRAD_INPUT if site.is_bad(Role.GRAD_INPUT) else Role.WEIGHT_GRAD
     if site.handed:
         return (f"the gradient it sends back to {', '.join(site.handed)} is {words.out} while "
                 f"the gradient arriving at its outputs and its forward are {words.within}: the "
@@ -573,16 +586,17 @@ def _weight_reason(step: int, words: Words = TOLERANCE) -> str:
 
 def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) -> R.Origin:
     positions = site.bad[role]
-    worst = max(positions, key=lambda p: _ratio(rows.at[p, "ratio"]))
+    worst = max(positions, key=lambda p: _ratio(rows.at[p, Column.RATIO]))
     row = rows.loc[worst]
     metrics = {key: _plain(row[key]) for key in METRIC_KEYS}
-    batch = row["batch_ratio"]
-    metrics["batch_ratio"] = None if batch is None else [float(x) for x in batch]
-    arg = str(row["arg"])
-    if role in ("weight", "weight_grad") and row["site"] != site.name:
-        arg = schema.param_name(row["site"], arg)  # compared through the mapping: name the tensor
-    return R.Origin(step, str(row["pass"]), site.name, site.port_name, role, arg,
-                    str(row["port_arg"]), reason, metrics)
+    batch = row[Column.BATCH_RATIO]
+    metrics[Column.BATCH_RATIO] = None if batch is None else [float(x) for x in batch]
+    arg = str(row[Column.ARG])
+    if role in PARAM_ROLES and row[Column.SITE] != site.name:
+        # compared through the mapping: name the tensor
+        arg = schema.param_name(row[Column.SITE], arg)
+    return R.Origin(step, str(row[Column.PASS]), site.name, site.port_name, role, arg,
+                    str(row[Column.PORT_ARG]), reason, metrics)
 
 
 def _ratio(value) -> float:
@@ -606,32 +620,32 @@ def _mark(rows: pd.DataFrame, origins: list[R.Origin], sites: dict[str, _Site], 
         for holder in origin.holders:
             for positions in sites[holder].bad.values():
                 for pos in positions:
-                    rows.at[pos, "status"] = Status.HOLDS_ORIGIN
-                    rows.at[pos, "cause"] = origin.site
+                    rows.at[pos, Column.STATUS] = Status.HOLDS_ORIGIN
+                    rows.at[pos, Column.CAUSE] = origin.site
     first = origins[0] if origins else None
-    forward = [o for o in origins if o.pass_ == "forward"]
+    forward = [o for o in origins if o.pass_ == Pass.FORWARD]
     order_of = {pos: site.backward_order for site in sites.values()
-                for pos in site.bad.get("weight_grad", [])}
+                for pos in site.bad.get(Role.WEIGHT_GRAD, [])}
     ordered = sorted(origins, key=lambda o: _first_seq(rows, sites, o))
     for pos in rows.index[failing]:
         if pos in origin_rows:
-            rows.at[pos, "status"] = Status.ORIGIN
-            rows.at[pos, "cause"] = origin_rows[pos].site
+            rows.at[pos, Column.STATUS] = Status.ORIGIN
+            rows.at[pos, Column.CAUSE] = origin_rows[pos].site
             continue
-        if rows.at[pos, "status"]:
+        if rows.at[pos, Column.STATUS]:
             continue
-        rows.at[pos, "status"] = Status.PROPAGATED
-        if rows.at[pos, "step"] != step:
-            rows.at[pos, "cause"] = f"step {step}" + (f" ({first.site})" if first else "")
+        rows.at[pos, Column.STATUS] = Status.PROPAGATED
+        if rows.at[pos, Column.STEP] != step:
+            rows.at[pos, Column.CAUSE] = f"step {step}" + (f" ({first.site})" if first else "")
             continue
-        seq = rows.at[pos, "seq"]
-        if rows.at[pos, "role"] == "weight_grad":  # recorded after the whole backward
+        seq = rows.at[pos, Column.SEQ]
+        if rows.at[pos, Column.ROLE] == Role.WEIGHT_GRAD:  # recorded after the whole backward
             seq = order_of.get(pos, seq)
         before = [o for o in ordered if _first_seq(rows, sites, o) <= seq
-                  and (o.pass_ == rows.at[pos, "pass"] or o.pass_ == "forward")]
+                  and (o.pass_ == rows.at[pos, Column.PASS] or o.pass_ == Pass.FORWARD)]
         cause = before[-1] if before else (forward[0] if forward else first)
-        rows.at[pos, "cause"] = cause.site if cause else ""
+        rows.at[pos, Column.CAUSE] = cause.site if cause else ""
 
 
 def _first_seq(rows: pd.DataFrame, sites: dict[str, _Site], origin: R.Origin) -> int:
-    return int(min(rows.at[p, "seq"] for p in sites[origin.site].bad[origin.role]))
+    return int(min(rows.at[p, Column.SEQ] for p in sites[origin.site].bad[origin.role]))

@@ -26,6 +26,7 @@ import pandas as pd
 from layerdiff.compare import result as R
 from layerdiff.compare.reading import as_compared
 from layerdiff.compare.records import ConvertedParam, RecordPair
+from layerdiff.compare.result import Column
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, open_trace, schema
 
@@ -42,14 +43,14 @@ class ConvertedPair(RecordPair):
 
 def row_key(row: Mapping[str, Any] | pd.Series) -> RowKey:
     """The key of a diff row (or of an origin's fields, see :func:`origin_row`)."""
-    return int(row["step"]), str(row["site"]), str(row["role"]), str(row["arg"])
+    return int(row[Column.STEP]), str(row[Column.SITE]), str(row[Column.ROLE]), str(row[Column.ARG])
 
 
 def origin_row(origin: R.Origin) -> dict[str, Any]:
     """An origin's names as the columns of its diff row."""
-    return {"step": origin.step, "pass": origin.pass_, "site": origin.site, "role": origin.role,
-            "arg": origin.arg, "port_site": origin.port_site or origin.site,
-            "port_arg": origin.port_arg}
+    return {Column.STEP: origin.step, Column.PASS: origin.pass_, Column.SITE: origin.site,
+            Column.ROLE: origin.role, Column.ARG: origin.arg,
+            Column.PORT_SITE: origin.port_site or origin.site, Column.PORT_ARG: origin.port_arg}
 
 
 class PairReader:
@@ -118,8 +119,8 @@ class PairReader:
             port = None if plan.match == "absent" else self.port.index.iloc[plan.port]
             return ref, port
         step, site, role, arg = row_key(row)
-        port_site = _text(row.get("port_site")) or site
-        port_arg = _text(row.get("port_arg")) or arg
+        port_site = _text(row.get(Column.PORT_SITE)) or site
+        port_arg = _text(row.get(Column.PORT_ARG)) or arg
         return (self._named(0, step, site, role, arg),
                 self._named(1, step, port_site, role, port_arg))
 
@@ -148,7 +149,8 @@ class PairReader:
         if plan is not None and plan.match == "absent":
             return ref, np.zeros_like(ref)  # the port sent no gradient: the diff's zeros
         if port_row is None:
-            where = f"{_text(row.get('port_site')) or site} {role} {_text(row.get('port_arg'))}"
+            where = (f"{_text(row.get(Column.PORT_SITE)) or site} {role} "
+                     f"{_text(row.get(Column.PORT_ARG))}")
             raise TraceError(f"{self.port.path} has no tensor data for {where.strip()} at "
                              f"step {step}")
         port = as_compared(self.port.read(port_row), plan and plan.port_slice,

@@ -16,18 +16,52 @@ import pandas as pd
 
 from layerdiff.compare.judge import PASSING
 
-# Columns of Diff.rows, in order. One row per compared (step, site, role, tensor).
-ROW_COLUMNS = [
-    "step", "pass", "seq", "site", "role", "arg",      # the reference's names
-    "port_site", "port_arg", "match", "confidence",     # how the port's record was paired
-    "shape", "port_shape", "dtype", "port_dtype", "numel",
-    "max_abs", "max_rel", "mean_abs", "rms", "cosine", "max_ulp",
-    "frac_out", "worst_index", "ratio",                 # ratio: max |d| / (atol + rtol|ref|)
-    "ref_nan", "ref_inf", "port_nan", "port_inf",
-    "rtol", "atol", "tol_source", "rms_tol",           # rms_tol: a baseline's rms limit
-    "verdict", "note", "batch_ratio",                   # batch_ratio: per batch element, or None
-    "status", "cause",
-]
+
+class Column(StrEnum):
+    """The columns of :attr:`Diff.rows` (one row per compared step, site, role and tensor), in
+    their order. A member is its name's string, so ``rows[Column.VERDICT]``, CSV headers and
+    JSON keys read as before."""
+
+    STEP = "step"                 # the reference's names: step, pass, seq, site, role, arg
+    PASS = "pass"
+    SEQ = "seq"
+    SITE = "site"
+    ROLE = "role"
+    ARG = "arg"
+    PORT_SITE = "port_site"       # how the port's record was paired
+    PORT_ARG = "port_arg"
+    MATCH = "match"
+    CONFIDENCE = "confidence"
+    SHAPE = "shape"
+    PORT_SHAPE = "port_shape"
+    DTYPE = "dtype"
+    PORT_DTYPE = "port_dtype"
+    NUMEL = "numel"
+    MAX_ABS = "max_abs"
+    MAX_REL = "max_rel"
+    MEAN_ABS = "mean_abs"
+    RMS = "rms"
+    COSINE = "cosine"
+    MAX_ULP = "max_ulp"
+    FRAC_OUT = "frac_out"
+    WORST_INDEX = "worst_index"
+    RATIO = "ratio"               # max |d| / (atol + rtol|ref|)
+    REF_NAN = "ref_nan"
+    REF_INF = "ref_inf"
+    PORT_NAN = "port_nan"
+    PORT_INF = "port_inf"
+    RTOL = "rtol"
+    ATOL = "atol"
+    TOL_SOURCE = "tol_source"
+    RMS_TOL = "rms_tol"           # a baseline's rms limit
+    VERDICT = "verdict"
+    NOTE = "note"
+    BATCH_RATIO = "batch_ratio"   # per batch element, or None
+    STATUS = "status"
+    CAUSE = "cause"
+
+
+ROW_COLUMNS = [str(column) for column in Column]
 
 # declared: the mapping file says this site has no partner (and why)
 UNMATCHED_COLUMNS = ["side", "step", "site", "role", "arg", "reason", "declared"]
@@ -95,7 +129,7 @@ class Diff:
 
     @property
     def passed(self) -> bool:
-        return bool(self.rows.empty or self.rows["verdict"].isin(PASSING).all())
+        return bool(self.rows.empty or self.rows[Column.VERDICT].isin(PASSING).all())
 
     def __bool__(self) -> bool:
         return self.passed
@@ -116,7 +150,7 @@ class Diff:
 
     def failing(self) -> pd.DataFrame:
         """Rows out of tolerance, in order."""
-        return self.rows[~self.rows["verdict"].isin(PASSING)]
+        return self.rows[~self.rows[Column.VERDICT].isin(PASSING)]
 
     def as_json(self) -> dict[str, Any]:
         """Everything, as plain JSON types: the JSON report."""

@@ -13,8 +13,10 @@ import numpy as np
 
 from layerdiff.compare import judge
 from layerdiff.compare.metrics import PairMetrics
+from layerdiff.compare.result import Column
 from layerdiff.compare.tolerances import Tolerance
 from layerdiff.trace import schema
+from layerdiff.trace.schema import PARAM_ROLES
 
 
 def new_metrics(tolerance: Tolerance, r: Any, p: Any, shape: tuple[int, ...],
@@ -23,7 +25,7 @@ def new_metrics(tolerance: Tolerance, r: Any, p: Any, shape: tuple[int, ...],
     element when the leading axis is a batch (not a parameter's), in ULPs when both sides
     have the same floating dtype."""
     numel = int(np.prod(shape))
-    batch = shape[0] if len(shape) >= 2 and role not in ("weight", "weight_grad") else 0
+    batch = shape[0] if len(shape) >= 2 and role not in PARAM_ROLES else 0
     same_float = r["dtype"] == p["dtype"] and schema.numpy_dtype(r["dtype"]).kind == "f"
     ulp_scale = (2.0**16 if r["dtype"] == "bfloat16" else 1.0) if same_float else None
     return PairMetrics(tolerance.rtol, tolerance.atol, numel, batch, ulp_scale)
@@ -39,8 +41,10 @@ def rms_over(value: float, limit: float) -> float:
 def finish_row(row: dict[str, Any], metrics: PairMetrics, shape: tuple[int, ...]) -> None:
     """The row's metrics, ratio (a baseline's rms rule folded in) and verdict."""
     row.update(metrics.result(shape))
-    if row["rms_tol"] is not None:  # a baseline's second rule
-        row["ratio"] = judge.worst([row["ratio"], rms_over(row["rms"], row["rms_tol"])])
-    row["verdict"] = judge.verdict(row["ratio"], ref_nan=row["ref_nan"],
-                                   port_nan=row["port_nan"], port_inf=row["port_inf"],
-                                   finite_ratio=row["finite_ratio"])
+    if row[Column.RMS_TOL] is not None:  # a baseline's second rule
+        row[Column.RATIO] = judge.worst([row[Column.RATIO],
+                                         rms_over(row[Column.RMS], row[Column.RMS_TOL])])
+    row[Column.VERDICT] = judge.verdict(row[Column.RATIO], ref_nan=row[Column.REF_NAN],
+                                        port_nan=row[Column.PORT_NAN],
+                                        port_inf=row[Column.PORT_INF],
+                                        finite_ratio=row["finite_ratio"])

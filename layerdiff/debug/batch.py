@@ -62,6 +62,7 @@ from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
 from layerdiff.errors import CaptureError, CaseError
 from layerdiff.trace import schema
+from layerdiff.trace.schema import Pass, Role
 
 Progress = Callable[[int, int], None]  # (sites done, sites in all)
 NOISE_FACTOR = 4.0
@@ -198,11 +199,11 @@ def mixing_origin(calls: list[_Call], mixing: list[Mixing],
         mixed = passes.get(call.site)
         backward = last + 2 * (len(calls) - call.order)  # the backward runs in reverse
         records += [
-            Record(0, "forward", 2 * call.order, call.site, "input", "0", False),
-            Record(0, "forward", 2 * call.order + 1, call.site, "output", "0",
+            Record(0, Pass.FORWARD, 2 * call.order, call.site, Role.INPUT, "0", False),
+            Record(0, Pass.FORWARD, 2 * call.order + 1, call.site, Role.OUTPUT, "0",
                    mixed == schema.Pass.FORWARD),
-            Record(0, "backward", backward, call.site, "grad_output", "0", False),
-            Record(0, "backward", backward + 1, call.site, "grad_input", "0",
+            Record(0, Pass.BACKWARD, backward, call.site, Role.GRAD_OUTPUT, "0", False),
+            Record(0, Pass.BACKWARD, backward + 1, call.site, Role.GRAD_INPUT, "0",
                    mixed == schema.Pass.BACKWARD)]
     sites = sites_frame({(0, call.site): call.parent for call in calls})
     return find_origin(records, sites, MIXING, independent=True,

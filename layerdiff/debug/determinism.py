@@ -38,6 +38,7 @@ from layerdiff.compare import Tolerances, diff
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import Words
+from layerdiff.compare.result import Column
 from layerdiff.debug.origin import Record, find_origin, origin_json
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
 from layerdiff.outputs import make_folder, refuse_existing
@@ -145,7 +146,7 @@ class DeterminismResult:
         return self._first is not None
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> DeterminismVerdict:
         return (DeterminismVerdict.NONDETERMINISTIC if self.found
                 else DeterminismVerdict.DETERMINISTIC)
 
@@ -296,17 +297,17 @@ def _judge(comparison: RunComparison, first: Trace, other: Trace, key: RecordKey
            tolerances: Tolerances | None) -> None:
     """The diff of the two runs: the verdict of the first difference, the first out."""
     rows = diff(first, other, tolerances=tolerances).rows
-    match = rows[(rows["step"] == key.step) & (rows["site"] == key.site)
-                 & (rows["role"] == key.role) & (rows["arg"] == key.arg)
-                 & (rows["pass"] == key.pass_)]
+    match = rows[(rows[Column.STEP] == key.step) & (rows[Column.SITE] == key.site)
+                 & (rows[Column.ROLE] == key.role) & (rows[Column.ARG] == key.arg)
+                 & (rows[Column.PASS] == key.pass_)]
     if not match.empty:
         row = match.iloc[0]
-        comparison.verdict = str(row["verdict"])
-        comparison.within_tolerance = row["verdict"] in PASSING
-        comparison.max_abs = _float(row["max_abs"])
-        comparison.ratio = _float(row["ratio"])
+        comparison.verdict = str(row[Column.VERDICT])
+        comparison.within_tolerance = row[Column.VERDICT] in PASSING
+        comparison.max_abs = _float(row[Column.MAX_ABS])
+        comparison.ratio = _float(row[Column.RATIO])
         comparison.tolerance = f"rtol={row['rtol']:g} atol={row['atol']:g}, {row['tol_source']}"
-    out = rows[~rows["verdict"].isin(PASSING)]
+    out = rows[~rows[Column.VERDICT].isin(PASSING)]
     if not out.empty:
         comparison.first_out = RecordKey.of(out.iloc[0])
 

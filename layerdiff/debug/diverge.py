@@ -64,13 +64,14 @@ from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import find_origins
 from layerdiff.compare.pair import PairReader
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
+from layerdiff.trace.schema import Pass, Role
 from layerdiff.weights import load_weights_from
 
 # Measured: the planted optimizer bugs (a schedule one step early, Adam's L2 for AdamW's decay)
@@ -384,9 +385,10 @@ def _restore(case: Case | ExternalCase, state: dict[str, torch.Tensor] | None) -
 # ---- judging: the looser of the per-dtype tolerance and the golden band
 
 # The columns of a diff row that follow from its tolerance (the rest is the data's).
-TOLERANCE_COLUMNS = ("ratio", "verdict", "rtol", "atol", "tol_source", "rms_tol", "frac_out",
-                     "worst_index", "batch_ratio")
-ROW_KEY = ["step", "seq", "site", "role", "arg", "port_site", "port_arg"]
+TOLERANCE_COLUMNS = (Column.RATIO, Column.VERDICT, Column.RTOL, Column.ATOL, Column.TOL_SOURCE,
+                     Column.RMS_TOL, Column.FRAC_OUT, Column.WORST_INDEX, Column.BATCH_RATIO)
+ROW_KEY = [Column.STEP, Column.SEQ, Column.SITE, Column.ROLE, Column.ARG, Column.PORT_SITE,
+           Column.PORT_ARG]
 
 
 def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
@@ -409,14 +411,14 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
         warnings.append("the diffs with and without the golden band paired different records; "
                         "judged by the golden band alone")
         return banded
-    passes, passes_plain = rows["verdict"].isin(PASSING), other["verdict"].isin(PASSING)
-    ratio = pd.to_numeric(rows["ratio"], errors="coerce").to_numpy(dtype=float)
-    ratio_plain = pd.to_numeric(other["ratio"], errors="coerce").to_numpy(dtype=float)
+    passes, passes_plain = rows[Column.VERDICT].isin(PASSING), other[Column.VERDICT].isin(PASSING)
+    ratio = pd.to_numeric(rows[Column.RATIO], errors="coerce").to_numpy(dtype=float)
+    ratio_plain = pd.to_numeric(other[Column.RATIO], errors="coerce").to_numpy(dtype=float)
     looser = (ratio_plain < ratio) | (~passes & passes_plain)
     for position in np.flatnonzero(looser.to_numpy()):
         for column in TOLERANCE_COLUMNS:
             rows.at[position, column] = other.at[position, column]
-    rows["status"], rows["cause"] = "", ""
+    rows[Column.STATUS], rows[Column.CAUSE] = "", ""
     with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
         origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index)
         attach_hints(origins, PairReader(ref_trace, port_trace, banded.pairs))
@@ -432,9 +434,9 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
 
 def _per_step(summary: Diff, traces: dict[str, Path], steps: int) -> list[StepRow]:
     rows = summary.rows
-    ratios = rows["ratio"].to_numpy(dtype=float)
-    bad = ~rows["verdict"].isin(PASSING).to_numpy()
-    step_of = rows["step"].to_numpy()
+    ratios = rows[Column.RATIO].to_numpy(dtype=float)
+    bad = ~rows[Column.VERDICT].isin(PASSING).to_numpy()
+    step_of = rows[Column.STEP].to_numpy()
     ref_loss, port_loss = _losses(traces["reference_summary"]), _losses(traces["port_summary"])
     golden = _losses(traces["golden_summary"]) if "golden_summary" in traces else {}
     table = []
@@ -452,7 +454,7 @@ def _per_step(summary: Diff, traces: dict[str, Path], steps: int) -> list[StepRo
 def _losses(path: Path) -> dict[int, float]:
     """Each step's loss, from the trace's loss record (a scalar: its mean is its value)."""
     with open_trace(path) as trace:
-        rows = trace.records(site=schema.LOSS_SITE, role="output")
+        rows = trace.records(site=schema.LOSS_SITE, role=Role.OUTPUT)
         return {int(step): float(mean) for step, mean in zip(rows["step"], rows["mean"],
                                                              strict=True)}
 
@@ -475,7 +477,7 @@ def _explain(step_diff: Diff, first: int,
     origin = step_diff.origin
     before = first - 1
     agreed = f"step {before}" if before == 0 else f"steps 0 to {before}"
-    if update and (origin is None or origin.role != "weight"):
+    if update and (origin is None or origin.role != Role.WEIGHT):
         where = (f"; {origin.site} ({origin.pass_} {origin.role}) is where the difference "
                  "first leaves tolerance" if origin is not None else "")
         inputs = ("weights, gradients and state" if update.state_given
@@ -491,7 +493,7 @@ def _explain(step_diff: Diff, first: int,
                                    "warning below")
         return Cause.UNKNOWN, (f"records of step {first} are out of tolerance but no origin "
                                "was found among them; see `layerdiff diff` of the step's traces")
-    if origin.role == "weight" and first > 0:
+    if origin.role == Role.WEIGHT and first > 0:
         text = (f"the weights at the start of step {first} differ while every record of "
                 f"{agreed} agreed, the weight gradients of step {before} among them: "
                 f"the optimizer update that ended step {before} differs")
@@ -506,7 +508,7 @@ def _explain(step_diff: Diff, first: int,
                 f"gradients of step {before}, within tolerance, differ and the optimizer "
                 "magnifies that (Adam and RMSprop normalize each element), not by its rule")
         out = max((o.metrics.get("frac_out") or 0.0) for o in step_diff.origins
-                  if o.role == "weight")
+                  if o.role == Role.WEIGHT)
         if out < SPARSE_UPDATE:
             text += (f"; but at most {out:.2%} of any weight's elements differ: an optimizer "
                      "that normalizes each element (Adam, RMSprop) turns gradients that agreed "
@@ -514,12 +516,12 @@ def _explain(step_diff: Diff, first: int,
                      "check that before suspecting the optimizer (a bug in it moves most "
                      "elements)")
         return Cause.OPTIMIZER, text
-    if origin.role == "weight":
+    if origin.role == Role.WEIGHT:
         return Cause.LOAD, ("the weights differ before anything ran: the port did not get the "
                             "reference's weights; check the mapping (layerdiff map-check)")
     rerun = (f"; the update that ended step {before}, rerun from the reference's weights, "
              "gradients and state, is the reference's" if update is not None else "")
-    if origin.pass_ == "forward":
+    if origin.pass_ == Pass.FORWARD:
         return Cause.FORWARD, (
             f"{origin.site} computes a different forward value at step {first}"
             + (f" from the same weights and inputs, while {agreed} agreed: a "

@@ -51,6 +51,7 @@ from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.trace import schema
+from layerdiff.trace.schema import COMPUTED_ROLES, PARAM_ROLES, RESULT_ROLES, Pass, Role
 from layerdiff.trace.writer import site_scope
 
 Progress = Callable[[int, int], None]  # (steps done, steps to run)
@@ -353,7 +354,7 @@ class _Checker:
         dtype = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
         shape = tuple(tensor.shape)
         key = None
-        if pass_ == "forward" and not tensor.is_inference():
+        if pass_ == Pass.FORWARD and not tensor.is_inference():
             # a container returns its last submodule's output, a layer takes the previous
             # one's: the same tensor, unchanged, is reduced once
             key = (id(tensor), tensor._version)
@@ -368,7 +369,7 @@ class _Checker:
         log.lows.append(low)
         log.highs.append(high)
         log.entries.append(_Entry(self.seq, pass_, site, role, arg, shape, dtype, slot))
-        if key is not None and role == "output":
+        if key is not None and role == Role.OUTPUT:
             self._outputs[key] = (tensor, slot)
 
 
@@ -412,7 +413,7 @@ class _TorchWatch(_Watch):
         # never called, such as nn.MultiheadAttention's out_proj, at its called ancestor)
         for site, name, tensor in self.hooks.weight_records():
             if isinstance(tensor, torch.nn.Parameter):
-                checker.tensor(step, NanPass.OPTIMIZER, site, "weight", name, tensor)
+                checker.tensor(step, NanPass.OPTIMIZER, site, Role.WEIGHT, name, tensor)
         self.steps_run = step + 1
         self._check()
         if self.progress is not None:
@@ -566,7 +567,7 @@ class _CheckingWriter:
         if array is None or array.dtype.kind != "f" or array.size == 0:
             return
         low, high = float(array.min()), float(array.max())
-        pass_ = pass_ or schema.ROLE_PASS.get(role, "forward")
+        pass_ = pass_ or schema.ROLE_PASS.get(role, Pass.FORWARD)
         self.log.add(self.seq, pass_, site, role, arg, array.shape, array.dtype.name, low, high)
         if not _finite(low, high):
             self.log.resolve()
@@ -610,10 +611,10 @@ class _ExternalWatch(_Watch):
     def _explain(self, found: _Found) -> tuple[FirstNonFinite, Producer, R.Origin | None]:
         log, entry = found.log, found.log.entries[found.position]
         previous = self.writer.previous
-        if (entry.role == "weight" and entry.pass_ == NanPass.FORWARD and log.step > 0
+        if (entry.role == Role.WEIGHT and entry.pass_ == NanPass.FORWARD and log.step > 0
                 and previous is not None):
             # recorded at this step's first call: what the previous optimizer step left
-            previous.add(entry.seq, NanPass.OPTIMIZER, entry.site, "weight", entry.arg,
+            previous.add(entry.seq, NanPass.OPTIMIZER, entry.site, Role.WEIGHT, entry.arg,
                          entry.shape, entry.dtype, *log.ranges[entry.slot])
             previous.resolve()
             return explain(previous, len(previous.entries) - 1)
@@ -669,21 +670,21 @@ def _first_and_producer(log: _StepLog, position: int, optimizer: str,
     parent = site.parent if site else ""
     if entry.pass_ == NanPass.OPTIMIZER:
         used = [e for e in before if e.site == entry.site and e.arg == entry.arg
-                and e.role in ("weight", "weight_grad") and e.pass_ != NanPass.OPTIMIZER]
+                and e.role in PARAM_ROLES and e.pass_ != NanPass.OPTIMIZER]
         why = ("the optimizer step" + (f" ({detail})" if detail else "")
                + " turned a finite weight and gradient into a non-finite weight")
         return first, Producer(entry.site, NanPass.OPTIMIZER, optimizer, why,
                                _values(log, used))
     if entry.site == schema.LOSS_SITE:
         root = _outermost(log)
-        used = [e for e in before if e.site == root and e.role == "output"]
+        used = [e for e in before if e.site == root and e.role == Role.OUTPUT]
         return first, Producer(entry.site, NanPass.FORWARD, "loss",
                                "the loss function made it from the model's finite output",
                                _values(log, used))
-    if entry.role in ("output", "grad_input", "weight_grad"):
+    if entry.role in COMPUTED_ROLES:
         return first, _made_by(log, before, entry.site, entry.pass_, site,
                                f"its {entry.pass_} made a non-finite {entry.role}")
-    if entry.role == "weight":
+    if entry.role == Role.WEIGHT:
         why = ("the case's initial weights hold it" if log.step == 0 else
                "changed in place during the forward: the weights were finite after the last "
                "optimizer step")
@@ -704,18 +705,18 @@ def _first_and_producer(log: _StepLog, position: int, optimizer: str,
 
 def _made_by(log: _StepLog, before: list[_Entry], site: str, pass_: str, row: _Site | None,
              why: str) -> Producer:
-    roles = ("input", "weight") if pass_ == NanPass.FORWARD else (
-        "input", "weight", "grad_output")
+    roles = (Role.INPUT, Role.WEIGHT) if pass_ == NanPass.FORWARD else (
+        Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
     used = [e for e in before if e.site == site and e.role in roles and e.pass_ != "optimizer"]
     # what its own code between submodule calls worked on: their outputs, and backward, the
     # gradients they sent back
     children = {name for name, s in log.sites.items() if s.parent == site}
-    child_roles = ("output",) if pass_ == NanPass.FORWARD else ("output", "grad_input")
+    child_roles = (Role.OUTPUT,) if pass_ == NanPass.FORWARD else RESULT_ROLES
     used += [e for e in before if e.site in children and e.role in child_roles]
-    names = {"input": "inputs", "weight": "weights", "grad_output": "output gradients",
-             "output": "submodule outputs", "grad_input": "submodule input gradients"}
-    present = [names[role] for role in ("grad_output", "input", "weight", "output",
-                                        "grad_input")
+    names = {Role.INPUT: "inputs", Role.WEIGHT: "weights", Role.GRAD_OUTPUT: "output gradients",
+             Role.OUTPUT: "submodule outputs", Role.GRAD_INPUT: "submodule input gradients"}
+    present = [names[role] for role in (Role.GRAD_OUTPUT, Role.INPUT, Role.WEIGHT, Role.OUTPUT,
+                                        Role.GRAD_INPUT)
                if any(e.role == role for e in used)]
     if present:
         why += " from finite " + (", ".join(present[:-1]) + " and " if len(present) > 1

@@ -47,7 +47,7 @@ def judged_rows(records: Iterable[Record]) -> pd.DataFrame:
                    port_arg=record.arg, dtype=record.dtype, port_dtype=record.dtype,
                    verdict=Verdict.OUT if record.bad else Verdict.IDENTICAL,
                    ref_nan=0, ref_inf=0, port_nan=0, port_inf=0, status="", cause="")
-        row["pass"] = record.pass_
+        row[R.Column.PASS] = record.pass_  # "pass" cannot be a keyword above
         rows.append(row)
     return pd.DataFrame(rows, columns=R.ROW_COLUMNS)
 

@@ -16,7 +16,7 @@ from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
 from layerdiff.trace import Trace, schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import CALL_ROLES, Pass, Role
 from layerdiff.weights import port_tensors
 
 
@@ -44,9 +44,9 @@ def _reference_calls(trace: Trace, weights: dict[str, np.ndarray]) -> list[_Call
     sites = sites[sites["step"] == sites["step"].min()].sort_values("enter_seq")
     outputs: dict[str, tuple[int, ...]] = {}
     inputs: dict[str, tuple[int, ...]] = {}
-    rows = trace.records(int(sites["step"].min()), pass_="forward", kind="tensor")
+    rows = trace.records(int(sites["step"].min()), pass_=Pass.FORWARD, kind="tensor")
     for site, role, shape in zip(rows["site"], rows["role"], rows["shape"], strict=True):
-        if role in (Role.INPUT, Role.OUTPUT):
+        if role in CALL_ROLES:
             (inputs if role == Role.INPUT else outputs).setdefault(site, schema.parse_shape(shape))
     own = _own_tensors({name: tuple(array.shape) for name, array in weights.items()})
     calls = []

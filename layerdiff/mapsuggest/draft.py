@@ -40,7 +40,7 @@ from layerdiff.mapsuggest.values import (
 )
 from layerdiff.replay.torch_replay import restored
 from layerdiff.trace import Trace, open_trace, schema
-from layerdiff.trace.schema import Role
+from layerdiff.trace.schema import Pass, Role
 from layerdiff.weights import port_tensors, resolve_weights, trace_weights
 
 
@@ -206,7 +206,7 @@ class _Drafter:
             return {}
         decisions: dict[str, list[dict]] = defaultdict(list)  # module, and site -> maps
         step = int(self.ref.sites["step"].min())
-        index = self.ref.records(step, pass_="forward", kind="tensor")
+        index = self.ref.records(step, pass_=Pass.FORWARD, kind="tensor")
         by_site = {site: rows for site, rows in index.groupby("site")}
         self._pair_by_value(pairs, values, by_site)
         for pair in pairs.values():

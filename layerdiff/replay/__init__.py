@@ -8,11 +8,11 @@ reference), bisect (the smallest set of port layers that breaks it) and an inter
 
 from layerdiff.callable_module import make_callable
 from layerdiff.replay.bisect import BisectResult, bisect
-from layerdiff.replay.replay import LocalVerdict, ReplayResult, replay
+from layerdiff.replay.replay import LocalVerdict, ReplayOutcome, ReplayResult, replay
 from layerdiff.replay.session import Session
 from layerdiff.replay.swap import SwapDirection, Swapper, SwapResult, swap
 
-__all__ = ["BisectResult", "LocalVerdict", "ReplayResult", "Session", "SwapDirection",
-           "SwapResult", "Swapper", "bisect", "replay", "swap"]
+__all__ = ["BisectResult", "LocalVerdict", "ReplayOutcome", "ReplayResult", "Session",
+           "SwapDirection", "SwapResult", "Swapper", "bisect", "replay", "swap"]
 
 make_callable(__name__, replay)

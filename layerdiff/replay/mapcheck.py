@@ -33,6 +33,7 @@ from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
 from layerdiff.replay.torch_replay import NotReplayable, TorchPort, restored
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.schema import Role
 from layerdiff.weights import (
     NO_SOURCE,
     PORT_OWN,
@@ -423,7 +424,7 @@ class _SiteRunner:
         outputs = self.port.outputs(call, module, args, self._inputs[module], adapter=adapter)
         got = {arg: value.detach().cpu().double().numpy() for arg, value in flatten(outputs, "")
                if torch.is_tensor(value) and value.is_floating_point()
-               and self.mapping.why_unmatched_record("port", port_site, "output", arg) is None}
+               and self.mapping.why_unmatched_record("port", port_site, Role.OUTPUT, arg) is None}
         eps = max([torch.finfo(value.dtype).eps for _, value in flatten(outputs, "")
                    if torch.is_tensor(value) and value.is_floating_point()], default=0.0)
         expected = self._recorded_outputs(call.site)
@@ -487,10 +488,10 @@ class _SiteRunner:
         """The reference's recorded tensor outputs of ``site``, less those the mapping
         declares without a partner."""
         if site not in self._expected:
-            rows = self.ref.records(0, site, "output", kind="tensor")
+            rows = self.ref.records(0, site, Role.OUTPUT, kind="tensor")
             self._expected[site] = {
                 row["arg"]: read_array(self.ref, row).astype(np.float64)
                 for _, row in rows.iterrows()
-                if self.mapping.why_unmatched_record("reference", site, "output",
+                if self.mapping.why_unmatched_record("reference", site, Role.OUTPUT,
                                                      row["arg"]) is None}
         return self._expected[site]

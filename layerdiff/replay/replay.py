@@ -26,7 +26,7 @@ from layerdiff.case import Case, ExternalCase
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import Status
 from layerdiff.compare.matching import port_site_for
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
 from layerdiff.mapping import Mapping
@@ -35,7 +35,7 @@ from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
-from layerdiff.trace.schema import Pass, Role
+from layerdiff.trace.schema import CALL_ROLES, COMPUTED_GRAD_ROLES, Pass, Role
 
 
 class LocalVerdict(StrEnum):
@@ -46,6 +46,14 @@ class LocalVerdict(StrEnum):
     EXONERATED = "exonerated"     # within on them, out in the port's own run: it passes one on
     HOLDS_ONE = "holds one"       # a container out only because a site inside it is
     WITHIN = "within"
+
+
+class ReplayOutcome(StrEnum):
+    """:attr:`ReplayResult.outcome` (the ``verdict`` of its JSON)."""
+
+    PASS = "pass"                   # no layer has a local error, every one could be called
+    FAIL = "fail"                   # some layer has a local error
+    CANNOT_JUDGE = "cannot-judge"   # none has one, but some could not be called
 
 
 @dataclass
@@ -79,14 +87,14 @@ class ReplayResult:
         return _local_table(self.diff.rows, self.propagated)
 
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> ReplayOutcome:
         if not self.diff.passed:
-            return "fail"
-        return "cannot-judge" if self.cannot_judge else "pass"
+            return ReplayOutcome.FAIL
+        return ReplayOutcome.CANNOT_JUDGE if self.cannot_judge else ReplayOutcome.PASS
 
     @property
     def passed(self) -> bool:
-        return self.outcome == "pass"
+        return self.outcome == ReplayOutcome.PASS
 
     def __bool__(self) -> bool:
         return self.passed
@@ -97,7 +105,7 @@ class ReplayResult:
 
     def as_json(self) -> dict[str, Any]:
         local = self.local
-        return {**self.diff.as_json(), "verdict": self.outcome,
+        return {**self.diff.as_json(), "verdict": str(self.outcome),
                 "replay": {"replayed": len(self.replayed),
                            "cannot_judge": [list(entry) for entry in self.cannot_judge],
                            "skipped": [list(entry) for entry in self.skipped],
@@ -289,26 +297,27 @@ def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) 
 
 def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
     """One row per site and pass: local error, propagated error, amplification, verdict."""
-    keys = ["step", "site", "role", "arg"]
+    keys = [Column.STEP, Column.SITE, Column.ROLE, Column.ARG]
     if plain is None:
         rows = rows.assign(propagated_ratio=np.nan, amplification=np.nan)
     else:
-        rows = rows.merge(plain.rows[[*keys, "ratio"]].rename(
-            columns={"ratio": "propagated_ratio"}), on=keys, how="left")
-        first = plain.rows[plain.rows["step"] == 0]
-        inputs = first[first["role"] == Role.INPUT].groupby("site")["ratio"].max()
-        outputs = first[first["role"] == Role.OUTPUT].groupby("site")["ratio"].max()
+        rows = rows.merge(plain.rows[[*keys, Column.RATIO]].rename(
+            columns={Column.RATIO: "propagated_ratio"}), on=keys, how="left")
+        first = plain.rows[plain.rows[Column.STEP] == 0]
+        by_site = {role: first[first[Column.ROLE] == role].groupby(Column.SITE)[Column.RATIO].max()
+                   for role in CALL_ROLES}
         with np.errstate(divide="ignore", invalid="ignore"):
-            amplification = (outputs / inputs).replace([np.inf, -np.inf], np.nan)
-        rows = rows.assign(amplification=rows["site"].map(amplification))
-    roles = {Pass.FORWARD: [Role.OUTPUT], Pass.BACKWARD: [Role.GRAD_INPUT, Role.WEIGHT_GRAD]}
+            amplification = (by_site[Role.OUTPUT] / by_site[Role.INPUT]).replace(
+                [np.inf, -np.inf], np.nan)
+        rows = rows.assign(amplification=rows[Column.SITE].map(amplification))
+    roles = {Pass.FORWARD: [Role.OUTPUT], Pass.BACKWARD: list(COMPUTED_GRAD_ROLES)}
     parts = []
     for pass_, wanted in roles.items():
-        chosen = rows[(rows["pass"] == pass_) & rows["role"].isin(wanted)]
-        grouped = chosen.groupby(["site", "port_site"], sort=False).agg(
-            seq=("seq", "min"), local=("ratio", _worst), propagated=("propagated_ratio", "max"),
-            amplification=("amplification", "max"),
-            holds=("status", lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
+        chosen = rows[(rows[Column.PASS] == pass_) & rows[Column.ROLE].isin(wanted)]
+        grouped = chosen.groupby([Column.SITE, Column.PORT_SITE], sort=False).agg(
+            seq=(Column.SEQ, "min"), local=(Column.RATIO, _worst),
+            propagated=("propagated_ratio", "max"), amplification=("amplification", "max"),
+            holds=(Column.STATUS, lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
         grouped["pass"] = str(pass_)
         parts.append(grouped)
     table = pd.concat(parts, ignore_index=True)

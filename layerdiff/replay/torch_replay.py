@@ -38,6 +38,7 @@ from layerdiff.replay.arguments import (
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
+from layerdiff.trace.schema import Pass, Role
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16}
 
@@ -99,13 +100,14 @@ class TorchPort:
         left_out = {head for head, _ in dropped}
         for arg, value in values:
             if arg.partition(".")[0] not in left_out:  # the port took no such argument
-                writer.record(site, "input", _numpy(value), arg=arg)
+                writer.record(site, Role.INPUT, _numpy(value), arg=arg)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
             for tensors in (module._parameters, module._buffers):
                 for name, tensor in tensors.items():
                     if tensor is not None:
-                        writer.record(site, "weight", _numpy(tensor), arg=name, pass_="forward")
+                        writer.record(site, Role.WEIGHT, _numpy(tensor), arg=name,
+                                      pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args} - left_out
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
@@ -113,7 +115,7 @@ class TorchPort:
         outputs = self._run_twice(module, values, leaves, caller)
         flat = list(flatten(outputs, ""))
         for arg, value in flat:
-            writer.record(site, "output", _numpy(value), arg=arg)
+            writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
         self._backward(call, site, module_name, module, flat, leaves, writer)
         return dropped
 
@@ -221,7 +223,7 @@ class TorchPort:
         grads = []
         for arg, value in pairs:
             grad = read_value(self.ref, call.grad_outputs[arg])
-            writer.record(site, "grad_output", grad, arg=arg)
+            writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
             grad = torch.from_numpy(grad).to(value.device, value.dtype)
             grads.append(grad)
             # The recorded gradient is what arrived from outside the call: autograd adds the
@@ -238,7 +240,7 @@ class TorchPort:
         for (arg, leaf), grad in zip(leaves.items(), results[:len(leaves)], strict=True):
             # an argument sharing an earlier one's leaf (attn(x, x, x)) has its gradient there
             if grad is not None and _first_with(leaves, leaf) == arg:
-                writer.record(site, "grad_input", _numpy(grad), arg=arg)
+                writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
         for (_, param), grad in zip(params, results[len(leaves):], strict=True):
             if grad is not None:
@@ -254,7 +256,7 @@ class TorchPort:
             holders = [(m, n) for m, n in self._holders[key] if m in self._first_site]
             if all(module in complete for module, _ in holders):
                 module, name = holders[0]
-                writer.record(self._first_site[module], "weight_grad", _numpy(grad), arg=name)
+                writer.record(self._first_site[module], Role.WEIGHT_GRAD, _numpy(grad), arg=name)
 
 
 def _shared_leaves(call: RecordedCall, args_map: dict[str, str],

@@ -26,13 +26,14 @@ from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 from layerdiff.compare import judge
 from layerdiff.compare.judge import PASSING, Status, Verdict
 from layerdiff.compare.pair import PairReader, origin_row
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
 from layerdiff.report import page
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.page import CSS, DPI, present
 from layerdiff.report.tree import TREE_CSS, module_tree_section
+from layerdiff.trace.schema import Pass
 
 MAX_HEATMAP_COLUMNS = 256
 MAX_HEATMAP_ROWS = 256
@@ -61,8 +62,9 @@ LABELS = {
     Verdict.IDENTICAL: "identical",
 }
 
-FAILING_COLUMNS = ["site", "pass", "role", "arg", "step", "ratio", "max_abs", "max_rel",
-                   "cosine", "verdict", "status", "cause"]
+FAILING_COLUMNS = [Column.SITE, Column.PASS, Column.ROLE, Column.ARG, Column.STEP, Column.RATIO,
+                   Column.MAX_ABS, Column.MAX_REL, Column.COSINE, Column.VERDICT, Column.STATUS,
+                   Column.CAUSE]
 
 
 
@@ -138,7 +140,7 @@ def _plot_step(diff: Diff) -> int | None:
     """The step worth plotting: the first failing one, else step 0 (or the first present)."""
     if diff.rows.empty:
         return None
-    steps = set(diff.rows["step"].tolist())
+    steps = set(diff.rows[Column.STEP].tolist())
     for step in (diff.first_failing_step, 0):
         if step is not None and step in steps:
             return int(step)
@@ -150,9 +152,9 @@ def error_section(diff: Diff) -> str:
     head = "<h2>Error per site, in execution order</h2>"
     if step is None:
         return head + "<p class=\"note\">No rows were compared.</p>"
-    rows = diff.rows[diff.rows["step"] == step]
-    panels = [(name, rows[rows["pass"] == name].sort_values("seq", kind="stable"))
-              for name in ("forward", "backward")]
+    rows = diff.rows[diff.rows[Column.STEP] == step]
+    panels = [(name, rows[rows[Column.PASS] == name].sort_values(Column.SEQ, kind="stable"))
+              for name in Pass]
     panels = [(name, frame) for name, frame in panels if not frame.empty]
     if not panels:
         return head + f"<p class=\"note\">Step {step} has no forward or backward rows.</p>"
@@ -166,7 +168,7 @@ def error_section(diff: Diff) -> str:
 
 
 def _error_figure(panels: Sequence[tuple[str, pd.DataFrame]], step: int) -> Figure:
-    ratios = np.concatenate([frame["ratio"].to_numpy(dtype=float) for _, frame in panels])
+    ratios = np.concatenate([frame[Column.RATIO].to_numpy(dtype=float) for _, frame in panels])
     low, high = _ratio_limits(ratios)
     fig = Figure(figsize=(10, 0.6 + 3.3 * len(panels)), dpi=DPI, layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
@@ -199,14 +201,14 @@ def _category(verdict: str, status: str) -> str:
 def _error_panel(ax: Any, frame: pd.DataFrame, name: str, step: int, low: float,
                  high: float) -> None:
     x = np.arange(len(frame))
-    ratio = frame["ratio"].to_numpy(dtype=float)
+    ratio = frame[Column.RATIO].to_numpy(dtype=float)
     # Zero cannot sit on a log axis and inf/NaN have no height: pin them to the edges.
     floor, ceiling = low * 1.6, high / 1.6
     y = np.where(np.isfinite(ratio), np.clip(ratio, floor, ceiling), ceiling)
     y = np.where(ratio == 0, floor, y)
     ax.plot(x, y, color="#c8ccd0", linewidth=0.8, zorder=1)
-    cats = [_category(v, s) for v, s in zip(frame["verdict"], _text_column(frame, "status"),
-                                            strict=True)]
+    cats = [_category(v, s) for v, s in zip(
+        frame[Column.VERDICT], _text_column(frame, Column.STATUS), strict=True)]
     for cat in COLOURS:
         sel = np.array([c == cat for c in cats], dtype=bool)
         for mask, marker in ((sel & (ratio == 0), "v"), (sel & ~np.isfinite(ratio), "^"),
@@ -235,8 +237,8 @@ def _annotate_origins(ax: Any, frame: pd.DataFrame, x: np.ndarray, y: np.ndarray
     """Name the origins on the plot: the points a reader must find. Labels stack down from
     the top of the panel, so two origins side by side do not cover each other."""
     picks = [i for i, c in enumerate(cats) if c == Status.ORIGIN][:5]
-    sites = frame["site"].tolist()
-    roles = frame["role"].tolist()
+    sites = frame[Column.SITE].tolist()
+    roles = frame[Column.ROLE].tolist()
     right_half = len(frame) / 2
     # x from the point's column, nudged sideways so the label never hides its own point;
     # y from the top of the panel.
@@ -257,7 +259,8 @@ def _annotate_origins(ax: Any, frame: pd.DataFrame, x: np.ndarray, y: np.ndarray
 def _x_ticks(ax: Any, frame: pd.DataFrame, name: str) -> None:
     if 0 < len(frame) <= LABEL_TICKS_UP_TO:
         labels = [f"{s} {r}" if a in ("", "0") else f"{s} {r} {a}"
-                  for s, r, a in zip(frame["site"], frame["role"], frame["arg"], strict=True)]
+                  for s, r, a in zip(frame[Column.SITE], frame[Column.ROLE], frame[Column.ARG],
+                                     strict=True)]
         ax.set_xticks(np.arange(len(frame)), labels, rotation=35, ha="right", fontsize=7,
                       rotation_mode="anchor")
     else:
@@ -304,7 +307,7 @@ def origin_section(diff: Diff, reader: PairReader) -> str:
         # The page is still worth having without the pictures; say why they are missing.
         return head + f"<p class=\"note\">No tensor plots: {escape(str(exc))}</p>"
     rtol, atol = _tolerance(row, origin)
-    source = row.get("tol_source", "") if row is not None else ""
+    source = row.get(Column.TOL_SOURCE, "") if row is not None else ""
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
     if origin.hint:
@@ -327,15 +330,15 @@ def _origin_row(diff: Diff, origin: Origin) -> pd.Series | None:
     rows = diff.rows
     if rows.empty:
         return None
-    hit = rows[(rows["step"] == origin.step) & (rows["pass"] == origin.pass_)
-               & (rows["site"] == origin.site) & (rows["role"] == origin.role)
-               & (rows["arg"] == origin.arg)]
+    hit = rows[(rows[Column.STEP] == origin.step) & (rows[Column.PASS] == origin.pass_)
+               & (rows[Column.SITE] == origin.site) & (rows[Column.ROLE] == origin.role)
+               & (rows[Column.ARG] == origin.arg)]
     return None if hit.empty else hit.iloc[0]
 
 
 def _tolerance(row: pd.Series | None, origin: Origin) -> tuple[float, float]:
     source: Any = row if row is not None else origin.metrics
-    rtol, atol = source.get("rtol"), source.get("atol")
+    rtol, atol = source.get(Column.RTOL), source.get(Column.ATOL)
     rtol = float(rtol) if present(rtol) else 0.0
     atol = float(atol) if present(atol) else 0.0
     return rtol, atol
@@ -488,7 +491,7 @@ def failing_section(diff: Diff) -> str:
     head = "<h2>Rows out of tolerance</h2>"
     if failing.empty:
         return head + "<p class=\"note\">None.</p>"
-    return head + page.table(failing, FAILING_COLUMNS, row_class="status")
+    return head + page.table(failing, FAILING_COLUMNS, row_class=Column.STATUS)
 
 
 def origins_section(diff: Diff) -> str:

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from layerdiff.compare.judge import PASSING
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.outputs import replacing
 from layerdiff.report.findings.diff import describe_origin
 
@@ -19,11 +19,11 @@ from layerdiff.report.findings.diff import describe_origin
 def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdiff") -> Path:
     rows = result.rows
     origins = {(o.site, o.step): o for o in result.origins}
-    sites = list(dict.fromkeys(rows["site"]))
-    failing = rows[~rows["verdict"].isin(PASSING)]
+    sites = list(dict.fromkeys(rows[Column.SITE]))
+    failing = rows[~rows[Column.VERDICT].isin(PASSING)]
     root = ET.Element("testsuites", name=suite)
     test_suite = ET.SubElement(root, "testsuite", name=suite, tests=str(len(sites)),
-                               failures=str(failing["site"].nunique()), errors="0",
+                               failures=str(failing[Column.SITE].nunique()), errors="0",
                                skipped="0")
     properties = ET.SubElement(test_suite, "properties")
     for name, value in (("reference", str(result.reference)), ("port", str(result.port)),
@@ -35,15 +35,15 @@ def write_junit(result: Diff, path: str | os.PathLike, *, suite: str = "layerdif
         bad = by_site.get(site)
         if bad is None:
             continue
-        worst = bad.loc[bad["ratio"].fillna(float("inf")).idxmax()]
-        origin = origins.get((site, int(worst["step"])))
+        worst = bad.loc[bad[Column.RATIO].fillna(float("inf")).idxmax()]
+        origin = origins.get((site, int(worst[Column.STEP])))
         if origin is not None:
             message = f"origin: {describe_origin(origin)}: {origin.reason}"
         else:
-            cause = worst["cause"] or "an earlier site"
+            cause = worst[Column.CAUSE] or "an earlier site"
             message = (f"{worst['pass']} {worst['role']} {worst['arg']} out of tolerance "
                        f"({worst['ratio']:.3g}x), propagated from {cause}")
-        failure = ET.SubElement(case, "failure", message=message, type=str(worst["status"]))
+        failure = ET.SubElement(case, "failure", message=message, type=str(worst[Column.STATUS]))
         failure.text = "\n".join(
             f"step {r['step']} {r['pass']} {r['role']} {r['arg']}: ratio {r['ratio']:.3g}, "
             f"max_abs {r['max_abs']:.3g} ({r['tol_source']})" for _, r in bad.iterrows())

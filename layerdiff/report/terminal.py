@@ -8,12 +8,13 @@ import textwrap
 import pandas as pd
 
 from layerdiff.compare.judge import Status
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.text import WIDTH, clip, clip_middle, number, ranges
 from layerdiff.trace import schema
 from layerdiff.trace.printable import printable
+from layerdiff.trace.schema import PARAM_ROLES, Pass
 
 MAX_SITES = 40
 
@@ -94,11 +95,11 @@ def ops_lines(diff: Diff, width: int = WIDTH) -> list[str]:
 def verdict_line(diff: Diff, width: int = WIDTH) -> str:
     """One line: PASS, or FAIL with the first origin."""
     if diff.passed:
-        worst = diff.rows["ratio"].max() if not diff.rows.empty else 0.0
+        worst = diff.rows[Column.RATIO].max() if not diff.rows.empty else 0.0
         return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
                            f"error {number(worst, 3)} of its tolerance)", width)
     if diff.origin is None:
-        if (diff.rows["status"] == Status.CANNOT_JUDGE).any():
+        if (diff.rows[Column.STATUS] == Status.CANNOT_JUDGE).any():
             return clip_middle(f"FAIL  {len(diff.failing()):,} records out; no origin can be "
                                "named: their inputs have no partner in the port", width)
         return clip_middle(f"FAIL  {len(diff.failing()):,} records out of tolerance; no "
@@ -142,8 +143,8 @@ def _precision_hint(hint: dict | None, width: int) -> list[str]:
 
 def _summary(diff: Diff, width: int) -> list[str]:
     rows, meta = diff.rows, diff.meta
-    sites = rows[~rows["role"].isin(["weight", "weight_grad"])].drop_duplicates("site")
-    matches = sites["match"].value_counts().to_dict()
+    sites = rows[~rows[Column.ROLE].isin(PARAM_ROLES)].drop_duplicates(Column.SITE)
+    matches = sites[Column.MATCH].value_counts().to_dict()
     how = ", ".join(f"{n} {kind}" for kind, n in matches.items())
     gathered = diff.meta.get("gathered")
     port = diff.port if not gathered else (
@@ -170,9 +171,9 @@ def _summary(diff: Diff, width: int) -> list[str]:
                      f"{meta['baseline']['factor']:g}x the baseline's error + its dtype's rtol")
     for warning in meta.get("warnings", []):
         lines += textwrap.wrap(f"warning   {warning}", width, subsequent_indent=" " * 10)
-    unjudged = rows[rows["status"] == Status.CANNOT_JUDGE].drop_duplicates("site")
+    unjudged = rows[rows[Column.STATUS] == Status.CANNOT_JUDGE].drop_duplicates(Column.SITE)
     if len(unjudged):
-        names = ", ".join(unjudged["site"].head(6)) + (" ..." if len(unjudged) > 6 else "")
+        names = ", ".join(unjudged[Column.SITE].head(6)) + (" ..." if len(unjudged) > 6 else "")
         lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) whose inputs or "
                                f"incoming gradients have no partner in the port: {names}",
                                width, subsequent_indent=" " * 10)
@@ -193,20 +194,21 @@ def hint_lines(origin: Origin) -> list[str]:
 
 def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:
     """The worst failing row of each (step, pass, site, role), in execution order."""
-    failing = rows[rows["status"] != ""]
+    failing = rows[rows[Column.STATUS] != ""]
     if failing.empty:
         return failing
-    worst = failing.assign(_r=failing["ratio"].fillna(math.inf)).sort_values(
+    worst = failing.assign(_r=failing[Column.RATIO].fillna(math.inf)).sort_values(
         "_r", ascending=False, kind="stable")
-    keep = worst.drop_duplicates(["step", "pass", "site", "role"]).drop(columns="_r")
-    return keep.sort_values(["step", "seq"], kind="stable")
+    keep = worst.drop_duplicates([Column.STEP, Column.PASS, Column.SITE, Column.ROLE]).drop(
+        columns="_r")
+    return keep.sort_values([Column.STEP, Column.SEQ], kind="stable")
 
 
 @printable
 def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
     # the arg column grows to the longest argument shown (out_proj.weight), up to 20, out of
     # the site column's share
-    arg = min(20, max([6, *(len(str(a)) for a in rows["arg"])])) if len(rows) else 6
+    arg = min(20, max([6, *(len(str(a)) for a in rows[Column.ARG])])) if len(rows) else 6
     columns = [(c, arg if c == "arg" else w, a) for c, w, a in COLUMNS]
     fixed = sum(w for _, w, _ in columns) + len(columns) - 1
     widths = [(c, w or max(16, width - fixed), a) for c, w, a in columns]
@@ -218,7 +220,7 @@ def format_rows(rows: pd.DataFrame, width: int = WIDTH) -> str:
                   Status.CANNOT_JUDGE: "unjudged"}.get(row.status, row.verdict)
         site, above = _site_cell(row.site, above, site_width)
         out.append(_row(widths, {
-            "step": str(row.step), "pass": "fwd" if row.pass_ == "forward" else "bwd",
+            "step": str(row.step), "pass": "fwd" if row.pass_ == Pass.FORWARD else "bwd",
             "site": site, "role": row.role, "arg": row.arg,
             "ratio": number(row.ratio, 3), "max_abs": number(row.max_abs, 3),
             "cosine": number(row.cosine, 6), "status": status}))
@@ -271,13 +273,15 @@ REPLAY_COLUMNS = [("pass", 4, "l"), ("site", 0, "l"), ("local", 9, "r"), ("propa
 def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     """A replay (a ``ReplayResult``): its verdict, then local beside propagated error per
     site and pass, and the layers that could not be judged."""
+    from layerdiff.replay.replay import LocalVerdict, ReplayOutcome  # torch: not for a diff
+
     table = result.local
-    local = table[table["verdict"] == "LOCAL ERROR"]
+    local = table[table["verdict"] == LocalVerdict.LOCAL_ERROR]
     unjudged = result.cannot_judge
-    if result.outcome == "pass":
+    if result.outcome == ReplayOutcome.PASS:
         head = ("PASS  no layer has a local error: each is within tolerance on the reference's "
                 "inputs")
-    elif result.outcome == "cannot-judge":
+    elif result.outcome == ReplayOutcome.CANNOT_JUDGE:
         head = (f"CANNOT JUDGE  {len(unjudged)} layer(s) could not be called: "
                 + ", ".join(site for site, _ in unjudged[:6])
                 + "; no other layer has a local error")
@@ -307,7 +311,7 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
         lines.append(_row(widths, {c: c for c, _, _ in REPLAY_COLUMNS}))
         for _, row in shown.head(None if verbose else MAX_SITES).iterrows():
             lines.append(_row(widths, {
-                "pass": "fwd" if row["pass"] == "forward" else "bwd", "site": row["port_site"],
+                "pass": "fwd" if row["pass"] == Pass.FORWARD else "bwd", "site": row["port_site"],
                 "local": number(row["local"], 3), "propagated": number(row["propagated"], 3),
                 "amplif.": number(row["amplification"], 3), "verdict": row["verdict"]}))
     return "\n".join(lines)

@@ -21,7 +21,7 @@ import pandas as pd
 
 from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.pair import PairReader
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import LayerdiffError
 from layerdiff.report.text import number
 from layerdiff.trace.schema import ROOT_MODULE
@@ -178,14 +178,14 @@ def _walk(roots: Iterable[_Node]) -> Iterator[tuple[_Node, int]]:
 def _scores(rows: pd.DataFrame, step: int) -> dict[str, _Score]:
     if rows.empty:
         return {}
-    rows = rows[rows["step"] == step]
-    ratio = pd.to_numeric(rows["ratio"], errors="coerce").fillna(math.inf)
-    worst = ratio.groupby(rows["site"]).max()
-    failing = ~rows["verdict"].isin(PASSING)
+    rows = rows[rows[Column.STEP] == step]
+    ratio = pd.to_numeric(rows[Column.RATIO], errors="coerce").fillna(math.inf)
+    worst = ratio.groupby(rows[Column.SITE]).max()
+    failing = ~rows[Column.VERDICT].isin(PASSING)
     # Error a site only inherits is told apart from its own, as in the error plot's colours.
-    own = failing & (rows["status"] != Status.PROPAGATED)
-    out = failing.groupby(rows["site"]).any()
-    unexplained = own.groupby(rows["site"]).any()
+    own = failing & (rows[Column.STATUS] != Status.PROPAGATED)
+    out = failing.groupby(rows[Column.SITE]).any()
+    unexplained = own.groupby(rows[Column.SITE]).any()
     return {str(site): _Score(float(worst[site]), "o" if unexplained[site] else
                               "p" if out[site] else "w") for site in worst.index}
 

@@ -64,6 +64,12 @@ ARGUMENT_ROLES = (Role.INPUT, Role.GRAD_INPUT)
 RESULT_ROLES = (Role.OUTPUT, Role.GRAD_INPUT)
 # What a site computes itself: its results and its parameters' gradients.
 COMPUTED_ROLES = (Role.OUTPUT, Role.GRAD_INPUT, Role.WEIGHT_GRAD)
+# What a site computes in the backward pass: the gradients it sends back and its parameters'.
+COMPUTED_GRAD_ROLES = (Role.GRAD_INPUT, Role.WEIGHT_GRAD)
+# The forward pass's records: what comes into a site, what it computes, its parameters.
+FORWARD_ROLES = (Role.INPUT, Role.OUTPUT, Role.WEIGHT)
+# A forward call's own values, without its parameters: what goes in and what comes out.
+CALL_ROLES = (Role.INPUT, Role.OUTPUT)
 # The pass each role belongs to.
 ROLE_PASS = {
     Role.INPUT: Pass.FORWARD,

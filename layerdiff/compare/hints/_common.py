@@ -12,6 +12,8 @@ from enum import StrEnum
 
 import numpy as np
 
+from layerdiff.trace.schema import Role
+
 
 class Kind(StrEnum):
     """The kinds of porting mistake a hint names."""
@@ -126,7 +128,7 @@ class Site:
 
     @property
     def backward(self) -> bool:
-        return self.role == "grad_input"
+        return self.role == Role.GRAD_INPUT
 
     def float_inputs(self) -> list[tuple[str, np.ndarray]]:
         return [(name, np.asarray(v, np.float64)) for name, v in self.inputs.items()

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from layerdiff.trace.schema import RESULT_ROLES, Role
+
 from ._common import Hint, Judge, Kind, Site, left_text
 
 
@@ -99,7 +101,7 @@ def _swap(judge: Judge, used: str, make: Callable[[Callable], np.ndarray], where
 
 
 def _direct(judge: Judge, site: Site) -> Hint | None:
-    x = site.elementwise_input(judge.ref.shape) if site.role in ("output", "grad_input") \
+    x = site.elementwise_input(judge.ref.shape) if site.role in RESULT_ROLES \
         else None
     if x is None:
         return None
@@ -121,7 +123,7 @@ def _direct(judge: Judge, site: Site) -> Hint | None:
 
 
 def _inside(judge: Judge, site: Site) -> Hint | None:
-    if site.role != "output" or not site.children:
+    if site.role != Role.OUTPUT or not site.children:
         return None
     readers = [c for c in site.children if c.weight is not None and c.weight.ndim == 2
                and c.input is not None and c.output is not None]

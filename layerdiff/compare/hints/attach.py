@@ -12,6 +12,7 @@ from layerdiff.compare import result as R
 from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.schema import CALL_ROLES, PARAM_ROLES, Pass, Role
 
 # An origin whose tensor is larger is examined on its first batch elements only (as many as
 # fit); a weight larger than this gets no hint. 2^20 float64 values are 8 MiB per copy, and a
@@ -52,7 +53,7 @@ def _hint(origin: R.Origin, reader: PairReader, max_elements: int) -> hints.Hint
     ref, port = reader.ref, reader.port
     ref_values, port_values = reader.read(row, stored=True)
     found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements)
-    if found is not None or origin.role != "output" or origin.pass_ != "forward":
+    if found is not None or origin.role != Role.OUTPUT or origin.pass_ != Pass.FORWARD:
         return found
     inner = _own_code_record(origin, ref, port, max_elements)
     if inner is None:
@@ -98,8 +99,8 @@ def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: in
             continue
         port_child = (suffix if port_module == schema.ROOT_MODULE
                       else f"{port_module}.{suffix}") + f"#{call}"
-        ref_row = _tensor_row(ref, origin.step, child, "input", "0")
-        port_row = _tensor_row(port, origin.step, port_child, "input", "0")
+        ref_row = _tensor_row(ref, origin.step, child, Role.INPUT, "0")
+        port_row = _tensor_row(port, origin.step, port_child, Role.INPUT, "0")
         if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
             continue
         a = np.asarray(ref.read(ref_row), np.float64)
@@ -127,15 +128,15 @@ def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: 
     def cut(values: np.ndarray) -> np.ndarray:
         return values[:keep] if values.ndim and values.shape[0] == batch else values
 
-    params = role in ("weight", "weight_grad")
-    inputs = {} if params else _site_tensors(ref, step, origin.site, "input", max_elements)
+    params = role in PARAM_ROLES
+    inputs = {} if params else _site_tensors(ref, step, origin.site, Role.INPUT, max_elements)
     weights = _module_weights(ref, step, origin.site, max_elements)
     grad_output = None
-    if role == "grad_input":
-        grads = _site_tensors(ref, step, origin.site, "grad_output", max_elements)
+    if role == Role.GRAD_INPUT:
+        grads = _site_tensors(ref, step, origin.site, Role.GRAD_OUTPUT, max_elements)
         grad_output = cut(grads["0"]) if "0" in grads else None
     attention = (_attention_parts(ref, step, origin.site, ref_row, max_elements)
-                 if role == "output" and origin.pass_ == "forward" and not children_only
+                 if role == Role.OUTPUT and origin.pass_ == Pass.FORWARD and not children_only
                  else None)
     if attention is not None:
         attention = hints.Attention(
@@ -143,7 +144,7 @@ def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: 
             attention.out_weight, attention.out_bias,
             None if attention.mask is None else cut(attention.mask), attention.output_heads)
     children = (_children(ref, step, origin.site, max_elements, cut)
-                if role == "output" and origin.pass_ == "forward" else [])
+                if role == Role.OUTPUT and origin.pass_ == Pass.FORWARD else [])
     rtol, atol = origin.metrics.get("rtol"), origin.metrics.get("atol")
     return hints.hint(cut(ref_values), cut(port_values), role=role,
                       rtol=float(rtol or 0.0), atol=float(atol or 0.0),
@@ -164,7 +165,7 @@ def _children(trace: Trace, step: int, site: str, max_elements: int, cut) -> lis
     out = []
     for child in rows["site"]:
         tensors = []
-        for role in ("input", "output"):
+        for role in CALL_ROLES:
             row = _tensor_row(trace, step, child, role, "0")
             small = row is not None and int(row["numel"]) <= max_elements
             tensors.append(cut(trace.read(row)) if small else None)
@@ -201,7 +202,7 @@ def _batch_kept(values: np.ndarray, role: str, max_elements: int) -> int:
     """How many leading batch elements a hint examines (all when small enough; 0: none)."""
     if values.size <= max_elements:
         return values.shape[0] if values.ndim else 1
-    if role in ("weight", "weight_grad") or values.ndim < 2:
+    if role in PARAM_ROLES or values.ndim < 2:
         return 0
     per_element = values.size // values.shape[0]
     return max_elements // per_element
@@ -211,7 +212,7 @@ def _tensor_row(trace: Trace, step: int, site: str, role: str, arg: str) -> pd.S
     """The record of one tensor with data; a parameter compared through a mapping is named by
     its full name (``module.param``), whichever call recorded it."""
     row = trace.find(step, site, role, arg, kind="tensor")
-    if row is None and role in ("weight", "weight_grad"):
+    if row is None and role in PARAM_ROLES:
         rows = trace.records(step, role=role, kind="tensor")
         named = [i for i, (s, a) in enumerate(zip(rows["site"], rows["arg"], strict=True))
                  if schema.param_name(s, a) == arg]
@@ -238,7 +239,7 @@ def _module_weights(trace: Trace, step: int, site: str,
 
 def _module_params(trace: Trace, step: int, site: str) -> pd.DataFrame:
     """The weight records, with data, of the module ``site`` is a call of (any call)."""
-    rows = trace.records(step, role="weight", kind="tensor")
+    rows = trace.records(step, role=Role.WEIGHT, kind="tensor")
     module = schema.split_site(site)[0]
     same = [schema.split_site(s)[0] == module for s in rows["site"]]
     rows = rows[np.asarray(same, dtype=bool)] if len(rows) else rows
@@ -256,7 +257,7 @@ def _attention_parts(trace: Trace, step: int, site: str, output_row: pd.Series,
     """The reference's q, k, v and context at ``site`` when it is attention: a module built
     as attention usually is (see :func:`_projected_attention`), or else a kernel whose inputs
     are q, k and v and whose output is the context."""
-    inputs = trace.records(step, site, "input", kind="tensor")
+    inputs = trace.records(step, site, Role.INPUT, kind="tensor")
     floats = [row for _, row in inputs.iterrows()
               if str(row["dtype"]).startswith(("float", "bfloat")) and int(row["segment"]) >= 0]
     masks = [row for _, row in inputs.iterrows()
@@ -311,12 +312,12 @@ def _projected_attention(trace: Trace, step: int, site: str, output_row: pd.Seri
     if len(linear) < 2:
         return None
     out_site, out_weight = linear[-1]
-    out = _tensor_row(trace, step, out_site, "output", "0")
-    context = _tensor_row(trace, step, out_site, "input", "0")
+    out = _tensor_row(trace, step, out_site, Role.OUTPUT, "0")
+    context = _tensor_row(trace, step, out_site, Role.INPUT, "0")
     if out is None or context is None or not output_row["digest"] \
             or out["digest"] != output_row["digest"]:
         return None  # the last projection's output is not the site's: not this structure
-    projected = [_tensor_row(trace, step, child, "output", "0") for child, _ in linear[:-1]]
+    projected = [_tensor_row(trace, step, child, Role.OUTPUT, "0") for child, _ in linear[:-1]]
     if any(p is None or int(p["numel"]) > max_elements for p in projected):
         return None
     values = [trace.read(p) for p in projected]

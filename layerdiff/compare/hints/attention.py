@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from layerdiff.trace.schema import Role
+
 from ._common import Attention, Hint, Judge, Kind, Site, left_text, named, shift_mask, softmax
 
 SCORES = 1 << 18       # attention recomputed on as many batch elements as keep scores below
@@ -51,7 +53,7 @@ class _AttentionFit:
 
 def attention(judge: Judge, site: Site) -> Hint | None:
     parts = site.attention
-    if parts is None or site.role != "output":
+    if parts is None or site.role != Role.OUTPUT:
         return None
     q, k, v = (np.asarray(a, np.float64) for a in (parts.q, parts.k, parts.v))
     context = np.asarray(parts.context, np.float64)

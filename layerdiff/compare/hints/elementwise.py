@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from layerdiff.trace.schema import RESULT_ROLES, Role
+
 from ._common import Hint, Judge, Kind, Site, left_text, named
 
 SMALL = 0.05           # approximation: the error is at most this fraction of the output's rms
@@ -74,7 +76,7 @@ def _terms(site: Site, shape: tuple[int, ...]) -> Iterator[tuple[str, np.ndarray
                     yield f"the {what} of {child.name}", np.asarray(value, np.float64)
     elif site.grad_output is not None and np.shape(site.grad_output) == shape:
         yield "grad_output", np.asarray(site.grad_output, np.float64)
-    if site.role != "output":
+    if site.role != Role.OUTPUT:
         return
     for name, value in site.weights.items():
         value = np.asarray(value, np.float64)
@@ -97,7 +99,7 @@ def approximation(judge: Judge, site: Site) -> Hint | None:
     input with at most 64 coefficients (a fit with one free number per 16 values removes
     about 1/16 of a random error's energy, far from the 99% asked)."""
     shape = judge.ref.shape
-    x = site.elementwise_input(shape) if site.role in ("output", "grad_input") else None
+    x = site.elementwise_input(shape) if site.role in RESULT_ROLES else None
     if x is None:
         return None
     error = judge.error.ravel()

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from layerdiff.trace.schema import Role
+
 from ._common import Hint, Judge, Kind, Site, left_text, softmax
 
 
@@ -22,7 +24,7 @@ NORMALIZERS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
 
 
 def axis(judge: Judge, site: Site) -> Hint | None:
-    if site.role != "output":
+    if site.role != Role.OUTPUT:
         return None
     x = site.elementwise_input(judge.ref.shape)
     if x is None or x.ndim < 2:
@@ -45,7 +47,7 @@ def axis(judge: Judge, site: Site) -> Hint | None:
 
 
 def epsilon(judge: Judge, site: Site) -> Hint | None:
-    if site.role != "output":
+    if site.role != Role.OUTPUT:
         return None
     x = next((v for _, v in site.float_inputs() if v.shape == judge.ref.shape), None)
     if x is None or x.ndim < 1:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from layerdiff.trace.schema import PARAM_ROLES, RESULT_ROLES
+
 from ._common import NOISE, Hint, Judge, Kind, Site, shift_mask
 
 CHANCE = 1e-6          # a pattern of where the error is must be this unlikely by chance
@@ -67,7 +69,7 @@ def _slices(judge: Judge, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray
 
 def mask_input(judge: Judge, site: Site) -> Hint | None:
     ref = judge.ref
-    if site.role not in ("output", "grad_input") or ref.ndim < 2:
+    if site.role not in RESULT_ROLES or ref.ndim < 2:
         return None
     for name, mask in site.masks():
         for pattern, what in _mask_patterns(mask, ref.shape):
@@ -111,7 +113,7 @@ def zero_rows(judge: Judge, site: Site) -> Hint | None:
     ref = judge.ref
     if ref.ndim < 2:
         return None
-    for lead in (2, 1) if ref.ndim >= 3 and site.role not in ("weight", "weight_grad") else (1,):
+    for lead in (2, 1) if ref.ndim >= 3 and site.role not in PARAM_ROLES else (1,):
         rest = tuple(range(lead, ref.ndim))
         zero = np.all(ref == 0, axis=rest)
         if not zero.any() or zero.all():
@@ -137,7 +139,7 @@ def zero_rows(judge: Judge, site: Site) -> Hint | None:
 
 
 def batch(judge: Judge, site: Site) -> Hint | None:
-    if site.role in ("weight", "weight_grad") or judge.ref.ndim < 2 or judge.ref.shape[0] < 2:
+    if site.role in PARAM_ROLES or judge.ref.ndim < 2 or judge.ref.shape[0] < 2:
         return None
     worst, _ = _slices(judge, (0,))
     bad = worst > 1
@@ -154,7 +156,7 @@ def positions(judge: Judge, site: Site) -> Hint | None:
     """Whole positions of one axis (not the batch axis nor the last, feature axis) wrong, in
     one run from either end, the rest within tolerance: a mask or a boundary off by one."""
     ref = judge.ref
-    if site.role in ("weight", "weight_grad") or ref.ndim < 3:
+    if site.role in PARAM_ROLES or ref.ndim < 3:
         return None
     for axis in range(1, ref.ndim - 1):
         worst, out = _slices(judge, (axis,))

@@ -14,6 +14,8 @@ import itertools
 
 import numpy as np
 
+from layerdiff.trace.schema import Role
+
 from ._common import Hint, Judge, Kind, Site, left_text
 
 ORDERS = {4: "ifgo", 3: "rzn"}   # torch's order of the chunks, LSTM and GRU
@@ -93,7 +95,7 @@ def _cell_weights(weights: dict) -> tuple | None:
 
 
 def gate_order(judge: Judge, site: Site) -> Hint | None:
-    if site.role != "output":
+    if site.role != Role.OUTPUT:
         return None
     found = _cell_weights(site.weights)
     if found is None:

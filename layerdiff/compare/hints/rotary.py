@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from layerdiff.trace.schema import Role
+
 from ._common import Hint, Judge, Kind, Site, left_text, named, softmax
 
 SCORES = 1 << 18          # recomputed on as many batch elements as keep scores below this
@@ -63,7 +65,7 @@ class _Fit:
 
 def rotary(judge: Judge, site: Site) -> Hint | None:
     parts = site.attention
-    if parts is None or site.role != "output" or parts.output_heads is not None:
+    if parts is None or site.role != Role.OUTPUT or parts.output_heads is not None:
         return None
     q, k, v = (np.asarray(a, np.float64) for a in (parts.q, parts.k, parts.v))
     context = np.asarray(parts.context, np.float64)

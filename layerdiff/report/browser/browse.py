@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from layerdiff.compare import diff as diff_traces
+from layerdiff.compare.result import Column
 from layerdiff.errors import TraceError
 from layerdiff.outputs import refuse_inputs, write_text
 from layerdiff.report.browser import data, hist, sections
@@ -134,8 +135,8 @@ def browse(trace_path: str | os.PathLike[str], *,
         if port is not None:
             diff = diff_traces(ref, port, mapping=mapping, tolerances=tolerances,
                                progress=progress)
-            rows = diff.rows.drop_duplicates("port_site")
-            partner = dict(zip(rows["port_site"], rows["site"], strict=True))
+            rows = diff.rows.drop_duplicates(Column.PORT_SITE)
+            partner = dict(zip(rows[Column.PORT_SITE], rows[Column.SITE], strict=True))
         steps = data.steps_of(ref)
         if not steps:
             raise TraceError(f"{ref.path} holds no records, so there is nothing to show; "

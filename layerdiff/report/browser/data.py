@@ -17,15 +17,16 @@ import numpy as np
 import pandas as pd
 import xxhash
 
-from layerdiff.compare.result import Diff
+from layerdiff.compare.judge import Verdict
+from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.reader import Trace
+from layerdiff.trace.schema import PARAM_ROLES, Pass, Role
 from layerdiff.trace.segments import decode
 
 CHUNK_BYTES = 1 << 20
 BINS = 60
-GRAD_ROLES = schema.GRAD_ROLES
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
@@ -79,8 +80,8 @@ def site_ranges(trace: Trace, step: int, rename: dict[str, str] | None = None) -
     names to the ones to show (a port's sites under the reference's names)."""
     records = trace.index[trace.index["step"] == step]
     order = site_order(trace, step)
-    out = _aggregate(records[records["role"] == "output"], "out", 1.0)
-    grad = _aggregate(records[records["role"] == "grad_output"], "grad", trace.loss_scale)
+    out = _aggregate(records[records["role"] == Role.OUTPUT], "out", 1.0)
+    grad = _aggregate(records[records["role"] == Role.GRAD_OUTPUT], "grad", trace.loss_scale)
     frame = order.merge(out, on="site", how="left").merge(grad, on="site", how="left")
     for column in ("out_nan", "out_inf", "grad_nan", "grad_inf", "out_count", "grad_count"):
         if column not in frame:
@@ -147,15 +148,15 @@ def layer_norms(trace: Trace, rename: dict[str, str] | None = None) -> pd.DataFr
     out. A forward-only trace has no gradients at all: then every floating weight counts.
     A module called twice records its weights twice: the first call's count."""
     index = trace.index
-    params = index[index["role"].isin(["weight", "weight_grad"]) & (index["kind"] == "tensor")
+    params = index[index["role"].isin(PARAM_ROLES) & (index["kind"] == "tensor")
                    & index["dtype"].str.contains("float")].copy()
     if params.empty:
         return pd.DataFrame(columns=["step", "module", "weight", "grad", "weight_bad",
                                      "grad_bad"])
     params["module"] = [schema.split_site(s)[0] for s in params["site"]]
     params = params.drop_duplicates(["step", "module", "role", "arg"])
-    grads = params[params["role"] == "weight_grad"]
-    weights = params[params["role"] == "weight"]
+    grads = params[params["role"] == Role.WEIGHT_GRAD]
+    weights = params[params["role"] == Role.WEIGHT]
     if not grads.empty:
         with_grad = set(zip(grads["module"], grads["arg"], strict=True))
         weights = weights[[(m, a) in with_grad for m, a in zip(weights["module"],
@@ -211,14 +212,14 @@ def histogram_plan(trace: Trace, step: int) -> dict[str, list[pd.Series]]:
     index = trace.index
     records = index[(index["step"] == step) & (index["kind"] == "tensor")]
     plan: dict[str, list[pd.Series]] = {}
-    for roles in (("output",), ("grad_output", "grad_input")):
+    for roles in ((Role.OUTPUT,), (Role.GRAD_OUTPUT, Role.GRAD_INPUT)):
         chosen = records[records["role"].isin(roles)]
         rank = chosen["role"].map({role: i for i, role in enumerate(roles)})
         chosen = chosen.assign(_rank=rank).sort_values(["_rank", "seq"], kind="stable")
         for _, row in chosen.drop_duplicates("site").drop(columns="_rank").iterrows():
             plan.setdefault(str(row["site"]), []).append(row)
     for rows in plan.values():
-        rows.sort(key=lambda row: 0 if row["role"] == "output" else 1)
+        rows.sort(key=lambda row: 0 if row["role"] == Role.OUTPUT else 1)
     return plan
 
 
@@ -388,30 +389,30 @@ def batch_errors(diff: Diff, step: int) -> BatchErrors | None:
     """The per-batch-element errors the diff measured at ``step``; None when it measured none
     (summary traces, or no record with a batch axis)."""
     rows = diff.rows
-    rows = rows[(rows["step"] == step) & (((rows["pass"] == "forward") & (rows["role"] == "output"))
-                                          | ((rows["pass"] == "backward")
-                                             & (rows["role"] == "grad_input")))]
-    measured = [r is not None and len(r) > 0 for r in rows["batch_ratio"]]
+    forward = (rows[Column.PASS] == Pass.FORWARD) & (rows[Column.ROLE] == Role.OUTPUT)
+    backward = (rows[Column.PASS] == Pass.BACKWARD) & (rows[Column.ROLE] == Role.GRAD_INPUT)
+    rows = rows[(rows[Column.STEP] == step) & (forward | backward)]
+    measured = [r is not None and len(r) > 0 for r in rows[Column.BATCH_RATIO]]
     if not any(measured):
         return None
     # Identical records (same digest) are never read, so they have no batch_ratio: each of
     # their batch elements is exactly right.
     batch_ratio = [r if ok else (np.zeros(schema.parse_shape(shape)[0])
-                                 if verdict == "identical"
+                                 if verdict == Verdict.IDENTICAL
                                  and len(schema.parse_shape(shape)) >= 2 else None)
-                   for r, ok, shape, verdict in zip(rows["batch_ratio"], measured,
-                                                    rows["shape"], rows["verdict"],
+                   for r, ok, shape, verdict in zip(rows[Column.BATCH_RATIO], measured,
+                                                    rows[Column.SHAPE], rows[Column.VERDICT],
                                                     strict=True)]
-    rows = rows.assign(batch_ratio=batch_ratio)
-    rows = rows[[r is not None and len(r) > 0 for r in rows["batch_ratio"]]]
-    rows = pd.concat([rows[rows["pass"] == "forward"].sort_values("seq", kind="stable"),
-                      rows[rows["pass"] == "backward"].sort_values("seq", kind="stable")])
-    sizes = pd.Series([len(r) for r in rows["batch_ratio"]])
+    rows = rows.assign(**{Column.BATCH_RATIO: batch_ratio})
+    rows = rows[[r is not None and len(r) > 0 for r in rows[Column.BATCH_RATIO]]]
+    rows = pd.concat([rows[rows[Column.PASS] == passed].sort_values(Column.SEQ, kind="stable")
+                      for passed in (Pass.FORWARD, Pass.BACKWARD)])
+    sizes = pd.Series([len(r) for r in rows[Column.BATCH_RATIO]])
     batch = int(sizes.mode().iloc[0])   # the batch: the leading size most records share
     keep = (sizes == batch).to_numpy()
     found = [BatchRow(str(r.pass_), str(r.site), str(r.role), str(r.arg),
                       [float(x) for x in r.batch_ratio])
-             for r in rows[keep].rename(columns={"pass": "pass_"}).itertuples(index=False)]
+             for r in rows[keep].rename(columns={Column.PASS: "pass_"}).itertuples(index=False)]
     first = next((row for row in found if row.wrong), None)
     origin = None
     if diff.origin is not None and diff.origin.step == step:

@@ -14,10 +14,12 @@ from typing import Any
 import pandas as pd
 
 from layerdiff.compare.pair import PairReader
+from layerdiff.compare.result import Column
 from layerdiff.errors import TraceError
 from layerdiff.report.browser import data, svg
 from layerdiff.report.browser.sections import Page
 from layerdiff.trace.reader import Trace
+from layerdiff.trace.schema import GRAD_ROLES
 
 # A trace is "small", and every site gets histograms, when the tensors they read (one output
 # and one gradient per site at the step shown, both traces in pair mode) come to at most
@@ -106,19 +108,20 @@ def _port_records(page: Page) -> dict[tuple[str, str, str], pd.Series]:
     assert page.port is not None and page.diff is not None
     reader = PairReader(page.ref, page.port, page.diff.pairs)
     rows = page.diff.rows
-    rows = rows[rows["step"] == page.step]
+    rows = rows[rows[Column.STEP] == page.step]
     found: dict[tuple[str, str, str], pd.Series] = {}
-    for row in rows[["step", "site", "role", "arg", "port_site", "port_arg"]].to_dict("records"):
+    shown = [Column.STEP, Column.SITE, Column.ROLE, Column.ARG, Column.PORT_SITE, Column.PORT_ARG]
+    for row in rows[shown].to_dict("records"):
         port = reader.records(row)[1]
         if port is not None:
-            found[(row["site"], row["role"], row["arg"])] = port
+            found[(row[Column.SITE], row[Column.ROLE], row[Column.ARG])] = port
     return found
 
 
 def _panel(row: pd.Series, sides: list[tuple[str, Trace, pd.Series | None]],
            streams: list[data.TensorStream]) -> tuple[str, Any, list[tuple[str, Any]]]:
     """(title, bin edges, [(side, (counts, not finite) | why not)]) for one record."""
-    grad = row["role"] in data.GRAD_ROLES
+    grad = row["role"] in GRAD_ROLES
     title = (f"{'gradient' if grad else 'values'}: {row['role']}"
              + ("" if row["arg"] == "0" else f" '{row['arg']}'")
              + f" ({row['shape'] or 'scalar'}, {row['dtype']})")

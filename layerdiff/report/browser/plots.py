@@ -18,6 +18,7 @@ from matplotlib.patches import Rectangle
 
 from layerdiff.report.browser.data import BatchErrors
 from layerdiff.report.page import DPI, max_pool, png
+from layerdiff.trace.schema import Pass
 
 BAD = "#d62728"
 LABEL_ROWS_UP_TO = 80      # name each row of the batch image when it has this few
@@ -96,7 +97,7 @@ def batch_image(errors: BatchErrors, max_rows: int, max_columns: int) -> tuple[s
         ax.set_xticks(np.arange(cols), [str(i * col_factor) for i in range(cols)], fontsize=7)
     if labelled:
         ax.set_yticks(np.arange(rows), labels, fontsize=7)
-        switch = next((i for i, p in enumerate(passes) if p == "backward"), None)
+        switch = next((i for i, p in enumerate(passes) if p == Pass.BACKWARD), None)
         if switch not in (None, 0):
             ax.axhline(switch - 0.5, color="#222", linewidth=1.2)
     else:

@@ -9,13 +9,14 @@ from html import escape
 
 import pandas as pd
 
-from layerdiff.compare.result import Diff
+from layerdiff.compare.result import Column, Diff
 from layerdiff.report import page as kit
 from layerdiff.report.browser import data, plots, svg
 from layerdiff.report.browser.data import BatchErrors, NonFinite, Progress, spans
 from layerdiff.report.page import CSS as REPORT_CSS
 from layerdiff.trace import schema
 from layerdiff.trace.reader import Trace
+from layerdiff.trace.schema import Role
 
 MAX_RANGE_SITES = 1000     # sites per range panel
 MAX_RANGE_STEPS = 3        # steps with range panels: the first, the one shown, the last
@@ -323,9 +324,9 @@ def _pair_columns(page: Page, batch: BatchErrors | None) -> tuple[dict[str, floa
     if page.diff is None:
         return {}, {}
     rows = page.diff.rows
-    rows = rows[(rows["step"] == page.step)
-                & rows["role"].isin(["output", "grad_output", "grad_input"])]
-    worst = rows.groupby("site")["ratio"].max().to_dict()
+    rows = rows[(rows[Column.STEP] == page.step)
+                & rows[Column.ROLE].isin([Role.OUTPUT, Role.GRAD_OUTPUT, Role.GRAD_INPUT])]
+    worst = rows.groupby(Column.SITE)[Column.RATIO].max().to_dict()
     wrong: dict[str, set[int]] = {}
     for row in batch.rows if batch is not None else []:
         wrong.setdefault(row.site, set()).update(row.wrong)

@@ -7,9 +7,9 @@ from html import escape
 
 import numpy as np
 
-from layerdiff.ci.check import DRIFT, IDENTICAL_OUTCOME, CheckResult
+from layerdiff.ci.check import CheckOutcome, CheckResult
 from layerdiff.compare.judge import Verdict
-from layerdiff.compare.result import Diff, Origin
+from layerdiff.compare.result import Column, Diff, Origin
 
 NOTEBOOK_ROWS = 20     # failing rows a notebook shows (.failing() has them all)
 NOTEBOOK_ORIGINS = 10
@@ -46,8 +46,8 @@ def notebook_html(diff: Diff) -> str:
             + "</li>" for origin in diff.origins[:NOTEBOOK_ORIGINS])
         parts.append(f"<p>origins:</p><ol>{items}</ol>")
     if not failing.empty:
-        columns = ["step", "pass", "site", "role", "arg", "ratio", "max_abs", "cosine",
-                   "status"]
+        columns = [Column.STEP, Column.PASS, Column.SITE, Column.ROLE, Column.ARG, Column.RATIO,
+                   Column.MAX_ABS, Column.COSINE, Column.STATUS]
         table = failing[[c for c in columns if c in failing.columns]].head(NOTEBOOK_ROWS)
         parts.append(table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
         if len(failing) > NOTEBOOK_ROWS:
@@ -60,12 +60,12 @@ def check_line(result: CheckResult) -> str:
     """A CI check's one-line verdict: IDENTICAL, DRIFT (how much, where the most) or FAIL
     (the origin)."""
     rows = result.diff.rows
-    if result.outcome == IDENTICAL_OUTCOME:
+    if result.outcome == CheckOutcome.IDENTICAL:
         return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
                 f"{result.golden.name}")
-    if result.outcome == DRIFT:
-        changed = rows[rows["verdict"] != Verdict.IDENTICAL]
-        worst = changed.loc[changed["ratio"].fillna(0).idxmax()]
+    if result.outcome == CheckOutcome.DRIFT:
+        changed = rows[rows[Column.VERDICT] != Verdict.IDENTICAL]
+        worst = changed.loc[changed[Column.RATIO].fillna(0).idxmax()]
         return (f"DRIFT  {result.case}: {len(changed):,} of {len(rows):,} records changed, "
                 f"within tolerance; the most at {worst['site']} {worst['role']} "
                 f"({worst['ratio']:.3g}x tolerance)")

@@ -8,6 +8,7 @@ import textwrap
 from layerdiff.compare.ranks import Disagreement, Mode, RanksResult, Reason
 from layerdiff.report.text import WIDTH
 from layerdiff.trace import schema
+from layerdiff.trace.schema import ARGUMENT_ROLES, PARAM_ROLES, Pass, Role
 
 
 def ranks_text(result: RanksResult) -> str:
@@ -66,9 +67,9 @@ def _first_lines(result: RanksResult) -> list[str]:
 
 def _rule_tensor(role: str, arg: str) -> str:
     """The ``tensor`` of a [[shard]] rule that would cover this record."""
-    if role in ("weight", "weight_grad"):
+    if role in PARAM_ROLES:
         return arg
-    return "input" if role in ("input", "grad_input") else "output"
+    return "input" if role in ARGUMENT_ROLES else "output"  # the rule's own words
 
 
 def _cause(first: Disagreement) -> str:
@@ -80,14 +81,14 @@ def _cause(first: Disagreement) -> str:
     if reasons & {Reason.SHAPE, Reason.DTYPE}:
         return ("the ranks hold it in different shapes or dtypes: it is cut across ranks, or "
                 "a branch depends on the rank")
-    if first.role == "weight":
+    if first.role == Role.WEIGHT:
         return ("a rank initialised its own weights or missed their broadcast from rank 0 "
                 "(step 0), or an earlier update used gradients that were not all-reduced")
-    if first.role == "weight_grad":
+    if first.role == Role.WEIGHT_GRAD:
         return ("a gradient not all-reduced across the ranks (a parameter without its "
                 "all-reduce hook, a reduction over another group), or averaged by another "
                 "world size")
-    if first.pass_ == "backward":
+    if first.pass_ == Pass.BACKWARD:
         return ("a backward all-reduce missed (as Megatron's f does for a column-parallel "
                 "layer's input gradient), or a per-rank computation in backward")
     return ("a per-rank random generator (a dropout drawing from a generator seeded by rank), a "
