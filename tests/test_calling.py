@@ -13,10 +13,10 @@ from torch import nn
 
 from layerdiff import Case, DiffError, capture
 from layerdiff.replay import replay
-from layerdiff.replay.arguments import NotPlainData, dropped_arguments, map_argument
 from layerdiff.replay.calling import BoundCall, CannotCall, Signature, bind_call
 from layerdiff.signature import Parameter
 from layerdiff.trace import open_trace
+from layerdiff.trace.arguments import NotPlainData, dropped_arguments, map_argument
 
 
 def replay_outcome(result) -> tuple[dict[str, str], set[str], dict[str, list]]:

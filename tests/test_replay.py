@@ -12,7 +12,7 @@ import torch
 from layerdiff import DiffError, load_case
 from layerdiff.errors import CaptureError
 from layerdiff.replay import ReplayOutcome, replay
-from layerdiff.replay.arguments import rebuild_call
+from layerdiff.trace.arguments import rebuild_call
 from reference_models.catalog import CATALOG, find
 
 CHECKED = [info for info in CATALOG if info.kind in ("port", "bug")]

@@ -47,6 +47,7 @@ from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.arguments import rebuild_call
 from layerdiff.trace.schema import Pass, Role
 
 
@@ -105,7 +106,7 @@ class _Call:
             return
         values, origin = self._reference_call(ref_rows)
         self.ref_index = {str(row["arg"]): row for row in ref_rows.to_dict("records")}
-        args, kwargs = _rebuild(values)
+        args, kwargs = rebuild_call(values)
         try:
             result = adapter(*args, **kwargs)
             new_args, new_kwargs = result
@@ -322,10 +323,6 @@ def _plain(text: str) -> Any:
     return value
 
 
-def _rebuild(values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
-    from layerdiff.replay.arguments import rebuild_call
-
-    return rebuild_call(values)
 
 
 def _flatten_call(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

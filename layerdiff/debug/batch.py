@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerdiff import rng
+import layerdiff.rng as rng
 from layerdiff.capture.modules import hook_every_call
 from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import result as R

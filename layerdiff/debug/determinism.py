@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff import errors
+import layerdiff.errors as errors
 from layerdiff.compare import Tolerances, diff
 from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from layerdiff import rng
+import layerdiff.rng as rng
 from layerdiff.capture.hooks import ModuleRecorder, select_modules
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import dtype_name

@@ -30,9 +30,9 @@ from torch import nn
 from layerdiff.capture.hooks import call_arguments, flatten
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.arguments import dropped_arguments, map_argument
 from layerdiff.replay.calling import CannotCall, adapted_call, bind_call
 from layerdiff.signature import Signature
+from layerdiff.trace.arguments import dropped_arguments, map_argument
 
 
 class LayerCallError(DiffError):

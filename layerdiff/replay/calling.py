@@ -31,7 +31,7 @@ h. The call is built in the port's parameter order: positional parameters are pa
    position up to the first one left unfilled, and by keyword after it (a positional-only one
    after such a gap refuses the call); ``*args`` extras follow the last positional argument.
 
-An argument capture kept only as a repr (:class:`~layerdiff.replay.arguments.NotPlainData`,
+An argument capture kept only as a repr (:class:`~layerdiff.trace.arguments.NotPlainData`,
 a ``DynamicCache``) can be left out (f), never passed: bound to a parameter it refuses the
 call. What was left out, and why, is kept with the bound call, so replay can report it.
 """
@@ -45,8 +45,8 @@ from typing import Any
 
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.arguments import NotPlainData, describe_value, rebuild_call
 from layerdiff.signature import Parameter, Signature, json_text
+from layerdiff.trace.arguments import NotPlainData, describe_value, rebuild_call
 
 __all__ = ["BoundCall", "CannotCall", "Parameter", "Signature", "adapted_call", "bind_call"]
 

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from layerdiff.errors import DiffError
-from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.recorded import RecordedCall, read_value, reference_weights
 from layerdiff.trace import Trace, TraceWriter, schema
+from layerdiff.trace.arguments import map_argument
 from layerdiff.trace.schema import Role
 
 

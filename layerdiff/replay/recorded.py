@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.errors import DiffError
-from layerdiff.replay.arguments import plain_value
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.arguments import plain_value
 from layerdiff.trace.schema import Role
 
 

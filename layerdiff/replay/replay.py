@@ -31,10 +31,10 @@ from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
 from layerdiff.mapping import Mapping
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.arguments import map_argument
 from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
+from layerdiff.trace.arguments import map_argument
 from layerdiff.trace.schema import CALL_ROLES, COMPUTED_GRAD_ROLES, Pass, Role
 
 

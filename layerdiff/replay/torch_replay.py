@@ -23,21 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerdiff import rng
+import layerdiff.rng as rng
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.modules import named_modules
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.arguments import (
+from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
+from layerdiff.replay.recorded import RecordedCall, read_array, read_value
+from layerdiff.trace import Trace, TraceWriter, schema
+from layerdiff.trace.arguments import (
     NotPlainData,
     dropped_arguments,
     map_argument,
     rebuild_call,
     recorded_value,
 )
-from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
-from layerdiff.replay.recorded import RecordedCall, read_array, read_value
-from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.schema import Pass, Role
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16}
