@@ -328,3 +328,15 @@ def test_the_capture_bar_moves_within_a_step(monkeypatch):
     drawn = screen.file.getvalue()
     assert "capture my_cases:port" in drawn
     assert "7 records, 7 MiB" in drawn and "28 records, 28 MiB" in drawn
+
+
+def test_a_spec_captures_as_the_case_it_names(tmp_path):
+    """capture() takes 'module:function' as the command line does: the same records, bit for
+    bit, as the Case that spec loads."""
+    from layerdiff import load_case
+
+    by_spec = capture("reference_models.mlp:reference", tmp_path / "spec.h5")
+    by_case = capture(load_case("reference_models.mlp:reference"), tmp_path / "case.h5")
+    with open_trace(by_spec) as a, open_trace(by_case) as b:
+        assert len(a.index) > 0
+        assert a.index["digest"].tolist() == b.index["digest"].tolist()

@@ -17,7 +17,7 @@ from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
-from layerdiff.case import Case, ExternalCase, seed_everything
+from layerdiff.case import Case, ExternalCase, load_case, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
@@ -56,8 +56,9 @@ class _Observer:
         self.progress.advance()
 
 
-def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequence[str] = (),
-            exclude: Sequence[str] = (), loss_scale: float = 1.0, steps: int | None = None,
+def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
+            include: Sequence[str] = (), exclude: Sequence[str] = (), loss_scale: float = 1.0,
+            steps: int | None = None,
             summary: bool = False, weights: bool = True,
             queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
             dtype: str | None = None, autocast: str | None = None,
@@ -65,7 +66,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
             record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
             ops_all: bool = False, full_around: Sequence[str] = (),
             radius: int = 1) -> Path:
-    """Run ``case`` with every selected module call recorded into the trace at ``path``.
+    """Run ``case`` (a Case, or a spec such as ``"my_models:reference"``) with every selected
+    module call recorded into the trace at ``path``.
 
     Records inputs, outputs, weights (each step), the gradients arriving at and leaving each
     call, and weight gradients (before the optimizer step). ``include`` / ``exclude`` are globs
@@ -89,6 +91,8 @@ def capture(case: Case | ExternalCase, path: str | os.PathLike, *, include: Sequ
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
     ever published under ``path``.
     """
+    if isinstance(case, str):  # a spec, 'module:function', as on the command line
+        case = load_case(case)
     if isinstance(case, ExternalCase):
         if dtype or autocast:
             raise CaptureError(f"case {case.name} records itself, so --dtype and --autocast do "
