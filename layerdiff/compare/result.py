@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -111,6 +111,25 @@ class Origin:
         return data
 
 
+class DiffMeta(TypedDict, total=False):
+    """What a diff says besides its rows (``Diff.meta``; in the JSON as ``meta``)."""
+
+    loss_scale: dict[str, float]        # {"reference": s, "port": s}
+    mapping: str | None                 # the mapping file (and where it came from), or None
+    tolerances: dict[str, Any]          # Tolerances.as_json()
+    sites: dict[str, int]               # {"reference", "port", "paired"}: site counts
+    summary: bool                       # either trace holds statistics only
+    baseline: dict[str, Any] | None     # {"trace", "factor"}: the precision baseline used
+    warnings: list[str]                 # sentences for the user (unused rules, baseline doubts)
+    precision: dict[str, Any] | None    # a port in another precision with no baseline: the advice
+    op_pairings: list[dict[str, Any]]   # op sites paired across names (compare.op_alignment)
+    ops_commands: list[str]             # captures with --ops that would name the op inside
+    full_commands: list[str]            # captures with --full-around for a summary trace
+    gathered: dict[str, Any]            # a gathered multi-rank port: how it was joined
+    replicas: dict[str, Any] | None     # ... and its first replica disagreement, or None
+    structure: str                      # ci check: what changed in the model's structure
+
+
 @dataclass
 class Diff:
     """The comparison of a port's trace with its reference's."""
@@ -121,7 +140,7 @@ class Diff:
     origins: list[Origin]
     unmatched: pd.DataFrame
     first_failing_step: int | None
-    meta: dict[str, Any] = field(default_factory=dict)  # loss scales, steps, mapping, options
+    meta: DiffMeta = field(default_factory=DiffMeta)
     not_taken: pd.DataFrame = field(default_factory=_no_rows)  # see NOT_TAKEN_COLUMNS
     # how each row's records were paired (compare.records.RecordPair by compare.pair.row_key):
     # what compare.pair reads a row back through; not part of the JSON
