@@ -284,3 +284,27 @@ def test_a_torch_capture_never_imports_jax(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "[]"
+
+
+def faithful_port() -> layerdiff.Case:
+    """The case the command line names (tests.test_flax_capture:faithful_port)."""
+    return flax_case()
+
+
+def test_the_command_line_captures_a_flax_port_with_the_references_weights(
+        tmp_path, torch_reference, mapping, run):
+    port = tmp_path / "port.h5"
+    result = run("capture", "tests.test_flax_capture:faithful_port", "-o", port,
+                 "--weights-from", torch_reference, "--map", mapping)
+    assert result.exit_code == 0, result.output
+    assert "loaded 6 port tensors from the reference" in result.output
+    result = run("diff", torch_reference, port)
+    assert result.exit_code == 0, result.output
+
+    partial = tmp_path / "partial.map.toml"
+    partial.write_text(MAPPING.replace('[[param]]\nport = "fc2.kernel"\nreference = '
+                                       '"fc2.weight"\ntransform = "transpose"\n', ""))
+    result = run("capture", "tests.test_flax_capture:faithful_port", "-o", tmp_path / "x.h5",
+                 "--weights-from", torch_reference, "--map", partial)
+    assert result.exit_code == 2
+    assert "fc2.kernel" in result.output and len(result.output.strip().splitlines()) == 1

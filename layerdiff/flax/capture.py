@@ -298,10 +298,10 @@ class _CallRecorder:
         if path is None:
             where = f" inside {self.sites[-1]}" if self.sites else ""
             raise CaptureError(
-                f"a {type(module).__name__} that is not an attribute of the model was "
-                f"called{where}: layerdiff records the modules it can name by attribute path, "
-                "and layers stacked by nnx.scan or nnx.vmap (or a module made during the call) "
-                "have none; unroll the stack into an nnx.List of layers to capture it")
+                f"a {type(module).__name__} that the model does not hold as an attribute was "
+                f"called{where} (a layer of a stack that nnx.scan or nnx.vmap slices, or a "
+                "module made during the call); layerdiff names sites by attribute path, so "
+                "unroll the stack into an nnx.List of layers to capture it layer by layer")
         if (self.stack and self.stack[-1] == key) or path not in self.selected:
             self.stack.append(key)  # super().__call__, or a module left out: not a site
             try:
