@@ -308,3 +308,15 @@ def test_the_command_line_captures_a_flax_port_with_the_references_weights(
                  "--weights-from", torch_reference, "--map", partial)
     assert result.exit_code == 2
     assert "fc2.kernel" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_dtype_casts_the_parameters_and_inputs_and_float64_needs_x64(tmp_path):
+    path = layerdiff.capture(flax_case(), tmp_path / "bf16.h5", dtype="bfloat16")
+    with open_trace(path) as trace:
+        rows = trace.index
+        assert set(rows[rows["role"].isin(["weight", "input", "output"])]["dtype"]) == {
+            "bfloat16"}
+        assert trace.meta["dtype"] == "bfloat16" and trace.meta["model_dtype"] == "bfloat16"
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(CaptureError, match="needs JAX's 64-bit mode"):
+            layerdiff.capture(flax_case(), tmp_path / "f64.h5", dtype="float64")

@@ -121,6 +121,11 @@ def cast_nnx_case(case: Case, dtype: str) -> None:
     floating inputs to ``dtype``, in place; integer inputs stay as they are."""
     if dtype not in DTYPES:
         raise CaptureError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise CaptureError(f"--dtype float64 needs JAX's 64-bit mode, which is off (JAX would "
+                           f"cast case {case.name} to float32 instead): set JAX_ENABLE_X64=1 "
+                           "before JAX is imported, or jax.config.update('jax_enable_x64', "
+                           "True) before the model is built")
     target = DTYPES[dtype]
 
     def cast(value: Any) -> Any:
