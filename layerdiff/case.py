@@ -53,6 +53,13 @@ class Case:
                                 "an optax GradientTransformation (optax.sgd(0.1)), got "
                                 f"{type(self.optimizer).__name__}")
         elif not isinstance(self.model, nn.Module):
+            linen = sys.modules.get("flax.linen")
+            if linen is not None and isinstance(self.model, linen.Module):
+                raise CaseError(f"case {self.name or '?'}: {type(self.model).__name__} is a "
+                                "Flax Linen module, which layerdiff does not capture (its "
+                                "parameters live outside the module and its submodules exist "
+                                "only during apply); port it to flax.nnx, or record it with "
+                                "an ExternalCase")
             raise CaseError(f"case {self.name or '?'}: model must be a torch.nn.Module or a "
                             f"flax.nnx.Module, got {type(self.model).__name__}")
         if not isinstance(self.inputs, (tuple, dict)):

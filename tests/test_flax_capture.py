@@ -320,3 +320,10 @@ def test_dtype_casts_the_parameters_and_inputs_and_float64_needs_x64(tmp_path):
     if not jax.config.jax_enable_x64:
         with pytest.raises(CaptureError, match="needs JAX's 64-bit mode"):
             layerdiff.capture(flax_case(), tmp_path / "f64.h5", dtype="float64")
+
+
+def test_a_linen_module_is_refused_in_one_sentence():
+    linen = pytest.importorskip("flax.linen")
+    with pytest.raises(layerdiff.CaseError, match="Flax Linen module") as refused:
+        layerdiff.Case(model=linen.Dense(3), inputs=(X,), loss_fn=mean_square)
+    assert "\n" not in str(refused.value)
