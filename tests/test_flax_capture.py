@@ -156,6 +156,9 @@ def test_gradients_are_jaxs_own(tmp_path):
         value = variable.get_value()
         np.testing.assert_allclose(port[(0, site, "weight_grad", name)], value, rtol=1e-5,
                                    atol=1e-6 * float(jnp.abs(value).max()))
+    # the forward is the model's own, bit for bit: the taps change nothing
+    np.testing.assert_array_equal(port[(0, "<root>#0", "output", "0")], y)
+    np.testing.assert_array_equal(port[(0, "norm#0", "output", "0")], h2)
     # the loss is recorded unscaled, the weights as they were
     np.testing.assert_allclose(port[(0, "<loss>#0", "output", "0")], mean_square(y),
                                rtol=1e-6)
@@ -327,3 +330,13 @@ def test_a_linen_module_is_refused_in_one_sentence():
     with pytest.raises(layerdiff.CaseError, match="Flax Linen module") as refused:
         layerdiff.Case(model=linen.Dense(3), inputs=(X,), loss_fn=mean_square)
     assert "\n" not in str(refused.value)
+
+
+def test_include_narrows_the_sites_and_summary_keeps_statistics_only(tmp_path):
+    path = layerdiff.capture(flax_case(), tmp_path / "port.h5", include=["fc2"], summary=True)
+    with open_trace(path) as trace:
+        assert set(trace.index["site"]) == {"fc2#0", "<loss>#0"}
+        assert trace.summary and (trace.index["segment"] < 0).all()
+        assert list(trace.index[trace.index["role"] == "weight"]["arg"]) == ["kernel", "bias"]
+    with pytest.raises(CaptureError, match="--include 'fc3' matches no module"):
+        layerdiff.capture(flax_case(), tmp_path / "other.h5", include=["fc3"])

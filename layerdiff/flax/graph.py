@@ -60,6 +60,14 @@ class ModelGraph:
             name = ".".join(str(key) for key in path[depth:])
             owned.setdefault(owner, []).append(
                 Owned(name, tuple(path), isinstance(node, nnx.Param)))
+        # each module's variables in the order its code set them (Linear: kernel, then bias),
+        # as torch records a module's parameters in registration order
+        by_path = dict(modules)
+        for owner, variables in owned.items():
+            keys = list(vars(by_path[owner]))
+            depth = 0 if owner == schema.ROOT_MODULE else owner.count(".") + 1
+            variables.sort(key=lambda v: keys.index(v.state_path[depth])
+                           if v.state_path[depth] in keys else len(keys))
         return cls(modules, owned, [])
 
     def full_name(self, owner: str, name: str) -> str:
