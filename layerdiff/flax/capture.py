@@ -304,9 +304,10 @@ class _CallRecorder:
             where = f" inside {self.sites[-1]}" if self.sites else ""
             raise CaptureError(
                 f"a {type(module).__name__} that the model does not hold as an attribute was "
-                f"called{where} (a layer of a stack that nnx.scan or nnx.vmap slices, or a "
-                "module made during the call); layerdiff names sites by attribute path, so "
-                "unroll the stack into an nnx.List of layers to capture it layer by layer")
+                f"called{where}: a copy made by an NNX transform (a layer of a stack that "
+                "nnx.scan or nnx.vmap slices, or a module under nnx.remat or nnx.jit) or a "
+                "module made during the call; layerdiff names sites by attribute path, so "
+                "capture without the transform (a stack unrolled into an nnx.List of layers)")
         if (self.stack and self.stack[-1] == key) or path not in self.selected:
             self.stack.append(key)  # super().__call__, or a module left out: not a site
             try:
