@@ -374,3 +374,20 @@ def test_include_narrows_the_sites_and_summary_keeps_statistics_only(tmp_path):
         assert list(trace.index[trace.index["role"] == "weight"]["arg"]) == ["kernel", "bias"]
     with pytest.raises(CaptureError, match="--include 'fc3' matches no module"):
         layerdiff.capture(flax_case(), tmp_path / "other.h5", include=["fc3"])
+
+
+def test_a_module_held_under_two_names_is_one_module_and_its_variables_are_shared(tmp_path):
+    class Tied(nnx.Module):
+        def __init__(self) -> None:
+            self.first = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.second = self.first    # the same layer twice, as torch's tied modules
+
+        def __call__(self, x):
+            return self.second(self.first(x))
+
+    case = layerdiff.Case(model=Tied(), inputs=(X,), loss_fn=mean_square, name="tied")
+    with open_trace(layerdiff.capture(case, tmp_path / "tied.h5")) as trace:
+        assert list(trace.sites["site"]) == ["<root>#0", "first#0", "first#1", "<loss>#0"]
+        assert len(trace.records(0, role="weight")) == 2   # recorded once, at its first call
+        assert {"name": "first.kernel", "users": ["first.kernel", "second.kernel"]} in \
+            trace.meta["shared_parameters"]

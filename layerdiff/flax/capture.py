@@ -80,6 +80,7 @@ def capture_nnx(case: Case, path: str | os.PathLike, *, include: Sequence[str] =
     graph = ModelGraph.of(case.model)
     selected = _select(graph, include, exclude)
     meta = _meta(case, graph, steps, loss_scale, summary, include, exclude, matmul_precision)
+    meta["shared_parameters"] = graph.shared_parameters(selected)
     meta.update({"dtype": dtype, **(extra_meta or {})})
     writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
                          producer=PRODUCER)
@@ -448,7 +449,6 @@ def _meta(case: Case, graph: ModelGraph, steps: int, loss_scale: float, summary:
         # how matmuls and convolutions ran: "float32" pinned (jax.default_matmul_precision),
         # or "default", the framework's own (TF32 or bf16 passes on accelerators)
         "matmul_precision": precision,
-        "shared_parameters": [],
         "uncalled_weights": "ancestor",
         Role.GRAD_OUTPUT: "outside",
         "signatures": signatures,

@@ -40,7 +40,8 @@ class ModelGraph:
 
     modules: list[tuple[str, nnx.Module]]
     owned: dict[str, list[Owned]]
-    shared: list[dict[str, Any]]
+    # variables reachable by several paths (tied): (the path recorded, every full name)
+    shared: list[tuple[tuple[Any, ...], list[str]]]
 
     @classmethod
     def of(cls, model: nnx.Module) -> ModelGraph:
@@ -68,7 +69,35 @@ class ModelGraph:
             depth = 0 if owner == schema.ROOT_MODULE else owner.count(".") + 1
             variables.sort(key=lambda v: keys.index(v.state_path[depth])
                            if v.state_path[depth] in keys else len(keys))
-        return cls(modules, owned, [])
+        return cls(modules, owned, _tied(model, nodes))
 
-    def full_name(self, owner: str, name: str) -> str:
-        return schema.param_name(schema.site_name(owner, 0), name)
+    def shared_parameters(self, selected: set[str]) -> list[dict[str, Any]]:
+        """The trace meta's ``shared_parameters``: each tied variable's recorded full name
+        (None when no selected module records it) and every name it goes by."""
+        recorded = {variable.state_path: schema.param_name(schema.site_name(owner, 0),
+                                                           variable.name)
+                    for owner, variables in self.owned.items() if owner in selected
+                    for variable in variables}
+        return [{"name": recorded.get(path), "users": users} for path, users in self.shared]
+
+
+def _tied(model: nnx.Module, nodes: list[tuple[tuple[Any, ...], Any]]) -> list[
+        tuple[tuple[Any, ...], list[str]]]:
+    """Variables that several paths reach (``head.kernel = embed.embedding``): iter_graph
+    gives each once, at its first path; a walk of every edge finds the others."""
+    first = {id(node): tuple(path) for path, node in nodes if isinstance(node, nnx.Variable)}
+    users: dict[int, list[str]] = {}
+    walking: set[int] = set()
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        walking.add(id(node))
+        for key, child in nnx.graph.iter_children(node):
+            if isinstance(child, nnx.Variable):
+                users.setdefault(id(child), []).append(path_name(path + (key,)))
+            elif id(child) not in walking:  # a cycle of references is walked once
+                walk(child, path + (key,))
+        walking.discard(id(node))
+
+    walk(model, ())
+    return [(first[key], sorted(set(names))) for key, names in users.items()
+            if len(set(names)) > 1 and key in first]
