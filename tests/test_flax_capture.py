@@ -304,7 +304,7 @@ def test_layers_stacked_by_nnx_scan_are_refused_in_one_sentence(tmp_path):
             return body(x, self.layers)
 
     case = layerdiff.Case(model=Stacked(), inputs=(X,), loss_fn=mean_square, name="stacked")
-    with pytest.raises(CaptureError, match="nnx.scan") as refused:
+    with pytest.raises(CaptureError, match=r"nnx\.scan") as refused:
         layerdiff.capture(case, tmp_path / "port.h5")
     assert "\n" not in str(refused.value)
 

@@ -183,7 +183,7 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
         sink.begin_step(_arrays(params) | _arrays(rest))
         sink.phase = "forward"
 
-        def forward(params: Any) -> tuple[Any, Any]:
+        def forward(params: Any, rest: Any = rest) -> tuple[Any, Any]:  # this step's state
             copy = nnx.merge(graphdef, params, rest, copy=True)
             sink.bind(copy)
             with intercepted(modules, sink):

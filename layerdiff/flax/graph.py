@@ -93,9 +93,9 @@ def _tied(model: nnx.Module, nodes: list[tuple[tuple[Any, ...], Any]]) -> list[
         walking.add(id(node))
         for key, child in nnx.graph.iter_children(node):
             if isinstance(child, nnx.Variable):
-                users.setdefault(id(child), []).append(path_name(path + (key,)))
+                users.setdefault(id(child), []).append(path_name((*path, key)))
             elif id(child) not in walking:  # a cycle of references is walked once
-                walk(child, path + (key,))
+                walk(child, (*path, key))
         walking.discard(id(node))
 
     walk(model, ())
