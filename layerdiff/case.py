@@ -29,31 +29,61 @@ class Case:
     ``model(...)``. ``loss_fn`` takes the model's output and returns a scalar tensor.
     ``optimizer`` builds the optimizer from the parameters; it is required when ``steps > 1``.
     ``clip_grad_norm``, when set, clips the (unscaled) gradients before each optimizer step.
+
+    ``model`` may also be a Flax NNX module (``flax.nnx.Module``): then ``inputs`` are numpy
+    or JAX arrays, ``loss_fn`` returns a scalar JAX array, and ``optimizer`` is an optax
+    ``GradientTransformation`` (``optax.sgd(0.1)``), not a factory; ``capture`` records it
+    through :mod:`layerdiff.flax.capture`. Telling the two apart never imports JAX.
     """
 
-    model: nn.Module
+    model: nn.Module | Any
     inputs: tuple | dict
-    loss_fn: Callable[[Any], torch.Tensor]
+    loss_fn: Callable[[Any], Any]
     seed: int = 0
     steps: int = 1
-    optimizer: OptimizerFactory | None = None
+    optimizer: OptimizerFactory | Any | None = None
     clip_grad_norm: float | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, nn.Module):
-            raise CaseError(f"case {self.name or '?'}: model must be a torch.nn.Module, "
-                            f"got {type(self.model).__name__}")
+        if is_nnx_module(self.model):
+            if self.optimizer is not None and not (hasattr(self.optimizer, "init")
+                                                   and hasattr(self.optimizer, "update")):
+                raise CaseError(f"case {self.name or '?'}: a Flax model's optimizer must be "
+                                "an optax GradientTransformation (optax.sgd(0.1)), got "
+                                f"{type(self.optimizer).__name__}")
+        elif not isinstance(self.model, nn.Module):
+            linen = sys.modules.get("flax.linen")
+            if linen is not None and isinstance(self.model, linen.Module):
+                raise CaseError(f"case {self.name or '?'}: {type(self.model).__name__} is a "
+                                "Flax Linen module, which layerdiff does not capture (its "
+                                "parameters live outside the module and its submodules exist "
+                                "only during apply); port it to flax.nnx, or record it with "
+                                "an ExternalCase")
+            raise CaseError(f"case {self.name or '?'}: model must be a torch.nn.Module or a "
+                            f"flax.nnx.Module, got {type(self.model).__name__}")
         if not isinstance(self.inputs, (tuple, dict)):
             raise CaseError(f"case {self.name or '?'}: inputs must be a tuple of positional "
                             f"arguments or a dict of keyword arguments, got "
                             f"{type(self.inputs).__name__}")
+
+    @property
+    def framework(self) -> str:
+        """``"flax"`` for a Flax NNX model, ``"torch"`` otherwise."""
+        return "flax" if is_nnx_module(self.model) else "torch"
 
     def call_model(self) -> Any:
         """Run the model's forward on the case's inputs."""
         if isinstance(self.inputs, dict):
             return self.model(**self.inputs)
         return self.model(*self.inputs)
+
+
+def is_nnx_module(model: Any) -> bool:
+    """Whether ``model`` is a Flax NNX module, without importing flax: an NNX module exists
+    only once ``flax.nnx`` has been imported, so a torch model never pays for JAX."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
 
 
 @dataclass

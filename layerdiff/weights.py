@@ -89,6 +89,32 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
     recorded, lets a tensor missing from it be explained."""
     mapping = as_mapping(mapping)
     assignments = resolve_weights(model, reference, mapping)
+    refuse_unloadable(assignments, reference, mapping, source, called_modules)
+    targets = port_tensors(model)
+    report = WeightsReport({found.port: found.source.reference for found in assignments
+                            if found.problem != PORT_OWN},
+                           unused_reference(reference, assignments),
+                           kept={found.port: found.note.removeprefix(KEPT)
+                                 for found in assignments if found.problem == PORT_OWN})
+    with torch.no_grad():
+        for found in assignments:
+            if found.problem == PORT_OWN:
+                continue
+            target = targets[found.port]
+            value = torch.from_numpy(np.array(found.value, order="C"))
+            if value.is_floating_point() and value.dtype != target.dtype:
+                how = (f"{str(value.dtype).removeprefix('torch.')} -> "
+                       f"{str(target.dtype).removeprefix('torch.')}")
+                report.cast[how] = report.cast.get(how, 0) + 1
+            target.copy_(value.to(target.dtype))
+    return report
+
+
+def refuse_unloadable(assignments: list[Assignment], reference: dict[str, np.ndarray],
+                      mapping: Mapping, source: str,
+                      called_modules: Collection[str] | None = None) -> None:
+    """Raise :class:`MappingError` in one sentence when a port tensor's shape does not fit
+    what the mapping makes, or nothing in the reference gives one (any framework's port)."""
     for found in assignments:
         if found.problem == SHAPE_MISMATCH:
             fix = (f"fix the [[param]] rule in {mapping.name}" if mapping.path else
@@ -110,24 +136,6 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                 f"their caller lacks them): capture the reference again (or {rules})")
         raise MappingError(f"weights from {source}: nothing in the reference gives port "
                            f"{shown} ({len(missing)} tensors); {rules}")
-    targets = port_tensors(model)
-    report = WeightsReport({found.port: found.source.reference for found in assignments
-                            if found.problem != PORT_OWN},
-                           unused_reference(reference, assignments),
-                           kept={found.port: found.note.removeprefix(KEPT)
-                                 for found in assignments if found.problem == PORT_OWN})
-    with torch.no_grad():
-        for found in assignments:
-            if found.problem == PORT_OWN:
-                continue
-            target = targets[found.port]
-            value = torch.from_numpy(np.array(found.value, order="C"))
-            if value.is_floating_point() and value.dtype != target.dtype:
-                how = (f"{str(value.dtype).removeprefix('torch.')} -> "
-                       f"{str(target.dtype).removeprefix('torch.')}")
-                report.cast[how] = report.cast.get(how, 0) + 1
-            target.copy_(value.to(target.dtype))
-    return report
 
 
 # ---- resolution: what each port tensor would get (load_weights and map_check share it)
@@ -172,12 +180,21 @@ def resolve_weights(model: nn.Module, reference: dict[str, np.ndarray], mapping:
     through the rule's transform chain, cut to this rank's part where a [[shard]] rule says
     (``world``: (rank, world size), by default torch.distributed's), and shape-checked.
     Changes nothing."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in port_tensors(model).items()}
+    modules = {name for name, _ in model.named_modules() if name}
+    return resolve_shapes(shapes, modules, reference, mapping, world)
+
+
+def resolve_shapes(shapes: dict[str, tuple[int, ...]], port_modules: Collection[str],
+                   reference: dict[str, np.ndarray], mapping: Mapping,
+                   world: tuple[int, int] | None = None) -> list[Assignment]:
+    """:func:`resolve_weights` for a port of any framework, given its tensors' names and
+    shapes and its module paths (a Flax model's, see :mod:`layerdiff.flax.weights`)."""
     world = world or rank_and_world()
-    partner = _module_partners(model, reference, mapping)
+    partner = _module_partners(port_modules, reference, mapping)
     assignments = []
-    for name, tensor in port_tensors(model).items():
+    for name, shape in shapes.items():
         found = mapping.param_source(name, partner) or ParamSource([name])
-        shape = tuple(tensor.shape)
         absent = [ref for ref in found.reference if ref not in reference]
         why = mapping.why_unmatched("port", name) if absent else None
         if why is not None:  # only where nothing provides it: a declaration never hides a load
@@ -486,10 +503,9 @@ def _called_ancestor(module: str, called: Collection[str]) -> bool:
     return False
 
 
-def _module_partners(model: nn.Module, reference: dict[str, np.ndarray],
+def _module_partners(port_modules: Collection[str], reference: dict[str, np.ndarray],
                      mapping: Mapping) -> dict[str, str]:
     """Port module -> reference module, by explicit pairs, exact names and rename rules."""
-    port_modules = {name for name, _ in model.named_modules() if name}
     ref_modules = {name.rpartition(".")[0] for name in reference}
     partner: dict[str, str] = {}
     for ref_site, port_site in mapping.pairs.items():

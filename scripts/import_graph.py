@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mapping",),
     ("trace",),
     ("weights", "outputs"),
+    ("flax",),
     ("capture",),
     ("compare",),
     ("replay", "debug", "ci"),

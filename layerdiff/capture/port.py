@@ -59,7 +59,11 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
                            "give the reference trace to load them from as well")
     if isinstance(case, str):
         case = load_case(case)
-    if dtype and not isinstance(case, ExternalCase):
+    if dtype and isinstance(case, Case) and case.framework == "flax":
+        from layerdiff.flax.capture import cast_nnx_case
+
+        cast_nnx_case(case, dtype)  # before the weights, so that loading says what it cast
+    elif dtype and not isinstance(case, ExternalCase):
         cast_case(case, dtype)  # before the weights, so that loading says what it cast
     extra_meta = (_load_reference_weights(case, weights_from, mapping, on_weights)
                   if weights_from else {})
@@ -84,7 +88,12 @@ def _load_reference_weights(case: Case | ExternalCase, trace: str | os.PathLike,
     if isinstance(case, ExternalCase):
         raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
                            "weights; load them from the reference in the port's own code")
-    report = load_weights(case.model, trace, mapping)
+    if case.framework == "flax":
+        from layerdiff.flax.weights import load_nnx_weights
+
+        report = load_nnx_weights(case.model, trace, mapping)
+    else:
+        report = load_weights(case.model, trace, mapping)
     if on_weights is not None:
         on_weights(trace, report)
     meta = weights_meta(trace, mapping)

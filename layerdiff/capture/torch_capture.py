@@ -65,7 +65,7 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
             extra_meta: dict[str, Any] | None = None,
             record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
             ops_all: bool = False, full_around: Sequence[str] = (),
-            radius: int = 1) -> Path:
+            radius: int = 1, matmul_precision: str = "float32") -> Path:
     """Run ``case`` (a Case, or a spec such as ``"my_models:reference"``) with every selected
     module call recorded into the trace at ``path``.
 
@@ -87,12 +87,35 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
     statistics, as in a summary trace (the second phase of a two-phase capture of a model too
     large to capture in full).
 
+    A case whose model is a Flax NNX module is captured by :mod:`layerdiff.flax.capture`
+    into the same format (``include``, ``exclude``, ``loss_scale``, ``steps``, ``summary``,
+    ``weights``, ``dtype`` apply); ``matmul_precision`` is JAX's matmul precision during its
+    capture ("float32", pinned by default; "default" for the framework's own).
+
     Returns the published path. Raises :class:`CaptureError` with a sentence for the user when
     the model raises (naming the site) or the file cannot be written; nothing incomplete is
     ever published under ``path``.
     """
     if isinstance(case, str):  # a spec, 'module:function', as on the command line
         case = load_case(case)
+    if isinstance(case, Case) and case.framework == "flax":
+        unsupported = [flag for flag, given in (
+            ("--autocast", autocast), ("--record-steps", record_steps is not None),
+            ("--ops", ops or ops_all), ("--full-around", full_around)) if given]
+        if unsupported:
+            raise CaptureError(f"case {case.name} is a Flax model: {', '.join(unsupported)} "
+                               "apply to torch models only; capture it without them")
+        from layerdiff.flax.capture import capture_nnx
+
+        return capture_nnx(case, path, include=include, exclude=exclude,
+                           loss_scale=loss_scale, steps=steps, summary=summary,
+                           weights=weights, queue_bytes=queue_bytes, progress=progress,
+                           dtype=dtype, matmul_precision=matmul_precision,
+                           extra_meta=extra_meta)
+    if matmul_precision != "float32":
+        raise CaptureError(f"--matmul-precision applies to JAX models; case {case.name} is "
+                           "not one (torch runs float32 matmuls in float32 unless the model "
+                           "enables TF32 itself)")
     if isinstance(case, ExternalCase):
         if dtype or autocast:
             raise CaptureError(f"case {case.name} records itself, so --dtype and --autocast do "

@@ -55,6 +55,12 @@ if TYPE_CHECKING:
                    "The second phase after a --summary diff of a model too big to capture.")
 @click.option("--radius", type=click.IntRange(min=0), default=1, show_default=True,
               help="With --full-around: how many sibling modules on each side keep data too.")
+@click.option("--matmul-precision",
+              type=click.Choice(["float32", "tensorfloat32", "bfloat16", "highest", "high",
+                                 "default"]),
+              help="JAX models: the matmul precision of the capture (jax.default_matmul_"
+                   "precision), recorded in the trace. Default float32, pinned; 'default' "
+                   "captures at the framework's own (TF32 or bf16 passes on accelerators).")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, metavar="N",
               help="Spawn N local processes on the gloo backend, one per rank; each writes "
                    "OUTPUT.rank<r>.h5 and OUTPUT becomes their manifest (under torchrun the "
@@ -65,7 +71,8 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     summary: bool, no_weights: bool, queue_mib: int, weights_from: str | None,
                     mapping: str | None, dtype: str | None, autocast: str | None,
                     ops: tuple[str, ...], ops_all: bool, full_around: tuple[str, ...],
-                    radius: int, nproc: int | None, force: bool) -> None:
+                    radius: int, matmul_precision: str | None, nproc: int | None,
+                    force: bool) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT.
 
     Under torchrun, or with --nproc N, each rank writes OUTPUT's name with .rank<r> and rank 0
@@ -87,6 +94,8 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                    weights_from=weights_from, mapping=mapping, dtype=dtype, autocast=autocast,
                    ops=ops, ops_all=ops_all, full_around=full_around, radius=radius,
                    on_weights=say_weights, on_written=say_written)
+    if matmul_precision is not None:  # a JAX model's; a torch case refuses it
+        options["matmul_precision"] = matmul_precision
     launched = launched_world()
     if nproc is None and launched is None:
         refuse_existing(output, "-o", force)

@@ -1,0 +1,464 @@
+"""Capturing a Flax NNX case into a layerdiff trace: the same sites, roles and argument paths
+as a torch capture, so that ``diff`` judges a Flax port against its torch reference.
+
+How one step is recorded, with one forward and one backward and nothing added to what the
+model computes:
+
+- Every submodule call is seen by replacing its class's ``__call__`` for the length of the
+  capture (:mod:`layerdiff.flax.intercept`); the site is the module's attribute path
+  (``blocks.0.attn#0``, ``<root>#0``), counted per call as torch's are.
+- The forward runs under ``jax.vjp`` of the loss as a function of the parameters. Every input
+  and output of a call that depends on a parameter passes through a *tap*: an identity with a
+  custom VJP. Its forward rule sees the concrete value (recorded as ``input``/``output``); its
+  backward rule sees the cotangent arriving at exactly that point (recorded as ``grad_input``
+  when the tap sits on an input inside the call, ``grad_output`` when it sits on an output
+  after the call returned). JAX calls a backward rule only where a cotangent flows, so an
+  output nothing uses gets no ``grad_output``, as in torch; a value that depends on no
+  parameter (the case's inputs, token ids) is not tapped and gets no gradient record, as a
+  torch tensor that does not require grad. The taps return their input unchanged, bit for bit.
+- Weights are recorded at the first call of the module that owns them (or, for a module never
+  called, at the end of its nearest called ancestor's first call), and weight gradients after
+  the backward, in reverse order, as :mod:`layerdiff.capture.hooks` does.
+
+This was chosen over perturbations added to every call's inputs and outputs (exact too, but one
+zero array per recorded value and a second, discovery, forward to size them) and over a
+``jax.vjp`` per call on its recorded inputs (one backward per call, and a gradient that is the
+call's own only where every input is tapped: the taps give both in the one backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import os
+import platform
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from layerdiff.case import Case, seed_everything
+from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.flax.graph import ModelGraph, Owned, path_name
+from layerdiff.flax.intercept import intercepted
+from layerdiff.progress import StepProgress
+from layerdiff.signature import Signature
+from layerdiff.trace import schema
+from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES
+from layerdiff.trace.schema import Pass, Role
+from layerdiff.trace.writer import TraceWriter, check_writable
+
+PRODUCER = "layerdiff.capture (flax)"
+# jax.default_matmul_precision's names; "default" leaves the framework's own (TF32 or bf16
+# passes on accelerators)
+MATMUL_PRECISIONS = ("float32", "tensorfloat32", "bfloat16", "highest", "high", "default")
+DTYPES = {"float64": jnp.float64, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "float16": jnp.float16}
+
+
+def capture_nnx(case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
+                exclude: Sequence[str] = (), loss_scale: float = 1.0,
+                steps: int | None = None, summary: bool = False, weights: bool = True,
+                queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
+                dtype: str | None = None, matmul_precision: str = "float32",
+                extra_meta: dict[str, Any] | None = None) -> Path:
+    """Run the Flax NNX ``case`` with every selected submodule call recorded into the trace
+    at ``path`` (see the module's docstring); the options are
+    :func:`layerdiff.capture.capture`'s. ``matmul_precision`` pins
+    ``jax.default_matmul_precision`` for the forward and the backward (full float32 by
+    default; ``"default"`` captures at the framework's own). Returns the published path."""
+    steps = case.steps if steps is None else steps
+    _check_options(case, steps, loss_scale, matmul_precision)
+    if dtype is not None:
+        cast_nnx_case(case, dtype)
+    check_writable(path)
+    graph = ModelGraph.of(case.model)
+    selected = _select(graph, include, exclude)
+    meta = _meta(case, graph, steps, loss_scale, summary, include, exclude, matmul_precision)
+    meta["shared_parameters"] = graph.shared_parameters(selected)
+    meta.update({"dtype": dtype, **(extra_meta or {})})
+    writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
+                         producer=PRODUCER)
+    sink = _CallRecorder(writer, graph, selected, weights=weights)
+    try:
+        with StepProgress(steps, enabled=progress, label=f"capture {case.name}") as bar:
+            _train(case, graph, sink, writer, steps, loss_scale, matmul_precision, bar)
+    except LayerdiffError:
+        writer.close(complete=False)
+        raise
+    except Exception as exc:
+        partial = writer.close(complete=False)
+        where = f" inside site {sink.failed}" if sink.failed else ""
+        raise CaptureError(
+            f"case {case.name}: the model raised {type(exc).__name__}: {exc}{where} during the "
+            f"{sink.phase} of step {writer.current_step}; no trace was published ({partial} "
+            "holds what was recorded up to there)") from exc
+    except BaseException:
+        writer.close(complete=False)
+        raise
+    return writer.close()
+
+
+def _check_options(case: Case, steps: int, loss_scale: float, precision: str) -> None:
+    if steps < 1:
+        raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case.name}")
+    if steps > 1 and case.optimizer is None:
+        raise CaptureError(f"case {case.name} has no optimizer, so it cannot run {steps} steps; "
+                           "give the Case an optax optimizer or use --steps 1")
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise CaptureError(f"--loss-scale must be a finite positive number (got {loss_scale})")
+    if precision not in MATMUL_PRECISIONS:
+        raise CaptureError(f"--matmul-precision {precision!r} is not one of "
+                           f"{', '.join(MATMUL_PRECISIONS)}")
+
+
+def cast_nnx_case(case: Case, dtype: str) -> None:
+    """Cast the model's floating variables (parameters, BatchNorm statistics) and the case's
+    floating inputs to ``dtype``, in place; integer inputs stay as they are."""
+    if dtype not in DTYPES:
+        raise CaptureError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise CaptureError(f"--dtype float64 needs JAX's 64-bit mode, which is off (JAX would "
+                           f"cast case {case.name} to float32 instead): set JAX_ENABLE_X64=1 "
+                           "before JAX is imported, or jax.config.update('jax_enable_x64', "
+                           "True) before the model is built")
+    target = DTYPES[dtype]
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype,
+                                                                          jnp.floating):
+            return jnp.asarray(value, dtype=target)
+        return value
+
+    state = nnx.state(case.model, nnx.Not(nnx.RngState))
+    nnx.update(case.model, jax.tree.map(cast, state))
+    case.inputs = jax.tree.map(cast, case.inputs)
+
+
+def _select(graph: ModelGraph, include: Sequence[str], exclude: Sequence[str]) -> set[str]:
+    paths = [path for path, _ in graph.modules]
+    for pattern in include:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+            raise CaptureError(f"--include {pattern!r} matches no module of the Flax model; "
+                               f"module paths look like: {', '.join(paths[:8])}")
+    return {path for path in paths
+            if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
+            and not any(fnmatch.fnmatchcase(path, p) for p in exclude)}
+
+
+def _arrays(state: Any) -> dict[tuple, jax.Array]:
+    """A state's values by path (the variables unwrapped)."""
+    return {tuple(path): (value.get_value() if isinstance(value, nnx.Variable) else value)
+            for path, value in nnx.to_flat_state(state)}
+
+
+@contextlib.contextmanager
+def _precision(name: str) -> Iterator[None]:
+    if name == "default":
+        yield
+    else:
+        with jax.default_matmul_precision(name):
+            yield
+
+
+def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWriter,
+           steps: int, loss_scale: float, precision: str, bar: StepProgress) -> None:
+    """The steps: forward and backward under one ``jax.vjp``, then the optimizer's update."""
+    seed_everything(case.seed)
+    model = case.model
+    inputs = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v,
+                          case.inputs)
+    tx = case.optimizer
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt_state = tx.init(params) if tx is not None else None
+    modules = [module for _, module in graph.modules]
+    for step in range(steps):
+        if step:
+            writer.step(step)
+        sink.begin_step(_arrays(params) | _arrays(rest))
+        sink.phase = "forward"
+
+        def forward(params: Any, rest: Any = rest) -> tuple[Any, Any]:  # this step's state
+            copy = nnx.merge(graphdef, params, rest, copy=True)
+            sink.bind(copy)
+            with intercepted(modules, sink):
+                output = (copy(**inputs) if isinstance(inputs, dict) else copy(*inputs))
+                loss = case.loss_fn(output)
+            return loss, nnx.state(copy, nnx.Not(nnx.Param))
+
+        with _precision(precision):
+            loss, backward, rest = jax.vjp(forward, params, has_aux=True)
+            sink.phase = "loss"
+            if getattr(loss, "shape", None) != ():
+                raise CaptureError(f"case {case.name}: loss_fn returned "
+                                   f"{type(loss).__name__} of shape "
+                                   f"{getattr(loss, 'shape', '?')}, not a scalar JAX array")
+            with writer.site("<loss>", "loss") as site:
+                writer.record(site, Role.OUTPUT, np.asarray(loss))
+            sink.phase = "backward"
+            (grads,) = backward(jnp.asarray(loss_scale, dtype=loss.dtype))
+        sink.record_weight_grads(_arrays(grads))
+        sink.phase = "optimizer step"
+        if tx is not None:
+            grads = _unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = _apply(params, updates)
+        nnx.update(model, params, rest)
+        bar.advance()  # writer.step() checkpoints: a crash in a later step keeps this one
+
+
+def _unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:
+    if loss_scale != 1.0:
+        grads = jax.tree.map(lambda g: g / loss_scale, grads)
+    if max_norm is not None:  # as torch.nn.utils.clip_grad_norm_: coefficient capped at 1
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                            for g in jax.tree.leaves(grads)))
+        coefficient = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+        grads = jax.tree.map(lambda g: (g * coefficient).astype(g.dtype), grads)
+    return grads
+
+
+def _apply(params: Any, updates: Any) -> Any:
+    import optax
+
+    return optax.apply_updates(params, updates)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray))
+
+
+def _differentiable(value: Any) -> bool:
+    """A value that depends on a parameter under the step's vjp: a tracer of a float dtype."""
+    return isinstance(value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.inexact)
+
+
+def _rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
+    """``value`` with each leaf replaced by ``leaf(argument path, leaf)``: the paths and their
+    order are :func:`layerdiff.capture.hooks.flatten`'s (``0``, ``1.0``, ``mask``)."""
+    if isinstance(value, (tuple, list)):
+        items = [_rebuild(item, f"{prefix}.{i}" if prefix else str(i), leaf)
+                 for i, item in enumerate(value)]
+        if hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        return {key: _rebuild(item, f"{prefix}.{key}" if prefix else str(key), leaf)
+                for key, item in value.items()}
+    return leaf(prefix or "0", value)
+
+
+class _CallRecorder:
+    """Records each intercepted call of one step (see the module's docstring)."""
+
+    def __init__(self, writer: TraceWriter, graph: ModelGraph, selected: set[str], *,
+                 weights: bool) -> None:
+        self.writer = writer
+        self.selected = selected
+        self.owned = ({path: owned for path, owned in graph.owned.items() if path in selected}
+                      if weights else {})
+        # owners under each selected module, with their names relative to it (nearest first)
+        self.below: dict[str, list[tuple[str, str]]] = {}
+        for owner in self.owned:
+            if owner == schema.ROOT_MODULE:
+                continue
+            parts = owner.split(".")
+            for depth in range(len(parts) - 1, -1, -1):
+                ancestor = ".".join(parts[:depth]) or schema.ROOT_MODULE
+                if ancestor in selected:
+                    self.below.setdefault(ancestor, []).append(
+                        (owner, ".".join(parts[depth:]) + "."))
+        self.paths: dict[int, str] = {}
+        self.stack: list[int] = []
+        self.sites: list[str] = []     # the recorded calls open now, innermost last
+        self.values: dict[tuple, Any] = {}
+        self.recorded: set[str] = set()
+        self.weight_sites: list[tuple[str, str, list[Owned]]] = []
+        self.calls: dict[str, int] = {}
+        self.phase = "setup"
+        self.failed = ""
+
+    def begin_step(self, values: dict[tuple, Any]) -> None:
+        self.values = values
+        self.recorded.clear()
+        self.weight_sites.clear()
+        self.calls.clear()
+
+    def bind(self, model: nnx.Module) -> None:
+        """The copy of the model this step runs: its modules' identities, by path."""
+        self.paths = {id(node): path_name(path) for path, node in nnx.iter_graph(model)
+                      if isinstance(node, nnx.Module)}
+        self.stack.clear()
+        self.sites.clear()
+
+    # ---- the intercepted call
+    def call(self, original: Callable[..., Any], module: Any, args: tuple,
+             kwargs: dict) -> Any:
+        key = id(module)
+        path = self.paths.get(key)
+        if path is None:
+            where = f" inside {self.sites[-1]}" if self.sites else ""
+            raise CaptureError(
+                f"a {type(module).__name__} that the model does not hold as an attribute was "
+                f"called{where}: a copy made by an NNX transform (a layer of a stack that "
+                "nnx.scan or nnx.vmap slices, or a module under nnx.remat or nnx.jit) or a "
+                "module made during the call; layerdiff names sites by attribute path, so "
+                "capture without the transform (a stack unrolled into an nnx.List of layers)")
+        if (self.stack and self.stack[-1] == key) or path not in self.selected:
+            self.stack.append(key)  # super().__call__, or a module left out: not a site
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                self.stack.pop()
+        writer = self.writer
+        site = writer.enter(path, type(module).__name__)
+        call = schema.split_site(site)[1]
+        self.stack.append(key)
+        self.sites.append(site)
+        try:
+            args, kwargs = self._inputs(site, args, kwargs)
+            if call == 0 and path in self.owned and path not in self.recorded:
+                self._record_weights(site, "", path)
+            output = original(module, *args, **kwargs)
+            if call == 0:
+                for owner, prefix in self.below.get(path, ()):
+                    if owner not in self.recorded:  # never called yet: recorded here
+                        self._record_weights(site, prefix, owner)
+            output = _rebuild(output, "", lambda arg, v: self._leaf(site, Role.OUTPUT, arg, v))
+        except LayerdiffError:
+            raise
+        except Exception:
+            self.failed = self.failed or f"{site} ({type(module).__name__})"
+            raise
+        finally:
+            self.stack.pop()
+            self.sites.pop()
+        writer.exit(site)
+        return output
+
+    def _inputs(self, site: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # a value passed under several argument paths (attn(x, x, x)) is one value with one
+        # gradient: its grad_input is recorded under its first path, as torch does
+        first: dict[int, Any] = {}
+
+        def leaf(arg: str, value: Any) -> Any:
+            if _differentiable(value):
+                if id(value) in first:  # recorded here, its gradient counted at the first
+                    return self._tap(site, Role.INPUT, arg, first[id(value)], grad=False)
+                tapped = self._tap(site, Role.INPUT, arg, value)
+                first[id(value)] = tapped
+                return tapped
+            self._record(site, Role.INPUT, arg, value)
+            return value
+
+        args = tuple(_rebuild(value, str(i), leaf) for i, value in enumerate(args))
+        kwargs = {key: _rebuild(value, key, leaf) for key, value in kwargs.items()}
+        return args, kwargs
+
+    def _leaf(self, site: str, role: str, arg: str, value: Any) -> Any:
+        if _differentiable(value):
+            return self._tap(site, role, arg, value)
+        self._record(site, role, arg, value)
+        return value
+
+    def _record(self, site: str, role: str, arg: str, value: Any,
+                pass_: str | None = None) -> None:
+        if _is_array(value):
+            if isinstance(value, jax.core.Tracer):  # an integer computed from a parameter
+                self.writer.record(site, role, {"traced": f"{value.dtype}{list(value.shape)}"},
+                                   arg=arg, pass_=pass_)
+                return
+            value = np.asarray(value)
+        self.writer.record(site, role, value, arg=arg, pass_=pass_)
+
+    def _tap(self, site: str, role: str, arg: str, value: Any, *, grad: bool = True) -> Any:
+        """``value`` unchanged, its forward value recorded as ``role`` and (``grad``) the
+        cotangent that reaches it as the matching gradient role."""
+        grad_role = Role.GRAD_INPUT if role == Role.INPUT else Role.GRAD_OUTPUT
+        record = self._record
+
+        @jax.custom_vjp
+        def tap(x: Any) -> Any:
+            return x
+
+        def tap_forward(x: Any) -> tuple[Any, None]:
+            record(site, role, arg, x)
+            return x, None
+
+        def tap_backward(_: None, cotangent: Any) -> tuple[Any]:
+            if grad:
+                record(site, grad_role, arg, cotangent, Pass.BACKWARD)
+            return (cotangent,)
+
+        tap.defvjp(tap_forward, tap_backward)
+        return tap(value)
+
+    # ---- weights
+    def _record_weights(self, site: str, prefix: str, owner: str) -> None:
+        self.recorded.add(owner)
+        owned = self.owned[owner]
+        for variable in owned:
+            self._record(site, Role.WEIGHT, prefix + variable.name,
+                         self.values[variable.state_path], Pass.FORWARD)
+        self.weight_sites.append((site, prefix, owned))
+
+    def record_weight_grads(self, grads: dict[tuple, Any]) -> None:
+        """Each parameter's gradient at the site that recorded it, in reverse order."""
+        for site, prefix, owned in reversed(self.weight_sites):
+            for variable in owned:
+                grad = grads.get(variable.state_path) if variable.param else None
+                if grad is not None:
+                    self._record(site, Role.WEIGHT_GRAD, prefix + variable.name, grad,
+                                 Pass.BACKWARD)
+
+
+def _meta(case: Case, graph: ModelGraph, steps: int, loss_scale: float, summary: bool,
+          include: Sequence[str], exclude: Sequence[str], precision: str) -> dict[str, Any]:
+    import flax
+
+    params = [v for _, v in nnx.to_flat_state(nnx.state(case.model, nnx.Param))]
+    first = params[0].get_value() if params else None
+    model_dtype = next((str(p.get_value().dtype) for p in params
+                        if jnp.issubdtype(p.get_value().dtype, jnp.floating)), "")
+    signatures: dict[str, Any] = {}
+    for _, module in graph.modules:
+        name = type(module).__name__
+        if name not in signatures and "__call__" in dir(type(module)):
+            signature = Signature.of(module.__call__)
+            if signature is not None:
+                signatures[name] = signature.as_json()
+    return {
+        "case": case.name,
+        "seed": case.seed,
+        "steps": steps,
+        "loss_scale": loss_scale,
+        "summary": summary,
+        "include": list(include),
+        "exclude": list(exclude),
+        "framework": "flax",
+        "device": str(next(iter(first.devices()))) if isinstance(first, jax.Array) else "cpu",
+        "default_dtype": "float64" if jax.config.jax_enable_x64 else "float32",
+        "model_dtype": model_dtype,
+        "autocast": None,
+        "machine": platform.machine(),
+        # how matmuls and convolutions ran: "float32" pinned (jax.default_matmul_precision),
+        # or "default", the framework's own (TF32 or bf16 passes on accelerators)
+        "matmul_precision": precision,
+        "uncalled_weights": "ancestor",
+        Role.GRAD_OUTPUT: "outside",
+        "signatures": signatures,
+        "builtin_types": sorted({type(m).__name__ for _, m in graph.modules
+                                 if type(m).__module__.startswith("flax.nnx.")}),
+        "versions": {**_versions(), "jax": jax.__version__, "flax": flax.__version__},
+    }
+
+
+def _versions() -> dict[str, str]:
+    from layerdiff.trace.writer import base_meta
+
+    return base_meta(PRODUCER)["versions"]
