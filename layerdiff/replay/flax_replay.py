@@ -12,7 +12,7 @@ the module's calls, as the reference records them; the diff maps them through th
 
 A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
 exactly and is skipped, saying why, as torch replay does. Call adapters make torch calls and
-are refused.
+are refused. Matmuls run at full float32 precision (``MATMUL_PRECISION``), as capture runs them.
 
 The only replay module that imports JAX; :mod:`layerdiff.replay.replay` imports it only for an
 NNX case.
@@ -34,6 +34,12 @@ from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
 from layerdiff.trace.schema import Pass, Role
+
+
+# Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
+# computes float32 dots in TF32 (NVIDIA from Ampere) or bfloat16 passes (TPU), ~1e-3 relative,
+# which would be every layer's "own error" against a float32 reference.
+MATMUL_PRECISION = "float32"
 
 
 class NotReplayable(Exception):
@@ -135,7 +141,8 @@ class FlaxPort:
         params = {name: variable[...] for name, variable in own.items()
                   if isinstance(variable, nnx.Param) and _floating(variable[...])}
         pure = _pure_call(module, values, set(params))
-        (outputs, draws), vjp = _vjp(pure, params, leaves)
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
             raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
                                 "that is on): its output cannot match the reference's")
@@ -156,7 +163,8 @@ class FlaxPort:
                 # no gradient came to it; an integer output takes float0's empty cotangent
                 cotangents.append(jnp.zeros_like(value) if _floating(value) else
                                   np.zeros(np.shape(value), dtype=jax.dtypes.float0))
-        param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
         for arg, grad in input_grads.items():
             writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
