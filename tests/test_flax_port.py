@@ -11,15 +11,15 @@ import torch
 from torch.nn import functional as F
 
 pytest.importorskip("flax")
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax.numpy as jnp
+from flax import nnx
 
-from layerdiff.compare.judge import element_ratios  # noqa: E402
-from layerdiff.compare.tolerances import DEFAULTS  # noqa: E402
-from layerdiff.errors import CaseError  # noqa: E402
-from layerdiff.mapping import Mapping  # noqa: E402
-from reference_models import flax_mlp, flax_mlp_reference  # noqa: E402
-from reference_models.catalog import HERE, find  # noqa: E402
+from layerdiff.compare.judge import element_ratios
+from layerdiff.compare.tolerances import DEFAULTS
+from layerdiff.errors import CaseError
+from layerdiff.mapping import Mapping
+from reference_models import flax_mlp, flax_mlp_reference
+from reference_models.catalog import HERE, find
 
 RTOL, ATOL = DEFAULTS["float32"]
 SITES = ["proj_in", "block.ln", "block.fc1", "block.act", "block.fc2", "block", "ln_f", "head"]
@@ -101,7 +101,7 @@ def test_mapping_file_says_what_the_hand_copy_does():
 
 def test_the_untransposed_mapping_copies_only_block_fc1s_kernel():
     mapping = Mapping.load(HERE / "flax_mlp_untransposed.map.toml")
-    for torch_name, (nnx_name, transposed) in flax_mlp.torch_to_nnx_names().items():
+    for nnx_name, transposed in flax_mlp.torch_to_nnx_names().values():
         module = nnx_name.rpartition(".")[0]
         source = mapping.param_source(nnx_name, {module: module})
         slipped = nnx_name == "block.fc1.kernel"
@@ -139,3 +139,36 @@ def test_the_cases_are_layerdiff_cases_of_an_nnx_module():
 def _reference_logits_and_labels():
     model, x, labels = flax_mlp_reference.build()
     return model(x).detach(), labels
+
+
+# ---- end to end, once layerdiff.Case takes an nnx.Module and capture records one (issue 31)
+
+def _nnx_capture_available() -> bool:
+    try:
+        flax_mlp.port()
+    except CaseError:
+        return False
+    return True
+
+
+FLAX_CASES = ["port", "bug_layernorm_eps", "bug_gelu_tanh", "bug_kernel_not_transposed"]
+
+
+@pytest.mark.skipif(not _nnx_capture_available(),
+                    reason="layerdiff.Case does not take an nnx.Module yet (the Flax capture)")
+@pytest.mark.parametrize("name", FLAX_CASES)
+def test_flax_port_passes_and_each_slip_is_the_origin_at_its_site(name, reference_traces,
+                                                                   tmp_path):
+    from layerdiff import diff
+    from layerdiff.capture.port import capture_port
+
+    info = find(f"reference_models.flax_mlp:{name}")
+    reference = reference_traces(info.reference)
+    port = capture_port(info.spec, tmp_path / "port.h5", weights_from=reference,
+                        mapping=info.mapping_path, progress=False)
+    result = diff(reference, port, mapping=info.mapping_path)
+    if info.kind == "port":
+        assert result.passed, result.failing()[["site", "role", "ratio"]].head()
+        return
+    origin = result.origin
+    assert (origin.port_site, origin.pass_, origin.step) == (info.site, info.pass_, 0)

@@ -13,16 +13,16 @@ from torch import nn
 from torch.nn import functional as F
 
 pytest.importorskip("flax")
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from layerdiff import Case, capture, seed_everything  # noqa: E402
-from layerdiff.errors import CaseError, DiffError, MappingError  # noqa: E402
-from layerdiff.mapping import Mapping  # noqa: E402
-from layerdiff.replay import Swapper, replay  # noqa: E402
-from reference_models import flax_mlp, flax_mlp_reference  # noqa: E402
-from reference_models.catalog import HERE, find  # noqa: E402
+from layerdiff import Case, capture, seed_everything
+from layerdiff.errors import CaseError, DiffError, MappingError
+from layerdiff.mapping import Mapping
+from layerdiff.replay import Swapper, replay
+from reference_models import flax_mlp, flax_mlp_reference
+from reference_models.catalog import HERE, find
 
 MAP = HERE / "flax_mlp.map.toml"   # kernel <- weight transposed, scale <- weight: any model
 
@@ -167,5 +167,5 @@ def test_replay_leaves_the_port_models_random_streams_as_they_were(tiny_referenc
 
 def test_swap_and_bisect_refuse_an_nnx_port_in_one_sentence():
     port = _port_case(flax_mlp.parts().model, "reference_models.flax_mlp:port")
-    with pytest.raises(DiffError, match="Flax NNX model and swap and bisect.*layerdiff replay"):
+    with pytest.raises(DiffError, match=r"Flax NNX model and swap and bisect.*layerdiff replay"):
         Swapper(flax_mlp_reference.reference, lambda: port, MAP)
