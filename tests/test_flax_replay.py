@@ -169,3 +169,30 @@ def test_swap_and_bisect_refuse_an_nnx_port_in_one_sentence():
     port = _port_case(flax_mlp.parts().model, "reference_models.flax_mlp:port")
     with pytest.raises(DiffError, match=r"Flax NNX model and swap and bisect.*layerdiff replay"):
         Swapper(flax_mlp_reference.reference, lambda: port, MAP)
+
+
+def test_a_bfloat16_reference_is_replayed_in_bfloat16(tmp_path):
+    """A bfloat16 input is stored widened; the NNX layer gets it back in bfloat16, so its own
+    rounding is what a bfloat16 port makes, judged at bfloat16's tolerance."""
+    seed_everything(0)
+    model = nn.Sequential()
+    model.add_module("out", nn.Linear(8, 3))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    reference = capture(Case(model=model, inputs=(x,), loss_fn=lambda out: out.float().sum(),
+                             name="bf16"), tmp_path / "bf16.h5")
+
+    seen = []
+
+    class Port(nnx.Module):
+        def __init__(self) -> None:
+            self.out = nnx.Linear(8, 3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                  rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            seen.append(jnp.dtype(x.dtype))
+            return self.out(x)
+
+    result = replay(reference, _port_case(Port(), "bf16-port"), mapping=MAP, propagated=False)
+    assert seen and set(seen) == {jnp.dtype(jnp.bfloat16)}
+    assert result.passed, result.local

@@ -35,7 +35,6 @@ from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
 from layerdiff.trace.schema import Pass, Role
 
-
 # Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
 # computes float32 dots in TF32 (NVIDIA from Ampere) or bfloat16 passes (TPU), ~1e-3 relative,
 # which would be every layer's "own error" against a float32 reference.
@@ -193,8 +192,10 @@ class FlaxPort:
                 continue
             seen.add(port_arg)
             value = read_value(self.ref, row)
-            values.append((port_arg, jnp.asarray(value) if isinstance(value, np.ndarray)
-                           else value))
+            if isinstance(value, np.ndarray):  # bfloat16 was widened to read: narrowed back
+                value = jnp.asarray(value, dtype=jnp.bfloat16 if row["dtype"] == "bfloat16"
+                                    else None)
+            values.append((port_arg, value))
         return values
 
 
