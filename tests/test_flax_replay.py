@@ -129,9 +129,9 @@ def test_a_planted_nnx_layer_is_named_local_error_and_the_rest_within(tiny_refer
     assert verdicts[("out#0", "forward")] == "within"  # the head gets the reference's input
 
 
-def test_a_kernel_loaded_without_its_transpose_is_named_at_its_layer(tmp_path):
-    reference = capture(flax_mlp_reference.reference(), tmp_path / "ref.h5")
+def test_a_kernel_loaded_without_its_transpose_is_named_at_its_layer(reference_traces):
     info = find("reference_models.flax_mlp:bug_kernel_not_transposed")
+    reference = reference_traces(info.reference)
     result = replay(reference, _port_case(flax_mlp.parts().model, "flax-mlp"),
                     mapping=info.mapping_path, propagated=False)
     local = {site for site, verdict in _local(result).items() if verdict == "LOCAL ERROR"}
