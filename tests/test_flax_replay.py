@@ -196,3 +196,58 @@ def test_a_bfloat16_reference_is_replayed_in_bfloat16(tmp_path):
     result = replay(reference, _port_case(Port(), "bf16-port"), mapping=MAP, propagated=False)
     assert seen and set(seen) == {jnp.dtype(jnp.bfloat16)}
     assert result.passed, result.local
+
+
+class TorchSelfAttention(nn.Module):
+    """attn(x, x, x): one tensor three times, its gradient recorded once under "0"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, query, key, value):
+        scores = (self.q(query) @ key.transpose(-2, -1)).softmax(-1)
+        return scores @ value
+
+
+class SelfAttention(nnx.Module):
+    def __init__(self) -> None:
+        self.q = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, query, key, value):
+        return jax.nn.softmax(self.q(query) @ jnp.swapaxes(key, -2, -1), axis=-1) @ value
+
+
+class Holder(nnx.Module):
+    def __init__(self) -> None:
+        self.inp = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+        self.attn = SelfAttention()
+
+    def __call__(self, x):
+        h = self.inp(x)
+        return self.attn(h, h, h)
+
+
+class TorchHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attn = TorchSelfAttention()
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.attn(h, h, h)
+
+
+def test_one_tensor_passed_three_times_gets_its_whole_gradient(tmp_path):
+    seed_everything(0)
+
+    x = torch.randn(2, 5, 8)
+    reference = capture(Case(model=TorchHolder(), inputs=(x,), loss_fn=lambda out: out.sum(),
+                             name="self-attention"), tmp_path / "attn.h5")
+    result = replay(reference, _port_case(Holder(), "attn-port"), mapping=MAP,
+                    propagated=False)
+    assert result.passed, result.local
+    rows = result.diff.rows
+    grad = rows[(rows["site"] == "attn#0") & (rows["role"] == "grad_input")]
+    assert list(grad["arg"]) == ["0"]

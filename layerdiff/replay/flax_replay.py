@@ -139,7 +139,7 @@ class FlaxPort:
         leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
         params = {name: variable[...] for name, variable in own.items()
                   if isinstance(variable, nnx.Param) and _floating(variable[...])}
-        pure = _pure_call(module, values, set(params))
+        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves))
         with jax.default_matmul_precision(MATMUL_PRECISION):
             (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
@@ -206,8 +206,28 @@ def _vjp(pure: Callable[..., Any], params: dict[str, jax.Array],
     return (outputs, bool(draws)), vjp
 
 
-def _pure_call(module: nnx.Module, values: list[tuple[str, Any]],
-               param_names: set[str]) -> Callable[..., Any]:
+def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str, Any]],
+            leaves: dict[str, jax.Array]) -> dict[str, str]:
+    """Arguments that were one tensor in the reference's call (``attn(x, x, x)``) -> the
+    differentiated argument standing for it: capture records that tensor's whole gradient once,
+    under the first, so the replayed one must sum over every use too."""
+    rows = {map_argument(arg, args_map): row for arg, row in call.inputs}
+    shared = {}
+    for arg, value in values:
+        row = rows.get(arg)
+        if arg in leaves or not _floating(value) or row is None or not row["digest"]:
+            continue
+        first = next((other for other in leaves if other in rows
+                      and rows[other]["digest"] == row["digest"]
+                      and rows[other]["shape"] == row["shape"]
+                      and rows[other]["dtype"] == row["dtype"]), None)
+        if first is not None:
+            shared[arg] = first
+    return shared
+
+
+def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: set[str],
+               shared: dict[str, str]) -> Callable[..., Any]:
     """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
     merged afresh from its split state with ``params`` in place, called on the inputs."""
     graphdef, state = nnx.split(module)
@@ -219,7 +239,8 @@ def _pure_call(module: nnx.Module, values: list[tuple[str, Any]],
         for name in param_names:
             fresh[name] = fresh[name].replace(params[name])
         copy = nnx.merge(graphdef, fresh)
-        args, kwargs = rebuild_call([(arg, leaves.get(arg, value)) for arg, value in values])
+        args, kwargs = rebuild_call([(arg, leaves.get(shared.get(arg, arg), value))
+                                     for arg, value in values])
         outputs = copy(*args, **kwargs)
         after = _rng_counts(copy)
         draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
