@@ -75,7 +75,7 @@ def _hint_bug(name: str, model: str, site: str, pass_: str, description: str, *,
 
 def find(spec: str) -> CaseInfo | None:
     """The catalog entry of a bundled case spec."""
-    return next((info for info in CATALOG + MULTI_RANK if info.spec == spec), None)
+    return next((info for info in CATALOG + MULTI_RANK + FLAX if info.spec == spec), None)
 
 
 CATALOG: list[CaseInfo] = [
@@ -230,6 +230,11 @@ CATALOG: list[CaseInfo] = [
 ]
 
 _TP = "reference_models.tensor_parallel"
+CATALOG.append(CaseInfo(
+    "reference_models.flax_mlp_reference:reference", "prenorm_mlp", "reference",
+    "pre-norm residual MLP classifier (Linear with GPT-2's 0.02 init, LayerNorm, square "
+    "Linear, erf GELU, Linear, final LayerNorm, head): the torch reference of the Flax NNX port "
+    "reference_models.flax_mlp; cross-entropy, SGD with momentum"))
 CATALOG.append(_ref("tensor_parallel", "GPT-style causal LM (two pre-norm blocks, GELU MLP with "
                                        "dropout); next-token cross-entropy, 2 SGD steps"))
 
@@ -248,4 +253,33 @@ MULTI_RANK: list[CaseInfo] = [
              "by layerdiff ranks; rank 0 matches the reference)", reference=f"{_TP}:reference",
              mapping="tensor_parallel.map.toml", site="blocks.0.mlp.dropout#0",
              pass_="forward", runs_in="blocks.0.mlp.dropout", nproc=2),
+]
+
+# Flax NNX ports (need the `jax` extra): a list of their own, as the one-process suites that walk
+# CATALOG capture, swap and load torch weights into every port there. Each holds the
+# reference's weights already; `capture --weights-from REF --map` with the entry's mapping
+# loads them the same way.
+_FLAX = "reference_models.flax_mlp"
+_FLAX_REF = "reference_models.flax_mlp_reference:reference"
+
+
+def _flax(name: str, kind: str, description: str, site: str | None = None,
+          pass_: str | None = None, runs_in: str | None = None,
+          mapping: str = "flax_mlp.map.toml") -> CaseInfo:
+    return CaseInfo(f"{_FLAX}:{name}", "prenorm_mlp", kind, description, reference=_FLAX_REF,
+                    mapping=mapping, site=site, pass_=pass_, runs_in=runs_in or site)
+
+
+FLAX: list[CaseInfo] = [
+    _flax("port", "port", "Flax NNX port: nnx.Linear kernels (in, out), nnx.LayerNorm with "
+          "torch's epsilon 1e-5 and two-pass variance, exact GELU; same module names"),
+    _flax("bug_layernorm_eps", "bug", "nnx.LayerNorm's default epsilon 1e-6 where torch's is "
+          "1e-5: out of float32 tolerance where the LayerNorm's input has small variance "
+          "(here ~0.01, from GPT-2's 0.02 init)", "block.ln#0", "forward", "*ln*#0"),
+    _flax("bug_gelu_tanh", "bug", "jax.nn.gelu's default approximate=True (tanh) where "
+          "torch.nn.GELU is exact (erf)", "block.act#0", "forward"),
+    _flax("bug_kernel_not_transposed", "bug", "block.fc1's (square) torch weight loaded as its "
+          "kernel without the transpose: the mapping file flax_mlp_untransposed.map.toml "
+          "leaves out transform = \"transpose\"", "block.fc1#0", "forward",
+          mapping="flax_mlp_untransposed.map.toml"),
 ]

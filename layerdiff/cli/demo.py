@@ -18,13 +18,14 @@ from layerdiff.report.emit import write_outputs
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:
     """List the bundled cases: references, their ports, and ports with planted bugs."""
-    from reference_models.catalog import CATALOG, MULTI_RANK
+    from reference_models.catalog import CATALOG, FLAX, MULTI_RANK
 
     if as_json:
-        click.echo(json.dumps([info.as_json() for info in CATALOG + MULTI_RANK], indent=1))
+        entries = CATALOG + MULTI_RANK + FLAX
+        click.echo(json.dumps([info.as_json() for info in entries], indent=1))
         return
     for kind in ("reference", "port", "bug", "diagnostic"):
-        entries = [info for info in CATALOG + MULTI_RANK if info.kind == kind]
+        entries = [info for info in CATALOG + MULTI_RANK + FLAX if info.kind == kind]
         if not entries:
             continue
         click.echo(f"{kind}s:")

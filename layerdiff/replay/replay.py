@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -277,6 +278,11 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
         from layerdiff.replay.numpy_replay import CallablePort
 
         return CallablePort(port.layers, ref)
+    if is_nnx(port.model):  # a Flax NNX port: its modules as pure functions under jax.vjp
+        from layerdiff.replay.flax_replay import FlaxPort, load_reference_weights
+
+        load_reference_weights(port.model, ref, mapping)
+        return FlaxPort(port.model, ref)
     from layerdiff.replay.torch_replay import TorchPort
     from layerdiff.weights import load_weights
 
@@ -284,12 +290,19 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     return TorchPort(port.model, ref)
 
 
+def is_nnx(model: Any) -> bool:
+    """Whether ``model`` is a Flax NNX module, without importing flax (an NNX module exists
+    only once flax.nnx is imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(model, nnx.Module)
+
+
 def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:
     """A plain diff of the port's own run: the error each site inherited."""
     from layerdiff.capture import capture
     from layerdiff.weights import load_weights
 
-    if isinstance(port, Case):
+    if isinstance(port, Case) and not is_nnx(port.model):  # replay loaded an NNX model already
         load_weights(port.model, reference, mapping)
     run = capture(port, directory / "port.h5", steps=1)
     return diff(reference, run, mapping=mapping, tolerances=tolerances)

@@ -48,6 +48,7 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
+from layerdiff.replay.replay import is_nnx
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
 from layerdiff.trace.schema import Role
@@ -190,6 +191,7 @@ class Swapper:
         self._baseline_judges: dict[int, Baseline] = {}
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
+        _refuse_flax(probe_ref, probe_port)
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
@@ -548,6 +550,16 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
     return {"min": float(finite.min()) if finite.size else 0.0,
             "max": float(finite.max()) if finite.size else 0.0,
             "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
+
+
+def _refuse_flax(*cases: Any) -> None:
+    """Swap and bisect run port layers inside the torch reference's autograd: torch only."""
+    for case in cases:
+        if is_nnx(getattr(case, "model", None)):
+            raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
+                            "run port layers inside a torch model, so they take torch cases "
+                            "only; run `layerdiff replay REF.h5 "
+                            f"{case.name or 'PORT'}` to find the layer whose own error it is")
 
 
 def _modules(case: Any) -> list[str]:

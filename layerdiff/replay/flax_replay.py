@@ -1,0 +1,294 @@
+"""Replaying calls into a Flax NNX port's modules.
+
+Each call runs the port module as a pure function of its own parameters and of the
+reference's recorded inputs (``nnx.split`` / ``nnx.merge``: the model itself is never changed,
+so a container's replay cannot touch its children, and a BatchNorm's running statistics stay as
+they were), under ``jax.vjp``. The backward applies that vjp to the reference's recorded output
+gradients: what arrives from outside the call, which is all a pure function's output can get.
+Input gradients are recorded under the reference's argument names (mapped by the site's
+``args``), and weight gradients by the module's own parameter names (``kernel``), summed over
+the module's calls, as the reference records them; the diff maps them through the mapping's
+``[[param]]`` rules (``transform = "transpose"``).
+
+A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
+exactly and is skipped, saying why, as torch replay does. Call adapters make torch calls and
+are refused. Matmuls run at full float32 precision (``MATMUL_PRECISION``), as capture runs them.
+
+The only replay module that imports JAX; :mod:`layerdiff.replay.replay` imports it only for an
+NNX case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from layerdiff.errors import DiffError, MappingError
+from layerdiff.mapping import Mapping
+from layerdiff.replay.recorded import RecordedCall, read_value
+from layerdiff.trace import Trace, TraceWriter, schema
+from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
+from layerdiff.trace.schema import Pass, Role
+
+# Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
+# computes float32 dots in TF32 (NVIDIA from Ampere) or bfloat16 passes (TPU), ~1e-3 relative,
+# which would be every layer's "own error" against a float32 reference.
+MATMUL_PRECISION = "float32"
+
+
+class NotReplayable(Exception):
+    """A call that cannot be replayed exactly (it draws random numbers). Replay lists it as
+    skipped by this class's name, as it does torch replay's."""
+
+
+def named_modules(model: nnx.Module) -> dict[str, nnx.Module]:
+    """Module path -> module, named as capture names NNX sites (``block.fc1``, ``<root>``); a
+    module reachable by two paths keeps the first."""
+    found: dict[str, nnx.Module] = {}
+    seen: set[int] = set()
+    for path, node in sorted(nnx.iter_graph(model), key=lambda item: len(item[0])):
+        if isinstance(node, nnx.Module) and id(node) not in seen:
+            seen.add(id(node))
+            found[".".join(map(str, path)) or schema.ROOT_MODULE] = node
+    return found
+
+
+def own_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """The variables a module holds as its own attributes (``kernel``, ``bias``, ``scale``,
+    a BatchNorm's ``mean``), not its children's; random state is not a weight."""
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, nnx.Variable) and not isinstance(value, nnx.RngState)}
+
+
+def load_reference_weights(model: nnx.Module, ref: Trace, mapping: Mapping) -> None:
+    """Set every parameter of ``model`` from the reference's step-0 weights through
+    ``mapping`` (renames, ``[[param]]`` rules and their transform chains), shape-checked.
+
+    The replay-side stand-in for the NNX weights-from load: same rules, fewer diagnostics.
+    """
+    from layerdiff.weights import combine, trace_weights
+
+    reference = trace_weights(ref)
+    modules = named_modules(model)
+    partner = {schema.split_site(port)[0]: schema.split_site(site)[0]
+               for site, port in mapping.pairs.items()}
+    for ref_module in sorted({name.rpartition(".")[0] for name in reference}):
+        renamed = mapping.rename(ref_module)
+        target = ref_module if ref_module in modules else (renamed[0] if renamed else None)
+        if target in modules:
+            partner.setdefault(target, ref_module)
+    for module_name, module in modules.items():
+        for name, variable in own_variables(module).items():
+            port = name if module_name == schema.ROOT_MODULE else f"{module_name}.{name}"
+            source = mapping.param_source(port, partner)
+            missing = [] if source is None else [r for r in source.reference
+                                                 if r not in reference]
+            if source is None or missing:
+                raise MappingError(
+                    f"port parameter {port} has no source in {ref.path}"
+                    + (f" ({', '.join(missing)} not recorded there)" if missing else "")
+                    + "; add a [[param]] rule for it to "
+                    + (f"{mapping.name}" if mapping.path else "a mapping file (--map)"))
+            value = combine(source, [reference[r] for r in source.reference], port=port)
+            if value.shape != variable[...].shape:
+                raise MappingError(
+                    f"port parameter {port} is {tuple(variable[...].shape)} but "
+                    f"{source.transform} of {', '.join(source.reference)} gives "
+                    f"{tuple(value.shape)} ({mapping.name}); a Linear kernel needs "
+                    "transform = \"transpose\"")
+            variable[...] = jnp.asarray(value, dtype=variable[...].dtype)
+
+
+class FlaxPort:
+    """A Flax NNX port's modules, replayed one recorded call at a time (the model must hold
+    the reference's weights: :func:`load_reference_weights`)."""
+
+    def __init__(self, model: nnx.Module, ref: Trace) -> None:
+        self.modules = named_modules(model)
+        self.ref = ref
+        self._weights_recorded: set[str] = set()
+        self._first_site: dict[str, str] = {}
+        self._grad_sums: dict[str, dict[str, jax.Array]] = {}  # module -> name -> sum
+
+    def type_of(self, module: str) -> str:
+        return type(self.modules[module]).__name__
+
+    def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
+               writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
+        module_name = schema.split_site(site)[0]
+        if adapter is not None:
+            raise DiffError(f"port layer {module_name} is a Flax module: the mapping's call "
+                            f"adapter {adapter[0].spec!r} ({adapter[0].where}) makes a torch "
+                            "call; rename its arguments with the site's args instead")
+        module = self.modules[module_name]
+        values = self._inputs(call, args_map)
+        for arg, value in values:
+            writer.record(site, Role.INPUT, _numpy(value), arg=arg)
+        own = own_variables(module)
+        if module_name not in self._weights_recorded:
+            self._weights_recorded.add(module_name)
+            for name, variable in own.items():
+                writer.record(site, Role.WEIGHT, _numpy(variable[...]), arg=name,
+                              pass_=Pass.FORWARD)
+        wanted = {map_argument(a, args_map) for a in call.grad_input_args}
+        leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
+        params = {name: variable[...] for name, variable in own.items()
+                  if isinstance(variable, nnx.Param) and _floating(variable[...])}
+        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves))
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            (outputs, draws), vjp = _vjp(pure, params, leaves)
+        if draws:
+            raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
+                                "that is on): its output cannot match the reference's")
+        flat = list(_flatten(outputs, ""))
+        for arg, value in flat:
+            writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
+        recorded = {arg: row for arg, row in call.grad_outputs.items()
+                    if arg in dict(flat)}
+        if not recorded:
+            return []
+        cotangents = []
+        for arg, value in flat:
+            if arg in recorded and _floating(value):
+                grad = read_value(self.ref, recorded[arg])
+                writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
+                cotangents.append(jnp.asarray(grad, dtype=value.dtype).reshape(value.shape))
+            else:
+                # no gradient came to it; an integer output takes float0's empty cotangent
+                cotangents.append(jnp.zeros_like(value) if _floating(value) else
+                                  np.zeros(np.shape(value), dtype=jax.dtypes.float0))
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
+        for arg, grad in input_grads.items():
+            writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
+        self._first_site.setdefault(module_name, site)
+        sums = self._grad_sums.setdefault(module_name, {})
+        for name, grad in param_grads.items():
+            sums[name] = grad if name not in sums else sums[name] + grad
+        return []
+
+    def finish(self, writer: TraceWriter, complete: set[str]) -> None:
+        """Weight gradients summed over a module's calls, at its first replayed site; only
+        where every call of it was replayed (``complete``), or the sums would differ."""
+        for module_name, sums in self._grad_sums.items():
+            if module_name in complete:
+                for name, grad in sums.items():
+                    writer.record(self._first_site[module_name], Role.WEIGHT_GRAD,
+                                  _numpy(grad), arg=name)
+
+    def _inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
+        """The reference's recorded inputs under the port's argument names; an argument the
+        mapping drops ("") is left out, as is a second use of one (``attn(x, x, x)``)."""
+        drop = dropped_arguments(args_map)
+        values, seen = [], set()
+        for arg, row in call.inputs:
+            port_arg = map_argument(arg, args_map)
+            if port_arg in seen or port_arg.partition(".")[0] in drop:
+                continue
+            seen.add(port_arg)
+            value = read_value(self.ref, row)
+            if isinstance(value, np.ndarray):  # bfloat16 was widened to read: narrowed back
+                value = jnp.asarray(value, dtype=jnp.bfloat16 if row["dtype"] == "bfloat16"
+                                    else None)
+            values.append((port_arg, value))
+        return values
+
+
+def _vjp(pure: Callable[..., Any], params: dict[str, jax.Array],
+         leaves: dict[str, jax.Array]) -> tuple[tuple[Any, bool], Callable[..., Any]]:
+    """``jax.vjp`` of the call, with whether it advanced a random stream beside the output."""
+    outputs, vjp, draws = jax.vjp(pure, params, leaves, has_aux=True)
+    return (outputs, bool(draws)), vjp
+
+
+def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str, Any]],
+            leaves: dict[str, jax.Array]) -> dict[str, str]:
+    """Arguments that were one tensor in the reference's call (``attn(x, x, x)``) -> the
+    differentiated argument standing for it: capture records that tensor's whole gradient once,
+    under the first, so the replayed one must sum over every use too."""
+    rows = {map_argument(arg, args_map): row for arg, row in call.inputs}
+    shared = {}
+    for arg, value in values:
+        row = rows.get(arg)
+        if arg in leaves or not _floating(value) or row is None or not row["digest"]:
+            continue
+        first = next((other for other in leaves if other in rows
+                      and rows[other]["digest"] == row["digest"]
+                      and rows[other]["shape"] == row["shape"]
+                      and rows[other]["dtype"] == row["dtype"]), None)
+        if first is not None:
+            shared[arg] = first
+    return shared
+
+
+def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: set[str],
+               shared: dict[str, str]) -> Callable[..., Any]:
+    """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
+    merged afresh from its split state with ``params`` in place, called on the inputs."""
+    graphdef, state = nnx.split(module)
+    counts_before = _rng_counts(module)
+
+    def pure(params: dict[str, jax.Array], leaves: dict[str, jax.Array]):
+        # rebuilt inside the trace: variables made outside it may not be written in it
+        fresh = jax.tree.map(lambda leaf: leaf, state)
+        for name in param_names:
+            fresh[name] = fresh[name].replace(params[name])
+        copy = nnx.merge(graphdef, fresh)
+        args, kwargs = rebuild_call([(arg, leaves.get(shared.get(arg, arg), value))
+                                     for arg, value in values])
+        outputs = copy(*args, **kwargs)
+        after = _rng_counts(copy)
+        draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(counts_before, after, strict=True))
+        return outputs, draws
+
+    return pure
+
+
+def _rng_counts(module: nnx.Module) -> list[Any]:
+    return [node[...] for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngCount)]
+
+
+def _flatten(value: Any, prefix: str):
+    """(argument path, leaf) pairs, named as torch capture names outputs (``0``, ``0.1``)."""
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _flatten(item, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix or "0", value
+
+
+def _unflatten(structure: Any, leaves: list[Any]) -> Any:
+    """``leaves`` (in :func:`_flatten`'s order) put back into ``structure``'s shape."""
+    it = iter(leaves)
+
+    def build(node: Any) -> Any:
+        if isinstance(node, (tuple, list)):
+            return type(node)(build(item) for item in node)
+        if isinstance(node, dict):
+            return {key: build(item) for key, item in node.items()}
+        return next(it)
+
+    return build(structure)
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype,
+                                                                          jnp.floating)
+
+
+def _numpy(value: Any) -> Any:
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    array = np.asarray(value)
+    if array.dtype == jnp.bfloat16:
+        array = array.astype(np.float32)  # TraceWriter stores numpy dtypes
+    return array
