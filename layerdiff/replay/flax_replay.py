@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerdiff.errors import DiffError, MappingError
-from layerdiff.mapping import Mapping
+from layerdiff.errors import DiffError
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
@@ -65,48 +64,9 @@ def own_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
             if isinstance(value, nnx.Variable) and not isinstance(value, nnx.RngState)}
 
 
-def load_reference_weights(model: nnx.Module, ref: Trace, mapping: Mapping) -> None:
-    """Set every parameter of ``model`` from the reference's step-0 weights through
-    ``mapping`` (renames, ``[[param]]`` rules and their transform chains), shape-checked.
-
-    The replay-side stand-in for the NNX weights-from load: same rules, fewer diagnostics.
-    """
-    from layerdiff.weights import combine, trace_weights
-
-    reference = trace_weights(ref)
-    modules = named_modules(model)
-    partner = {schema.split_site(port)[0]: schema.split_site(site)[0]
-               for site, port in mapping.pairs.items()}
-    for ref_module in sorted({name.rpartition(".")[0] for name in reference}):
-        renamed = mapping.rename(ref_module)
-        target = ref_module if ref_module in modules else (renamed[0] if renamed else None)
-        if target in modules:
-            partner.setdefault(target, ref_module)
-    for module_name, module in modules.items():
-        for name, variable in own_variables(module).items():
-            port = name if module_name == schema.ROOT_MODULE else f"{module_name}.{name}"
-            source = mapping.param_source(port, partner)
-            missing = [] if source is None else [r for r in source.reference
-                                                 if r not in reference]
-            if source is None or missing:
-                raise MappingError(
-                    f"port parameter {port} has no source in {ref.path}"
-                    + (f" ({', '.join(missing)} not recorded there)" if missing else "")
-                    + "; add a [[param]] rule for it to "
-                    + (f"{mapping.name}" if mapping.path else "a mapping file (--map)"))
-            value = combine(source, [reference[r] for r in source.reference], port=port)
-            if value.shape != variable[...].shape:
-                raise MappingError(
-                    f"port parameter {port} is {tuple(variable[...].shape)} but "
-                    f"{source.transform} of {', '.join(source.reference)} gives "
-                    f"{tuple(value.shape)} ({mapping.name}); a Linear kernel needs "
-                    "transform = \"transpose\"")
-            variable[...] = jnp.asarray(value, dtype=variable[...].dtype)
-
-
 class FlaxPort:
     """A Flax NNX port's modules, replayed one recorded call at a time (the model must hold
-    the reference's weights: :func:`load_reference_weights`)."""
+    the reference's weights: :func:`layerdiff.flax.weights.load_nnx_weights`)."""
 
     def __init__(self, model: nnx.Module, ref: Trace) -> None:
         self.modules = named_modules(model)

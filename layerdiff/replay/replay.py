@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.case import Case, ExternalCase
+from layerdiff.case import Case, ExternalCase, is_nnx_module
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import Status
 from layerdiff.compare.matching import port_site_for
@@ -278,10 +277,11 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
         from layerdiff.replay.numpy_replay import CallablePort
 
         return CallablePort(port.layers, ref)
-    if is_nnx(port.model):  # a Flax NNX port: its modules as pure functions under jax.vjp
-        from layerdiff.replay.flax_replay import FlaxPort, load_reference_weights
+    if is_nnx_module(port.model):  # a Flax NNX port: its modules as pure functions under jax.vjp
+        from layerdiff.flax.weights import load_nnx_weights
+        from layerdiff.replay.flax_replay import FlaxPort
 
-        load_reference_weights(port.model, ref, mapping)
+        load_nnx_weights(port.model, ref.path, mapping)
         return FlaxPort(port.model, ref)
     from layerdiff.replay.torch_replay import TorchPort
     from layerdiff.weights import load_weights
@@ -290,19 +290,12 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     return TorchPort(port.model, ref)
 
 
-def is_nnx(model: Any) -> bool:
-    """Whether ``model`` is a Flax NNX module, without importing flax (an NNX module exists
-    only once flax.nnx is imported)."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
-
-
 def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:
     """A plain diff of the port's own run: the error each site inherited."""
     from layerdiff.capture import capture
     from layerdiff.weights import load_weights
 
-    if isinstance(port, Case) and not is_nnx(port.model):  # replay loaded an NNX model already
+    if isinstance(port, Case) and not is_nnx_module(port.model):  # NNX: loaded by replay
         load_weights(port.model, reference, mapping)
     run = capture(port, directory / "port.h5", steps=1)
     return diff(reference, run, mapping=mapping, tolerances=tolerances)

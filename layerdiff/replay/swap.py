@@ -39,7 +39,7 @@ from layerdiff.capture.modules import (
     named_modules,
 )
 from layerdiff.capture.run import run_case
-from layerdiff.case import ExternalCase
+from layerdiff.case import ExternalCase, is_nnx_module
 from layerdiff.compare import judge
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.matching import port_site_for
@@ -48,7 +48,6 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
-from layerdiff.replay.replay import is_nnx
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
 from layerdiff.trace.schema import Role
@@ -555,7 +554,7 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
 def _refuse_flax(*cases: Any) -> None:
     """Swap and bisect run port layers inside the torch reference's autograd: torch only."""
     for case in cases:
-        if is_nnx(getattr(case, "model", None)):
+        if is_nnx_module(getattr(case, "model", None)):
             raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
                             "run port layers inside a torch model, so they take torch cases "
                             "only; run `layerdiff replay REF.h5 "
