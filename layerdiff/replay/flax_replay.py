@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from layerdiff.errors import DiffError
+from layerdiff.flax.graph import ModelGraph
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
@@ -48,13 +49,7 @@ class NotReplayable(Exception):
 def named_modules(model: nnx.Module) -> dict[str, nnx.Module]:
     """Module path -> module, named as capture names NNX sites (``block.fc1``, ``<root>``); a
     module reachable by two paths keeps the first."""
-    found: dict[str, nnx.Module] = {}
-    seen: set[int] = set()
-    for path, node in sorted(nnx.iter_graph(model), key=lambda item: len(item[0])):
-        if isinstance(node, nnx.Module) and id(node) not in seen:
-            seen.add(id(node))
-            found[".".join(map(str, path)) or schema.ROOT_MODULE] = node
-    return found
+    return {name: module for name, module in ModelGraph.of(model).modules}
 
 
 def own_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
