@@ -30,9 +30,10 @@ from flax import nnx
 
 from layerdiff.errors import DiffError
 from layerdiff.flax.graph import ModelGraph
+from layerdiff.replay.calling import BoundCall, Signature, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
-from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
+from layerdiff.trace.arguments import dropped_arguments, map_argument
 from layerdiff.trace.schema import Pass, Role
 
 # Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
@@ -64,11 +65,20 @@ class FlaxPort:
     the reference's weights: :func:`layerdiff.flax.weights.load_nnx_weights`)."""
 
     def __init__(self, model: nnx.Module, ref: Trace) -> None:
-        self.modules = named_modules(model)
+        graph = ModelGraph.of(model)
+        self.modules = dict(graph.modules)
+        # a variable several modules reach (GPT-2's tied wte and lm head): its gradient is
+        # the sum over every use, and a module reaching it through a child it does not call
+        # (lm_head using wte.attend) is not differentiated in it here: left unjudged
+        self._tied = {(owner, variable.name) for owner, owned in graph.owned.items()
+                      for variable in owned
+                      if any(variable.state_path == first for first, _ in graph.shared)}
         self.ref = ref
         self._weights_recorded: set[str] = set()
         self._first_site: dict[str, str] = {}
         self._grad_sums: dict[str, dict[str, jax.Array]] = {}  # module -> name -> sum
+        self._port_signatures: dict[str, Signature | None] = {}
+        self._ref_signatures: dict[str, Signature | None] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -82,6 +92,13 @@ class FlaxPort:
                             "call; rename its arguments with the site's args instead")
         module = self.modules[module_name]
         values = self._inputs(call, args_map)
+        # fitted to the module's own __call__ as torch replay fits a forward: an argument it
+        # has no parameter for (HF's cache, use_cache, position_ids) is not taken, and listed
+        bind = self._binder(call, module_name, dropped_arguments(args_map))
+        dropped = bind(values).dropped
+        left_out = {head for head, _ in dropped}
+        values = [(arg, value) for arg, value in values
+                  if arg.partition(".")[0] not in left_out]
         for arg, value in values:
             writer.record(site, Role.INPUT, _numpy(value), arg=arg)
         own = own_variables(module)
@@ -94,7 +111,8 @@ class FlaxPort:
         leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
         params = {name: variable[...] for name, variable in own.items()
                   if isinstance(variable, nnx.Param) and _floating(variable[...])}
-        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves))
+        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves),
+                          lambda fresh: bind(fresh).call())
         with jax.default_matmul_precision(MATMUL_PRECISION):
             (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
@@ -106,7 +124,7 @@ class FlaxPort:
         recorded = {arg: row for arg, row in call.grad_outputs.items()
                     if arg in dict(flat)}
         if not recorded:
-            return []
+            return dropped
         cotangents = []
         for arg, value in flat:
             if arg in recorded and _floating(value):
@@ -125,7 +143,26 @@ class FlaxPort:
         sums = self._grad_sums.setdefault(module_name, {})
         for name, grad in param_grads.items():
             sums[name] = grad if name not in sums else sums[name] + grad
-        return []
+        return dropped
+
+    def _binder(self, call: RecordedCall, module_name: str,
+                drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
+        if module_name not in self._port_signatures:
+            self._port_signatures[module_name] = Signature.of(self.modules[module_name].__call__)
+        port = self._port_signatures[module_name]
+        reference = self._reference_signature(call.type)
+        where = f"port layer {module_name}"
+        return lambda values: bind_call(values, port, reference=reference, drop=drop,
+                                        where=where)
+
+    def _reference_signature(self, type_name: str) -> Signature | None:
+        """The reference module type's forward signature, as capture recorded it."""
+        if type_name not in self._ref_signatures:
+            signatures = self.ref.meta.get("signatures", {})
+            data = signatures.get(type_name) if isinstance(signatures, dict) else None
+            self._ref_signatures[type_name] = None if data is None else Signature.from_json(
+                data, f"{self.ref.path} meta 'signatures' {type_name}")
+        return self._ref_signatures[type_name]
 
     def finish(self, writer: TraceWriter, complete: set[str]) -> None:
         """Weight gradients summed over a module's calls, at its first replayed site; only
@@ -133,6 +170,8 @@ class FlaxPort:
         for module_name, sums in self._grad_sums.items():
             if module_name in complete:
                 for name, grad in sums.items():
+                    if (module_name, name) in self._tied:
+                        continue
                     writer.record(self._first_site[module_name], Role.WEIGHT_GRAD,
                                   _numpy(grad), arg=name)
 
@@ -182,7 +221,9 @@ def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str
 
 
 def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: set[str],
-               shared: dict[str, str]) -> Callable[..., Any]:
+               shared: dict[str, str],
+               caller: Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]]
+               ) -> Callable[..., Any]:
     """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
     merged afresh from its split state with ``params`` in place, called on the inputs."""
     graphdef, state = nnx.split(module)
@@ -194,8 +235,8 @@ def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: s
         for name in param_names:
             fresh[name] = fresh[name].replace(params[name])
         copy = nnx.merge(graphdef, fresh)
-        args, kwargs = rebuild_call([(arg, leaves.get(shared.get(arg, arg), value))
-                                     for arg, value in values])
+        args, kwargs = caller([(arg, leaves.get(shared.get(arg, arg), value))
+                               for arg, value in values])
         outputs = copy(*args, **kwargs)
         after = _rng_counts(copy)
         draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
