@@ -84,3 +84,16 @@ def test_tied_embedding_loads_from_whichever_name_the_mapping_sources(ref):
     assert (model.transformer.wte.embedding[...] == expected).all()
     assert model.lm_head.wte is model.transformer.wte
     assert "transformer.wte.embedding" in report.loaded
+
+
+def test_replay_judges_the_tied_embedding_gradient_summed_over_both_uses(ref):
+    """wte's gradient is its lookup's plus the lm head's (wte.attend, no call of wte): replay
+    sums both where wte records it, as the reference records the tied weight's whole gradient."""
+    import layerdiff
+
+    result = layerdiff.replay(ref, load_case("tests.flax_heldout:port"), mapping=MAP,
+                              propagated=False)
+    rows = result.diff.rows
+    tied = rows[(rows.site == "transformer.wte#0") & (rows.role.astype(str) == "weight_grad")]
+    assert len(tied) == 1 and tied.ratio.iloc[0] < 1, tied
+    assert result.passed

@@ -30,6 +30,7 @@ from flax import nnx
 
 from layerdiff.errors import DiffError
 from layerdiff.flax.graph import ModelGraph
+from layerdiff.flax.intercept import intercepted
 from layerdiff.replay.calling import BoundCall, Signature, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
@@ -67,12 +68,15 @@ class FlaxPort:
     def __init__(self, model: nnx.Module, ref: Trace) -> None:
         graph = ModelGraph.of(model)
         self.modules = dict(graph.modules)
-        # a variable several modules reach (GPT-2's tied wte and lm head): its gradient is
-        # the sum over every use, and a module reaching it through a child it does not call
-        # (lm_head using wte.attend) is not differentiated in it here: left unjudged
-        self._tied = {(owner, variable.name) for owner, owned in graph.owned.items()
-                      for variable in owned
-                      if any(variable.state_path == first for first, _ in graph.shared)}
+        # each variable's owner and name there, by identity: a tied variable (GPT-2's lm head
+        # reaching wte's embedding through wte.attend) gets its gradient from every module
+        # using it, summed where its owner records it, as capture's whole-model gradient does
+        state_paths = {tuple(path): node for path, node in nnx.iter_graph(model)}
+        self._owner: dict[int, tuple[str, str]] = {
+            id(state_paths[variable.state_path]): (owner, variable.name)
+            for owner, owned in graph.owned.items() for variable in owned
+            if variable.state_path in state_paths}
+        self._contributors: dict[tuple[str, str], set[str]] = {}
         self.ref = ref
         self._weights_recorded: set[str] = set()
         self._first_site: dict[str, str] = {}
@@ -102,6 +106,7 @@ class FlaxPort:
         for arg, value in values:
             writer.record(site, Role.INPUT, _numpy(value), arg=arg)
         own = own_variables(module)
+        reached = _reached_params(module)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
             for name, variable in own.items():
@@ -109,10 +114,11 @@ class FlaxPort:
                               pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
-        params = {name: variable[...] for name, variable in own.items()
-                  if isinstance(variable, nnx.Param) and _floating(variable[...])}
+        params = {path: variable[...] for path, variable in reached.items()
+                  if _floating(variable[...])}
+        called: set[tuple[Any, ...]] = set()
         pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves),
-                          lambda fresh: bind(fresh).call())
+                          lambda fresh: bind(fresh).call(), called)
         with jax.default_matmul_precision(MATMUL_PRECISION):
             (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
@@ -140,8 +146,13 @@ class FlaxPort:
         for arg, grad in input_grads.items():
             writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
-        sums = self._grad_sums.setdefault(module_name, {})
-        for name, grad in param_grads.items():
+        for path, grad in param_grads.items():
+            # a variable reached through a child this call called is that child's to sum
+            if any(path[:depth] in called for depth in range(1, len(path))):
+                continue
+            owner, name = self._owner[id(reached[path])]
+            self._contributors.setdefault((owner, name), set()).add(module_name)
+            sums = self._grad_sums.setdefault(owner, {})
             sums[name] = grad if name not in sums else sums[name] + grad
         return dropped
 
@@ -168,9 +179,9 @@ class FlaxPort:
         """Weight gradients summed over a module's calls, at its first replayed site; only
         where every call of it was replayed (``complete``), or the sums would differ."""
         for module_name, sums in self._grad_sums.items():
-            if module_name in complete:
+            if module_name in complete and module_name in self._first_site:
                 for name, grad in sums.items():
-                    if (module_name, name) in self._tied:
+                    if not self._contributors[(module_name, name)] <= complete:
                         continue
                     writer.record(self._first_site[module_name], Role.WEIGHT_GRAD,
                                   _numpy(grad), arg=name)
@@ -220,10 +231,32 @@ def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str
     return shared
 
 
-def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: set[str],
-               shared: dict[str, str],
-               caller: Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]]
-               ) -> Callable[..., Any]:
+def _reached_params(module: nnx.Module) -> dict[tuple[Any, ...], nnx.Variable]:
+    """The parameters a module reaches, its children's too, by path in its split state."""
+    return {tuple(path): node for path, node in nnx.iter_graph(module)
+            if isinstance(node, nnx.Param)}
+
+
+class _CalledChildren:
+    """Records the path (in the copy) of every submodule whose ``__call__`` runs."""
+
+    def __init__(self, copy: nnx.Module, called: set[tuple[Any, ...]]) -> None:
+        self.paths = {id(node): tuple(path) for path, node in nnx.iter_graph(copy)
+                      if isinstance(node, nnx.Module)}
+        self.called = called
+
+    def call(self, original: Callable[..., Any], module: Any, args: tuple,
+             kwargs: dict) -> Any:
+        path = self.paths.get(id(module))
+        if path:
+            self.called.add(path)
+        return original(module, *args, **kwargs)
+
+
+def _pure_call(module: nnx.Module, values: list[tuple[str, Any]],
+               param_paths: set[tuple[Any, ...]], shared: dict[str, str],
+               caller: Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]],
+               called: set[tuple[Any, ...]]) -> Callable[..., Any]:
     """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
     merged afresh from its split state with ``params`` in place, called on the inputs."""
     graphdef, state = nnx.split(module)
@@ -232,12 +265,17 @@ def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: s
     def pure(params: dict[str, jax.Array], leaves: dict[str, jax.Array]):
         # rebuilt inside the trace: variables made outside it may not be written in it
         fresh = jax.tree.map(lambda leaf: leaf, state)
-        for name in param_names:
-            fresh[name] = fresh[name].replace(params[name])
+        for path in param_paths:
+            holder = fresh
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = holder[path[-1]].replace(params[path])
         copy = nnx.merge(graphdef, fresh)
         args, kwargs = caller([(arg, leaves.get(shared.get(arg, arg), value))
                                for arg, value in values])
-        outputs = copy(*args, **kwargs)
+        with intercepted([node for _, node in nnx.iter_graph(copy)
+                          if isinstance(node, nnx.Module)], _CalledChildren(copy, called)):
+            outputs = copy(*args, **kwargs)
         after = _rng_counts(copy)
         draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
                     for a, b in zip(counts_before, after, strict=True))
