@@ -11,15 +11,15 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("transformers")
 
-from flax import nnx  # noqa: E402
+from flax import nnx
 
-from layerdiff import load_case  # noqa: E402
-from layerdiff.capture.port import capture_port  # noqa: E402
-from layerdiff.flax.graph import ModelGraph  # noqa: E402
-from layerdiff.flax.weights import load_nnx_weights  # noqa: E402
-from layerdiff.trace import open_trace  # noqa: E402
-from layerdiff.weights import trace_weights  # noqa: E402
-from tests import flax_heldout  # noqa: E402
+from layerdiff import load_case
+from layerdiff.capture.port import capture_port
+from layerdiff.flax.graph import ModelGraph
+from layerdiff.flax.weights import load_nnx_weights
+from layerdiff.trace import open_trace
+from layerdiff.weights import trace_weights
+from tests import flax_heldout
 
 REF = "tests.flax_heldout:reference"
 MAP = "tests/flax_heldout.map.toml"

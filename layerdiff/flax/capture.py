@@ -44,7 +44,7 @@ from flax import nnx
 
 from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
-from layerdiff.flax.graph import ModelGraph, Owned, path_name
+from layerdiff.flax.graph import ModelGraph, Owned
 from layerdiff.flax.intercept import intercepted
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerdiff.flax.graph import ModelGraph, path_name
 from layerdiff.errors import MappingError
+from layerdiff.flax.graph import ModelGraph, path_name
 from layerdiff.mapping import Mapping
 from layerdiff.trace import open_trace
 from layerdiff.weights import (
