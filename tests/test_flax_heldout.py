@@ -84,6 +84,8 @@ def test_tied_embedding_loads_from_whichever_name_the_mapping_sources(ref):
     assert (model.transformer.wte.embedding[...] == expected).all()
     assert model.lm_head.wte is model.transformer.wte
     assert "transformer.wte.embedding" in report.loaded
+    # lm_head.weight is the reference's wte.weight under its tied name: used, not "unused"
+    assert report.unused == []
 
 
 def test_replay_judges_the_tied_embedding_gradient_summed_over_both_uses(ref):
