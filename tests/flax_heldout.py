@@ -53,8 +53,24 @@ def _batch(cfg: TinyGPT2 = CONFIG) -> tuple[np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- the torch reference
 
+def _padding_mask(cfg: TinyGPT2 = CONFIG) -> np.ndarray:
+    """(batch, n_positions) 1/0: the second sequence's last 8 tokens are padding."""
+    mask = np.ones((cfg.batch, cfg.n_positions), dtype=np.int64)
+    mask[1, -8:] = 0
+    return mask
+
+
 def reference() -> Case:
     """HF GPT2LMHeadModel, eager attention: 2 layers, n_embd 64, 4 heads, vocab 128, 2 x 32."""
+    return _reference("reference", masked=False)
+
+
+def reference_masked() -> Case:
+    """As ``reference``, called with an ``attention_mask`` padding the second sequence."""
+    return _reference("reference_masked", masked=True)
+
+
+def _reference(name: str, masked: bool) -> Case:
     transformers = require_transformers()
     seed_everything(SEED)
     inputs, targets = _batch()
@@ -65,9 +81,12 @@ def reference() -> Case:
         logits = output.logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets_t.reshape(-1))
 
-    return Case(model=model, inputs={"input_ids": torch.from_numpy(inputs)}, loss_fn=loss_fn,
+    feed = {"input_ids": torch.from_numpy(inputs)}
+    if masked:
+        feed["attention_mask"] = torch.from_numpy(_padding_mask())
+    return Case(model=model, inputs=feed, loss_fn=loss_fn,
                 seed=SEED, steps=1, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                name=f"{MODULE}:reference")
+                name=f"{MODULE}:{name}")
 
 
 # ---------------------------------------------------------------- the Flax port
@@ -134,7 +153,7 @@ class Attention(nnx.Module):
         self.attn_dropout = nnx.Dropout(0.0, deterministic=True)
         self.resid_dropout = nnx.Dropout(0.0, deterministic=True)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         b, t, d = x.shape
         hd = d // self.n_head
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
@@ -148,6 +167,9 @@ class Attention(nnx.Module):
         if not self.slips.no_causal_mask:
             causal = jnp.tril(jnp.ones((t, t), dtype=bool))
             scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        if attention_mask is not None:  # (batch, keys): 1 attends, 0 is padding
+            keep = attention_mask[:, None, None, :].astype(bool)
+            scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
         probs = self.attn_dropout(jax.nn.softmax(scores, axis=-1))
         out = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
         return self.resid_dropout(self.c_proj(out))
@@ -172,8 +194,8 @@ class Block(nnx.Module):
         self.ln_2 = _layer_norm(cfg.n_embd, slips, rngs)
         self.mlp = MLP(cfg, slips, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln_1(x))
+    def __call__(self, x: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.ln_1(x), attention_mask=attention_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -185,11 +207,12 @@ class Transformer(nnx.Module):
         self.h = nnx.List([Block(cfg, slips, rngs) for _ in range(cfg.n_layer)])
         self.ln_f = _layer_norm(cfg.n_embd, slips, rngs)
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def __call__(self, input_ids: jax.Array,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
         positions = jnp.arange(input_ids.shape[-1])[None, :]
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.h:
-            x = block(x)
+            x = block(x, attention_mask=attention_mask)
         return self.ln_f(x)
 
 
@@ -208,11 +231,12 @@ class GPT2LMHeadModel(nnx.Module):
         self.transformer = Transformer(cfg, slips, rngs)
         self.lm_head = LMHead(self.transformer.wte)
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
-        return self.lm_head(self.transformer(input_ids))
+    def __call__(self, input_ids: jax.Array,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        return self.lm_head(self.transformer(input_ids, attention_mask=attention_mask))
 
 
-def _port(slips: Slips, name: str) -> Case:
+def _port(slips: Slips, name: str, masked: bool = False) -> Case:
     inputs, targets = _batch()
     targets_j = jnp.asarray(targets, dtype=jnp.int32)
 
@@ -220,13 +244,21 @@ def _port(slips: Slips, name: str) -> Case:
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets_j).mean()
 
     model = GPT2LMHeadModel(CONFIG, slips, rngs=nnx.Rngs(SEED))
-    return Case(model=model, inputs={"input_ids": inputs}, loss_fn=loss_fn, seed=SEED, steps=1,
+    feed = {"input_ids": inputs}
+    if masked:
+        feed["attention_mask"] = _padding_mask()
+    return Case(model=model, inputs=feed, loss_fn=loss_fn, seed=SEED, steps=1,
                 optimizer=optax.sgd(0.1), name=f"{MODULE}:{name}")
 
 
 def port() -> Case:
     """The faithful port."""
     return _port(Slips(), "port")
+
+
+def port_masked() -> Case:
+    """The faithful port, called with the padding mask."""
+    return _port(Slips(), "port_masked", masked=True)
 
 
 def bug_layernorm_eps() -> Case:

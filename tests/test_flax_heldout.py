@@ -6,6 +6,8 @@ nnx.List blocks, nnx.Dropout(deterministic=True) and HF's extra block arguments 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("flax")
@@ -22,7 +24,7 @@ from layerdiff.weights import trace_weights
 from tests import flax_heldout
 
 REF = "tests.flax_heldout:reference"
-MAP = "tests/flax_heldout.map.toml"
+MAP = str(Path(__file__).with_name("flax_heldout.map.toml"))
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +101,24 @@ def test_replay_judges_the_tied_embedding_gradient_summed_over_both_uses(ref):
     tied = rows[(rows.site == "transformer.wte#0") & (rows.role.astype(str) == "weight_grad")]
     assert len(tied) == 1 and tied.ratio.iloc[0] < 1, tied
     assert result.passed
+
+
+def test_padding_mask_as_a_keyword_input(tmp_path, run, reference_traces):
+    """A dict of keyword inputs with an integer padding mask: recorded at the root as given,
+    with no gradient; the port passes once HF's 4-D additive block mask, which the port takes
+    in (batch, T) form under the same name, is dropped from the input check."""
+    ref = reference_traces("tests.flax_heldout:reference_masked")
+    port = capture_port(load_case("tests.flax_heldout:port_masked"), tmp_path / "port.h5",
+                        weights_from=ref, mapping=MAP, progress=False)
+    with open_trace(port) as trace:
+        root = trace.index[trace.index.site == "<root>#0"]
+    mask = root[root.arg == "attention_mask"]
+    assert list(mask.role.astype(str)) == ["input"]          # no gradient for integers
+    assert str(mask.dtype.iloc[0]).startswith("int")
+    diff = run("diff", ref, port, "--map", MAP)
+    assert diff.exit_code == 0, diff.output
+    # without the drop the two masks pair by name and cannot be compared: not a pass
+    text = Path(MAP).read_text()
+    no_drop = tmp_path / "no_drop.map.toml"
+    no_drop.write_text(text[:text.index("# HF hands each block")])
+    assert run("diff", ref, port, "--map", no_drop).exit_code == 1
