@@ -122,3 +122,39 @@ def test_padding_mask_as_a_keyword_input(tmp_path, run, reference_traces):
     no_drop = tmp_path / "no_drop.map.toml"
     no_drop.write_text(text[:text.index("# HF hands each block")])
     assert run("diff", ref, port, "--map", no_drop).exit_code == 1
+
+
+def test_a_port_tying_what_the_reference_does_not_is_refused_in_one_sentence(tmp_path):
+    """Two torch Linears with their own weights, one NNX Linear held as both: loading either
+    would silently drop the other's values."""
+    import torch
+
+    import layerdiff
+    from layerdiff.errors import MappingError
+
+    class TorchTwo(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    class FlaxTied(nnx.Module):
+        def __init__(self) -> None:
+            self.a = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.b = self.a
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    ref = layerdiff.capture(layerdiff.Case(model=TorchTwo(), inputs=(torch.ones(2, 4),),
+                                           loss_fn=lambda y: y.sum()), tmp_path / "ref.h5")
+    mapping = tmp_path / "m.toml"
+    mapping.write_text('version = 1\n[[param]]\nport = "*.kernel"\nreference = "*.weight"\n'
+                       'transform = "transpose"\n')
+    with pytest.raises(MappingError, match=r"port a\.(kernel|bias) and b\.(kernel|bias) are "
+                       "one tied variable, but the reference gives them different values"):
+        load_nnx_weights(FlaxTied(), ref, mapping)
