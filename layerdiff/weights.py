@@ -245,7 +245,10 @@ def unused_reference(reference: dict[str, np.ndarray],
     """Reference tensors that no port tensor takes anything from."""
     used = {ref for found in assignments if found.problem not in (NO_SOURCE, PORT_OWN)
             for ref in found.source.reference}
-    return sorted(set(reference) - used)
+    # a tied tensor's other names (trace_weights gives them the same array) are used with it
+    used_arrays = {id(reference[ref]) for ref in used if ref in reference}
+    return sorted(name for name in set(reference) - used
+                  if id(reference[name]) not in used_arrays)
 
 
 def _combined(found: Assignment, reference: dict[str, np.ndarray]) -> Assignment:

@@ -324,7 +324,10 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
                     mapping: Mapping) -> dict[str, Any] | None:
     """When the port runs in another precision and no baseline was given: the two commands
     that judge it by what that precision allows."""
-    floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")]
+    # both floats: a record paired with an integer one (a (batch, T) 0/1 mask against a 4-D
+    # float mask of the same name) is a different tensor, not the port's precision
+    floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")
+                  & rows[Column.PORT_DTYPE].astype(str).str.contains("float")]
     differ = floats[floats[Column.DTYPE] != floats[Column.PORT_DTYPE]]
     if differ.empty:
         return None

@@ -44,7 +44,7 @@ from flax import nnx
 
 from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaptureError, LayerdiffError
-from layerdiff.flax.graph import ModelGraph, Owned, path_name
+from layerdiff.flax.graph import ModelGraph, Owned
 from layerdiff.flax.intercept import intercepted
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
@@ -259,6 +259,7 @@ class _CallRecorder:
     def __init__(self, writer: TraceWriter, graph: ModelGraph, selected: set[str], *,
                  weights: bool) -> None:
         self.writer = writer
+        self.graph = graph
         self.selected = selected
         self.owned = ({path: owned for path, owned in graph.owned.items() if path in selected}
                       if weights else {})
@@ -291,8 +292,7 @@ class _CallRecorder:
 
     def bind(self, model: nnx.Module) -> None:
         """The copy of the model this step runs: its modules' identities, by path."""
-        self.paths = {id(node): path_name(path) for path, node in nnx.iter_graph(model)
-                      if isinstance(node, nnx.Module)}
+        self.paths = self.graph.module_names(model)
         self.stack.clear()
         self.sites.clear()
 

@@ -17,9 +17,26 @@ def path_name(path: tuple[Any, ...]) -> str:
     return ".".join(str(key) for key in path) or schema.ROOT_MODULE
 
 
-def _order(path: tuple[Any, ...]) -> tuple:
-    # depth first, parents before children, list items by number: torch's named_modules order
-    return tuple((0, key, "") if isinstance(key, int) else (1, 0, str(key)) for key in path)
+def registration_paths(model: nnx.Module) -> dict[int, tuple[Any, ...]]:
+    """Each module's and variable's path as torch's ``named_modules`` would name it: depth
+    first, parents before children, children in the order the code set them (NNX's own
+    traversal sorts attribute names), a node reachable by several paths (a tied embedding)
+    under the first; keyed by ``id``, in that order."""
+    paths: dict[int, tuple[Any, ...]] = {}
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        paths[id(node)] = path
+        if isinstance(node, nnx.Variable):
+            return
+        children = list(nnx.graph.iter_children(node))
+        keys = list(vars(node)) if hasattr(node, "__dict__") else []
+        children.sort(key=lambda item: keys.index(item[0]) if item[0] in keys else len(keys))
+        for key, child in children:
+            if id(child) not in paths:
+                walk(child, (*path, key))
+
+    walk(model, ())
+    return paths
 
 
 @dataclass(frozen=True)
@@ -42,17 +59,24 @@ class ModelGraph:
     owned: dict[str, list[Owned]]
     # variables reachable by several paths (tied): (the path recorded, every full name)
     shared: list[tuple[tuple[Any, ...], list[str]]]
+    # each module's name by its path in NNX's own traversal, which a copy of the model
+    # (nnx.merge) shares while the copy's attribute order, hence registration_paths, is lost
+    names: dict[tuple[Any, ...], str]
 
     @classmethod
     def of(cls, model: nnx.Module) -> ModelGraph:
-        nodes = sorted(nnx.iter_graph(model), key=lambda item: _order(item[0]))
-        modules = [(path_name(path), node) for path, node in nodes
+        named = registration_paths(model)
+        order = {key: i for i, key in enumerate(named)}
+        # iter_graph's path of a variable is its key in nnx.state; its name is torch's
+        nodes = sorted(nnx.iter_graph(model), key=lambda item: order.get(id(item[1]), -1))
+        modules = [(path_name(named[id(node)]), node) for _, node in nodes
                    if isinstance(node, nnx.Module)]
         module_paths = {name for name, _ in modules}
         owned: dict[str, list[Owned]] = {}
-        for path, node in nodes:
+        for state_path, node in nodes:
             if not isinstance(node, nnx.Variable) or isinstance(node, nnx.RngState):
                 continue
+            path = named[id(node)]
             # the nearest module above it owns it; the rest of the path is its name there
             for depth in range(len(path) - 1, -1, -1):
                 owner = path_name(path[:depth])
@@ -60,16 +84,22 @@ class ModelGraph:
                     break
             name = ".".join(str(key) for key in path[depth:])
             owned.setdefault(owner, []).append(
-                Owned(name, tuple(path), isinstance(node, nnx.Param)))
+                Owned(name, tuple(state_path), isinstance(node, nnx.Param)))
         # each module's variables in the order its code set them (Linear: kernel, then bias),
         # as torch records a module's parameters in registration order
         by_path = dict(modules)
         for owner, variables in owned.items():
             keys = list(vars(by_path[owner]))
-            depth = 0 if owner == schema.ROOT_MODULE else owner.count(".") + 1
-            variables.sort(key=lambda v: keys.index(v.state_path[depth])
-                           if v.state_path[depth] in keys else len(keys))
-        return cls(modules, owned, _tied(model, nodes))
+            variables.sort(key=lambda v: keys.index(v.name.split(".")[0])
+                           if v.name.split(".")[0] in keys else len(keys))
+        names = {tuple(path): path_name(named[id(node)]) for path, node in nodes
+                 if isinstance(node, nnx.Module)}
+        return cls(modules, owned, _tied(model, nodes), names)
+
+    def module_names(self, copy: nnx.Module) -> dict[int, str]:
+        """``id`` -> name of each module of a copy of the model (nnx.merge of its split)."""
+        return {id(node): self.names[tuple(path)] for path, node in nnx.iter_graph(copy)
+                if isinstance(node, nnx.Module) and tuple(path) in self.names}
 
     def shared_parameters(self, selected: set[str]) -> list[dict[str, Any]]:
         """The trace meta's ``shared_parameters``: each tied variable's recorded full name

@@ -19,12 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layerdiff.errors import MappingError
 from layerdiff.flax.graph import ModelGraph, path_name
 from layerdiff.mapping import Mapping
 from layerdiff.trace import open_trace
 from layerdiff.weights import (
     KEPT,
+    NO_SOURCE,
     PORT_OWN,
+    Assignment,
     WeightsReport,
     as_mapping,
     refuse_unloadable,
@@ -50,9 +53,14 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
         reference = trace_weights(trace)
     mapping = as_mapping(mapping)
     variables = nnx_variables(model)
-    modules = {path for path, _ in ModelGraph.of(model).modules}
-    shapes = {name: tuple(variable.get_value().shape) for name, variable in variables.items()}
-    assignments = resolve_shapes(shapes, modules, reference, mapping, world=(0, 1))
+    graph = ModelGraph.of(model)
+    modules = {path for path, _ in graph.modules}
+    aliases = _aliases(graph, variables)
+    shapes = {alias: tuple(variable.get_value().shape) for name, variable in variables.items()
+              for alias in aliases.get(name, [name])}
+    assignments = _one_per_variable(
+        resolve_shapes(shapes, modules, reference, mapping, world=(0, 1)), aliases,
+        str(trace_path))
     refuse_unloadable(assignments, reference, mapping, str(trace_path))
     report = WeightsReport({found.port: found.source.reference for found in assignments
                             if found.problem != PORT_OWN},
@@ -62,7 +70,7 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
     for found in assignments:
         if found.problem == PORT_OWN:
             continue
-        variable = variables[found.port]
+        variable = variables[_canonical(found.port, aliases)]
         target = variable.get_value().dtype
         value = np.asarray(found.value)
         if np.issubdtype(value.dtype, np.floating) and value.dtype != target:
@@ -70,3 +78,39 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
             report.cast[how] = report.cast.get(how, 0) + 1
         variable.set_value(jnp.asarray(value, dtype=target))
     return report
+
+
+def _aliases(graph: ModelGraph, variables: dict[str, nnx.Variable]) -> dict[str, list[str]]:
+    """Each tied variable's every name (``lm_head.wte.embedding`` and
+    ``transformer.wte.embedding``), under the name the state gives it."""
+    return {path_name(first): names for first, names in graph.shared
+            if path_name(first) in variables}
+
+
+def _canonical(name: str, aliases: dict[str, list[str]]) -> str:
+    return next((key for key, names in aliases.items() if name in names), name)
+
+
+def _one_per_variable(assignments: list[Assignment], aliases: dict[str, list[str]],
+                      source: str) -> list[Assignment]:
+    """A tied variable is loaded once, from whichever of its names the mapping sources (NNX
+    lists it under one path only, often not the one the reference's name pairs with); two
+    names sourced with different values are refused: the port ties what the reference does
+    not."""
+    by_name = {found.port: found for found in assignments}
+    every_alias = {alias for names in aliases.values() for alias in names}
+    kept = [found for found in assignments if found.port not in every_alias]
+    for names in aliases.values():
+        group = [by_name[name] for name in names if name in by_name]
+        sourced = [found for found in group if found.problem != NO_SOURCE]
+        loaded = [found for found in sourced if not found.problem and found.value is not None]
+        for other in loaded[1:]:
+            if not np.array_equal(np.asarray(other.value), np.asarray(loaded[0].value)):
+                raise MappingError(
+                    f"weights from {source}: port {loaded[0].port} and {other.port} are one "
+                    f"tied variable, but the reference gives them different values "
+                    f"({', '.join(loaded[0].source.reference)} and "
+                    f"{', '.join(other.source.reference)}); untie them in the port or source "
+                    "only one of the names in the mapping")
+        kept.append((sourced or group)[0])
+    return kept

@@ -29,9 +29,12 @@ import numpy as np
 from flax import nnx
 
 from layerdiff.errors import DiffError
+from layerdiff.flax.graph import ModelGraph
+from layerdiff.flax.intercept import intercepted
+from layerdiff.replay.calling import BoundCall, Signature, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
-from layerdiff.trace.arguments import dropped_arguments, map_argument, rebuild_call
+from layerdiff.trace.arguments import dropped_arguments, map_argument
 from layerdiff.trace.schema import Pass, Role
 
 # Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
@@ -48,13 +51,7 @@ class NotReplayable(Exception):
 def named_modules(model: nnx.Module) -> dict[str, nnx.Module]:
     """Module path -> module, named as capture names NNX sites (``block.fc1``, ``<root>``); a
     module reachable by two paths keeps the first."""
-    found: dict[str, nnx.Module] = {}
-    seen: set[int] = set()
-    for path, node in sorted(nnx.iter_graph(model), key=lambda item: len(item[0])):
-        if isinstance(node, nnx.Module) and id(node) not in seen:
-            seen.add(id(node))
-            found[".".join(map(str, path)) or schema.ROOT_MODULE] = node
-    return found
+    return {name: module for name, module in ModelGraph.of(model).modules}
 
 
 def own_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -69,11 +66,23 @@ class FlaxPort:
     the reference's weights: :func:`layerdiff.flax.weights.load_nnx_weights`)."""
 
     def __init__(self, model: nnx.Module, ref: Trace) -> None:
-        self.modules = named_modules(model)
+        graph = ModelGraph.of(model)
+        self.modules = dict(graph.modules)
+        # each variable's owner and name there, by identity: a tied variable (GPT-2's lm head
+        # reaching wte's embedding through wte.attend) gets its gradient from every module
+        # using it, summed where its owner records it, as capture's whole-model gradient does
+        state_paths = {tuple(path): node for path, node in nnx.iter_graph(model)}
+        self._owner: dict[int, tuple[str, str]] = {
+            id(state_paths[variable.state_path]): (owner, variable.name)
+            for owner, owned in graph.owned.items() for variable in owned
+            if variable.state_path in state_paths}
+        self._contributors: dict[tuple[str, str], set[str]] = {}
         self.ref = ref
         self._weights_recorded: set[str] = set()
         self._first_site: dict[str, str] = {}
         self._grad_sums: dict[str, dict[str, jax.Array]] = {}  # module -> name -> sum
+        self._port_signatures: dict[str, Signature | None] = {}
+        self._ref_signatures: dict[str, Signature | None] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -87,9 +96,17 @@ class FlaxPort:
                             "call; rename its arguments with the site's args instead")
         module = self.modules[module_name]
         values = self._inputs(call, args_map)
+        # fitted to the module's own __call__ as torch replay fits a forward: an argument it
+        # has no parameter for (HF's cache, use_cache, position_ids) is not taken, and listed
+        bind = self._binder(call, module_name, dropped_arguments(args_map))
+        dropped = bind(values).dropped
+        left_out = {head for head, _ in dropped}
+        values = [(arg, value) for arg, value in values
+                  if arg.partition(".")[0] not in left_out]
         for arg, value in values:
             writer.record(site, Role.INPUT, _numpy(value), arg=arg)
         own = own_variables(module)
+        reached = _reached_params(module)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
             for name, variable in own.items():
@@ -97,9 +114,11 @@ class FlaxPort:
                               pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
-        params = {name: variable[...] for name, variable in own.items()
-                  if isinstance(variable, nnx.Param) and _floating(variable[...])}
-        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves))
+        params = {path: variable[...] for path, variable in reached.items()
+                  if _floating(variable[...])}
+        called: set[tuple[Any, ...]] = set()
+        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves),
+                          lambda fresh: bind(fresh).call(), called)
         with jax.default_matmul_precision(MATMUL_PRECISION):
             (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
@@ -111,7 +130,7 @@ class FlaxPort:
         recorded = {arg: row for arg, row in call.grad_outputs.items()
                     if arg in dict(flat)}
         if not recorded:
-            return []
+            return dropped
         cotangents = []
         for arg, value in flat:
             if arg in recorded and _floating(value):
@@ -127,17 +146,43 @@ class FlaxPort:
         for arg, grad in input_grads.items():
             writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
-        sums = self._grad_sums.setdefault(module_name, {})
-        for name, grad in param_grads.items():
+        for path, grad in param_grads.items():
+            # a variable reached through a child this call called is that child's to sum
+            if any(path[:depth] in called for depth in range(1, len(path))):
+                continue
+            owner, name = self._owner[id(reached[path])]
+            self._contributors.setdefault((owner, name), set()).add(module_name)
+            sums = self._grad_sums.setdefault(owner, {})
             sums[name] = grad if name not in sums else sums[name] + grad
-        return []
+        return dropped
+
+    def _binder(self, call: RecordedCall, module_name: str,
+                drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
+        if module_name not in self._port_signatures:
+            self._port_signatures[module_name] = Signature.of(self.modules[module_name].__call__)
+        port = self._port_signatures[module_name]
+        reference = self._reference_signature(call.type)
+        where = f"port layer {module_name}"
+        return lambda values: bind_call(values, port, reference=reference, drop=drop,
+                                        where=where)
+
+    def _reference_signature(self, type_name: str) -> Signature | None:
+        """The reference module type's forward signature, as capture recorded it."""
+        if type_name not in self._ref_signatures:
+            signatures = self.ref.meta.get("signatures", {})
+            data = signatures.get(type_name) if isinstance(signatures, dict) else None
+            self._ref_signatures[type_name] = None if data is None else Signature.from_json(
+                data, f"{self.ref.path} meta 'signatures' {type_name}")
+        return self._ref_signatures[type_name]
 
     def finish(self, writer: TraceWriter, complete: set[str]) -> None:
         """Weight gradients summed over a module's calls, at its first replayed site; only
         where every call of it was replayed (``complete``), or the sums would differ."""
         for module_name, sums in self._grad_sums.items():
-            if module_name in complete:
+            if module_name in complete and module_name in self._first_site:
                 for name, grad in sums.items():
+                    if not self._contributors[(module_name, name)] <= complete:
+                        continue
                     writer.record(self._first_site[module_name], Role.WEIGHT_GRAD,
                                   _numpy(grad), arg=name)
 
@@ -186,8 +231,32 @@ def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str
     return shared
 
 
-def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: set[str],
-               shared: dict[str, str]) -> Callable[..., Any]:
+def _reached_params(module: nnx.Module) -> dict[tuple[Any, ...], nnx.Variable]:
+    """The parameters a module reaches, its children's too, by path in its split state."""
+    return {tuple(path): node for path, node in nnx.iter_graph(module)
+            if isinstance(node, nnx.Param)}
+
+
+class _CalledChildren:
+    """Records the path (in the copy) of every submodule whose ``__call__`` runs."""
+
+    def __init__(self, copy: nnx.Module, called: set[tuple[Any, ...]]) -> None:
+        self.paths = {id(node): tuple(path) for path, node in nnx.iter_graph(copy)
+                      if isinstance(node, nnx.Module)}
+        self.called = called
+
+    def call(self, original: Callable[..., Any], module: Any, args: tuple,
+             kwargs: dict) -> Any:
+        path = self.paths.get(id(module))
+        if path:
+            self.called.add(path)
+        return original(module, *args, **kwargs)
+
+
+def _pure_call(module: nnx.Module, values: list[tuple[str, Any]],
+               param_paths: set[tuple[Any, ...]], shared: dict[str, str],
+               caller: Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]],
+               called: set[tuple[Any, ...]]) -> Callable[..., Any]:
     """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
     merged afresh from its split state with ``params`` in place, called on the inputs."""
     graphdef, state = nnx.split(module)
@@ -196,12 +265,17 @@ def _pure_call(module: nnx.Module, values: list[tuple[str, Any]], param_names: s
     def pure(params: dict[str, jax.Array], leaves: dict[str, jax.Array]):
         # rebuilt inside the trace: variables made outside it may not be written in it
         fresh = jax.tree.map(lambda leaf: leaf, state)
-        for name in param_names:
-            fresh[name] = fresh[name].replace(params[name])
+        for path in param_paths:
+            holder = fresh
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = holder[path[-1]].replace(params[path])
         copy = nnx.merge(graphdef, fresh)
-        args, kwargs = rebuild_call([(arg, leaves.get(shared.get(arg, arg), value))
-                                     for arg, value in values])
-        outputs = copy(*args, **kwargs)
+        args, kwargs = caller([(arg, leaves.get(shared.get(arg, arg), value))
+                               for arg, value in values])
+        with intercepted([node for _, node in nnx.iter_graph(copy)
+                          if isinstance(node, nnx.Module)], _CalledChildren(copy, called)):
+            outputs = copy(*args, **kwargs)
         after = _rng_counts(copy)
         draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
                     for a, b in zip(counts_before, after, strict=True))
