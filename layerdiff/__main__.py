@@ -1,5 +1,5 @@
 """``python -m layerdiff``: the same command line as ``layerdiff`` (for torchrun, subprocesses)."""
 
-from layerdiff.cli import main
+from layerdiff.cli import run
 
-main(prog_name="layerdiff")
+run()

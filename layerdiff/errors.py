@@ -44,3 +44,16 @@ class Interrupted(LayerdiffError):
     """Ctrl-C: the work stopped; the message says what was left and where."""
 
     exit_code = 130  # the shell's code for a process ended by SIGINT
+
+
+def interrupt_inside(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C an exception carries as its cause, or None. Python 3.11 wraps an interrupt
+    that lands in a class body's ``__set_name__`` (torch defines classes lazily, mid-run) in a
+    RuntimeError, and libraries re-raise as their own errors: still the user's Ctrl-C."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -20,8 +20,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 
-from layerdiff import CaptureError, TraceWriter, open_trace
+from layerdiff import CaptureError, TraceWriter, capture, open_trace
 from layerdiff.trace.h5file import TraceFile
 
 ROOT = Path(__file__).parent.parent
@@ -390,3 +391,37 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_is_delivered_again(capsys):
             time.sleep(0.001)
         pytest.fail("the Ctrl-C was lost")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_ctrl_c_wrapped_by_the_model_on_its_way_is_an_interrupt(tmp_path):
+    """Python 3.11 wraps an interrupt that lands in a class body (torch defines classes lazily,
+    mid-run) in a RuntimeError: that is the user's Ctrl-C, not the model's error."""
+    from layerdiff import Case
+
+    class Wraps(torch.nn.Linear):
+        def forward(self, x):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as exc:
+                raise RuntimeError("Error calling __set_name__ on 'cached_property'") from exc
+
+    case = Case(Wraps(4, 2), (torch.ones(3, 4),), lambda y: y.sum(), name="wraps")
+    target = tmp_path / "t.h5"
+    with pytest.raises(KeyboardInterrupt):
+        capture(case, target)
+    assert not target.exists() and Path(f"{target}.partial").exists()
+
+
+def test_a_ctrl_c_during_teardown_prints_no_traceback():
+    """After the command has said its result, a Ctrl-C during the interpreter's teardown
+    (torch's atexit handlers) must not print 'Exception ignored ... KeyboardInterrupt'."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
+            "sys.argv = ['layerdiff', '--version']\n"
+            "from layerdiff.cli import run\n"
+            "run()\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.stdout.startswith("layerdiff, version")
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.returncode == 0

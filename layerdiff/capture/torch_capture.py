@@ -18,7 +18,7 @@ from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case, ExternalCase, load_case, seed_everything
-from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
@@ -219,6 +219,8 @@ class PreparedCapture:
                 raise
             except Exception as exc:
                 partial = _close_incomplete(recorder)
+                if interrupt_inside(exc) is not None:
+                    raise KeyboardInterrupt from exc  # the user's Ctrl-C, wrapped on its way
                 where = (f" inside site {hooks.open[-1].site} ({hooks.open[-1].type})"
                          if hooks.open and observer.phase == "forward" else "")
                 raise CaptureError(
@@ -257,6 +259,8 @@ def _capture_external(case: ExternalCase, path: str | os.PathLike, *, include: S
         raise
     except Exception as exc:
         writer.close(complete=False)
+        if interrupt_inside(exc) is not None:
+            raise KeyboardInterrupt from exc
         raise CaptureError(f"case {case.name}: the port raised {type(exc).__name__}: {exc} "
                            f"at step {writer.current_step}; no trace was published") from exc
     except BaseException:

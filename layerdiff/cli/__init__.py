@@ -56,3 +56,16 @@ def main(ctx: click.Context, debug: bool) -> None:
 for _family in (capture, diff, replay, session, debug, ranks, ci, demo):
     for _command in _family.COMMANDS:
         main.add_command(_command)
+
+
+def run() -> None:
+    """The ``layerdiff`` process: the command, then an exit that a late Ctrl-C cannot turn into
+    a traceback. Once the command has returned, its result is published and said; a Ctrl-C
+    during the interpreter's teardown (torch's atexit handlers) would only print "Exception
+    ignored" over it, so teardown ignores SIGINT."""
+    import signal
+
+    try:
+        main(prog_name="layerdiff")
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

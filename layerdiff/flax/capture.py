@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from layerdiff.case import Case, seed_everything
-from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
 from layerdiff.flax.graph import ModelGraph, Owned
 from layerdiff.flax.intercept import intercepted
 from layerdiff.progress import StepProgress
@@ -93,6 +93,8 @@ def capture_nnx(case: Case, path: str | os.PathLike, *, include: Sequence[str] =
         raise
     except Exception as exc:
         partial = writer.close(complete=False)
+        if interrupt_inside(exc) is not None:
+            raise KeyboardInterrupt from exc  # the user's Ctrl-C, wrapped on its way
         where = f" inside site {sink.failed}" if sink.failed else ""
         raise CaptureError(
             f"case {case.name}: the model raised {type(exc).__name__}: {exc}{where} during the "
