@@ -54,12 +54,13 @@ def test_the_command_line_starts_without_torch():
 
 
 def test_the_console_script_and_the_import_name_the_same_group(run):
-    from layerdiff.cli import main, run
+    from layerdiff import cli
+    from layerdiff.cli import main
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
         "project"]["scripts"]
     module, _, name = scripts["layerdiff"].partition(":")
-    assert getattr(__import__(module, fromlist=[name]), name) is run  # main, then a quiet exit
+    assert getattr(__import__(module, fromlist=[name]), name) is cli.run  # main, quiet exit
     assert sorted(main.commands) == COMMANDS
     for command in COMMANDS:  # each one's help renders (its options and their help are intact)
         shown = run(command, "--help")
