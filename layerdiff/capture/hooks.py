@@ -52,7 +52,7 @@ from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
 from layerdiff.capture.stage import Stager
 from layerdiff.errors import CaptureError
-from layerdiff.trace import schema
+from layerdiff.trace import arguments, schema
 from layerdiff.trace.schema import Pass, Role
 
 
@@ -75,15 +75,9 @@ class _OpenCall:
 
 
 def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(argument path, leaf) pairs of nested tuples, lists and dicts."""
-    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
-        for i, item in enumerate(value):
-            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        yield prefix or "0", value
+    """(argument path, leaf) pairs of nested tuples, lists and dicts (a ``torch.Size`` is one
+    value): the trace's argument paths, :func:`layerdiff.trace.arguments.flatten`."""
+    return arguments.flatten(value, prefix, is_leaf=lambda v: isinstance(v, torch.Size))
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of a leaf tensor

@@ -242,7 +242,7 @@ def _differentiable(value: Any) -> bool:
 
 def _rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
     """``value`` with each leaf replaced by ``leaf(argument path, leaf)``: the paths and their
-    order are :func:`layerdiff.capture.hooks.flatten`'s (``0``, ``1.0``, ``mask``)."""
+    order are :func:`layerdiff.trace.arguments.flatten`'s (``0``, ``1.0``, ``mask``)."""
     if isinstance(value, (tuple, list)):
         items = [_rebuild(item, f"{prefix}.{i}" if prefix else str(i), leaf)
                  for i, item in enumerate(value)]

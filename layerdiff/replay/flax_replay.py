@@ -34,7 +34,7 @@ from layerdiff.flax.intercept import intercepted
 from layerdiff.replay.calling import BoundCall, Signature, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
-from layerdiff.trace.arguments import dropped_arguments, map_argument
+from layerdiff.trace.arguments import dropped_arguments, flatten, map_argument
 from layerdiff.trace.schema import Pass, Role
 
 # Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
@@ -124,7 +124,7 @@ class FlaxPort:
         if draws:
             raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
                                 "that is on): its output cannot match the reference's")
-        flat = list(_flatten(outputs, ""))
+        flat = list(flatten(outputs))
         for arg, value in flat:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
         recorded = {arg: row for arg, row in call.grad_outputs.items()
@@ -288,20 +288,9 @@ def _rng_counts(module: nnx.Module) -> list[Any]:
     return [node[...] for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngCount)]
 
 
-def _flatten(value: Any, prefix: str):
-    """(argument path, leaf) pairs, named as torch capture names outputs (``0``, ``0.1``)."""
-    if isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _flatten(item, f"{prefix}.{i}" if prefix else str(i))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
-    else:
-        yield prefix or "0", value
-
-
 def _unflatten(structure: Any, leaves: list[Any]) -> Any:
-    """``leaves`` (in :func:`_flatten`'s order) put back into ``structure``'s shape."""
+    """``leaves`` (in :func:`~layerdiff.trace.arguments.flatten`'s order) put back into
+    ``structure``'s shape."""
     it = iter(leaves)
 
     def build(node: Any) -> Any:

@@ -7,6 +7,7 @@ replay needs the call again. Numeric path parts rebuild tuples, other parts dict
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from layerdiff.errors import DiffError
@@ -17,6 +18,21 @@ class _Leaf:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+def flatten(value: Any, prefix: str = "", *,
+            is_leaf: Callable[[Any], bool] = lambda value: False) -> Iterator[tuple[str, Any]]:
+    """(argument path, leaf) pairs of nested tuples, lists and dicts: ``layer(x, (h, c),
+    mask=m)`` gives ``0``, ``1.0``, ``1.1``, ``mask`` (the inverse of :func:`rebuild_call`).
+    ``is_leaf`` keeps a tuple that is one value (torch's ``Size``) whole."""
+    if isinstance(value, (tuple, list)) and not is_leaf(value):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i), is_leaf=is_leaf)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key), is_leaf=is_leaf)
+    else:
+        yield prefix or "0", value
 
 
 def rebuild_call(values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
