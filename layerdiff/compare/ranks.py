@@ -325,6 +325,8 @@ class _Comparer:
         the same key, and whether a shard rule covers it."""
         index = trace.index
         frame = index[_COLUMNS].copy()
+        if trace.digest_algorithm != self.ranks[0].digest_algorithm:
+            frame["digest"] = ""  # digests of another definition: compare the bytes
         frame["pos"] = np.arange(len(index))
         frame["occurrence"] = frame.groupby(KEY, sort=False).cumcount()
         modules = dict(zip(trace.sites["site"], trace.sites["module"], strict=True))

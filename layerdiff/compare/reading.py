@@ -68,6 +68,7 @@ class DirectReader:
     def __init__(self, segments: SegmentReader) -> None:
         self.segments = segments
         self.path = segments.path
+        self.digest_algorithm = segments.digest_algorithm
         self._h5 = segments.h5
         self._fd = _descriptor(segments.h5)
         self._places: dict[int, tuple[int, int] | None] = {}
@@ -340,8 +341,9 @@ def _whole_chunks(number: int, ref: TensorRef, port: TensorRef, readers) -> Iter
 
 
 def _checker(tensor: TensorRef, reader: DirectReader) -> RecordCheck | None:
-    return None if tensor.check is None else RecordCheck(tensor.check, reader.path,
-                                                         statistics=tensor.statistics)
+    return None if tensor.check is None else RecordCheck(
+        tensor.check, reader.path, statistics=tensor.statistics,
+        algorithm=reader.digest_algorithm)
 
 
 def verify_tensors(segments: SegmentReader, tensors: list[TensorRef],
@@ -369,7 +371,8 @@ def _whole(tensor: TensorRef, reader: DirectReader) -> np.ndarray:
     raw = np.empty(tensor.nbytes, np.uint8)
     reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
     if tensor.check is not None:
-        check_bytes(raw, tensor.check, reader.path, statistics=tensor.statistics)
+        check_bytes(raw, tensor.check, reader.path, statistics=tensor.statistics,
+                    algorithm=reader.digest_algorithm)
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
     values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
     return np.ascontiguousarray(as_compared(values, tensor.part, tensor.transpose))

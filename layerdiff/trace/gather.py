@@ -32,6 +32,7 @@ from layerdiff.errors import TraceError
 from layerdiff.mapping import Mapping, ShardRule
 from layerdiff.trace import schema
 from layerdiff.trace.companions import gathered_path  # noqa: F401  (imported from here too)
+from layerdiff.trace.digest import DIGEST_NAME, digest_bytes
 from layerdiff.trace.h5file import TraceFile
 from layerdiff.trace.reader import Trace, open_trace
 from layerdiff.trace.stats import Stats, tensor_stats
@@ -110,6 +111,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
             "rules": [rule.describe() for rule in mapping.shard_rules],
             "sharded_records": len(cut), "key": key}  # what up_to_date compares
         meta["world_size"] = 1
+        meta["tensor_digest"] = DIGEST_NAME  # joined records are digested here
         writer = _Packer(TraceFile(output, meta, first.summary))
         try:
             rows = []
@@ -274,7 +276,13 @@ class _Packer:
             self._used = 0
 
     def copy(self, row: dict[str, Any], trace: Trace) -> dict[str, Any]:
-        if row["kind"] != "tensor" or row["segment"] < 0:
+        if row["kind"] != "tensor":
+            return row
+        if trace.digest_algorithm != DIGEST_NAME and row["digest"]:
+            # a rank file of an older layerdiff: its digest follows the other definition
+            row = {**row, "digest": digest_bytes(trace.read(pd.Series(row), raw=True))
+                   if row["segment"] >= 0 else ""}
+        if row["segment"] < 0:
             return row
         raw = trace.read(pd.Series(row), raw=True)
         segment, offset = self._place(raw.reshape(-1).view(np.uint8))

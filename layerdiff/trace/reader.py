@@ -15,6 +15,7 @@ import pandas as pd
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
+from layerdiff.trace.digest import LEGACY_DIGEST
 from layerdiff.trace.guards import H5_ERRORS, guard_global_heaps, short
 from layerdiff.trace.h5file import partial_path
 from layerdiff.trace.manifest import rank_files
@@ -122,7 +123,12 @@ class Trace:
     def segments(self) -> SegmentReader:
         """A reader of byte ranges of this trace's tensor segments, for readers that stream
         tensor data (the diff, the trace browser)."""
-        return SegmentReader(self._h5, str(self.path))
+        return SegmentReader(self._h5, str(self.path), self.digest_algorithm)
+
+    @property
+    def digest_algorithm(self) -> str:
+        """The definition of the index's tensor digests (trace/digest.py)."""
+        return self.meta.get("tensor_digest", LEGACY_DIGEST)
 
     @property
     def loss_scale(self) -> float:
@@ -244,7 +250,7 @@ class Trace:
             raise TraceError(f"{self.path}: tensor data of {describe(row)} cannot be read "
                              f"({short(exc)}); the file is damaged") from exc
         if self.verify:
-            check_bytes(data, row, str(self.path))
+            check_bytes(data, row, str(self.path), algorithm=self.digest_algorithm)
         array = data.view(schema.numpy_dtype(row["dtype"]))
         array = array.reshape(schema.parse_shape(row["shape"]))
         if row["dtype"] == "bfloat16" and not raw:

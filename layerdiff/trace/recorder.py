@@ -23,6 +23,7 @@ import numpy as np
 
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
+from layerdiff.trace.digest import DIGEST_NAME
 from layerdiff.trace.h5file import TraceFile
 from layerdiff.trace.signals import interrupts_deferred
 from layerdiff.trace.stats import EMPTY_STATS, Stats, batch_stats, compute_stats
@@ -135,7 +136,8 @@ class Recorder:
         # statistics only, as in a summary trace (capture --full-around)
         self._keep = keep
         self._kept: dict[str, bool] = {}
-        self.file = TraceFile(path, meta, summary)
+        # the index's digests are this recorder's: say which definition they follow
+        self.file = TraceFile(path, {**meta, "tensor_digest": DIGEST_NAME}, summary)
         self.ring = StagingRing(queue_bytes)
         self.max_staged = queue_bytes // 2
         self.seq = 0

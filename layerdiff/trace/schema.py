@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from layerdiff.errors import TraceError
+from layerdiff.trace.digest import DIGEST_NAME, LEGACY_DIGEST
 
 FORMAT_NAME = "layerdiff-trace"
 FORMAT_VERSION = 1
@@ -107,7 +108,7 @@ INDEX_COLUMNS: dict[str, str | np.dtype] = {
     "l2": np.dtype(np.float64),
     "nan": np.dtype(np.int64),
     "inf": np.dtype(np.int64),
-    "digest": STR,                   # xxh3-64 hex of the raw C-order bytes; '' if not computed
+    "digest": STR,                   # the tensor digest (meta tensor_digest), 16 hex; '' if none
     "value": STR,                    # kind == value: JSON of the value (or its repr)
 }
 
@@ -228,7 +229,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str, type(None)), "autocast": (str, type(None)), "model_dtype": (str, type(None)),
     "default_dtype": (str, type(None)), "weights": (dict, type(None)),
     "signatures": (dict,), "shared_parameters": (list, type(None)), "include": (list,),
-    "exclude": (list,), "summary": (bool,),
+    "exclude": (list,), "summary": (bool,), "tensor_digest": (str,),
 }
 # a loss scale multiplies gradients; beyond these, float32 gradients under- or overflow
 LOSS_SCALE_RANGE = (1e-30, 1e30)
@@ -259,6 +260,11 @@ def parse_meta(text: Any, path: Path) -> dict[str, Any]:
         if key in meta and (not isinstance(meta[key], types)
                             or (isinstance(meta[key], bool) and bool not in types)):
             raise refuse(f"has {key} {meta[key]!r:.40}, of the wrong type")
+    algorithm = meta.get("tensor_digest", LEGACY_DIGEST)
+    if algorithm not in (DIGEST_NAME, LEGACY_DIGEST):
+        raise TraceError(f"{path}: its tensor digests are {algorithm!r:.40}, which this version "
+                         "of layerdiff does not know; read it with the layerdiff that wrote it "
+                         "(or a newer one)")
     scale = meta.get("loss_scale", 1.0)
     number = (float(scale) if isinstance(scale, float) or (
         isinstance(scale, int) and not isinstance(scale, bool) and abs(scale) < 1 << 128)

@@ -13,6 +13,7 @@ import numpy as np
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
+from layerdiff.trace.digest import DIGEST_NAME
 
 WINDOW_BYTES = 4 << 20
 
@@ -60,8 +61,9 @@ def segment_dataset(h5: h5py.File, segment: int, path: str, record: str = "") ->
 class SegmentReader:
     """Byte ranges of one trace's segments; small ranges through a window read ahead."""
 
-    def __init__(self, h5: h5py.File, path: str) -> None:
+    def __init__(self, h5: h5py.File, path: str, digest_algorithm: str = DIGEST_NAME) -> None:
         self.h5, self.path = h5, path
+        self.digest_algorithm = digest_algorithm  # how the index digests its records
         self._datasets: dict[int, h5py.Dataset] = {}
         self._window = np.empty(WINDOW_BYTES, np.uint8)
         self._window_at = (-1, 0, 0)  # segment, start, length

@@ -4,7 +4,7 @@
 compiled pass (stats_kernel.py, numba, imported on first use); without numba, or with
 ``LAYERDIFF_STATS=numpy`` in the environment, it falls back to the numpy code below, which
 stays the reference: min, max, counts and digest are equal either way, mean, std and l2 equal
-up to float64 summation order. The digest is xxh3 (xxhash, ~20 GB/s) in both.
+up to float64 summation order. The digest is digest.py's (the compiled pass, or numpy) in both.
 
 Every path sums the same way (see "Scaled sums" below): values and their squares in float64,
 and for float64 data whose squares would leave float64's range, values scaled by 2**-600 (or
@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from layerdiff.trace import digest as tensor_digest
 from layerdiff.trace import schema
 
 
@@ -42,8 +43,8 @@ EMPTY_STATS = Stats(math.nan, math.nan, math.nan, math.nan, 0.0, 0, 0, "")
 
 
 def digest(raw: np.ndarray) -> str:
-    """xxh3-64 of the C-order bytes, as 16 hex digits."""
-    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(raw).data)
+    """The tensor digest (digest.py) of the C-order bytes, as 16 hex digits."""
+    return tensor_digest.digest_bytes(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
 
 
 def text_digest(text: str) -> str:
@@ -340,7 +341,8 @@ def compiled() -> ModuleType | None:
 def compiled_loaded() -> bool:
     """Whether :func:`compiled` has already been answered in this process (so that calling it
     costs nothing): a caller that must not wait for numba's import asks this first."""
-    return compiled.cache_info().currsize > 0
+    info = getattr(compiled, "cache_info", None)  # absent where a test stubs compiled()
+    return info is None or info().currsize > 0
 
 
 _FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
@@ -372,7 +374,7 @@ def span_stats(raw: np.ndarray, dtype_name: str) -> Stats | None:
         return batch_stats(raw, [(0, raw.size, dtype_name)])[0]
     table = half_table(dtype_name) if dtype_name in _HALF_DTYPES else None
     lo, hi, total, squares, nan, inf, k = kernel.chunk_stats(raw, item, table)
-    dig = xxhash.xxh3_64_hexdigest(raw)
+    dig = tensor_digest.finish(kernel.digest_lanes(raw, tensor_digest.weights()), raw.size)
     count = raw.size // item - nan - inf
     if not count:  # nothing finite (as _from_sums): min and max of the infinities, if any
         if nan == raw.size // item:
@@ -458,13 +460,13 @@ def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: li
                           np.maximum(np.abs(lows), np.abs(highs)))
         norms = np.where(nans > 0, np.nan,
                          np.where(infs > 0, np.inf, np.sqrt(sums[:, 1]) * scale))
-    view = memoryview(buffer)  # slicing a memoryview costs less than slicing an array
+    digests = _span_digests(buffer, [spans[i] for i in chosen])
     out = []
     for j, (lo, hi, mean, std, l2, nan, inf, finite, redo) in enumerate(zip(
             lows.tolist(), highs.tolist(), means.tolist(), stds.tolist(), norms.tolist(),
             nans.tolist(), infs.tolist(), count.tolist(), cancelled.tolist(), strict=True)):
         offset, nbytes, _ = spans[chosen[j]]
-        dig = xxhash.xxh3_64_hexdigest(view[offset:offset + nbytes])
+        dig = digests[j]
         if not finite:  # nothing finite: min and max of the infinities (NaN if none)
             if nan == nbytes // _ITEMSIZE[name]:
                 lo = hi = math.nan
@@ -474,3 +476,14 @@ def _from_sums(buffer: np.ndarray, spans: list[tuple[int, int, str]], chosen: li
             std = _two_pass_std(buffer[offset:offset + nbytes], name, nan or inf, exps[j])
         out.append(Stats(lo, hi, mean, std, l2, nan, inf, dig))
     return out
+
+
+def _span_digests(buffer: np.ndarray, spans: list[tuple[int, int, str]]) -> list[str]:
+    """The digests of many spans of ``buffer`` in one compiled call (per-tensor calls cost
+    more than small tensors' digests)."""
+    starts = np.array([offset for offset, _, _ in spans], dtype=np.int64)
+    sizes = np.array([nbytes for _, nbytes, _ in spans], dtype=np.int64)
+    lanes = np.empty((len(spans), 2), dtype=np.int64)
+    compiled().digest_spans(buffer, starts, sizes, tensor_digest.weights(), lanes)
+    return [tensor_digest.finish((a, b), n)
+            for (a, b), n in zip(lanes.tolist(), sizes.tolist(), strict=True)]

@@ -284,3 +284,109 @@ def chunk_stats(raw: np.ndarray, itemsize: int, table: np.ndarray | None = None
     if nan == stops[0]:  # nothing but NaN: the bounds were never set
         lo = hi = math.nan
     return lo, hi, float(sums[0, 0]), float(sums[0, 1]), nan, inf, int(exps[0])
+
+
+# ---------------------------------------------------------------------------- tensor digest
+# digest.py's definition (4 KiB blocks of signed 32-bit words, two weight lanes, block sums
+# folded modulo two primes) in one pass: the block sums are exact in int64, the products of
+# 32-bit values vectorize (measured 15 GB/s on a loaded 2-core machine, xxh3 34).
+_DIGEST_BLOCK = 1024
+_PRIME_A = 2**32 - 5
+_PRIME_B = 2**31 - 1
+
+
+@njit(cache=True, nogil=True)
+def _block_sums(words, wa, wb, out):
+    """out[q] = (s_a, s_b) of each whole block of ``words`` (int32)."""
+    for q in range(words.size // _DIGEST_BLOCK):
+        sa = np.int64(0)
+        sb = np.int64(0)
+        base = q * _DIGEST_BLOCK
+        for r in range(_DIGEST_BLOCK):  # a fixed trip count: the loop vectorizes
+            u = np.int64(words[base + r])
+            sa += u * np.int64(wa[r])
+            sb += u * np.int64(wb[r])
+        out[q, 0] = sa
+        out[q, 1] = sb
+
+
+@njit(cache=True, nogil=True)
+def _fold_blocks(words, wa, wb, first_block, a, b):
+    """Lanes (a, b) with the blocks of ``words`` (int32; the last may be short) added; the
+    first of them is block number ``first_block`` of its tensor."""
+    whole = words.size // _DIGEST_BLOCK
+    sums = np.empty((whole + (words.size % _DIGEST_BLOCK > 0), 2), dtype=np.int64)
+    _block_sums(words, wa, wb, sums)
+    if words.size % _DIGEST_BLOCK:
+        sa = np.int64(0)
+        sb = np.int64(0)
+        for r in range(words.size - whole * _DIGEST_BLOCK):
+            u = np.int64(words[whole * _DIGEST_BLOCK + r])
+            sa += u * np.int64(wa[r])
+            sb += u * np.int64(wb[r])
+        sums[whole, 0] = sa
+        sums[whole, 1] = sb
+    q = first_block
+    for k in range(sums.shape[0]):
+        q += 1
+        qb = q % _PRIME_B
+        a = (a + (sums[k, 0] % _PRIME_A) * q) % _PRIME_A
+        b = (b + (sums[k, 1] % _PRIME_B) * (qb * qb % _PRIME_B)) % _PRIME_B
+    return a, b
+
+
+@njit(cache=True, nogil=True)
+def _tail_word(data, start, count):
+    """The last, short word of a span: ``count`` (1-3) bytes, zero-padded, little-endian."""
+    word = np.int64(0)
+    for i in range(count):
+        word |= np.int64(data[start + i]) << (8 * i)
+    return word  # below 2**24: the sign bit is a padding zero
+
+
+@njit(cache=True, nogil=True)
+def _digest_spans(data, words, starts, sizes, wa, wb, lanes):
+    for j in range(starts.size):
+        first = starts[j] // 4
+        whole = sizes[j] // 4
+        a, b = _fold_blocks(words[first:first + whole], wa, wb, 0, 0, 0)
+        tail = sizes[j] % 4
+        if tail:  # the short last word joins the last block (or opens a new one)
+            r = whole % _DIGEST_BLOCK
+            q = whole // _DIGEST_BLOCK + 1
+            u = _tail_word(data, starts[j] + 4 * whole, tail)
+            qb = q % _PRIME_B
+            a = (a + ((u * np.int64(wa[r])) % _PRIME_A) * q) % _PRIME_A
+            b = (b + ((u * np.int64(wb[r])) % _PRIME_B) * (qb * qb % _PRIME_B)) % _PRIME_B
+        lanes[j, 0] = a
+        lanes[j, 1] = b
+
+
+def digest_spans(buffer: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                 weights: np.ndarray, lanes: np.ndarray) -> None:
+    """lanes[j] = the digest lanes of bytes [starts[j], starts[j] + sizes[j]) of ``buffer``
+    (uint8); every start a multiple of 4."""
+    wa, wb = _lanes(weights)
+    words = buffer[:buffer.size - buffer.size % 4].view(np.int32)
+    _digest_spans(buffer, words, starts, sizes, wa, wb, lanes)
+
+
+def _lanes(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return (np.ascontiguousarray(weights[:, 0], dtype=np.int32),
+            np.ascontiguousarray(weights[:, 1], dtype=np.int32))
+
+
+def fold_lanes(data: np.ndarray, weights: np.ndarray, first_block: int, a: int, b: int
+               ) -> tuple[int, int]:
+    """digest.fold of the block sums of ``data`` (uint8, a whole number of words)."""
+    wa, wb = _lanes(weights)
+    a, b = _fold_blocks(data.view(np.int32), wa, wb, first_block, a, b)
+    return int(a), int(b)
+
+
+def digest_lanes(data: np.ndarray, weights: np.ndarray) -> tuple[int, int]:
+    """The lanes of a whole tensor's bytes (uint8, any length), before digest.finish."""
+    extra = -data.size % 4
+    if extra:
+        data = np.concatenate([data, np.zeros(extra, np.uint8)])
+    return fold_lanes(data, weights, 0, 0, 0)

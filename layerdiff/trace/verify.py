@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import xxhash
 
 from layerdiff.errors import TraceError
-from layerdiff.trace import schema, stats
+from layerdiff.trace import digest, schema, stats
+from layerdiff.trace.digest import DIGEST_NAME
 from layerdiff.trace.stats import as_float, bounds_and_counts, fold_sums, scale_of, scaled_sums
 
 # Statistics are sums: the writer's order of summation and this check's differ by rounding
@@ -75,9 +75,10 @@ def describe(row: Mapping[str, Any]) -> str:
 class RecordCheck:
     """Digest and statistics of one record's bytes, fed in order; ``finish`` judges them."""
 
-    def __init__(self, row: Mapping[str, Any], path: str, *, statistics: bool = True) -> None:
+    def __init__(self, row: Mapping[str, Any], path: str, *, statistics: bool = True,
+                 algorithm: str = DIGEST_NAME) -> None:
         self.row, self.path = row, path
-        self._hash = xxhash.xxh3_64() if row["digest"] else None
+        self._hash = digest.hasher(algorithm) if row["digest"] else None
         dtype = row["dtype"]
         self._stats = statistics and (dtype == "bfloat16"
                                       or schema.numpy_dtype(dtype).kind in _CHECKED_KINDS)
@@ -91,7 +92,7 @@ class RecordCheck:
     def update(self, raw: np.ndarray) -> None:
         """The next bytes of the record (a whole number of elements, uint8)."""
         if self._hash is not None:
-            self._hash.update(raw.data if raw.flags.c_contiguous else raw.tobytes())
+            self._hash.update(raw)
         if not (self._stats and raw.size):
             return
         if self._kernel is not None:
@@ -208,9 +209,9 @@ class RecordCheck:
 
 
 def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str, *,
-                statistics: bool = True) -> None:
+                statistics: bool = True, algorithm: str = DIGEST_NAME) -> None:
     """Check one whole record's bytes against its index row (raises TraceError)."""
-    check = RecordCheck(row, path, statistics=statistics)
+    check = RecordCheck(row, path, statistics=statistics, algorithm=algorithm)
     check.update(raw.reshape(-1).view(np.uint8))
     check.finish()
 

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import xxhash
 
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import TraceError
-from layerdiff.trace import schema
+from layerdiff.trace import digest, schema
 from layerdiff.trace.reader import Trace
 from layerdiff.trace.schema import PARAM_ROLES, Pass, Role
 from layerdiff.trace.segments import decode
@@ -243,12 +242,12 @@ class TensorStream:
         itemsize = schema.numpy_dtype(dtype).itemsize
         total = int(row["nbytes"])
         step = max(itemsize, CHUNK_BYTES // itemsize * itemsize)
-        hasher = xxhash.xxh3_64()
+        hasher = digest.hasher(self.trace.digest_algorithm)
         for start in range(0, total, step):
             count = min(step, total - start)
             self._reader.read(int(row["segment"]), int(row["offset"]) + start, count,
                               self._buffer)
-            hasher.update(self._buffer[:count].data)
+            hasher.update(self._buffer[:count])
             values = decode(self._buffer, dtype, count // itemsize)
             yield values if values.dtype.kind == "f" else values.astype(np.float64)
         if row["digest"] and hasher.hexdigest() != row["digest"]:
