@@ -39,10 +39,12 @@ def test_numpy_compiled_and_streamed_agree(n):
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     want = _numpy(data)
     assert digest.finish(stats_kernel.digest_lanes(data, digest.weights()), n) == want
-    streamed = digest.Digester()
-    for piece in np.array_split(data, 5):  # cuts inside words and blocks
-        streamed.update(piece)
-    assert streamed.hexdigest() == want
+    for kernel in (None, stats_kernel):
+        streamed = digest.Digester(kernel)
+        for piece in np.array_split(data, 5):  # cuts inside words and blocks
+            streamed.update(piece)
+        assert streamed.hexdigest() == want
+        assert digest.digest_bytes(data, kernel) == want
     assert stats.digest(data) == want
 
 
@@ -127,7 +129,7 @@ def test_a_trace_with_xxh3_digests_still_verifies_and_damage_is_found(tmp_path):
 
 
 def test_an_unknown_digest_is_refused_in_one_sentence(tmp_path):
-    with pytest.raises(TraceError, match="tensor digests are 'sha9'.*does not know"):
+    with pytest.raises(TraceError, match=r"tensor digests are 'sha9'.*does not know"):
         schema.parse_meta(json.dumps({"tensor_digest": "sha9"}), tmp_path / "t.h5")
 
 

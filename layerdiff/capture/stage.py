@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerdiff.capture.device_stats import DeviceStatistics
 from layerdiff.trace import stats
 from layerdiff.trace.recorder import Recorder
 from layerdiff.trace.writer import value_json
@@ -27,9 +28,17 @@ class Stager:
     False makes those copies synchronous, as a CPU tensor's are.
     """
 
-    def __init__(self, recorder: Recorder, *, async_device: bool = True) -> None:
+    def __init__(self, recorder: Recorder, *, async_device: bool = True,
+                 device_stats: bool | None = None) -> None:
         self.recorder = recorder
         self.async_device = async_device
+        # Statistics computed by torch where the tensor lives (device_stats.py): for GPU
+        # tensors by default (None), for every tensor with True (how CI tests that path on
+        # CPU tensors), never with False (the host computes them from the copied bytes).
+        self._device_stats_everywhere = device_stats is True
+        self.device = None if device_stats is False else DeviceStatistics()
+        if self.device is not None:
+            recorder.before_send = self.device.flush
         self._fenced = False   # the recorder has its fence (set at the first GPU tensor)
         self._pinned = False
         self._ring = torch.from_numpy(recorder.ring.buffer)  # shares memory with the ring
@@ -53,7 +62,8 @@ class Stager:
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * itemsize
         if (plain_bytes and nbytes and tensor.is_cpu and type(tensor) in _PLAIN_TYPES
-                and tensor.is_contiguous() and nbytes <= rec.max_staged):
+                and tensor.is_contiguous() and nbytes <= rec.max_staged
+                and not self._device_stats_everywhere):
             # The common case, a contiguous CPU tensor: its bytes are the record's bytes. One
             # memmove costs ~1 us where a view of the ring and copy_ cost ~6 (torch dispatch),
             # which was a quarter of the capture cost of a model of thousands of small tensors.
@@ -74,6 +84,10 @@ class Stager:
                        stats=found)
             return
         tensor = tensor.detach()
+        if (self.device is not None and (tensor.is_cuda or self._device_stats_everywhere)
+                and self.device.supports(tensor)):
+            self._on_device(step, pass_, site, role, arg, tensor, name, shape, nbytes)
+            return
         if nbytes > rec.max_staged:
             # Larger than half the ring: written synchronously from (a contiguous CPU copy of) it.
             rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
@@ -92,6 +106,38 @@ class Stager:
         else:
             target.copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
+
+    def _on_device(self, step: int, pass_: str, site: str, role: str, arg: str,
+                   tensor: torch.Tensor, name: str, shape: tuple[int, ...], nbytes: int) -> None:
+        """Statistics and digest reduced on the device; the bytes, where the file keeps them,
+        copied to the ring from the device's snapshot of the tensor without waiting."""
+        rec = self.recorder
+        pending, snapshot = self.device.add(tensor)
+        if not rec.keeps_data(site):
+            rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes, stats=pending)
+            return
+        if nbytes > rec.max_staged:
+            rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
+                       array=_as_numpy(snapshot), stats=pending)
+            return
+        offset = rec.reserve(nbytes)
+        typed = self._typed.get(tensor.dtype)
+        if typed is None:
+            typed = self._typed[tensor.dtype] = self._dtype_facts(tensor)
+        strides = self._strides.get(shape)
+        if strides is None:
+            strides = self._strides[shape] = _contiguous_strides(shape)
+        target = typed[0].as_strided(shape, strides, offset // typed[2])
+        if snapshot.is_cuda and self.async_device:
+            if not self._fenced:
+                self._pin(tensor.device)
+                rec.fence = self.device.fence  # the copies run on the device's side stream
+            self.device.copy_to_host(target, snapshot)
+            rec.copies_in_flight = True
+        else:
+            target.copy_(snapshot)
+        rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes,
+                   stats=pending)
 
     def _dtype_facts(self, tensor: torch.Tensor) -> tuple[torch.Tensor, str, int, bool]:
         """The ring seen as this dtype, the dtype's name, its item size, and whether a

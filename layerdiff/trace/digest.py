@@ -28,6 +28,7 @@ written before it carry xxh3-64 digests (``LEGACY_DIGEST``): the trace's meta
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -93,11 +94,11 @@ def finish(state: tuple[int, int], nbytes: int) -> str:
     return f"{(state[0] + nbytes) % PRIME_A:08x}{state[1]:08x}"
 
 
-def digest_bytes(data: np.ndarray) -> str:
-    """The digest of a uint8 array (any length), in numpy or the compiled kernel."""
+def digest_bytes(data: np.ndarray, kernel: Any = None) -> str:
+    """The digest of a uint8 array (any length); ``kernel``: the compiled module
+    (trace/stats_kernel.py), used for arrays large enough to pay for the call."""
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    kernel = _kernel()
-    if kernel is not None and data.size >= _KERNEL_MIN_BYTES:
+    if kernel is not None and data.size >= KERNEL_MIN_BYTES:
         return finish(kernel.digest_lanes(data, weights()), data.size)
     return finish(fold(block_sums(padded(data)), 0, (0, 0)), data.size)
 
@@ -111,7 +112,8 @@ def padded(data: np.ndarray) -> np.ndarray:
 class Digester:
     """The digest of bytes fed in order, in chunks of any size (verify's streaming reads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: Any = None) -> None:
+        self._kernel = kernel  # the compiled module, or None for numpy
         self._carry = np.empty(0, dtype=np.uint8)
         self._blocks = 0
         self._nbytes = 0
@@ -128,9 +130,8 @@ class Digester:
         self._carry = data[whole:].copy()
 
     def _add(self, data: np.ndarray) -> None:
-        kernel = _kernel()
-        if kernel is not None:
-            self._state = kernel.fold_lanes(data, weights(), self._blocks, *self._state)
+        if self._kernel is not None:
+            self._state = self._kernel.fold_lanes(data, weights(), self._blocks, *self._state)
         else:
             self._state = fold(block_sums(data), self._blocks, self._state)
         self._blocks += data.size // BLOCK_BYTES
@@ -156,17 +157,10 @@ class _Legacy:
         return self._hash.hexdigest()
 
 
-def hasher(algorithm: str) -> Digester | _Legacy:
+def hasher(algorithm: str, kernel: Any = None) -> Digester | _Legacy:
     """A streaming hasher of the tensor digest a trace names (its meta ``tensor_digest``)."""
-    return _Legacy() if algorithm == LEGACY_DIGEST else Digester()
+    return _Legacy() if algorithm == LEGACY_DIGEST else Digester(kernel)
 
 
 # Below this many bytes numpy's path costs no more than a call into the compiled one.
-_KERNEL_MIN_BYTES = 1 << 16
-
-
-def _kernel():
-    """The compiled digest kernel when stats' compiled module is already loaded (never
-    waits for numba's import: a small trace's digests stay in numpy)."""
-    from layerdiff.trace import stats
-    return stats.compiled() if stats.compiled_loaded() else None
+KERNEL_MIN_BYTES = 1 << 16

@@ -53,7 +53,9 @@ class _Record:
     array: np.ndarray | None = None  # data not in the ring (oversized tensors)
     value: str = ""             # kind == value
     keep: bool = True           # its data goes into the file (else its statistics only)
-    stats: Stats | None = None  # computed by the producer (the statistics thread skips it)
+    # computed by the producer (the statistics thread skips it), or on their way from a
+    # device (an object whose get() waits for them: capture/device_stats.py)
+    stats: Any = None
 
 
 @dataclass(slots=True)
@@ -146,6 +148,9 @@ class Recorder:
         # ``fence()`` marks the copies queued so far and returns a function that waits for them.
         self.fence: Callable[[], Callable[[], None]] | None = None
         self.copies_in_flight = False
+        # Set by a producer whose statistics are reduced on a device in batches: called
+        # before each batch of records goes to the threads, which then wait for them.
+        self.before_send: Callable[[], None] | None = None
         self.error: BaseException | None = None
         # set by a Ctrl-C while closing: the threads stop writing tensor data and drain
         self.aborted = False
@@ -270,6 +275,8 @@ class Recorder:
         self.aborted = True
 
     def _send(self, marker: object | None = None) -> None:
+        if self.before_send is not None and self._batch:
+            self.before_send()
         if marker is not None:
             self._batch.append(marker)
         if self.copies_in_flight and self.fence is not None and self._batch:
@@ -380,11 +387,14 @@ class _StatsStage:
             self.out.append(item)
             return
         record = item
+        if record.stats is not None and not isinstance(record.stats, Stats):
+            record.stats = record.stats.get()  # reduced on a device: waits for its numbers
         if record.value or (record.offset < 0 and record.array is None):
             self.out.append((record, record.stats or EMPTY_STATS))
         elif record.array is not None:  # oversized: written from the caller's array
             self.close_segment()
-            self.out.append((record, compute_stats(record.array.reshape(-1), record.dtype)))
+            self.out.append((record, record.stats
+                             or compute_stats(record.array.reshape(-1), record.dtype)))
         else:
             if self.pending and record.offset < self.pending[-1][0].offset:
                 self.close_segment()  # the ring wrapped: a segment is one contiguous run

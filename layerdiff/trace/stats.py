@@ -44,7 +44,8 @@ EMPTY_STATS = Stats(math.nan, math.nan, math.nan, math.nan, 0.0, 0, 0, "")
 
 def digest(raw: np.ndarray) -> str:
     """The tensor digest (digest.py) of the C-order bytes, as 16 hex digits."""
-    return tensor_digest.digest_bytes(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
+    return tensor_digest.digest_bytes(np.ascontiguousarray(raw).reshape(-1).view(np.uint8),
+                                      compiled() if compiled_loaded() else None)
 
 
 def text_digest(text: str) -> str:

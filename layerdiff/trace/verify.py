@@ -78,7 +78,8 @@ class RecordCheck:
     def __init__(self, row: Mapping[str, Any], path: str, *, statistics: bool = True,
                  algorithm: str = DIGEST_NAME) -> None:
         self.row, self.path = row, path
-        self._hash = digest.hasher(algorithm) if row["digest"] else None
+        self._hash = (digest.hasher(algorithm, stats.compiled() if stats.compiled_loaded()
+                                    else None) if row["digest"] else None)
         dtype = row["dtype"]
         self._stats = statistics and (dtype == "bfloat16"
                                       or schema.numpy_dtype(dtype).kind in _CHECKED_KINDS)
