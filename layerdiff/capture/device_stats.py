@@ -193,9 +193,11 @@ class DeviceStatistics:
     def _reduce(self, data: torch.Tensor, dtype: torch.dtype, pending: _Pending) -> _Table:
         device = data.device
         blocks = data.numel() // BLOCK_BYTES
-        layout = torch.from_numpy(_layout(pending, blocks, dtype)).to(device, non_blocking=True)
-        valid, block_number = layout[0], layout[1]
-        lengths = torch.tensor([-(-n // BLOCK_BYTES) for n in pending.nbytes], device=device)
+        layout = torch.from_numpy(_layout(pending, blocks, dtype))
+        if device.type == "cuda":  # one upload that does not wait for the stream
+            layout = layout.pin_memory().to(device, non_blocking=True)
+        valid, block_number = layout[:blocks], layout[blocks:2 * blocks]
+        lengths = layout[2 * blocks:]
         per_block = BLOCK_BYTES // torch.empty(0, dtype=dtype).element_size()
         sums, lows, highs = _block_statistics(data.view(dtype).view(blocks, per_block), dtype,
                                               valid)
@@ -251,9 +253,8 @@ def _block_statistics(values: torch.Tensor, dtype: torch.dtype, valid: torch.Ten
         finite = values.double()
         counts = [torch.zeros(values.shape[0], dtype=torch.float64, device=values.device)] * 2
         source = finite
-    big = torch.tensor(math.inf, dtype=source.dtype, device=values.device)
-    lows = torch.where(keep, source, big).amin(1).double()
-    highs = torch.where(keep, source, -big).amax(1).double()
+    lows = torch.where(keep, source, math.inf).amin(1).double()  # a scalar: no upload
+    highs = torch.where(keep, source, -math.inf).amax(1).double()
     columns = [*counts, finite.sum(1), (finite * finite).sum(1)]
     if dtype == torch.float64:  # squares may leave float64's range: scaled sums too
         for factor in (SCALE_DOWN, SCALE_UP):
@@ -265,17 +266,19 @@ def _block_statistics(values: torch.Tensor, dtype: torch.dtype, valid: torch.Ten
 
 
 def _layout(pending: _Pending, blocks: int, dtype: torch.dtype) -> np.ndarray:
-    """Per block: how many of its elements are its tensor's, and its number within the tensor
-    (from 1), as one (2, blocks) int64 array (one upload)."""
+    """Per block, how many of its elements are its tensor's, then per block its number within
+    its tensor (from 1), then per tensor its number of blocks: one int64 array, one upload."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     per_block = BLOCK_BYTES // itemsize
-    layout = np.zeros((2, blocks), dtype=np.int64)
-    for offset, nbytes in zip(pending.offsets, pending.nbytes, strict=True):
+    layout = np.zeros(2 * blocks + len(pending.offsets), dtype=np.int64)
+    valid, number, lengths = layout[:blocks], layout[blocks:2 * blocks], layout[2 * blocks:]
+    for tensor, (offset, nbytes) in enumerate(zip(pending.offsets, pending.nbytes,
+                                                  strict=True)):
         first = offset // BLOCK_BYTES
-        count = -(-nbytes // BLOCK_BYTES)
-        layout[0, first:first + count] = per_block
-        layout[0, first + count - 1] = -(-nbytes // itemsize) - (count - 1) * per_block
-        layout[1, first:first + count] = np.arange(1, count + 1)
+        count = lengths[tensor] = -(-nbytes // BLOCK_BYTES)
+        valid[first:first + count] = per_block
+        valid[first + count - 1] = nbytes // itemsize - (count - 1) * per_block
+        number[first:first + count] = np.arange(1, count + 1)
     return layout
 
 
