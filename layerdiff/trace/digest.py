@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-DIGEST_NAME = "layerdiff-w16x2"
+DIGEST_NAME = "layerdiff-wsum32"
 LEGACY_DIGEST = "xxh3-64"  # traces without meta["tensor_digest"]
 BLOCK = 1024  # words per block
 WORD = 4
