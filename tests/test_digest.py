@@ -141,3 +141,16 @@ def test_determinism_reads_the_bytes_when_two_runs_digest_differently(tmp_path):
     with open_trace(tmp_path / "t.h5") as new, open_trace(legacy) as old:
         same = _same_bytes(new, old, new.index, pd.DataFrame(old.index))
     assert same.tolist() == [True]
+
+
+def test_a_golden_of_the_older_digest_drifts_and_says_to_record_it_again(tmp_path):
+    from layerdiff.ci.check import CheckOutcome, check, golden
+    from layerdiff.report.findings.diff import check_line
+
+    spec = "reference_models.mlp:reference"
+    fresh = golden(spec, tmp_path / "golden.h5")
+    old = _legacy_copy(fresh, tmp_path / "old_golden.h5")
+    assert check(spec, fresh).outcome == CheckOutcome.IDENTICAL
+    result = check(spec, old)
+    assert result.outcome == CheckOutcome.DRIFT
+    assert "record it again with `layerdiff golden`" in check_line(result)
