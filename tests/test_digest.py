@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
@@ -109,7 +110,10 @@ def _legacy_copy(source, target):
         index.loc[i, "digest"] = xxhash.xxh3_64_hexdigest(data)
     file.append_rows(schema.INDEX_GROUP, {c: index[c].tolist() for c in schema.INDEX_COLUMNS})
     file.append_rows(schema.SITES_GROUP, {c: sites[c].tolist() for c in schema.SITES_COLUMNS})
-    return file.close(complete=True)
+    path = file.close(complete=True)
+    with h5py.File(path, "r+") as h5:
+        h5.attrs[schema.ATTR_VERSION] = 1
+    return path
 
 
 def test_a_trace_with_xxh3_digests_still_verifies_and_damage_is_found(tmp_path):
@@ -143,14 +147,11 @@ def test_determinism_reads_the_bytes_when_two_runs_digest_differently(tmp_path):
     assert same.tolist() == [True]
 
 
-def test_a_golden_of_the_older_digest_drifts_and_says_to_record_it_again(tmp_path):
-    from layerdiff.ci.check import CheckOutcome, check, golden
-    from layerdiff.report.findings.diff import check_line
+
+def test_a_golden_of_the_older_digest_is_refused_with_what_to_do(tmp_path):
+    from layerdiff.ci.check import check, golden
 
     spec = "reference_models.mlp:reference"
-    fresh = golden(spec, tmp_path / "golden.h5")
-    old = _legacy_copy(fresh, tmp_path / "old_golden.h5")
-    assert check(spec, fresh).outcome == CheckOutcome.IDENTICAL
-    result = check(spec, old)
-    assert result.outcome == CheckOutcome.DRIFT
-    assert "record it again with `layerdiff golden`" in check_line(result)
+    old = _legacy_copy(golden(spec, tmp_path / "golden.h5"), tmp_path / "old_golden.h5")
+    with pytest.raises(TraceError, match="format v1, older than the v2.*record it again"):
+        check(spec, old)

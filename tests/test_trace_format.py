@@ -93,7 +93,7 @@ def test_readable_with_h5py_and_pandas_alone(trace_path):
     _write_small(trace_path)
     with h5py.File(trace_path, "r") as f:
         assert f.attrs["layerdiff_format"] == "layerdiff-trace"
-        assert f.attrs["layerdiff_version"] == 1 and f.attrs["complete"]
+        assert f.attrs["layerdiff_version"] == 2 and f.attrs["complete"]
         index = pd.DataFrame({k: (d.asstr()[:] if d.dtype.kind == "O" else d[:])
                               for k, d in f["index"].items()})
         row = index[index["site"] == "enc#0"].iloc[0]
@@ -164,7 +164,7 @@ def test_newer_format_version_is_refused(trace_path):
     _write_small(trace_path)
     with h5py.File(trace_path, "a") as f:
         f.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION + 1
-    with pytest.raises(TraceError, match=r"newer than the v1"):
+    with pytest.raises(TraceError, match=rf"newer than the v{schema.FORMAT_VERSION} .*upgrade layerdiff"):
         open_trace(trace_path)
 
 

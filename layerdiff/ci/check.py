@@ -23,7 +23,6 @@ from layerdiff.compare.judge import Verdict
 from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import DiffError, TraceError
 from layerdiff.trace import open_trace, schema
-from layerdiff.trace.digest import DIGEST_NAME
 
 
 class CheckOutcome(StrEnum):
@@ -81,15 +80,10 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
     golden_path = Path(golden_path)
     loaded = _load(case)
     settings = _golden_settings(golden_path, loaded.name)
-    golden_digest = settings.pop("digest")
     with tempfile.TemporaryDirectory(prefix="layerdiff-check-", dir=directory) as tmp:
         fresh = capture(loaded, Path(tmp) / "check.h5", **settings)
         result = diff(golden_path, fresh, mapping=mapping, tolerances=tolerances,
                       verify=verify)
-    if golden_digest != DIGEST_NAME:
-        result.meta["golden_digest"] = (
-            "the golden holds digests of an older layerdiff, so no record can show as "
-            "bit-identical; record it again with `layerdiff golden` to judge bit-identity")
     structural = _structural_changes(result)
     if structural:
         result.meta["structure"] = structural
@@ -131,8 +125,7 @@ def _golden_settings(path: Path, case_name: str) -> dict[str, Any]:
                             "pass the golden of this case, or record one with "
                             f"`layerdiff golden {case_name} -o GOLDEN.h5`")
         return {"summary": trace.summary, "steps": int(trace.meta.get("steps", 1)),
-                "loss_scale": float(trace.meta.get("loss_scale", 1.0)),
-                "digest": trace.digest_algorithm}
+                "loss_scale": float(trace.meta.get("loss_scale", 1.0))}
 
 
 def update_or_check(case: CaseLike, golden_path: str | os.PathLike, *, update: bool,

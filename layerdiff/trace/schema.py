@@ -18,7 +18,7 @@ from layerdiff.errors import TraceError
 from layerdiff.trace.digest import DIGEST_NAME, LEGACY_DIGEST
 
 FORMAT_NAME = "layerdiff-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the digest column follows meta tensor_digest (v1: xxh3-64)
 
 # Root attributes.
 ATTR_FORMAT = "layerdiff_format"
