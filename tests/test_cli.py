@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from layerdiff.trace import schema
+
 
 def test_capture_then_show(run, tmp_path):
     out = tmp_path / "t.h5"
@@ -25,7 +27,7 @@ def test_show_json_is_machine_readable(run, tmp_path):
     assert run("capture", "tests.tiny_cases:tiny", "-o", out, "--summary").exit_code == 0
     result = run("show", out, "--json", "--role", "weight_grad")
     data = json.loads(result.output)
-    assert data["summary"] is True and data["format_version"] == 1
+    assert data["summary"] is True and data["format_version"] == schema.FORMAT_VERSION
     assert {r["role"] for r in data["records"]} == {"weight_grad"}
     assert all(r["segment"] == -1 for r in data["records"])
 

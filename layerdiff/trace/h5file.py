@@ -216,6 +216,11 @@ class TraceFile:
                 except Exception as exc:  # the error that led here is the one to say
                     self.failure = self.failure or exc  # closing writes: it failed too
                     self._detach()
+            else:
+                # libhdf5 would not close the file (its failed write is sticky): freeing
+                # its h5py objects later crashed the process in a segfault. They are kept
+                # until the process ends (the command line ends it without teardown).
+                _UNCLOSABLE.append((self._h5, self._tables if hasattr(self, "_tables") else None))
             self._h5 = None
         if remove or self.failure is not None:
             with contextlib.suppress(OSError):
@@ -225,6 +230,15 @@ class TraceFile:
     def _release(self) -> None:
         self._lock.release()
         self._signals.restore()
+
+
+# h5py objects of files libhdf5 refused to close (see TraceFile._discard)
+_UNCLOSABLE: list[tuple[object, object]] = []
+
+
+def unclosable() -> bool:
+    """Whether libhdf5 refused to close a trace in this process (after a failed write)."""
+    return bool(_UNCLOSABLE)
 
 
 def _descriptor(h5: h5py.File) -> tuple[int, os.stat_result] | None:
