@@ -78,3 +78,15 @@ def test_a_rearrangement_is_still_named(kind):
     judge = Judge(ref, port, RTOL, ATOL)
     found = getattr(layout, kind)(judge, None)
     assert found is not None and str(found.kind) == kind
+
+
+def test_the_ends_are_the_sorted_tensors_ends():
+    """Ties, a constant tensor, half zeros (after a ReLU), both signs, sizes near the sample."""
+    rng = np.random.default_rng(11)
+    for values in (rng.standard_normal(10_000), np.zeros(5000), np.maximum(
+            rng.standard_normal(70_000), 0), np.round(rng.standard_normal(9000)),
+            rng.standard_normal(layout.SAMPLE * 2 + 3), np.arange(300.0)[::-1]):
+        low, high = layout._ends(values)
+        whole = np.sort(values)
+        assert np.array_equal(low, whole[:layout.TAIL])
+        assert np.array_equal(high, whole[-layout.TAIL:])
