@@ -171,11 +171,15 @@ class Trace:
         if stored.empty:
             return
         ends = (stored["offset"] + stored["nbytes"]).groupby(stored["segment"]).max()
-        # One row per segment names it in errors; filtering per segment was quadratic.
-        first_rows = stored.drop_duplicates("segment").set_index("segment")
-        for segment, end in ends.items():
-            row = first_rows.loc[segment]
-            dataset = segment_dataset(self._h5, int(segment), str(self.path), describe(row))
+        for segment, end in zip(ends.index.tolist(), ends.tolist(), strict=True):
+            try:
+                dataset = segment_dataset(self._h5, segment, str(self.path))
+            except TraceError:
+                # refused again, naming the segment's first record: the sentence is built only
+                # here (a pandas lookup and a description per segment were half the check)
+                row = stored.loc[stored["segment"] == segment].iloc[0]
+                segment_dataset(self._h5, segment, str(self.path), describe(row))
+                raise
             if dataset.shape[0] < end:
                 raise TraceError(f"{self.path}: tensor segment {int(segment)} holds "
                                  f"{dataset.shape[0]} bytes but the index puts data up to byte "
