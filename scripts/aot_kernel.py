@@ -4,8 +4,8 @@
 A fresh process pays ~0.4 s before its first compiled metric: ``import numba`` and the first
 cached load of ``compare/kernels.py``, during which numba's CPU target registers its
 implementations and imports scipy. This script compiles the same ``fused`` kernel ahead of
-time with ``numba.pycc`` (the host CPU, every argument-type combination ``PairMetrics`` passes)
-into a plain extension module, then measures, each in a fresh process:
+time (``layerdiff.compare.aot.build``: numba.pycc, the host CPU, every argument-type
+combination ``PairMetrics`` passes) into a plain extension module, then measures, each in a fresh process:
 
 - the time to the first result of a 2**20-element pair: through the JIT (numba's cache warm,
   layerdiff.compare already imported, as in a diff) and through the compiled module (which
@@ -33,64 +33,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # (ref, port, bits) after PairMetrics widens float16: what _kernel_update can pass
-COMBINATIONS = [("float32", "float32", "int32"), ("float64", "float64", "int64"),
-                ("float32", "float32", "int16"), ("float64", "float64", "int32"),
-                ("float32", "float64", "int32"), ("float64", "float32", "int32")]
-MODULE = "layerdiff_kernels_aot"
+
+
+def _aot():
+    sys.path.insert(0, str(ROOT))
+    from layerdiff.compare import aot
+    return aot
 
 
 def _arguments(np, ref, port, bits: str, batch: int):
-    """The kernel's arguments as PairMetrics builds them (bits of the stored values or none)."""
-    if bits == "int16":  # float16 stored: bits of the stored values, values widened
-        with np.errstate(over="ignore"):  # beyond float16's range: inf, as stored
-            ref, port = ref.astype(np.float16), port.astype(np.float16)
-        ref_bits, port_bits = ref.view(np.int16), port.view(np.int16)
-        ref, port = ref.astype(np.float32), port.astype(np.float32)
-        width = 16
-    elif ref.dtype == port.dtype and np.dtype(bits).itemsize == ref.dtype.itemsize:
-        ref_bits, port_bits, width = ref.view(bits), port.view(bits), 8 * ref.dtype.itemsize
-    else:
-        ref_bits = port_bits = np.zeros(0, np.int32)
-        width = 0
-    per = ref.size // batch if batch else 0
-    ratios = np.zeros(batch) if batch else np.zeros(0)
-    return (ref, port, ref_bits, port_bits, width, 1.3e-6, 1e-5, 0, per, ratios, -1.0, 0.0,
-            0.0)
+    return _aot().arguments(ref, port, bits, batch)
 
 
-def _export_name(combination: tuple[str, str, str]) -> str:
-    return "fused_" + "_".join(combination)
+def _module(directory: Path):
+    """The built module, imported from ``directory`` by its file."""
+    import importlib.util
+    path = next(Path(directory).glob("layerdiff_kernels_*"))
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _exported(module, args) -> object:
-    """The compiled function for these arguments' types. A compiled export does not check
-    the types it is given (a float64 array where it takes float32 crashes the process), so
-    it is chosen here by the arrays' dtypes, as a dispatcher would."""
-    ref, port, ref_bits = args[0], args[1], args[2]
-    bits = str(ref_bits.dtype)
-    return getattr(module, _export_name((str(ref.dtype), str(port.dtype), bits)))
+def _exported(module, args):
+    """The export for these arguments' types (a compiled export does not check them)."""
+    return getattr(module, _aot().export_name(
+        (str(args[0].dtype), str(args[1].dtype), str(args[2].dtype))))
 
 
 def build(directory: Path) -> float:
     """Compile the kernel for every combination into ``directory``; returns seconds."""
-    import numpy as np
-    from numba.pycc import CC
-
-    sys.path.insert(0, str(ROOT))
-    import numba
-
-    from layerdiff.compare import kernels
-    cc = CC(MODULE)
-    cc.output_dir = str(directory)
-    cc.target_cpu = "host"
-    for combination in COMBINATIONS:  # the JIT's own signature of each combination
-        args = _arguments(np, np.ones(8, combination[0]), np.ones(8, combination[1]),
-                          combination[2], 0)
-        kernels.fused(*args)
-        overload = kernels.fused.overloads[tuple(numba.typeof(a) for a in args)]
-        cc.export(_export_name(combination), overload.signature)(kernels.fused.py_func)
     start = time.perf_counter()
-    cc.compile()
+    _aot().build(directory)
     return time.perf_counter() - start
 
 
@@ -99,14 +73,16 @@ def _first_result(how: str, directory: str) -> None:
     start = time.perf_counter()
     import numpy as np
     values = np.linspace(1, 2, 1 << 20, dtype=np.float32)
-    args = _arguments(np, values, values * np.float32(1 + 1e-6), "int32", 0)
-    if how == "jit":  # what a diff has imported before its first pair: layerdiff.compare
-        sys.path.insert(0, str(ROOT))
-        import layerdiff.compare.engine  # noqa: F401
+    port = values * np.float32(1 + 1e-6)
+    args = (values, port, values.view(np.int32), port.view(np.int32), 32, 1.3e-6, 1e-5, 0, 0,
+            np.zeros(0), -1.0, 0.0, 0.0)
+    # what a diff has imported before its first pair: layerdiff.compare
+    sys.path.insert(0, str(ROOT))
+    import layerdiff.compare.aot  # noqa: F401
+    import layerdiff.compare.engine  # noqa: F401
     begin = time.perf_counter()
     if how == "aot":
-        sys.path.insert(0, directory)
-        module = __import__(MODULE)
+        module = _module(Path(directory))
         _exported(module, args)(*args)
     else:
         from layerdiff.compare import kernels
@@ -119,14 +95,12 @@ def _first_result(how: str, directory: str) -> None:
 def compare(directory: Path, cases: int) -> dict[str, int]:
     """Mismatches per combination between the JIT and the compiled module."""
     import numpy as np
-    sys.path.insert(0, str(directory))
-    sys.path.insert(0, str(ROOT))
-    module = __import__(MODULE)
+    module = _module(directory)
     from layerdiff.compare import kernels
     rng = np.random.default_rng(1)
     special = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, 5e-324, 3.4e38, 1.7e308, -1e-40]
     found = {}
-    for ref_type, port_type, bits in COMBINATIONS:
+    for ref_type, port_type, bits in _aot().COMBINATIONS:
         wrong = 0
         for _ in range(cases):
             n = int(rng.integers(1, 20_000))
@@ -152,8 +126,7 @@ def compare(directory: Path, cases: int) -> dict[str, int]:
 
 def rates(directory: Path) -> dict[str, float]:
     import numpy as np
-    sys.path.insert(0, str(directory))
-    module = __import__(MODULE)
+    module = _module(directory)
     from layerdiff.compare import kernels
     values = np.random.default_rng(2).standard_normal(1 << 24).astype(np.float32)
     args = _arguments(np, values, values * np.float32(1 + 1e-7), "int32", 0)
@@ -175,8 +148,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aot-kernel-") as scratch:
         directory = Path(scratch)
         seconds = build(directory)
-        built = next(directory.glob(f"{MODULE}*"))
-        print(f"compiled {len(COMBINATIONS)} combinations in {seconds:.1f} s: {built.name} "
+        built = next(directory.glob("layerdiff_kernels_*"))
+        print(f"compiled {len(_aot().COMBINATIONS)} combinations in {seconds:.1f} s: {built.name} "
               f"({built.stat().st_size / 1024:.0f} KiB)")
         firsts: dict[str, list[dict]] = {"jit": [], "aot": []}
         for _ in range(args.repeats):

@@ -326,6 +326,8 @@ VARIANTS = {
     # numba and the kernels loaded before the clock starts: the engine minus numba's set-up
     "warm-kernel": ("engine-warm-kernel", {}, False),
     "before-warm-kernel": ("engine-warm-kernel", {}, True),
+    # the kernel through numba's JIT even where `python -m layerdiff.compare.aot` built it
+    "jit": ("engine", {"LAYERDIFF_AOT": "0"}, False),
     # `python -m layerdiff diff` end to end (interpreter, imports, report), wall time only
     "cli": ("cli", {}, False),
     "before-cli": ("cli", {}, True),
