@@ -5,7 +5,8 @@ A fresh process pays ~0.4 s before its first compiled metric: ``import numba`` a
 cached load of ``compare/kernels.py``, during which numba's CPU target registers its
 implementations and imports scipy. This script compiles the same ``fused`` kernel ahead of
 time (``layerdiff.compare.aot.build``: numba.pycc, the host CPU, every argument-type
-combination ``PairMetrics`` passes) into a plain extension module, then measures, each in a fresh process:
+combination ``PairMetrics`` passes) into a plain extension module, then measures, each in a
+fresh process:
 
 - the time to the first result of a 2**20-element pair: through the JIT (numba's cache warm,
   layerdiff.compare already imported, as in a diff) and through the compiled module (which
@@ -78,7 +79,7 @@ def _first_result(how: str, directory: str) -> None:
             np.zeros(0), -1.0, 0.0, 0.0)
     # what a diff has imported before its first pair: layerdiff.compare
     sys.path.insert(0, str(ROOT))
-    import layerdiff.compare.aot  # noqa: F401
+    import layerdiff.compare.aot
     import layerdiff.compare.engine  # noqa: F401
     begin = time.perf_counter()
     if how == "aot":

@@ -114,7 +114,7 @@ def load() -> Compiled | None:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except Exception:  # noqa: BLE001  a damaged or foreign build: the JIT instead
+    except Exception:  # a damaged or foreign build: the JIT instead
         return None
     functions = {combination: getattr(module, export_name(combination))
                  for combination in COMBINATIONS if hasattr(module, export_name(combination))}

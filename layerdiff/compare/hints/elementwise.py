@@ -201,7 +201,7 @@ def _mostly_representable(values: np.ndarray, bits: int, share: float) -> bool:
     first = first[first != 0]
     count = int(np.count_nonzero(flat))
     if count == 0:
-        return 0.0 >= share
+        return share <= 0.0
     missed = int(np.count_nonzero(_rounding(first, bits) != 0))
     # at most count - missed of the nonzero values are representable; the share is the
     # rounded quotient, which cannot rise as its numerator falls
