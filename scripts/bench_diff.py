@@ -17,7 +17,11 @@ LAYERDIFF_STATS=numpy), ``numpy`` (that and the numpy metrics, LAYERDIFF_NUMPY_M
 ``before`` / ``before-no-verify``: the engine of another source tree given with ``--before DIR``
 (e.g. ``git archive HEAD | tar -x -C DIR``), so that before and after are measured side by side
 on the same traces and the same machine load. Each variant's rows are checked against the
-engine's.
+engine's. For a diff's fixed cost: ``warm-kernel`` (numba and the kernels loaded before the
+clock starts: the engine less numba's set-up), ``jit`` (numba's JIT even where
+``python -m layerdiff.compare.aot`` built the kernel ahead of time), ``cli`` / ``before-cli``
+(``layerdiff diff`` end to end, wall time), and ``--sizes tiny`` (2 MB of small tensors). A
+second table gives each mode's phases: streaming, hints, the rest.
 """
 
 from __future__ import annotations
