@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -62,6 +63,7 @@ def _diffs(pairs, **env) -> list[dict]:
 
 
 @pytest.mark.skipif(aot.module_name() is None, reason="no /proc/cpuinfo or no numba")
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_a_built_kernel_spares_a_diff_numba_and_gives_the_jits_rows(tmp_path):
     cache = tmp_path / "kernels"
     with warnings.catch_warnings():  # numba.pycc's pending deprecation
