@@ -17,7 +17,11 @@ LAYERDIFF_STATS=numpy), ``numpy`` (that and the numpy metrics, LAYERDIFF_NUMPY_M
 ``before`` / ``before-no-verify``: the engine of another source tree given with ``--before DIR``
 (e.g. ``git archive HEAD | tar -x -C DIR``), so that before and after are measured side by side
 on the same traces and the same machine load. Each variant's rows are checked against the
-engine's.
+engine's. For a diff's fixed cost: ``warm-kernel`` (numba and the kernels loaded before the
+clock starts: the engine less numba's set-up), ``jit`` (numba's JIT even where
+``python -m layerdiff.compare.aot`` built the kernel ahead of time), ``cli`` / ``before-cli``
+(``layerdiff diff`` end to end, wall time), and ``--sizes tiny`` (2 MB of small tensors). A
+second table gives each mode's phases: streaming, hints, the rest.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ WIDTH = 256             # last axis of activations and weights
 BASE_ELEMENTS = 5 * 2**20  # each base array: 20 MiB of float32, sliced per tensor
 SMALL = (4 << 10, 64 << 10)
 LARGE = (256 << 10, 16 << 20)
+TINY = 0.002            # --sizes tiny: 2 MB of 4-64 KiB tensors, what a small model's diff reads
 OUT_SHARE = 0.03        # tensors given 1e-5 noise, so some elements are out of tolerance
 KEY = ("step", "site", "role", "arg")
 
@@ -91,14 +96,14 @@ class _Data:
         return max(1, round(nbytes / (4 * WIDTH)))
 
 
-def _layers(data: _Data, total: int) -> list[dict]:
+def _layers(data: _Data, total: int, large: tuple[int, int] = LARGE) -> list[dict]:
     """Layer shapes adding up to about ``total`` bytes per trace (forward and backward)."""
     layers, nbytes = [], 0
     while nbytes < total:
-        seq = max(1, data.rows(LARGE) // BATCH)
-        layer = {"input": (BATCH, seq, WIDTH), "output": (BATCH, max(1, data.rows(LARGE)
+        seq = max(1, data.rows(large) // BATCH)
+        layer = {"input": (BATCH, seq, WIDTH), "output": (BATCH, max(1, data.rows(large)
                                                                       // BATCH), WIDTH),
-                 "weight": (data.rows(LARGE), WIDTH)}
+                 "weight": (data.rows(large), WIDTH)}
         if data.rng.random() < 0.8:  # small tensors: ~20% of the count, ~1% of the bytes
             layer["bias"] = (data.rows(SMALL) * WIDTH,)
         layers.append(layer)
@@ -106,11 +111,13 @@ def _layers(data: _Data, total: int) -> list[dict]:
     return layers
 
 
-def generate(ref_path: Path, port_path: Path, total: int, seed: int = 0) -> tuple[int, int]:
-    """Write the pair; returns (tensors per trace, tensor bytes per trace)."""
+def generate(ref_path: Path, port_path: Path, total: int, seed: int = 0,
+             large: tuple[int, int] = LARGE) -> tuple[int, int]:
+    """Write the pair; returns (tensors per trace, tensor bytes per trace). ``large`` is the
+    byte range of activations and weights (``--tiny``: the small range, a small model's)."""
     from layerdiff import TraceWriter
     data = _Data(seed)
-    layers = _layers(data, total)
+    layers = _layers(data, total, large)
     count = nbytes = 0
     meta = {"case": "bench_diff", "seed": seed}
     with TraceWriter(ref_path, meta=meta) as ref_w, TraceWriter(port_path, meta=meta) as port_w:
@@ -236,12 +243,49 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
+def _load_kernels() -> None:
+    """numba's import and both compiled kernels' first (cached) load, done before the clock
+    starts: what a diff costs in a process that already paid them (the warm-kernel mode)."""
+    from layerdiff.compare.metrics import PairMetrics
+    from layerdiff.trace import stats
+    values = np.zeros(1 << 20, np.float32)
+    PairMetrics(RTOL, ATOL, values.size).update(values, values, 0)
+    stats.compiled()
+
+
+def _timed_phases() -> dict[str, float]:
+    """Wall seconds of the diff's phases, filled in as they run: everything before the
+    streaming (opening, index and segment checks, pairing), the streaming (numba's set-up
+    included when it happens there), and the hints."""
+    from layerdiff.compare import engine
+    phases: dict[str, float] = {}
+
+    def timed(owner, name: str, label: str) -> None:
+        function = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - begin
+        setattr(owner, name, wrapper)
+
+    timed(engine._Comparer, "_stream", "stream")
+    timed(engine, "attach_hints", "hints")
+    return phases
+
+
 def _child(mode: str, ref_path: str, port_path: str, check: str | None) -> None:
     import h5py  # noqa: F401  the same imports in both modes, before the baseline RSS
     import pandas  # noqa: F401
 
     import layerdiff.compare
     import layerdiff.trace  # noqa: F401
+    if mode == "engine-warm-kernel":
+        _load_kernels()
+    phases = _timed_phases()
+    numba_before = "numba" in sys.modules
     import_kib = _status_kib("VmRSS")
     usage = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
@@ -250,6 +294,7 @@ def _child(mode: str, ref_path: str, port_path: str, check: str | None) -> None:
     else:
         rows, identical = run_engine(ref_path, port_path, verify=mode != "engine-no-verify")
     seconds = time.perf_counter() - start
+    phases["other"] = seconds - sum(phases.values())
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime  # all threads
     peak_kib = _status_kib("VmHWM")  # not ru_maxrss: that survives exec (the parent's peak)
@@ -257,7 +302,9 @@ def _child(mode: str, ref_path: str, port_path: str, check: str | None) -> None:
         Path(check).write_text(json.dumps(rows))
     print(json.dumps({"mode": mode, "seconds": seconds, "bytes": sum(r["bytes"] for r in rows),
                       "tensors": len(rows), "identical": identical, "cpu_seconds": cpu,
-                      "peak_mib": peak_kib / 1024, "import_mib": import_kib / 1024}))
+                      "peak_mib": peak_kib / 1024, "import_mib": import_kib / 1024,
+                      "phases": phases,
+                      "numba_loaded": "numba" in sys.modules and not numba_before}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,11 +327,39 @@ VARIANTS = {
     "numpy": ("engine", {"LAYERDIFF_STATS": "numpy", "LAYERDIFF_NUMPY_METRICS": "1"}, False),
     "before": ("engine", {}, True),
     "before-no-verify": ("engine-no-verify", {}, True),
+    # numba and the kernels loaded before the clock starts: the engine minus numba's set-up
+    "warm-kernel": ("engine-warm-kernel", {}, False),
+    "before-warm-kernel": ("engine-warm-kernel", {}, True),
+    # the kernel through numba's JIT even where `python -m layerdiff.compare.aot` built it
+    "jit": ("engine", {"LAYERDIFF_AOT": "0"}, False),
+    # `python -m layerdiff diff` end to end (interpreter, imports, report), wall time only
+    "cli": ("cli", {}, False),
+    "before-cli": ("cli", {}, True),
 }
+
+
+def measure_cli(ref: Path, port: Path, env: dict[str, str] | None = None) -> dict:
+    """``python -m layerdiff diff REF PORT`` end to end: interpreter start, imports, diff and
+    report, the wall time a user waits (exit 1: the pair is out somewhere)."""
+    sources = (env or {}).get("BENCH_DIFF_SOURCES") or str(Path(__file__).resolve().parent.parent)
+    command = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "from layerdiff.cli import run; sys.argv[0] = 'layerdiff'; run()", sources,
+               "diff", str(ref), str(port), "--json", os.devnull]
+    start = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, check=False,
+                         env={**os.environ, **(env or {})})
+    seconds = time.perf_counter() - start
+    if out.returncode not in (0, 1):
+        raise RuntimeError(f"layerdiff diff failed:\n{out.stderr}")
+    return {"mode": "cli", "seconds": seconds, "bytes": 0, "tensors": 0, "identical": 0,
+            "cpu_seconds": math.nan, "peak_mib": math.nan, "import_mib": math.nan,
+            "phases": {}, "numba_loaded": None}
 
 
 def measure(mode: str, ref: Path, port: Path, check: Path | None, cold: bool,
             env: dict[str, str] | None = None) -> dict:
+    if mode in ("cli", "before-cli"):
+        return measure_cli(ref, port, env)
     if cold and not _drop_caches():
         raise PermissionError("cannot write /proc/sys/vm/drop_caches")
     command = [sys.executable, __file__, "--child", mode, str(ref), str(port)]
@@ -349,7 +424,9 @@ def _sources() -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="0.5,2,8", help="GB per trace, comma-separated")
+    parser.add_argument("--sizes", default="0.5,2,8",
+                        help="GB per trace, comma-separated; 'tiny': 2 MB of 4-64 KiB tensors "
+                             "(a diff's fixed cost, also timed through the CLI end to end)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the traces")
@@ -364,7 +441,7 @@ def main() -> None:
     parser.add_argument("--no-loop", action="store_true",
                         help="skip the plain loop (its rate and the ratio target)")
     args = parser.parse_args()
-    sizes = [float(s) for s in args.sizes.split(",")]
+    sizes = [TINY if s == "tiny" else float(s) for s in args.sizes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -396,7 +473,8 @@ def main() -> None:
         for size in sizes:
             ref, port = directory / f"ref-{size:g}GB.h5", directory / f"port-{size:g}GB.h5"
             start = time.perf_counter()
-            tensors, nbytes = generate(ref, port, int(size * 1e9))
+            tensors, nbytes = generate(ref, port, int(size * 1e9),
+                                       large=SMALL if size == TINY else LARGE)
             generated = time.perf_counter() - start
             print(f"{size:g} GB: wrote 2 x {tensors} tensors, 2 x {nbytes / 1e9:.2f} GB in "
                   f"{generated:.1f} s", file=sys.stderr, flush=True)
@@ -409,7 +487,8 @@ def main() -> None:
                     mode, env = (name, {}) if name in ("engine", "loop") else VARIANTS[name][:2]
                     if name.startswith("before"):
                         env = {**env, "BENCH_DIFF_SOURCES": str(args.before.resolve())}
-                    check = directory / f"{name}.json" if repeat == 0 else None
+                    check = (directory / f"{name}.json" if repeat == 0 and mode != "cli"
+                             else None)
                     result = measure(mode, ref, port, check, cold, env)
                     result["load"] = os.getloadavg()[0]
                     runs[name].append(result)
@@ -421,6 +500,8 @@ def main() -> None:
                           f"{result['load']:.1f}", file=sys.stderr, flush=True)
                 if repeat == 0:
                     for name in names[1:]:
+                        if name.endswith("cli"):
+                            continue  # the command's rows are not kept
                         agreement[name] = compare_rows(directory / "engine.json",
                                                        directory / f"{name}.json")
             rows.append(_summarise(size, tensors, nbytes, generated, runs, agreement))
@@ -468,6 +549,21 @@ def main() -> None:
                   f"{m['cpu_seconds']:.2f} | {m['cpu_per_s']:.2f} | {m['peak_mib']:.0f} "
                   f"(+{m['extra_mib']:.0f}) | {target} |")
     print()
+    print("Phases, medians, wall s: before streaming and after it (opening, index and segment "
+          "checks, pairing, origins), streaming (numba's set-up where it loads), hints")
+    print()
+    print("| GB per side | mode | s | streaming | hints | other | numba loaded | runs, s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |")
+    for r in rows:
+        for name, m in r["modes"].items():
+            ph = m["phases"]
+            loaded = {None: "", True: "yes", False: "no"}[m["numba_loaded"]]
+            cells = ("", "", "") if name.endswith("cli") or name == "loop" else (
+                f"{ph['stream']:.3f}", f"{ph['hints']:.3f}", f"{ph['other']:.3f}")
+            print(f"| {r['bytes'] / 1e9:.3f} | {name} | {m['seconds']:.3f} | "
+                  + " | ".join(cells) + f" | {loaded} | "
+                  + ", ".join(f"{x:.3f}" for x in m["runs"]) + " |")
+    print()
     print("load average at the end of each run, per size: " + "; ".join(
         f"{r['size_gb']:g} GB {min(r['loads']):.1f}-{max(r['loads']):.1f}" for r in rows))
     for r in rows:
@@ -483,6 +579,8 @@ def main() -> None:
 def _summarise(size: float, tensors: int, nbytes: int, generated: float, runs: dict,
                agreement: dict) -> dict:
     for mode, results in runs.items():
+        if mode.endswith("cli"):
+            continue
         if {r["bytes"] for r in results} != {nbytes} or any(r["identical"] for r in results):
             raise AssertionError(f"{mode} compared {results[0]['bytes']} bytes "
                                  f"({results[0]['identical']} rows skipped as identical), "
@@ -491,6 +589,10 @@ def _summarise(size: float, tensors: int, nbytes: int, generated: float, runs: d
     for mode, results in runs.items():
         median = {k: statistics.median(r[k] for r in results)
                   for k in ("seconds", "peak_mib", "import_mib", "cpu_seconds")}
+        median["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in results)
+                            for k in ("stream", "hints", "other")}
+        median["runs"] = [r["seconds"] for r in results]
+        median["numba_loaded"] = results[0]["numba_loaded"]
         modes[mode] = {**median, "gbs": nbytes / median["seconds"] / 1e9,
                        "extra_mib": statistics.median(r["peak_mib"] - r["import_mib"]
                                                       for r in results),

@@ -296,6 +296,26 @@ def test_a_compared_record_of_a_sealed_index_is_checked_by_its_digest_alone(pair
     _check_rows(rows, _plain_rows(ref, port))
 
 
+def test_a_read_for_an_element_wise_comparison_is_checked_by_its_digest_alone(pair, tmp_path):
+    """What the hints read of an origin (compared=True) is checked as the diff checks what it
+    compares: a digest under a sealed index, no statistics recomputed (at 2**20 elements and
+    more that loaded numba's statistics kernel, ~0.4 s). Flipped bits are still refused."""
+    _, port = pair
+    copy = tmp_path / "port.h5"
+    copy.write_bytes(port.read_bytes())
+    _edit_and_reseal(copy, "max", 100.0)
+    with open_trace(copy) as trace:
+        first = trace.index.iloc[0]
+        assert trace.read(first, compared=True).size == int(first["numel"])
+        with pytest.raises(TraceError, match="max: index says 100"):
+            trace.read(first)
+    with h5py.File(copy, "r+") as h5:  # the bytes themselves damaged: the digest refuses
+        segment = h5[schema.segment_name(int(first["segment"]))]
+        segment[int(first["offset"])] ^= 0xFF
+    with open_trace(copy) as trace, pytest.raises(TraceError, match="digest"):
+        trace.read(trace.index.iloc[0], compared=True)
+
+
 def test_a_record_decided_from_the_index_is_still_checked_against_its_statistics(pair,
                                                                                 tmp_path):
     """A port identical to the reference is decided by equal digests, its data read only to

@@ -153,5 +153,5 @@ def test_a_golden_of_the_older_digest_is_refused_with_what_to_do(tmp_path):
 
     spec = "reference_models.mlp:reference"
     old = _legacy_copy(golden(spec, tmp_path / "golden.h5"), tmp_path / "old_golden.h5")
-    with pytest.raises(TraceError, match="format v1, older than the v2.*record it again"):
+    with pytest.raises(TraceError, match=r"format v1, older than the v2.*record it again"):
         check(spec, old)

@@ -310,3 +310,23 @@ def test_own_model_rms_norm_epsilon_and_softmax_axis(options, site, kind, tmp_pa
     port = capture(_tagger(**options), tmp_path / "port.h5")
     origin = diff(reference, port).origin
     assert origin.site == site and origin.hint["kind"] == kind
+
+
+def test_precision_decides_from_the_first_values_as_from_all(rng):
+    """The precision kind's test of the port's values (>= 99% lower-dtype numbers) gives the
+    whole tensor's answer when it stops at the first values; a tensor whose first values are
+    float32 and the rest bfloat16 still goes the whole way."""
+    from layerdiff.compare.hints import elementwise
+    values = rng.standard_normal(1 << 16)
+    bf16 = np.asarray(torch.from_numpy(values).to(torch.bfloat16).double())
+    mixed = bf16.copy()
+    mixed[:200] = values[:200]  # 200 of 65,536 off: 99.7% representable
+    over = bf16.copy()
+    over[:1000] = values[:1000]  # 98.5%: refused
+    zeros = np.where(rng.random(values.size) < 0.9, 0.0, values)
+    for case in (values, bf16, mixed, over, zeros, np.zeros(100)):
+        for _, bits in elementwise.LOWER:
+            whole = elementwise._representable(case, bits) >= 0.99 if np.any(case) else False
+            assert elementwise._mostly_representable(case, bits, 0.99) == whole
+    assert elementwise._mostly_representable(mixed, 8, 0.99)
+    assert not elementwise._mostly_representable(over, 8, 0.99)

@@ -149,6 +149,21 @@ def test_a_segment_the_index_names_but_the_file_lacks_is_refused(traces, tmp_pat
         diff(ref, bad)
 
 
+def test_a_segment_of_the_wrong_kind_is_refused_naming_a_record_it_holds(traces, tmp_path):
+    """The opening check of every segment names what the index puts there, though it builds
+    that sentence only for the segment it refuses."""
+    ref, _ = traces
+    bad = _copy(ref, tmp_path, "bad.h5")
+    with h5py.File(bad, "r+") as h5:
+        segments = sorted(h5[schema.TENSORS_GROUP])
+        last = segments[-1]
+        del h5[f"{schema.TENSORS_GROUP}/{last}"]
+        h5.create_dataset(f"{schema.TENSORS_GROUP}/{last}", data=np.zeros((4, 4), np.uint8))
+    with pytest.raises(TraceError, match=rf"segment {int(last)} \(the index puts .+ there\) "
+                                         "is not a 1-D uint8 dataset"):
+        diff(ref, bad)
+
+
 @pytest.mark.parametrize("flag", ["false", "no", np.nan, 1, "True"])
 def test_a_complete_flag_that_is_not_exactly_true_means_incomplete(traces, tmp_path, flag):
     ref, _ = traces

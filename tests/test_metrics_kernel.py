@@ -244,3 +244,26 @@ def test_a_diff_of_small_tensors_does_not_load_numba(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(ref), str(port)], check=True,
                           capture_output=True, text=True)
     assert done.stdout.strip() == "False"
+
+
+def _one_tensor_pair(tmp_path, numel: int) -> tuple[str, str]:
+    ref, port = tmp_path / "ref.h5", tmp_path / "port.h5"
+    for path, factor in ((ref, 1.0), (port, 1.0 + 1e-3)):
+        with TraceWriter(path) as writer:
+            site = writer.enter("layer", "Linear")
+            writer.record(site, "output", np.linspace(1, 2, numel, dtype=np.float32) * factor)
+            writer.exit(site)
+    return str(ref), str(port)
+
+
+def test_the_diff_command_on_small_traces_does_not_load_numba(tmp_path):
+    """`layerdiff diff` end to end (the CLI's imports and its report too) on a small pair."""
+    ref, port = _one_tensor_pair(tmp_path, 5000)
+    code = ("import runpy, sys\n"
+            "sys.argv = ['layerdiff', 'diff', sys.argv[1], sys.argv[2]]\n"
+            "try:\n    runpy.run_module('layerdiff', run_name='__main__')\n"
+            "except SystemExit as exit:\n    code = exit.code\n"
+            "print(code, 'numba' in sys.modules, 'layerdiff.compare.kernels' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, ref, port], check=True,
+                          capture_output=True, text=True)
+    assert done.stdout.split()[-3:] == ["1", "False", "False"]

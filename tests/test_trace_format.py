@@ -164,7 +164,8 @@ def test_newer_format_version_is_refused(trace_path):
     _write_small(trace_path)
     with h5py.File(trace_path, "a") as f:
         f.attrs[schema.ATTR_VERSION] = schema.FORMAT_VERSION + 1
-    with pytest.raises(TraceError, match=rf"newer than the v{schema.FORMAT_VERSION} .*upgrade layerdiff"):
+    newer = rf"newer than the v{schema.FORMAT_VERSION} .*upgrade layerdiff"
+    with pytest.raises(TraceError, match=newer):
         open_trace(trace_path)
 
 

@@ -255,8 +255,27 @@ class PairMetrics:
 
 @functools.cache
 def _kernel() -> Any:
-    """The compiled kernel (:func:`layerdiff.compare.kernels.fused`), or None where numba
-    cannot be imported. Imported on first use: numba costs ~0.3 s that CLI start-up must not."""
+    """The compiled kernel (:func:`layerdiff.compare.kernels.fused`): built ahead of time where
+    ``python -m layerdiff.compare.aot`` built it for this machine (no numba at run time: the
+    ~0.4 s of numba's set-up gone), else numba's JIT, for arguments the build does not
+    cover too; None where neither can be had. Loaded on first use: CLI start-up does not pay
+    for it."""
+    from layerdiff.compare import aot
+    compiled = aot.load()
+    if compiled is None:
+        return _jitted()
+
+    def kernel(ref, port, ref_bits, port_bits, *rest):
+        function = compiled.lookup(ref, port, ref_bits, port_bits, rest[5]) or _jitted()
+        if function is None:
+            raise RuntimeError("no compiled kernel for these argument types")
+        return function(ref, port, ref_bits, port_bits, *rest)
+    return kernel
+
+
+@functools.cache
+def _jitted() -> Any:
+    """numba's JIT of the kernel, or None where numba cannot be imported."""
     try:
         from layerdiff.compare import kernels
     except Exception:  # not installed, or broken on this platform: the numpy path

@@ -124,13 +124,15 @@ class PairReader:
         return (self._named(0, step, site, role, arg),
                 self._named(1, step, port_site, role, port_arg))
 
-    def read(self, row: Mapping[str, Any] | pd.Series, *,
-             stored: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, row: Mapping[str, Any] | pd.Series, *, stored: bool = False,
+             compared: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The row's (reference, port) tensors as float64, as the diff compared them: sliced,
         the port's transposed as the mapping says, the port's gradients at the reference's
         loss scale. ``stored`` keeps the stored dtypes (bfloat16 widened to float32; a
-        rescaled gradient is float64), for readers that tell masks from numbers. Raises
-        TraceError (one sentence) when a side holds no data for it."""
+        rescaled gradient is float64), for readers that tell masks from numbers. ``compared``
+        (the values are compared element by element, as the hints do): see
+        :meth:`Trace.read`. Raises TraceError (one sentence) when a side holds no data for
+        it."""
         for trace in (self.ref, self.port):
             if trace.summary:
                 raise TraceError(f"{trace.path} is a summary trace (statistics only, no tensor "
@@ -144,7 +146,8 @@ class PairReader:
         if ref_row is None:
             raise TraceError(f"{self.ref.path} has no tensor data for {site} {role} {arg} at "
                              f"step {step}")
-        ref = as_compared(self.ref.read(ref_row), plan and plan.ref_slice, False)
+        ref = as_compared(self.ref.read(ref_row, compared=compared), plan and plan.ref_slice,
+                          False)
         ref = ref if stored else np.asarray(ref, dtype=np.float64)
         if plan is not None and plan.match == "absent":
             return ref, np.zeros_like(ref)  # the port sent no gradient: the diff's zeros
@@ -153,7 +156,7 @@ class PairReader:
                      f"{_text(row.get(Column.PORT_ARG))}")
             raise TraceError(f"{self.port.path} has no tensor data for {where.strip()} at "
                              f"step {step}")
-        port = as_compared(self.port.read(port_row), plan and plan.port_slice,
+        port = as_compared(self.port.read(port_row, compared=compared), plan and plan.port_slice,
                            plan.transpose_port if plan is not None else False)
         port = port if stored else np.asarray(port, dtype=np.float64)
         if role in schema.GRAD_ROLES and self.grad_factor != 1.0:

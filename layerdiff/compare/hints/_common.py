@@ -82,6 +82,7 @@ class Judge:
         floor = np.finfo(np.float64).tiny if not np.any(bound > 0) else np.min(bound[bound > 0])
         self.bound = np.maximum(bound, floor)
         self.ratio = np.abs(self.error) / self.bound
+        self.memo: dict[str, object] = {}  # answers of a test that several kinds ask
 
     def accepts(self, model: np.ndarray) -> float | None:
         """The fraction of the error energy the model leaves, when it is accepted."""
