@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Where a capture's time goes on the capturing thread, per step, beside the bare step.
+
+Times each part of the hot path with exclusive timers (a part's time excludes the parts it
+calls): the module hooks, the grad_input walk, the outside-consumer walk, the backward node
+hooks, the staging copies and the statistics taken on the capturing thread. Also runs variants
+with one part stubbed out, interleaved with the bare step, so that the cost a part adds to the
+step (its own time plus what it does to torch's threads) can be read as a difference:
+
+- ``nostats``: ``span_stats`` answers a constant (the big tensors' statistics skipped)
+- ``nostage``: ``Stager.tensor`` does nothing (hooks and walks alone, nothing recorded)
+
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python scripts/capture_parts.py \
+        reference_models.transformer:reference_large --steps 2 --repeats 3
+
+Timings only: the traces the stubbed variants write are wrong and are deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PARTS = {  # (module, owner, attribute) -> the name printed
+    ("layerdiff.capture.hooks", "ModuleRecorder", "_before"): "forward pre-hook",
+    ("layerdiff.capture.hooks", "ModuleRecorder", "_after"): "forward hook",
+    ("layerdiff.capture.hooks", "ModuleRecorder", "_hook_grad_inputs"): "grad_input walk",
+    ("layerdiff.capture.hooks", "ModuleRecorder", "_hook_outside_consumers"): "outside walk",
+    ("layerdiff.capture.hooks", "ModuleRecorder", "_on_gradients"): "node hooks (backward)",
+    ("layerdiff.capture.hooks", "ModuleRecorder", "after_backward"): "after backward",
+    ("layerdiff.capture.stage", "Stager", "tensor"): "staging",
+    ("layerdiff.trace.stats", None, "span_stats"): "statistics (capturing thread)",
+}
+
+
+class ExclusiveTimers:
+    """Wall time per part, each part's own (time in parts it calls is theirs)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []   # [start, time spent in callees]
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            frame = [time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                spent = time.perf_counter() - frame[0]
+                self.total[name] += spent - frame[1]
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1][1] += spent
+        return timed
+
+
+def _resolve(module_name: str, owner: str | None):
+    import importlib
+    module = importlib.import_module(module_name)
+    return module if owner is None else getattr(module, owner)
+
+
+def install(timers: ExclusiveTimers) -> list:
+    undo = []
+    for (module_name, owner, attr), name in PARTS.items():
+        target = _resolve(module_name, owner)
+        original = getattr(target, attr)
+        setattr(target, attr, timers.wrap(name, original))
+        undo.append((target, attr, original))
+    return undo
+
+
+def uninstall(undo: list) -> None:
+    for target, attr, original in reversed(undo):
+        setattr(target, attr, original)
+
+
+def bare(spec: str, steps: int) -> float:
+    from layerdiff import load_case, run_case
+    case = load_case(spec)
+    gc.collect()
+    start = time.perf_counter()
+    run_case(case, steps=steps)
+    return time.perf_counter() - start
+
+
+def captured(spec: str, steps: int, summary: bool, folder: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the other threads beyond the capturing one)."""
+    from layerdiff import load_case
+    from layerdiff.capture.torch_capture import PreparedCapture
+    case = load_case(spec)
+    path = folder / "parts.h5"
+    prepared = PreparedCapture(case, path, steps=steps, summary=summary)
+    gc.collect()
+    cpu0, mine0 = time.process_time(), time.thread_time()
+    start = time.perf_counter()
+    prepared.run()
+    wall = time.perf_counter() - start
+    others = (time.process_time() - cpu0) - (time.thread_time() - mine0)
+    path.unlink()
+    return wall, others
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("case")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="*", default=["summary", "full"])
+    args = parser.parse_args()
+
+    from layerdiff.capture import stage
+    from layerdiff.trace import stats
+
+    folder = Path(tempfile.mkdtemp(prefix="capture-parts-"))
+    bare(args.case, 1)
+    captured(args.case, 1, True, folder)   # numba loaded, caches warm
+    constant = stats.span_stats(__import__("numpy").zeros(16, "uint8"), "float32")
+    variants = ["bare"] + [f"{m}{v}" for m in args.modes for v in ("", "+timers", "+nostats",
+                                                                    "+nostage")]
+    wall: dict[str, list[float]] = defaultdict(list)
+    others: dict[str, list[float]] = defaultdict(list)
+    timers = {mode: ExclusiveTimers() for mode in args.modes}
+    for _ in range(args.repeats):
+        for variant in variants:
+            if variant == "bare":
+                wall[variant].append(bare(args.case, args.steps))
+                continue
+            mode, _, change = variant.partition("+")
+            undo = []
+            if change == "timers":
+                undo = install(timers[mode])
+            elif change == "nostats":
+                original = stats.span_stats
+                stats.span_stats = lambda raw, name: constant
+                undo = [(stats, "span_stats", original)]
+            elif change == "nostage":
+                original = stage.Stager.tensor
+                stage.Stager.tensor = lambda self, *a: None
+                undo = [(stage.Stager, "tensor", original)]
+            try:
+                seconds, cpu = captured(args.case, args.steps, mode == "summary", folder)
+            finally:
+                uninstall(undo)
+            wall[variant].append(seconds)
+            others[variant].append(cpu)
+    os.rmdir(folder)
+    per_step = {v: 1000 * statistics.median(t) / args.steps for v, t in wall.items()}
+    print(f"{args.case}: {args.steps} steps x {args.repeats} repeats, ms per step (median)")
+    for variant in variants:
+        extra = (f"  other threads' CPU {1000 * statistics.median(others[variant]) / args.steps:7.1f}"
+                 if others[variant] else "")
+        print(f"  {variant:18s} {per_step[variant]:8.1f}  x{per_step[variant] / per_step['bare']:.2f}"
+              f"{extra}")
+    runs = args.repeats * args.steps
+    for mode, timed in timers.items():
+        print(f"  {mode}: exclusive time per step on the capturing thread (+timers runs):")
+        for name in PARTS.values():
+            if timed.calls[name]:
+                print(f"    {name:32s} {1000 * timed.total[name] / runs:8.2f} ms"
+                      f"  {timed.calls[name] // runs:6d} calls")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    main()
