@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="*", default=["summary", "full"])
+    parser.add_argument("--variants", nargs="*", default=["", "timers", "nostats", "nostage"],
+                        help="'' (plain), or stubs and timers joined by '+': timers, "
+                             "nostats, nostage (e.g. nostage+timers)")
     args = parser.parse_args()
 
     from layerdiff.capture import stage
@@ -128,8 +131,7 @@ def main() -> None:
     bare(args.case, 1)
     captured(args.case, 1, True, folder)   # numba loaded, caches warm
     constant = stats.span_stats(__import__("numpy").zeros(16, "uint8"), "float32")
-    variants = ["bare"] + [f"{m}{v}" for m in args.modes for v in ("", "+timers", "+nostats",
-                                                                    "+nostage")]
+    variants = ["bare"] + [f"{m}+{v}".rstrip("+") for m in args.modes for v in args.variants]
     wall: dict[str, list[float]] = defaultdict(list)
     others: dict[str, list[float]] = defaultdict(list)
     timers = {mode: ExclusiveTimers() for mode in args.modes}
@@ -138,18 +140,17 @@ def main() -> None:
             if variant == "bare":
                 wall[variant].append(bare(args.case, args.steps))
                 continue
-            mode, _, change = variant.partition("+")
+            mode, _, rest = variant.partition("+")
+            changes = set(rest.split("+")) - {""}
             undo = []
-            if change == "timers":
-                undo = install(timers[mode])
-            elif change == "nostats":
-                original = stats.span_stats
+            if "timers" in changes:
+                undo += install(timers[mode])
+            if "nostats" in changes:
+                undo.append((stats, "span_stats", stats.span_stats))
                 stats.span_stats = lambda raw, name: constant
-                undo = [(stats, "span_stats", original)]
-            elif change == "nostage":
-                original = stage.Stager.tensor
+            if "nostage" in changes:
+                undo.append((stage.Stager, "tensor", stage.Stager.tensor))
                 stage.Stager.tensor = lambda self, *a: None
-                undo = [(stage.Stager, "tensor", original)]
             try:
                 seconds, cpu = captured(args.case, args.steps, mode == "summary", folder)
             finally:

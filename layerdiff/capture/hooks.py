@@ -119,6 +119,47 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     return (id(tensor.grad_fn), tensor.output_nr)
 
 
+class _SumBuffers:
+    """Memory reused across steps for the sums of a gradient record's contributions (an input
+    used three times, q/k/v, gets three): ``a + b`` put each sum in fresh memory, 148 MiB a
+    step on the d=256 transformer. A sum is the same elementwise ``add`` into a buffer this
+    object lends, and back once the record is staged. Bit for bit the same: ``(a + b) + c``
+    whichever memory holds it. CPU tensors only, and only with a stager that is done with a
+    tensor's memory when ``tensor()`` returns (copied to the ring or reduced, as
+    :class:`Stager` and find-nan's checker are): a GPU copy or reduction queued on a stream
+    could still be reading it."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}
+
+    def add(self, total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if id(total) in self._lent:   # a sum already in our memory: the next one goes in place
+            return total.add_(grad)
+        if (not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
+                or total.device != grad.device or total.layout is not torch.strided
+                or grad.layout is not torch.strided or total.requires_grad
+                or grad.requires_grad):   # broadcasting, promotion, a double backward: as is
+            return total + grad
+        key = (total.shape, total.dtype, total.device)
+        free = self._free.get(key)
+        buffer = free.pop() if free else torch.empty(total.shape, dtype=total.dtype,
+                                                     device=total.device)
+        torch.add(total, grad, out=buffer)
+        self._lent[id(buffer)] = buffer
+        return buffer
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """``tensor`` has been staged: its memory may take the next sum."""
+        if self._lent.pop(id(tensor), None) is not None:
+            self._free.setdefault((tensor.shape, tensor.dtype, tensor.device),
+                                  []).append(tensor)
+
+    def reclaim(self) -> None:
+        for tensor in list(self._lent.values()):
+            self.give_back(tensor)
+
+
 @dataclass(frozen=True, slots=True)
 class _Owned:
     """The tensors a module records as its own (fixed at attach): the hot path only loops."""
@@ -258,6 +299,7 @@ class ModuleRecorder:
         self._watched: list[tuple[Any, int, int, str, str, str, _ViewGeometry | None]] = []
         # this step's hooked nodes: id(node) -> (node, the slots its one hook runs)
         self._node_slots: dict[int, tuple[Any, list]] = {}
+        self._sums = _SumBuffers()
         # ``child.forward(...)`` called directly runs these hooks too (OpRecorder adds its own)
         self.direct = DirectCalls()
         self._hooks = ModuleHooks(self.direct)
@@ -285,6 +327,7 @@ class ModuleRecorder:
     def detach(self) -> None:
         self._hooks.remove()
         self._node_slots.clear()
+        self._sums = _SumBuffers()
 
     def begin_step(self, step: int) -> None:
         if self._learning and self._calls:  # the first recorded step ran: what it learnt holds
@@ -296,6 +339,7 @@ class ModuleRecorder:
         self._watched.clear()
         self._partial_grads.clear()
         self._node_slots.clear()
+        self._sums.reclaim()   # a step that raised mid-backward left sums lent out
         self.open.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -319,6 +363,7 @@ class ModuleRecorder:
         for (site, role, arg), (_, total) in self._partial_grads.items():
             if total is not None:
                 self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, total)
+                self._sums.give_back(total)
         self._partial_grads.clear()
         for site, prefix, owned in reversed(self._weight_sites):
             for store, name in owned.params:
@@ -542,8 +587,11 @@ class ModuleRecorder:
         inner = opened.inner if self.skip_finished_calls else None
         boundary: dict[int, tuple[Any, list]] = {}
         summaries: dict[int, tuple[Any, list]] | None = None
-        if not self.open or len(roots) < 2:   # one walk; with one root it is that root's
-            frontier: list | None = [] if self.open else None
+        # frontiers serve an enclosing call that walks (one with inputs needing grad): a
+        # Linear in a Sequential whose input needs none has no use for them
+        wanted = self.skip_finished_calls and any(call.inputs for call in self.open)
+        if not wanted or len(roots) < 2:   # one walk; with one root it is that root's
+            frontier: list | None = [] if wanted else None
             _walk(list(roots.values()), opened.first_node, targets, keys, leaf_inputs, inner,
                   boundary, frontier)
             if frontier is not None and roots:
@@ -592,12 +640,13 @@ class ModuleRecorder:
                 grad = geometry.cut(grad)
             entry[0] -= 1
             if grad is not None:
-                entry[1] = grad if entry[1] is None else entry[1] + grad
+                entry[1] = grad if entry[1] is None else self._sums.add(entry[1], grad)
             if entry[0] == 0:
                 del partials[key]
                 if entry[1] is not None:
                     site, role, arg = key
                     self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, entry[1])
+                    self._sums.give_back(entry[1])
 
 
 def _walk(roots: list, first: int, targets: dict[tuple, str], keys: dict[str, tuple],
