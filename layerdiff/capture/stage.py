@@ -11,7 +11,6 @@ import torch
 
 from layerdiff.trace import stats
 from layerdiff.trace.recorder import Recorder
-from layerdiff.trace.schema import Pass
 from layerdiff.trace.writer import value_json
 
 
@@ -39,8 +38,9 @@ class Stager:
         # Per-dtype and per-shape facts, computed once: the hot path pays per Python call.
         self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int, bool]] = {}
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
-        # the statistics of the last few large forward tensors, by (id, version, address): a
-        # layer's input is the output recorded just before it (47% of reference_large's bytes)
+        # the statistics of the last few large tensors, by (id, version, address): a layer's
+        # input is the output recorded just before it, a container's grad_input its first
+        # child's (47% of reference_large's bytes a step)
         self._recent: dict[tuple[int, int, int], tuple[weakref.ref, stats.Stats]] = {}
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
@@ -67,9 +67,10 @@ class Stager:
                 # A large tensor's statistics are taken here, from memory the model has just
                 # written (in cache): a summary trace then copies none of its bytes, and a full
                 # one reads them once less. The statistics are the same: one kernel, one span.
-                # forward tensors only (an inference tensor has no version counter): what the
-                # model made, changed only by ops that count in the version
-                repeatable = pass_ == Pass.FORWARD and not tensor.is_inference()
+                # the same tensor object, alive, at the same version: the same bytes (an
+                # inference tensor has no version counter). A gradient the engine could still
+                # add to in place is one nothing else holds, and then its weak reference is dead
+                repeatable = not tensor.is_inference()
                 found = self._unchanged(tensor) if repeatable else None
                 if found is None:
                     found = stats.span_stats(_bytes_of(tensor, nbytes), name)
@@ -160,8 +161,8 @@ class Stager:
 # Tensors from this size get their statistics on the capturing thread (see Stager.tensor); the
 # smaller ones are batched on the statistics thread, where a kernel call per tensor would cost.
 INLINE_STATS_BYTES = 2**20
-# How many large forward tensors' statistics are kept for a repeat: the input of a layer is
-# the output recorded just before (or a few records before, after a container's records).
+# How many large tensors' statistics are kept for a repeat: the input of a layer is the
+# output recorded just before (or a few records before, after a container's records).
 _RECENT = 4
 
 _memmove = ctypes.memmove  # releases the GIL while it copies, like any ctypes call
