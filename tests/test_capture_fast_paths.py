@@ -103,3 +103,36 @@ def test_statistics_on_the_capturing_thread_give_the_same_trace(tmp_path, monkey
                                   b.index.sort_values("seq").iterrows(), strict=True):
             if x["kind"] == "tensor":
                 assert np.array_equal(a.read(x, raw=True), b.read(y, raw=True))
+
+
+def test_a_tensor_recorded_again_unchanged_reuses_its_statistics(tmp_path, monkeypatch):
+    """A layer's input is the output recorded just before (a container's grad_input its first
+    child's): its statistics are taken once. A change in place (the version counter moves) or
+    a new tensor at the same address is reduced again."""
+    assert stats.compiled() is not None   # loaded: tensors from 1 MiB take the inline path
+    reduced = []
+    span_stats = stats.span_stats
+    monkeypatch.setattr(stats, "span_stats",
+                        lambda raw, name: reduced.append(raw.nbytes) or span_stats(raw, name))
+    path = tmp_path / "t.h5"
+    recorder = Recorder(path, {"producer": "test"}, summary=True)
+    stager = stage.Stager(recorder)
+    x = torch.randn(512, 512)   # 1 MiB
+    stager.tensor(0, "forward", "a#0", "output", "0", x)
+    stager.tensor(0, "forward", "b#0", "input", "0", x)          # the same values: reused
+    x.mul_(2)
+    stager.tensor(0, "forward", "b#0", "output", "0", x)         # changed in place
+    stager.tensor(0, "backward", "b#0", "grad_input", "0", x)    # unchanged again: reused
+    address = x.data_ptr()
+    del x
+    y = torch.zeros(512, 512)   # likely at the freed address, version 0 again
+    stager.tensor(0, "forward", "c#0", "output", "0", y)
+    recorder.close(complete=True)
+    assert len(reduced) == 3, (len(reduced), address == y.data_ptr())
+    index = open_trace(path).index.sort_values("seq")
+    first, repeat, doubled, again, zeros = (row for _, row in index.iterrows())
+    assert again["digest"] == doubled["digest"]
+    assert (repeat["min"], repeat["max"], repeat["digest"]) == (
+        first["min"], first["max"], first["digest"])
+    assert doubled["max"] == 2 * first["max"] and doubled["digest"] != first["digest"]
+    assert zeros["max"] == 0.0

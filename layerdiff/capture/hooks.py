@@ -17,7 +17,14 @@ the counter read when it returned; the nodes numbered after are outside it.
 - grad_input: the nodes created during the call that consume the call's input tensors are found
   by walking the graph from the outputs; a hook on each of those nodes sees this call's own
   gradient contribution to the input, not the sum over every consumer. An input returned
-  unchanged adds what arrives at it from outside, as its grad_output does.
+  unchanged adds what arrives at it from outside, as its grad_output does. A call's walk steps
+  over the interior of each call that finished inside it: what that call's walk found leaving
+  its interior from each of its outputs (its *frontier*) is where the graph goes on, so each
+  node is walked about once per step, not once per enclosing call (see :func:`_walk`).
+- Each graph node gets at most one hook per step, whatever number of records it feeds (the
+  first op of a block feeds the grad_input of the block, of its first child, of the layer
+  stack...): the hook runs the records' slots in the order they were added, which is the order
+  separate hooks ran in.
 
 Weights: a parameter or buffer object is recorded once per step however many modules hold it
 (a tied embedding and output head), as ``weight`` and ``weight_grad`` of the first selected
@@ -72,6 +79,9 @@ class _OpenCall:
     # inputs needing grad: (argument path, autograd identity taken before the call ran, so
     # that an in-place op inside the call does not hide it, and the node to keep it alive)
     inputs: list[tuple[str, tuple, Any]] = field(default_factory=list)
+    # calls that finished inside this one: id(output node) -> (that node, its frontier); the
+    # walk of this call's graph steps over their interiors
+    inner: dict[int, tuple[Any, list]] | None = None
 
 
 def flatten(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -107,6 +117,47 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     if tensor.grad_fn is None:
         return ("leaf", id(tensor))
     return (id(tensor.grad_fn), tensor.output_nr)
+
+
+class _SumBuffers:
+    """Memory reused across steps for the sums of a gradient record's contributions (an input
+    used three times, q/k/v, gets three): ``a + b`` put each sum in fresh memory, 148 MiB a
+    step on the d=256 transformer. A sum is the same elementwise ``add`` into a buffer this
+    object lends, and back once the record is staged. Bit for bit the same: ``(a + b) + c``
+    whichever memory holds it. CPU tensors only, and only with a stager that is done with a
+    tensor's memory when ``tensor()`` returns (copied to the ring or reduced, as
+    :class:`Stager` and find-nan's checker are): a GPU copy or reduction queued on a stream
+    could still be reading it."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}
+
+    def add(self, total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if id(total) in self._lent:   # a sum already in our memory: the next one goes in place
+            return total.add_(grad)
+        if (not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
+                or total.device != grad.device or total.layout is not torch.strided
+                or grad.layout is not torch.strided or total.requires_grad
+                or grad.requires_grad):   # broadcasting, promotion, a double backward: as is
+            return total + grad
+        key = (total.shape, total.dtype, total.device)
+        free = self._free.get(key)
+        buffer = free.pop() if free else torch.empty(total.shape, dtype=total.dtype,
+                                                     device=total.device)
+        torch.add(total, grad, out=buffer)
+        self._lent[id(buffer)] = buffer
+        return buffer
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """``tensor`` has been staged: its memory may take the next sum."""
+        if self._lent.pop(id(tensor), None) is not None:
+            self._free.setdefault((tensor.shape, tensor.dtype, tensor.device),
+                                  []).append(tensor)
+
+    def reclaim(self) -> None:
+        for tensor in list(self._lent.values()):
+            self.give_back(tensor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +275,10 @@ class ModuleRecorder:
     at once (``layerdiff.debug.diverge`` runs up to a step and records that one alone).
     """
 
+    # False walks every finished inner call's interior again (the records are the same: tests
+    # compare the two ways)
+    skip_finished_calls = True
+
     def __init__(self, modules: list[tuple[str, nn.Module]], stager: Stager, *,
                  weights: bool = True, record_steps: Collection[int] | None = None) -> None:
         self.modules = modules
@@ -242,6 +297,9 @@ class ModuleRecorder:
         # the loss is recorded: (node, output_nr, first sequence number outside, site, role,
         # arg, None; or for the base of an output that is a view, the view's geometry)
         self._watched: list[tuple[Any, int, int, str, str, str, _ViewGeometry | None]] = []
+        # this step's hooked nodes: id(node) -> (node, the slots its one hook runs)
+        self._node_slots: dict[int, tuple[Any, list]] = {}
+        self._sums = _SumBuffers()
         # ``child.forward(...)`` called directly runs these hooks too (OpRecorder adds its own)
         self.direct = DirectCalls()
         self._hooks = ModuleHooks(self.direct)
@@ -268,6 +326,8 @@ class ModuleRecorder:
 
     def detach(self) -> None:
         self._hooks.remove()
+        self._node_slots.clear()
+        self._sums = _SumBuffers()
 
     def begin_step(self, step: int) -> None:
         if self._learning and self._calls:  # the first recorded step ran: what it learnt holds
@@ -278,6 +338,8 @@ class ModuleRecorder:
         self._weight_sites.clear()
         self._watched.clear()
         self._partial_grads.clear()
+        self._node_slots.clear()
+        self._sums.reclaim()   # a step that raised mid-backward left sums lent out
         self.open.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -297,9 +359,11 @@ class ModuleRecorder:
         """Emit grad_input sums still waiting for a contribution, then weight gradients."""
         if not self.recording:
             return
+        self._node_slots.clear()   # the backward has run: the graph's nodes are not held
         for (site, role, arg), (_, total) in self._partial_grads.items():
             if total is not None:
                 self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, total)
+                self._sums.give_back(total)
         self._partial_grads.clear()
         for site, prefix, owned in reversed(self._weight_sites):
             for store, name in owned.params:
@@ -385,20 +449,28 @@ class ModuleRecorder:
             stager.any(step, Pass.FORWARD, site, Role.OUTPUT, arg, value)
         self._site_row(site, opened.module, opened.call, opened.type, opened.parent,
                        opened.enter_seq)
+        inner = opened.inner
         if torch.is_grad_enabled():
             grads = [(arg, t) for arg, t in outputs
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            if not grads:
-                return
-            outside = _next_sequence_nr()   # nodes numbered from here on are outside the call
-            watched = self._watched
-            for arg, tensor in grads:
-                watched.append((tensor.grad_fn, tensor.output_nr, outside, site,
-                                Role.GRAD_OUTPUT, arg, None))
-                if tensor._is_view():   # changed in place later, its gradient goes to the base
-                    self._watch_base(tensor, outside, site, Role.GRAD_OUTPUT, arg)
-            if opened.inputs:
-                self._hook_grad_inputs(opened, grads, outside)
+            if grads:
+                outside = _next_sequence_nr()   # nodes numbered from here on are outside
+                watched = self._watched
+                for arg, tensor in grads:
+                    watched.append((tensor.grad_fn, tensor.output_nr, outside, site,
+                                    Role.GRAD_OUTPUT, arg, None))
+                    if tensor._is_view():   # changed in place later: its gradient goes to the base
+                        self._watch_base(tensor, outside, site, Role.GRAD_OUTPUT, arg)
+                if opened.inputs:
+                    inner = self._hook_grad_inputs(opened, grads, outside)
+        # what the enclosing call's walk may step over: this call's frontiers, or where it
+        # walked nothing, those of the calls inside it
+        if inner and self.open:
+            parent = self.open[-1]
+            if parent.inner is None:
+                parent.inner = inner
+            else:
+                parent.inner.update(inner)
 
     # ---- owners that are never called: learnt in the first recorded step ----
     def _adopt_uncalled(self, path: str, site: str, slot: _Slot) -> None:
@@ -482,67 +554,77 @@ class ModuleRecorder:
                 if id(child) not in seen and child._sequence_nr() >= earliest:
                     todo.append(child)
             if slots:
-                node.register_hook(partial(self._on_gradients, slots))
+                self._hook_node(node, slots)
         # an output that nothing outside its call consumes gets no record at all
         for key, (left, _) in list(partials.items()):
             if left == 0 and key[1] == Role.GRAD_OUTPUT:
                 del partials[key]
 
     def _hook_grad_inputs(self, opened: _OpenCall, outputs: list[tuple[str, torch.Tensor]],
-                          outside: int) -> None:
+                          outside: int) -> dict[int, tuple[Any, list]] | None:
+        """Hook the nodes that carry this call's own gradient to its inputs; return its
+        frontiers (for the enclosing call's walk), when there is an enclosing call."""
         # An input passed under several argument paths (attn(x, x, x)) is one value with one
         # gradient: it is recorded under its first path.
         targets: dict[tuple, str] = {}
         for arg, key, _ in opened.inputs:
             targets.setdefault(key, arg)
-        boundary: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
-        # Nodes are keyed by id(), so every node visited is held until the walk ends: a Python
-        # wrapper of an autograd node may be freed once unreferenced and its id given to the
-        # wrapper of another node (torch 2.11 does; the walk then skipped whole branches)
-        seen: dict[int, Any] = {}
-        todo = []
-        passed_through: set[str] = set()
+        roots: dict[int, Any] = {}
+        passed_through: list[str] = []
         for _, tensor in outputs:
             arg = targets.get(_tensor_key(tensor))
             if arg is not None:  # returned its input unchanged: what arrives from outside
                 if arg not in passed_through:   # passes through to the input
-                    passed_through.add(arg)
+                    passed_through.append(arg)
                     self._watched.append((tensor.grad_fn, tensor.output_nr, outside,
                                           opened.site, Role.GRAD_INPUT, arg, None))
                     if tensor._is_view():
                         self._watch_base(tensor, outside, opened.site, Role.GRAD_INPUT, arg)
             elif tensor.grad_fn._sequence_nr() >= opened.first_node:  # else made before the call
-                todo.append(tensor.grad_fn)
-        # The walk runs once per call, over every node the call created (a parent's walk covers
-        # its children's nodes too), so its inner loop is kept to dictionary lookups: a leaf
-        # (AccumulateGrad, never made during the call) is looked at only when an input is one,
-        # and a node made before the call is never queued.
-        first = opened.first_node
+                roots.setdefault(id(tensor.grad_fn), tensor.grad_fn)
+        keys = {arg: (opened.site, Role.GRAD_INPUT, arg) for arg in targets.values()}
         leaf_inputs = any(key[0] == "leaf" for key in targets)
-        while todo:
-            node = todo.pop()
-            if id(node) in seen:
-                continue
-            seen[id(node)] = node
-            for slot, (child, output_nr) in enumerate(node.next_functions):
-                if child is None:
-                    continue
-                if type(child) is _ACCUMULATE_GRAD:  # a leaf: it has no inputs to walk into
-                    arg = targets.get(("leaf", id(child.variable))) if leaf_inputs else None
-                else:
-                    arg = targets.get((id(child), output_nr))
-                    if arg is None and child._sequence_nr() >= first:
-                        todo.append(child)
-                if arg is not None:
-                    key = (opened.site, Role.GRAD_INPUT, arg)
-                    boundary.setdefault(id(node), (node, []))[1].append((slot, key, None))
+        inner = opened.inner if self.skip_finished_calls else None
+        boundary: dict[int, tuple[Any, list]] = {}
+        summaries: dict[int, tuple[Any, list]] | None = None
+        # frontiers serve an enclosing call that walks (one with inputs needing grad): a
+        # Linear in a Sequential whose input needs none has no use for them
+        wanted = self.skip_finished_calls and any(call.inputs for call in self.open)
+        if not wanted or len(roots) < 2:   # one walk; with one root it is that root's
+            frontier: list | None = [] if wanted else None
+            _walk(list(roots.values()), opened.first_node, targets, keys, leaf_inputs, inner,
+                  boundary, frontier)
+            if frontier is not None and roots:
+                root = next(iter(roots.values()))
+                summaries = {id(root): (root, frontier)}
+        else:   # each output's frontier apart: the enclosing call may reach only some of them
+            summaries = {}
+            for key, root in roots.items():
+                frontier = []
+                _walk([root], opened.first_node, targets, keys, leaf_inputs, inner, boundary,
+                      frontier)
+                summaries[key] = (root, frontier)
         expected = Counter(key for _, slots in boundary.values() for _, key, _ in slots)
+        partials = self._partial_grads
         for arg in passed_through:   # its outside consumers are counted in when hooked
-            self._partial_grads[(opened.site, Role.GRAD_INPUT, arg)] = [0, None]
-        for key, count in expected.items():
-            self._partial_grads[key] = [count, None]
+            partials[keys[arg]] = [0, None]
+        for key in keys.values():    # in the order of the call's arguments
+            count = expected.get(key)
+            if count:
+                partials[key] = [count, None]
         for node, slots in boundary.values():
+            self._hook_node(node, slots)
+        return summaries
+
+    def _hook_node(self, node: Any, slots: list) -> None:
+        """Run ``slots`` when ``node`` has run in the backward: one hook per node and step."""
+        entry = self._node_slots.get(id(node))
+        if entry is None:
+            slots = list(slots)
+            self._node_slots[id(node)] = (node, slots)   # held: its id stays its own
             node.register_hook(partial(self._on_gradients, slots))
+        else:
+            entry[1].extend(slots)
 
     def _on_gradients(self, slots: list[tuple[int, tuple[str, str, str], _ViewGeometry | None]],
                       grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -558,12 +640,78 @@ class ModuleRecorder:
                 grad = geometry.cut(grad)
             entry[0] -= 1
             if grad is not None:
-                entry[1] = grad if entry[1] is None else entry[1] + grad
+                entry[1] = grad if entry[1] is None else self._sums.add(entry[1], grad)
             if entry[0] == 0:
                 del partials[key]
                 if entry[1] is not None:
                     site, role, arg = key
                     self.stager.tensor(self.step, Pass.BACKWARD, site, role, arg, entry[1])
+                    self._sums.give_back(entry[1])
+
+
+def _walk(roots: list, first: int, targets: dict[tuple, str], keys: dict[str, tuple],
+          leaf_inputs: bool, inner: dict[int, tuple[Any, list]] | None,
+          boundary: dict[int, tuple[Any, list]], frontier: list | None) -> None:
+    """Walk a call's graph from ``roots`` (its output nodes) through the nodes it created
+    (numbered from ``first``), adding to ``boundary`` each node that sends a gradient straight
+    to an input (``targets``: input key -> argument path), with its slots.
+
+    A node in ``inner`` is an output of a call that finished inside this one: instead of its
+    interior, the walk takes that call's frontier for it, the nodes of its interior with the
+    edges that leave it (to a leaf, an input of that call, or a node made before it). Those
+    are the only edges out of the interior reachable from that output, so this walk examines
+    the same edges as one that went through: each either leads to a node this call made (walked
+    on), or is a boundary edge of this call, or leaves it (added to ``frontier``, this walk's
+    own, when one is asked for). A frontier node is marked seen: whatever it leads to inside
+    the inner call is covered by the same frontier. A node reached by another way (a tensor the
+    inner call kept and this call used later) is walked as any other.
+
+    Nodes are keyed by id(), so every node visited is held until the walk ends (``seen``, the
+    frontiers): a Python wrapper of an autograd node may be freed once unreferenced and its id
+    given to the wrapper of another node (torch 2.11 does; the walk then skipped branches).
+    The inner loop is kept to dictionary lookups: a leaf (AccumulateGrad, never made during
+    the call) is looked at only when an input is one, and a node made before the call is never
+    queued.
+    """
+    seen: dict[int, Any] = {}
+    todo = roots
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        found = inner.get(id(node)) if inner else None
+        groups = ((node, enumerate(node.next_functions)),) if found is None else found[1]
+        for owner, edges in groups:
+            if owner is not node:
+                if id(owner) in seen:   # its edges were examined: all it leads to is covered
+                    continue
+                seen[id(owner)] = owner
+            slots: list | None = None
+            exits: list | None = None
+            for edge in edges:
+                slot, (child, output_nr) = edge
+                if child is None:
+                    continue
+                if type(child) is _ACCUMULATE_GRAD:  # a leaf: it has no inputs to walk into
+                    arg = targets.get(("leaf", id(child.variable))) if leaf_inputs else None
+                else:
+                    arg = targets.get((id(child), output_nr))
+                    if arg is None and child._sequence_nr() >= first:
+                        todo.append(child)
+                        continue
+                if frontier is not None:
+                    if exits is None:
+                        exits = []
+                    exits.append(edge)
+                if arg is not None:
+                    if slots is None:
+                        slots = []
+                    slots.append((slot, keys[arg], None))
+            if exits is not None:
+                frontier.append((owner, exits))
+            if slots is not None and id(owner) not in boundary:
+                boundary[id(owner)] = (owner, slots)
 
 
 def _slots(modules: Sequence[tuple[str, nn.Module]], owned: dict[str, _Owned]) -> dict[str, _Slot]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,10 @@ class Stager:
         # Per-dtype and per-shape facts, computed once: the hot path pays per Python call.
         self._typed: dict[torch.dtype, tuple[torch.Tensor, str, int, bool]] = {}
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # the statistics of the last few large tensors, by (id, version, address): a layer's
+        # input is the output recorded just before it, a container's grad_input its first
+        # child's (47% of reference_large's bytes a step)
+        self._recent: dict[tuple[int, int, int], tuple[weakref.ref, stats.Stats]] = {}
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
@@ -72,7 +77,15 @@ class Stager:
                 # A large tensor's statistics are taken here, from memory the model has just
                 # written (in cache): a summary trace then copies none of its bytes, and a full
                 # one reads them once less. The statistics are the same: one kernel, one span.
-                found = stats.span_stats(_bytes_of(tensor, nbytes), name)
+                # the same tensor object, alive, at the same version: the same bytes (an
+                # inference tensor has no version counter). A gradient the engine could still
+                # add to in place is one nothing else holds, and then its weak reference is dead
+                repeatable = not tensor.is_inference()
+                found = self._unchanged(tensor) if repeatable else None
+                if found is None:
+                    found = stats.span_stats(_bytes_of(tensor, nbytes), name)
+                    if found is not None and repeatable:
+                        self._remember(tensor, found)
                 if found is not None and not rec.keeps_data(site):
                     rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
                                stats=found)
@@ -139,6 +152,20 @@ class Stager:
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes,
                    stats=pending)
 
+    def _unchanged(self, tensor: torch.Tensor) -> stats.Stats | None:
+        """The statistics of this very tensor object, recorded a few records ago and not
+        changed in place since (its version counter is the same), else None."""
+        seen = self._recent.get((id(tensor), tensor._version, tensor.data_ptr()))
+        return seen[1] if seen is not None and seen[0]() is tensor else None
+
+    def _remember(self, tensor: torch.Tensor, found: stats.Stats) -> None:
+        # a weak reference: the tensor's memory is not held (and its id is not reused while the
+        # reference answers it)
+        recent = self._recent
+        recent[(id(tensor), tensor._version, tensor.data_ptr())] = (weakref.ref(tensor), found)
+        if len(recent) > _RECENT:
+            del recent[next(iter(recent))]
+
     def _dtype_facts(self, tensor: torch.Tensor) -> tuple[torch.Tensor, str, int, bool]:
         """The ring seen as this dtype, the dtype's name, its item size, and whether a
         contiguous tensor of it is its bytes as stored (complex tensors may carry a lazy
@@ -180,6 +207,9 @@ class Stager:
 # Tensors from this size get their statistics on the capturing thread (see Stager.tensor); the
 # smaller ones are batched on the statistics thread, where a kernel call per tensor would cost.
 INLINE_STATS_BYTES = 2**20
+# How many large tensors' statistics are kept for a repeat: the input of a layer is the
+# output recorded just before (or a few records before, after a container's records).
+_RECENT = 4
 
 _memmove = ctypes.memmove  # releases the GIL while it copies, like any ctypes call
 # The same C function called without releasing the GIL. Releasing it hands the GIL to a writer
