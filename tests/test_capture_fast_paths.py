@@ -136,3 +136,35 @@ def test_a_tensor_recorded_again_unchanged_reuses_its_statistics(tmp_path, monke
         first["min"], first["max"], first["digest"])
     assert doubled["max"] == 2 * first["max"] and doubled["digest"] != first["digest"]
     assert zeros["max"] == 0.0
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_tensor_recorded_again_unchanged_is_written_once(tmp_path, in_place):
+    """A layer's input is its predecessor's output: a full trace points both index rows at
+    one copy of the bytes (about half of a transformer's bytes a step). Changed in place in
+    between, it is written again."""
+    from layerdiff import Case
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)]
+    if in_place:
+        layers.insert(1, torch.nn.ReLU(inplace=True))
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(1024, 512)  # 2 MiB activations: above the inline-statistics size
+    case = Case(model=model, inputs=(x,), loss_fn=lambda out: out.square().mean(), seed=0,
+                name="again", steps=1)
+    stats.compiled()  # loaded (a capture loads it at its first batch; its tensors come later)
+    path = capture(case, tmp_path / "t.h5")
+    with open_trace(path) as trace:
+        index = trace.index
+
+        def row(site: str, role: str):
+            return index[(index["site"] == site) & (index["role"] == role)
+                         & (index["step"] == 0)].iloc[0]
+
+        produced, consumed = row("0#0", "output"), row(f"{len(layers) - 1}#0", "input")
+        shared = ((produced["segment"], produced["offset"])
+                  == (consumed["segment"], consumed["offset"]))
+        assert shared != in_place
+        want = model[0](x).relu() if in_place else model[0](x)
+        assert np.allclose(np.asarray(trace.read(consumed)), want.detach().numpy())

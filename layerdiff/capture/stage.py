@@ -50,7 +50,8 @@ class Stager:
         # the statistics of the last few large tensors, by (id, version, address): a layer's
         # input is the output recorded just before it, a container's grad_input its first
         # child's (47% of reference_large's bytes a step)
-        self._recent: dict[tuple[int, int, int], tuple[weakref.ref, stats.Stats]] = {}
+        self._recent: dict[tuple[int, int, int],
+                           tuple[weakref.ref, stats.Stats, int, bool]] = {}
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
@@ -81,12 +82,19 @@ class Stager:
                 # inference tensor has no version counter). A gradient the engine could still
                 # add to in place is one nothing else holds, and then its weak reference is dead
                 repeatable = not tensor.is_inference()
-                found = self._unchanged(tensor) if repeatable else None
-                if found is None:
+                keep = rec.keeps_data(site)
+                seen = self._unchanged(tensor) if repeatable else None
+                if seen is not None:
+                    found, first, first_kept = seen
+                    if keep and first_kept:  # its bytes are in the file already: point there
+                        rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
+                                   stats=found, same_as=first)
+                        return
+                else:
                     found = stats.span_stats(_bytes_of(tensor, nbytes), name)
                     if found is not None and repeatable:
-                        self._remember(tensor, found)
-                if found is not None and not rec.keeps_data(site):
+                        self._remember(tensor, found, rec.seq, keep)
+                if found is not None and not keep:
                     rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
                                stats=found)
                     return
@@ -152,17 +160,19 @@ class Stager:
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes,
                    stats=pending)
 
-    def _unchanged(self, tensor: torch.Tensor) -> stats.Stats | None:
-        """The statistics of this very tensor object, recorded a few records ago and not
-        changed in place since (its version counter is the same), else None."""
+    def _unchanged(self, tensor: torch.Tensor) -> tuple[stats.Stats, int, bool] | None:
+        """This very tensor object, recorded a few records ago and not changed in place since
+        (its version counter is the same): its statistics, the record that holds its bytes
+        and whether the file kept them; else None."""
         seen = self._recent.get((id(tensor), tensor._version, tensor.data_ptr()))
-        return seen[1] if seen is not None and seen[0]() is tensor else None
+        return seen[1:] if seen is not None and seen[0]() is tensor else None
 
-    def _remember(self, tensor: torch.Tensor, found: stats.Stats) -> None:
+    def _remember(self, tensor: torch.Tensor, found: stats.Stats, seq: int, kept: bool) -> None:
         # a weak reference: the tensor's memory is not held (and its id is not reused while the
         # reference answers it)
         recent = self._recent
-        recent[(id(tensor), tensor._version, tensor.data_ptr())] = (weakref.ref(tensor), found)
+        recent[(id(tensor), tensor._version, tensor.data_ptr())] = (weakref.ref(tensor), found,
+                                                                    seq, kept)
         if len(recent) > _RECENT:
             del recent[next(iter(recent))]
 

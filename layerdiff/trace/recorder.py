@@ -36,6 +36,9 @@ SEGMENT_BYTES = 16 * 2**20
 BATCH_RECORDS = 256
 BATCH_BYTES = 4 * 2**20
 CHECKPOINT_SECONDS = 1.0
+# Records whose place in the file the I/O thread remembers for later records of the same bytes
+# (a producer names one of its last few records: capture/stage.py remembers 4 tensors)
+_PLACED = 4096
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class _Record:
     # computed by the producer (the statistics thread skips it), or on their way from a
     # device (an object whose get() waits for them: capture/device_stats.py)
     stats: Any = None
+    same_as: int = -1           # the seq of an earlier record whose bytes are this one's
 
 
 @dataclass(slots=True)
@@ -181,15 +185,18 @@ class Recorder:
     def submit(self, step: int, pass_: str, site: str, role: str, arg: str, dtype: str,
                shape: tuple[int, ...], *, offset: int = -1, nbytes: int = 0,
                array: np.ndarray | None = None, value: str = "",
-               stats: Stats | None = None) -> None:
+               stats: Stats | None = None, same_as: int = -1) -> None:
         """Queue one record: staged bytes (offset), an array to write now, or a value.
         ``stats`` are the tensor's statistics when the producer computed them; with neither
-        offset nor array, they are all the record keeps (see :meth:`keeps_data`)."""
+        offset nor array, they are all the record keeps (see :meth:`keeps_data`), unless
+        ``same_as`` names an earlier record of this capture whose bytes are this one's (the
+        same tensor recorded again unchanged: a layer's input, its predecessor's output):
+        the index row then points at those bytes, which are written once."""
         if self.error is not None:
             self.raise_if_failed()
         keep = self.keeps_data(site)  # read only outside summary traces
         self._batch.append(_Record(self.seq, step, pass_, site, role, arg, dtype, shape,
-                                   offset, nbytes, array, value, keep, stats))
+                                   offset, nbytes, array, value, keep, stats, same_as))
         self.seq += 1
         self.bytes_submitted += nbytes
         self._batch_bytes += nbytes
@@ -389,7 +396,10 @@ class _StatsStage:
         record = item
         if record.stats is not None and not isinstance(record.stats, Stats):
             record.stats = record.stats.get()  # reduced on a device: waits for its numbers
-        if record.value or (record.offset < 0 and record.array is None):
+        if record.same_as >= 0:
+            self.close_segment()  # its source's bytes reach the I/O thread first
+            self.out.append((record, record.stats))
+        elif record.value or (record.offset < 0 and record.array is None):
             self.out.append((record, record.stats or EMPTY_STATS))
         elif record.array is not None:  # oversized: written from the caller's array
             self.close_segment()
@@ -448,18 +458,31 @@ class _IOStage:
         self.rows: list[tuple] = []  # index rows as tuples; turned into columns at flush
         self.sites: dict[str, list] = {name: [] for name in schema.SITES_COLUMNS}
         self.flushed_at = time.monotonic()
+        # where the last records' bytes went (seq -> segment, offset): a record recorded
+        # again points there (Recorder.submit's same_as)
+        self.placed: dict[int, tuple[int, int]] = {}
+
+    def _place(self, seq: int, segment: int, offset: int) -> None:
+        self.placed[seq] = (segment, offset)
+        if len(self.placed) > _PLACED:
+            del self.placed[next(iter(self.placed))]
 
     def take(self, item: Any) -> None:
         if isinstance(item, _Segment):
             segment = self.file.write_segment(self.ring.buffer[item.start:item.end])
             for record, stats in item.records:
                 self._row(record, segment, record.offset - item.start, stats)
+                self._place(record.seq, segment, record.offset - item.start)
             self.ring.release(len(item.records))
         elif isinstance(item, tuple):
             record, stats = item
-            if record.array is not None and not self.file.summary and record.keep:
+            if record.same_as >= 0:
+                segment, offset = self.placed[record.same_as]
+                self._row(record, segment, offset, stats)
+            elif record.array is not None and not self.file.summary and record.keep:
                 segment = self.file.write_segment(record.array.reshape(-1).view(np.uint8))
                 self._row(record, segment, 0, stats)
+                self._place(record.seq, segment, 0)
             else:
                 self._row(record, -1, 0, stats, "value" if record.value else "tensor")
                 if not (record.keep or self.file.summary or record.offset < 0
