@@ -80,6 +80,25 @@ def test_a_built_kernel_spares_a_diff_numba_and_gives_the_jits_rows(tmp_path):
         assert with_build["row"] == with_jit["row"]  # every column, the sums too
     assert built[0]["row"]["verdict"] == "within" and built[0]["row"]["ref_nan"] == 1
     assert float(built[0]["row"]["max_abs"]) > 0
+    # the digest's block sums are built into the same module: the bytes the diff read were
+    # checked against their digests without numba, with the definition's own numbers
+    from layerdiff.trace import digest
+    module = aot.Compiled({}, _built_function(cache, aot.DIGEST_EXPORT))
+    data = np.random.default_rng(9).integers(0, 256, 7 * digest.BLOCK_BYTES, dtype=np.uint8)
+    streamed = digest.Digester(module.digest)
+    streamed.update(data)
+    assert streamed.hexdigest() == digest.digest_bytes(data)
+
+
+def _built_function(cache, name: str):
+    import importlib.machinery
+    import importlib.util
+
+    path = next(cache.glob("*" + importlib.machinery.EXTENSION_SUFFIXES[0]))
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 def test_arrays_a_build_was_not_made_for_are_refused():

@@ -23,6 +23,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from layerdiff.compare import aot
 from layerdiff.mapping import Slice
 from layerdiff.trace import schema
 from layerdiff.trace.segments import SegmentReader, decode, segment_dataset
@@ -340,10 +341,19 @@ def _whole_chunks(number: int, ref: TensorRef, port: TensorRef, readers) -> Iter
                     stop >= ref_values.size)
 
 
+def _built_digest() -> Any:
+    """The digest compiled ahead of time with the metric kernel (compare/aot.py), where numba
+    is not loaded (a loaded numba serves the compiled statistics module instead)."""
+    if "numba" in sys.modules:
+        return None
+    built = aot.load()
+    return built.digest if built is not None else None
+
+
 def _checker(tensor: TensorRef, reader: DirectReader) -> RecordCheck | None:
     return None if tensor.check is None else RecordCheck(
         tensor.check, reader.path, statistics=tensor.statistics,
-        algorithm=reader.digest_algorithm)
+        algorithm=reader.digest_algorithm, digest_kernel=_built_digest())
 
 
 def verify_tensors(segments: SegmentReader, tensors: list[TensorRef],
@@ -372,7 +382,7 @@ def _whole(tensor: TensorRef, reader: DirectReader) -> np.ndarray:
     reader.read(tensor.segment, tensor.offset, tensor.nbytes, raw)
     if tensor.check is not None:
         check_bytes(raw, tensor.check, reader.path, statistics=tensor.statistics,
-                    algorithm=reader.digest_algorithm)
+                    algorithm=reader.digest_algorithm, digest_kernel=_built_digest())
     count = tensor.nbytes // max(schema.numpy_dtype(tensor.dtype).itemsize, 1)
     values = decode(raw, tensor.dtype, count).reshape(tensor.shape)
     return np.ascontiguousarray(as_compared(values, tensor.part, tensor.transpose))

@@ -62,6 +62,13 @@ def weights() -> np.ndarray:
     return table
 
 
+@functools.cache
+def lanes() -> tuple[np.ndarray, np.ndarray]:
+    """``weights()``'s two columns, each contiguous (what the compiled passes take)."""
+    table = weights()
+    return np.ascontiguousarray(table[:, 0]), np.ascontiguousarray(table[:, 1])
+
+
 def block_sums(data: np.ndarray) -> np.ndarray:
     """The (blocks, 2) int64 block sums of a uint8 array whose length is a multiple of 4
     (the last block may be short): numpy's path, exact in int64."""

@@ -11,6 +11,7 @@ the file, the record and what disagrees.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -67,6 +68,17 @@ def _compiled(dtype: str, numel: int) -> ModuleType | None:
     return stats.compiled()
 
 
+def _digest_kernel(nbytes: int) -> ModuleType | None:
+    """The compiled digest for a record of ``nbytes``: when the compiled statistics are
+    loaded, or numba is (the diff's metric kernel loaded it: the statistics module then
+    loads in milliseconds) and the record is large enough to pay for it; else numpy's."""
+    if stats.compiled_loaded():
+        return stats.compiled()
+    if nbytes >= digest.KERNEL_MIN_BYTES and "numba" in sys.modules:
+        return stats.compiled()
+    return None
+
+
 def describe(row: Mapping[str, Any]) -> str:
     """How an error names a record: ``site role arg (step N)``."""
     return f"{row['site']} {row['role']} {row['arg']} (step {int(row['step'])})"
@@ -76,10 +88,10 @@ class RecordCheck:
     """Digest and statistics of one record's bytes, fed in order; ``finish`` judges them."""
 
     def __init__(self, row: Mapping[str, Any], path: str, *, statistics: bool = True,
-                 algorithm: str = DIGEST_NAME) -> None:
+                 algorithm: str = DIGEST_NAME, digest_kernel: Any = None) -> None:
         self.row, self.path = row, path
-        self._hash = (digest.hasher(algorithm, stats.compiled() if stats.compiled_loaded()
-                                    else None) if row["digest"] else None)
+        kernel = digest_kernel or _digest_kernel(int(row.get("nbytes", 0)))
+        self._hash = digest.hasher(algorithm, kernel) if row["digest"] else None
         dtype = row["dtype"]
         self._stats = statistics and (dtype == "bfloat16"
                                       or schema.numpy_dtype(dtype).kind in _CHECKED_KINDS)
@@ -210,9 +222,13 @@ class RecordCheck:
 
 
 def check_bytes(raw: np.ndarray, row: Mapping[str, Any], path: str, *,
-                statistics: bool = True, algorithm: str = DIGEST_NAME) -> None:
-    """Check one whole record's bytes against its index row (raises TraceError)."""
-    check = RecordCheck(row, path, statistics=statistics, algorithm=algorithm)
+                statistics: bool = True, algorithm: str = DIGEST_NAME,
+                digest_kernel: Any = None) -> None:
+    """Check one whole record's bytes against its index row (raises TraceError);
+    ``digest_kernel``: a compiled digest to use (one with ``fold_lanes``), else the rule of
+    :func:`_digest_kernel`."""
+    check = RecordCheck(row, path, statistics=statistics, algorithm=algorithm,
+                        digest_kernel=digest_kernel)
     check.update(raw.reshape(-1).view(np.uint8))
     check.finish()
 
