@@ -60,6 +60,30 @@ def test_a_file_size_limit_is_one_sentence_exit_2_and_nothing_left(tmp_path, cas
     assert list(tmp_path.iterdir()) == []  # no trace, no .partial, no .lock
 
 
+def test_a_library_capture_over_the_file_size_limit_raises_and_the_process_lives_on(tmp_path):
+    """The Python API (no command line to end the process early): the capture raises its
+    sentence, and the process goes on through a garbage collection and its exit. (A write
+    libhdf5 fails leaves a file it will not close, whose objects, freed later, crashed the
+    process: a segment the limit cannot take is now refused before libhdf5 writes it, and
+    the objects of a file it will not close are kept.)"""
+    script = (
+        "import gc, sys\n"
+        "from layerdiff import capture\n"
+        "from layerdiff.errors import CaptureError\n"
+        "try:\n"
+        f"    capture('reference_models.schedule_port:reference', {str(tmp_path / 't.h5')!r})\n"
+        "except CaptureError as error:\n"
+        "    print(error)\n"
+        "gc.collect()\n"
+        "print('lived')\n")
+    result = subprocess.run(["bash", "-c", 'ulimit -f 1000; exec "$0" -c "$1"', sys.executable,
+                             script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "a file size limit (ulimit -f) was reached" in result.stdout
+    assert result.stdout.strip().endswith("lived")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _failing_after(monkeypatch, calls: int, number: int) -> None:
     """h5py's dataset creation fails with ``number`` from its ``calls``-th call on."""
     original = h5py.Group.create_dataset

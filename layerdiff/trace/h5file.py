@@ -128,9 +128,24 @@ class TraceFile:
         """Store one contiguous run of packed tensor bytes; returns its segment number."""
         number = self._segments
         with self._writing():
+            self._room(data.nbytes)
             self._h5.create_dataset(schema.segment_name(number), data=data)
         self._segments += 1
         return number
+
+    def _room(self, nbytes: int) -> None:
+        """Refuse a segment that the file size limit (``ulimit -f``) or the free space cannot
+        take with room to spare for the tables, before libhdf5 tries to write it: a write it
+        fails leaves the file one it will not close (see _discard)."""
+        if self._descriptor is None:
+            return
+        need = nbytes + _ROOM_FOR_TABLES
+        limit = _file_size_limit()
+        if limit is not None and os.fstat(self._descriptor[0]).st_size + need > limit:
+            raise OSError(errnos.EFBIG, os.strerror(errnos.EFBIG))
+        disk = os.statvfs(self.partial)
+        if disk.f_bavail * disk.f_frsize < need:
+            raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
 
     def append_rows(self, table: str, columns: dict[str, list]) -> None:
         with self._writing():
@@ -230,6 +245,21 @@ class TraceFile:
     def _release(self) -> None:
         self._lock.release()
         self._signals.restore()
+
+
+# Room a segment must leave in the file size limit and on the disk: the index and sites rows
+# appended after it and the file's own metadata (a few MiB for 100k records)
+_ROOM_FOR_TABLES = 8 * 2**20
+
+
+def _file_size_limit() -> int | None:
+    """This process's file size limit in bytes (``ulimit -f``), None if unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 # h5py objects of files libhdf5 refused to close (see TraceFile._discard)
