@@ -86,7 +86,8 @@ class Stager:
                 seen = self._unchanged(tensor) if repeatable else None
                 if seen is not None:
                     found, first, first_kept = seen
-                    if keep and first_kept:  # its bytes are in the file already: point there
+                    if keep and first_kept and rec.can_share(first):
+                        # its bytes are in the file already: the row points there
                         rec.submit(step, pass_, site, role, arg, name, shape, nbytes=nbytes,
                                    stats=found, same_as=first)
                         return

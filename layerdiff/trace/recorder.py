@@ -207,6 +207,11 @@ class Recorder:
         elif len(self._batch) >= BATCH_RECORDS or self._batch_bytes >= self._batch_limit:
             self._send()
 
+    def can_share(self, seq: int) -> bool:
+        """Whether a record submitted now may name record ``seq`` in ``same_as``: the I/O
+        thread remembers where the last _PLACED records' bytes went."""
+        return self.seq - seq < _PLACED
+
     def keeps_data(self, site: str) -> bool:
         """Whether the file keeps the tensor data of ``site`` (else its statistics only: a
         summary trace, or a site outside ``--full-around``)."""
@@ -477,7 +482,9 @@ class _IOStage:
         elif isinstance(item, tuple):
             record, stats = item
             if record.same_as >= 0:
-                segment, offset = self.placed[record.same_as]
+                # its source was written before it (the statistics thread saw to that), unless
+                # a Ctrl-C made the threads drain without writing: then no data, as for it
+                segment, offset = self.placed.get(record.same_as, (-1, 0))
                 self._row(record, segment, offset, stats)
             elif record.array is not None and not self.file.summary and record.keep:
                 segment = self.file.write_segment(record.array.reshape(-1).view(np.uint8))
