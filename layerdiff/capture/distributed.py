@@ -14,8 +14,11 @@ no manifest, so nothing incomplete is ever read as the whole run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,25 +64,48 @@ def _spawn(nproc: int, case: str, output: str | os.PathLike, options: dict[str, 
     import torch.multiprocessing as mp
 
     port = _free_port()
-    context = mp.start_processes(_spawned, args=(nproc, port, case, str(output), options),
-                                 nprocs=nproc, join=False, start_method="spawn")
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as exc:
-        raise CaptureError(f"capture of {output} with --nproc {nproc}: rank {exc.error_index} "
-                           f"failed ({_last_line(str(exc))}); no manifest was published") from None
-    except mp.ProcessExitedException as exc:
-        raise CaptureError(f"capture of {output} with --nproc {nproc}: rank {exc.error_index} "
-                           f"died (exit {exc.exit_code}); no manifest was published") from None
+    with tempfile.TemporaryDirectory(prefix="layerdiff-ranks-") as failures:
+        context = mp.start_processes(_spawned, args=(nproc, port, case, str(output), options,
+                                                     failures),
+                                     nprocs=nproc, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as exc:
+            # the rank that failed first: the others fail after it, on its closed connections,
+            # and whichever the join sees first is a race
+            rank, said = _first_failure(failures) or (exc.error_index, _last_line(str(exc)))
+            raise CaptureError(f"capture of {output} with --nproc {nproc}: rank {rank} failed "
+                               f"({said}); no manifest was published") from None
+        except mp.ProcessExitedException as exc:
+            raise CaptureError(f"capture of {output} with --nproc {nproc}: rank "
+                               f"{exc.error_index} died (exit {exc.exit_code}); no manifest was "
+                               "published") from None
     return Path(output)
 
 
 def _spawned(rank: int, world: int, port: int, case: str, output: str,
-             options: dict[str, Any]) -> None:
+             options: dict[str, Any], failures: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _rank_main(rank, world, case, output, options, own_group=True, backend="gloo")
+    try:
+        _rank_main(rank, world, case, output, options, own_group=True, backend="gloo")
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # when this rank failed, and how, for _spawn
+            Path(failures, str(rank)).write_text(
+                f"{time.time_ns()}\n{_last_line(f'{type(exc).__name__}: {exc}')}",
+                encoding="utf-8")
+        raise
+
+
+def _first_failure(folder: str) -> tuple[int, str] | None:
+    """(rank, its error's last line) of the rank whose failure came first, if any said."""
+    found = []
+    for path in Path(folder).iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            when, _, said = path.read_text(encoding="utf-8").partition("\n")
+            found.append((int(when), int(path.name), said))
+    return min(found)[1:] if found else None
 
 
 def _rank_main(rank: int, world: int, case: str, output: str, options: dict[str, Any], *,
