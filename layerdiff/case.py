@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerdiff import bundled
 from layerdiff.errors import CaseError
 from layerdiff.rng import seed_everything  # noqa: F401  (a case seeds with it: public here too)
 
@@ -137,7 +138,7 @@ def load_case(spec: str) -> Case | ExternalCase:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: cases in the working directory import
     try:
-        module = importlib.import_module(module_name)
+        module = bundled.import_module(module_name)
     except ModuleNotFoundError as exc:
         close = _close_modules(module_name) if exc.name == module_name else []
         raise CaseError(f"case spec {spec!r}: module {module_name!r} does not import "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from layerdiff import bundled
 from layerdiff.errors import CaseError
 from layerdiff.outputs import make_folder
 
@@ -58,9 +59,8 @@ def run_demo(port_spec: str = DEFAULT_DEMO_PORT,
     from layerdiff.case import ExternalCase, load_case
     from layerdiff.compare import diff
     from layerdiff.weights import load_weights
-    from reference_models.catalog import find
 
-    info = find(port_spec)
+    info = bundled.import_module("reference_models.catalog").find(port_spec)
     if info is None or info.reference is None:
         raise CaseError(f"{port_spec} is not a bundled port; `layerdiff cases` lists them")
     out = make_folder(output_dir, "-o")

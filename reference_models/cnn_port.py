@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from layerdiff import Case
-from reference_models import cnn
-from reference_models.porting import copy_state, port_case
+from . import cnn
+from .porting import copy_state, port_case
 
 
 class BatchNorm(nn.Module):

@@ -362,7 +362,7 @@ def layers(model: NumpyConvLSTM) -> dict[str, Any]:
 def external_case(model_class: type[NumpyConvLSTM], spec: str) -> ExternalCase:
     """The case of a numpy ConvLSTM (this port or a variant of it) on the torch reference's
     weights and data, named ``spec``."""
-    from reference_models import convlstm  # torch, only to take the reference's weights and data
+    from . import convlstm  # torch, only to take the reference's weights and data
 
     cfg = convlstm.Config()
     model, frames, targets = convlstm.setup(cfg)

@@ -33,8 +33,8 @@ import optax
 from flax import nnx
 
 from layerdiff import Case
-from reference_models import flax_mlp_reference as ref_model
-from reference_models.flax_mlp_reference import CLASSES, IN, WIDTH
+from . import flax_mlp_reference as ref_model
+from .flax_mlp_reference import CLASSES, IN, WIDTH
 
 MODULE = "reference_models.flax_mlp"
 TORCH_LAYERNORM_EPS = 1e-5

@@ -39,9 +39,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, ExternalCase, seed_everything
-from reference_models import cnn, cnn_port, mlp, mlp_port, transformer, transformer_port
-from reference_models.convlstm_numpy import NumpyConvLSTM, external_case
-from reference_models.porting import copy_state, port_case
+from . import cnn, cnn_port, mlp, mlp_port, transformer, transformer_port
+from .convlstm_numpy import NumpyConvLSTM, external_case
+from .porting import copy_state, port_case
 
 MODULE = "reference_models.hint_bugs"
 

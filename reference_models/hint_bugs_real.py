@@ -39,9 +39,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
-from reference_models import llama_port
-from reference_models.hint_bugs import PlantedHint
-from reference_models.porting import copy_state
+from . import llama_port
+from .hint_bugs import PlantedHint
+from .porting import copy_state
 
 MODULE = "reference_models.hint_bugs_real"
 HF = "reference_models.hf_llama:reference"

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
-from reference_models.hf_llama import CONFIG, SEED, TinyLlama, make_batch, next_token_loss
+from .hf_llama import CONFIG, SEED, TinyLlama, make_batch, next_token_loss
 
 
 @dataclass

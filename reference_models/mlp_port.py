@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case
-from reference_models import mlp
-from reference_models.porting import copy_state, port_case
+from . import mlp
+from .porting import copy_state, port_case
 
 
 class Dense(nn.Module):

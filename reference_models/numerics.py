@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, ExternalCase, seed_everything
-from reference_models import convlstm_numpy
+from . import convlstm_numpy
 
 SEED = 0
 

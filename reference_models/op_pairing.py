@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from layerdiff import Case
-from reference_models import op_bugs
-from reference_models.porting import copy_state, port_case
+from . import op_bugs
+from .porting import copy_state, port_case
 
 MODULE = "reference_models.op_pairing"
 

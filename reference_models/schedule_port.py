@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from layerdiff import Case
-from reference_models import mlp, mlp_port
+from . import mlp, mlp_port
 
 LR, MOMENTUM, GAMMA = 0.1, 0.9, 0.1
 MILESTONE = 3  # the reference's first update at the lower rate is the one of step 3

@@ -26,9 +26,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case
-from reference_models import transformer
-from reference_models.porting import port_case
-from reference_models.transformer import PAD, Config, causal_mask
+from . import transformer
+from .porting import port_case
+from .transformer import PAD, Config, causal_mask
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

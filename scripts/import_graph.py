@@ -22,7 +22,7 @@ PACKAGE = "layerdiff"
 # Parts from the ground up: a part may import its own and lower parts only. One line, one
 # floor; the parts on one floor do not import each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "progress", "callable_module", "rng"),
+    ("errors", "progress", "callable_module", "rng", "bundled"),
     ("case", "signature", "config_file"),
     ("mapping",),
     ("trace",),

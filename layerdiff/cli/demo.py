@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from layerdiff import bundled
 from layerdiff.demo import DEFAULT_DEMO_PORT
 from layerdiff.report.emit import write_outputs
 
@@ -18,14 +19,14 @@ from layerdiff.report.emit import write_outputs
 @click.option("--json", "as_json", is_flag=True, help="A JSON list, for scripts.")
 def cases_command(as_json: bool) -> None:
     """List the bundled cases: references, their ports, and ports with planted bugs."""
-    from reference_models.catalog import CATALOG, FLAX, MULTI_RANK
-
+    catalog = bundled.import_module("reference_models.catalog")
+    every = catalog.CATALOG + catalog.MULTI_RANK + catalog.FLAX
     if as_json:
-        entries = CATALOG + MULTI_RANK + FLAX
+        entries = every
         click.echo(json.dumps([info.as_json() for info in entries], indent=1))
         return
     for kind in ("reference", "port", "bug", "diagnostic"):
-        entries = [info for info in CATALOG + MULTI_RANK + FLAX if info.kind == kind]
+        entries = [info for info in every if info.kind == kind]
         if not entries:
             continue
         click.echo(f"{kind}s:")

@@ -10,7 +10,6 @@ module's source, so a report can say which version of a conversion made the port
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import os
 import re
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from layerdiff import bundled
 from layerdiff.errors import MappingError
 
 _FORM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -50,7 +50,7 @@ class CodeRef:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())  # as for cases: code in the working directory imports
         try:
-            module = importlib.import_module(self.module_name)
+            module = bundled.import_module(self.module_name)
         except Exception as exc:
             raise MappingError(f"{self.where}: {self.spec!r}: module {self.module_name!r} does "
                                f"not import ({type(exc).__name__}: {exc}); check the name and "
@@ -71,7 +71,7 @@ class CodeRef:
 
     def source_digest(self) -> str:
         """sha256 of the source of the module that holds the function ('' when it has none)."""
-        module = importlib.import_module(self.module_name)
+        module = bundled.import_module(self.module_name)
         try:
             source = inspect.getsource(module)
         except (OSError, TypeError):
