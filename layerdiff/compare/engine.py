@@ -29,7 +29,7 @@ from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import Verdict
 from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
-from layerdiff.compare.origins import find_origins
+from layerdiff.compare.origins import find_origins, first_unjudged
 from layerdiff.compare.pair import ConvertedPair, PairReader, RowKey
 from layerdiff.compare.rank_parts import (
     attach_ranks,
@@ -199,6 +199,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        ref_index=ref_index, dropped=records.excused,
                                        port_missing=records.port_missing,
                                        extra_norms=records.norms)
+    unjudged = first_unjudged(rows, ref.sites, origins, first_step)
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     pairs = _row_pairs(ref_index, records)
     attach_hints(origins, PairReader(ref, port, pairs))
@@ -223,7 +224,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "full_commands": full_commands(ref, port, origins, first_step),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
-                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs)
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
 
 
 def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, RecordPair]:

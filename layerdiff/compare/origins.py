@@ -209,6 +209,43 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     return origins, step
 
 
+def first_unjudged(rows: pd.DataFrame, ref_sites: pd.DataFrame, origins: list[R.Origin],
+                   step: int | None) -> R.Unjudged | None:
+    """The first out-of-tolerance record of ``step`` (the forward's in execution order, else
+    the backward's) when it lies at or inside a site that cannot be judged (``rows`` as
+    :func:`find_origins` marked them): an attention whose inputs have no partner makes its
+    output projection's input wrong before its own output. Every origin then comes after that
+    record and may be its consequence: each is marked ``hedged`` saying so."""
+    if step is None:
+        return None
+    failing = rows[(rows[Column.STEP] == step) & ~rows[Column.VERDICT].isin(PASSING)]
+    forward = failing[failing[Column.PASS] == Pass.FORWARD]
+    ordered = (forward if len(forward) else failing).sort_values(Column.SEQ, kind="stable")
+    if ordered.empty or ordered.iloc[0][Column.STATUS] in (Status.ORIGIN,
+                                                           Status.HOLDS_ORIGIN):
+        return None
+    first = ordered.iloc[0]
+    in_pass = failing[(failing[Column.PASS] == first[Column.PASS])
+                      & (failing[Column.STATUS] == Status.CANNOT_JUDGE)]
+    unjudged = dict(zip(in_pass[Column.SITE], zip(in_pass[Column.PORT_SITE],
+                                                  in_pass[Column.CAUSE], strict=True),
+                        strict=True))
+    record_site = str(first[Column.SITE])
+    site = next((s for s in (record_site, *_ancestors(record_site, _parents(ref_sites, step)))
+                 if s in unjudged), None)
+    if site is None:
+        return None
+    port_site, why = unjudged[site]
+    found = R.Unjudged(step, str(first[Column.PASS]), site, str(port_site), record_site,
+                       str(first[Column.ROLE]), str(first[Column.ARG]),
+                       _ratio(first[Column.RATIO]), str(why))
+    for origin in origins:
+        origin.hedged = (f"after the first record out, {record_site} {found.pass_} "
+                         f"{found.role} '{found.arg}' ({found.ratio:.3g}x), inside {site}, "
+                         "which cannot be judged: this origin may be its consequence")
+    return found
+
+
 def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
     """Rows grouped by the port site they compare with, named by its reference partner.
 
@@ -273,7 +310,24 @@ def _find_missing(sites: dict[str, _Site], rows: pd.DataFrame, ref_index: pd.Dat
                     "<root>)")
         elif site in sites:
             sites[site].missing.add(role)
-            sites[site].why_missing.append(f"its {role} '{arg}' has no partner in the port")
+            sites[site].why_missing.append(_no_partner(site, role, arg))
+
+
+def _no_partner(site: str, role: str, arg: str) -> str:
+    """What a reference record without a partner keeps from judging, and the rule to write."""
+    module = schema.split_site(site)[0]
+    if role == Role.INPUT:
+        rule = (f"name its port argument (args = {{ {arg} = \"...\" }}) or build the port's "
+                f"call with a call adapter (call = \"pkg.module:function\") on a [[site]] rule "
+                f"for {module}")
+    elif role == Role.OUTPUT:
+        rule = (f"name its partner (outputs = {{ {arg} = \"...\" }} on a [[site]] rule for "
+                f"{module}), or declare it [[unmatched]] reference = \"{module}\" "
+                f"output = \"{arg}\" if the port has none")
+    else:
+        rule = (f"the gradient arrives at its output '{arg}', which needs a partner (outputs = "
+                f"{{ ... }} on a [[site]] rule for {module})")
+    return f"its {role} '{arg}' has no partner in the port: {rule}"
 
 
 def _cannot_judge(site: _Site) -> bool:
@@ -420,7 +474,7 @@ def _mark_unjudged(rows: pd.DataFrame, unjudged: list[_Site],
 
 
 def _mark_rows(rows: pd.DataFrame, site: _Site, bad: dict[str, list[int]]) -> None:
-    cause = "; ".join(site.why_missing) or "its inputs have no partner in the port"
+    cause = "; ".join(site.why_missing) or "what comes into it has no partner"
     for positions in bad.values():
         for pos in positions:
             rows.at[pos, Column.STATUS] = Status.CANNOT_JUDGE

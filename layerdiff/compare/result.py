@@ -104,10 +104,36 @@ class Origin:
     # how an op site was paired with a port op of another name: by position, or as a group
     # (see layerdiff.compare.op_alignment); "" when names paired it
     pairing: str = ""
+    # why this origin is offered only hedged: an earlier out-of-tolerance record lies at a
+    # site that cannot be judged, and this origin may be its consequence ("" when confident)
+    hedged: str = ""
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["pass"] = data.pop("pass_")
+        return data
+
+
+@dataclass
+class Unjudged:
+    """The first out-of-tolerance record of a diff, when it lies at a site that cannot be
+    judged (what came into that site has no partner in the port): the diff's headline, since
+    no later origin can be told apart from its consequence."""
+
+    step: int
+    pass_: str
+    site: str                   # the site that cannot be judged (reference's name)
+    port_site: str
+    record_site: str            # the first failing record: its site (``site`` or inside it),
+    role: str                   # role, argument and ratio
+    arg: str
+    ratio: float
+    why: str                    # what has no partner, and the rule or adapter to write
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pass"] = data.pop("pass_")
+        data["ratio"] = _plain(self.ratio)
         return data
 
 
@@ -145,6 +171,9 @@ class Diff:
     # how each row's records were paired (compare.records.RecordPair by compare.pair.row_key):
     # what compare.pair reads a row back through; not part of the JSON
     pairs: dict[tuple[int, str, str, str], Any] = field(default_factory=dict, repr=False)
+    # the first failing record, when a site that cannot be judged holds it (every origin is
+    # then hedged)
+    cannot_judge_first: Unjudged | None = None
 
     @property
     def passed(self) -> bool:
@@ -179,6 +208,8 @@ class Diff:
             "port": str(self.port),
             "first_failing_step": self.first_failing_step,
             "origin": self.origin.as_json() if self.origin else None,
+            "cannot_judge_first": (self.cannot_judge_first.as_json()
+                                   if self.cannot_judge_first else None),
             "origins": [origin.as_json() for origin in self.origins],
             "unmatched": _records(self.unmatched),
             "not_taken": _records(self.not_taken),

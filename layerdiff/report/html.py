@@ -99,8 +99,14 @@ def render_html(diff: Diff) -> str:
 
 def _header(diff: Diff) -> str:
     verdict = diff.verdict
-    origin = diff.origin
-    if origin is not None:
+    origin, unjudged = diff.origin, diff.cannot_judge_first
+    if unjudged is not None:
+        summary = (f"Cannot judge {unjudged.site}, which holds the first record out "
+                   f"({unjudged.record_site}, {unjudged.pass_} {unjudged.role}, "
+                   f"{unjudged.ratio:.3g}x tolerance): {unjudged.why}." + (
+                       f" A later origin, which may be its consequence: "
+                       f"{describe_origin(origin)}." if origin is not None else ""))
+    elif origin is not None:
         summary = f"First origin: {describe_origin(origin)}." + (
             f" Likely cause: {origin.hint['kind']}." if origin.hint else "")
     elif verdict == "fail":

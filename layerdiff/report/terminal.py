@@ -29,7 +29,9 @@ COLUMNS = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l
 def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str:
     """The whole terminal report."""
     lines = [verdict_line(diff, width)]
-    if diff.origin is not None:
+    if diff.cannot_judge_first is not None:
+        lines += _unjudged_details(diff, width)
+    elif diff.origin is not None:
         lines += _origin_details(diff.origin, width)
     lines += _precision_hint(diff.meta.get("precision"), width)
     lines += _replicas(diff, width)
@@ -98,13 +100,35 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
         worst = diff.rows[Column.RATIO].max() if not diff.rows.empty else 0.0
         return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
                            f"error {number(worst, 3)} of its tolerance)", width)
+    first = diff.cannot_judge_first
+    if first is not None:
+        return clip_middle(f"FAIL  cannot judge {first.site}, which holds the first record "
+                           f"out ({first.pass_}, {number(first.ratio, 3)}x tolerance)", width)
     if diff.origin is None:
         if (diff.rows[Column.STATUS] == Status.CANNOT_JUDGE).any():
             return clip_middle(f"FAIL  {len(diff.failing()):,} records out; no origin can be "
-                               "named: their inputs have no partner in the port", width)
+                               "named: what comes into them has no partner", width)
         return clip_middle(f"FAIL  {len(diff.failing()):,} records out of tolerance; no "
                            "origin found (every failing site's inputs were already out)", width)
     return f"FAIL  origin: {describe_origin(diff.origin, port_name=False)}"
+
+
+def _unjudged_details(diff: Diff, width: int) -> list[str]:
+    """Why the first failing record's site cannot be judged and what to write; a later origin
+    only as a hedged second line."""
+    first = diff.cannot_judge_first
+    arg = "" if first.arg == "0" else f" '{first.arg}'"
+    lines = [f"first record out: {first.record_site}, {first.pass_} {first.role}{arg}, step "
+             f"{first.step}: {number(first.ratio, 3)}x tolerance",
+             f"{first.site} cannot be judged: {first.why}"]
+    if first.port_site not in ("", first.site):
+        lines.insert(0, f"in the port: {first.port_site}")
+    if diff.origin is not None:
+        lines.append(f"a later origin, which may be its consequence: "
+                     f"{describe_origin(diff.origin, port_name=False)}")
+        lines += hint_lines(diff.origin)
+    return [wrapped for line in lines for wrapped in textwrap.wrap(
+        line, width, initial_indent=" " * 6, subsequent_indent=" " * 8)]
 
 
 def _origin_details(origin: Origin, width: int) -> list[str]:
@@ -174,8 +198,8 @@ def _summary(diff: Diff, width: int) -> list[str]:
     unjudged = rows[rows[Column.STATUS] == Status.CANNOT_JUDGE].drop_duplicates(Column.SITE)
     if len(unjudged):
         names = ", ".join(unjudged[Column.SITE].head(6)) + (" ..." if len(unjudged) > 6 else "")
-        lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) whose inputs or "
-                               f"incoming gradients have no partner in the port: {names}",
+        lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) where an input or "
+                               f"incoming gradient has no partner: {names}",
                                width, subsequent_indent=" " * 10)
     if len(diff.origins) > 1:
         lines.append(f"origins   {len(diff.origins)}:")
