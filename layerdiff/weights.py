@@ -191,7 +191,8 @@ def resolve_shapes(shapes: dict[str, tuple[int, ...]], port_modules: Collection[
     """:func:`resolve_weights` for a port of any framework, given its tensors' names and
     shapes and its module paths (a Flax model's, see :mod:`layerdiff.flax.weights`)."""
     world = world or rank_and_world()
-    partner = _module_partners(port_modules, reference, mapping)
+    partner = mapping.module_partners(
+        port_modules, (name.rpartition(".")[0] for name in reference))
     assignments = []
     for name, shape in shapes.items():
         found = mapping.param_source(name, partner) or ParamSource([name])
@@ -504,18 +505,3 @@ def _called_ancestor(module: str, called: Collection[str]) -> bool:
         if (module or schema.ROOT_MODULE) in called:
             return True
     return False
-
-
-def _module_partners(port_modules: Collection[str], reference: dict[str, np.ndarray],
-                     mapping: Mapping) -> dict[str, str]:
-    """Port module -> reference module, by explicit pairs, exact names and rename rules."""
-    ref_modules = {name.rpartition(".")[0] for name in reference}
-    partner: dict[str, str] = {}
-    for ref_site, port_site in mapping.pairs.items():
-        partner[schema.split_site(port_site)[0]] = schema.split_site(ref_site)[0]
-    for module in sorted(ref_modules):
-        renamed = mapping.rename(module)
-        target = module if module in port_modules else (renamed[0] if renamed else None)
-        if target in port_modules:
-            partner.setdefault(target, module)
-    return partner

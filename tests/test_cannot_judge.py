@@ -101,6 +101,8 @@ def test_an_origin_before_anything_unjudged_stays_the_answer(tmp_path):
     assert format_diff(result).splitlines()[0].startswith("FAIL  origin: b#0")
 
 
-def test_the_faithful_port_with_an_unpaired_input_passes(tmp_path):
+def test_the_faithful_port_with_an_unpaired_input_passes_and_says_what_was_not_compared(
+        tmp_path):
     result = _two_branches(tmp_path)
     assert result and result.cannot_judge_first is None
+    assert format_diff(result).splitlines()[0].endswith("; 1 unpaired, not compared")

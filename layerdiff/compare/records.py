@@ -326,12 +326,19 @@ def _pair_params(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     used_ref: set[int] = set()
     converted: list[ConvertedParam] = []
     port_params = port_index[port_index["role"].isin(schema.PARAM_ROLES)]
+    # a parameter's module by the resolution loading weights used (renames, pairs, names), its
+    # sites' pairing first: a reference module whose weights its parent's code uses is no site
+    partner = mapping.module_partners(
+        {param_name(s, a).rpartition(".")[0] for s, a in zip(port_params["site"],
+                                                             port_params["arg"], strict=True)},
+        {name.rpartition(".")[0] for _, _, name in ref_by_name})
+    partner.update(sites.module_partner)
     for port_pos, step, role, site, arg, shape in zip(
             port_params.index, port_params["step"], port_params["role"], port_params["site"],
             port_params["arg"], port_params["shape"], strict=True):
         name = param_name(site, arg)
         # without a rule or a partner module: the same name in the reference, if it has one
-        source = mapping.param_source(name, sites.module_partner) or ParamSource([name])
+        source = mapping.param_source(name, partner) or ParamSource([name])
         positions = [ref_by_name.get((step, role, n)) for n in source.reference]
         if any(p is None for p in positions):
             missing = [n for n, p in zip(source.reference, positions, strict=True) if p is None]

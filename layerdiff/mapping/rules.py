@@ -270,6 +270,23 @@ class Mapping:
         return None
 
 
+    def module_partners(self, port_modules: Iterable[str], ref_modules: Iterable[str]
+                        ) -> dict[str, str]:
+        """Port module -> reference module, by explicit pairs, exact names and rename rules:
+        the one resolution of a parameter's module that loading weights, map-check and the
+        diff share. It needs no call of either module (a reference module whose weights its
+        parent's code uses, ``F.conv1d(x, self.conv1d.weight)``, is never a site)."""
+        port_modules = set(port_modules)
+        partner: dict[str, str] = {}
+        for ref_site, port_site in self.pairs.items():
+            partner[port_site.rpartition("#")[0]] = ref_site.rpartition("#")[0]
+        for module in sorted(set(ref_modules)):
+            renamed = self.rename(module)
+            target = module if module in port_modules else (renamed[0] if renamed else None)
+            if target in port_modules:
+                partner.setdefault(target, module)
+        return partner
+
     # ---- shards (multi-rank ports)
     def shard_rule(self, module: str, role: str, arg: str) -> ShardRule | None:
         """The first [[shard]] rule that cuts this tensor of port module ``module`` across

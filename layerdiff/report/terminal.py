@@ -98,8 +98,13 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
     """One line: PASS, or FAIL with the first origin."""
     if diff.passed:
         worst = diff.rows[Column.RATIO].max() if not diff.rows.empty else 0.0
+        # what a mapping question kept from being compared belongs in the verdict, not only
+        # behind --verbose: a pass says nothing of it
+        unpaired = int((~diff.unmatched["declared"].astype(bool)).sum())
         return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
-                           f"error {number(worst, 3)} of its tolerance)", width)
+                           f"error {number(worst, 3)} of its tolerance)" + (
+                               f"; {unpaired:,} unpaired, not compared" if unpaired else ""),
+                           width)
     first = diff.cannot_judge_first
     if first is not None:
         return clip_middle(f"FAIL  cannot judge {first.site}, which holds the first record "
