@@ -308,7 +308,7 @@ def _whom(mode: int) -> str:
                                              (stat.S_IWOTH, "others")) if mode & bit)
 
 
-def _read_own_file(folder_fd: int, name: str, limit: int) -> bytes:
+def _read_own_file(folder_fd: int, name: str, limit: int, what: str) -> bytes:
     """The bytes of ``name`` in the open folder: a regular file (not a link: O_NOFOLLOW)
     owned by this user and writable by no one else, read from the descriptor it was checked
     on. Raises FileNotFoundError where it is absent, Distrust where it is not trusted."""
@@ -317,18 +317,18 @@ def _read_own_file(folder_fd: int, name: str, limit: int) -> bytes:
                      dir_fd=folder_fd)
     except OSError as error:
         if error.errno == errno.ELOOP:
-            raise Distrust(f"{name} is a symbolic link") from None
+            raise Distrust(f"{what} is a symbolic link") from None
         raise
     with os.fdopen(fd, "rb") as handle:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
-            raise Distrust(f"{name} is not a regular file")
+            raise Distrust(f"{what} is not a regular file")
         if status.st_uid != os.geteuid():
-            raise Distrust(f"{name} belongs to another user (uid {status.st_uid})")
+            raise Distrust(f"{what} belongs to another user (uid {status.st_uid})")
         if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise Distrust(f"{name} is writable by {_whom(status.st_mode)}")
+            raise Distrust(f"{what} is writable by {_whom(status.st_mode)}")
         if status.st_size > limit:
-            raise Distrust(f"{name} is {status.st_size} bytes, more than a build makes")
+            raise Distrust(f"{what} is {status.st_size} bytes, more than a build makes")
         return handle.read(limit + 1)
 
 
@@ -348,19 +348,20 @@ def _load_verified(folder: Path, name: str) -> Any:
         if not os.path.samestat(os.fstat(folder_fd), os.lstat(real)):
             raise Distrust(f"{real} changed while it was checked")
         try:
-            data = _read_own_file(folder_fd, file, _MAX_MODULE_BYTES)
+            data = _read_own_file(folder_fd, file, _MAX_MODULE_BYTES, "it")
         except FileNotFoundError:
             raise Distrust("it went away while it was checked") from None
         try:
-            record = _read_own_file(folder_fd, file + RECORD_SUFFIX, 4096)
+            record = _read_own_file(folder_fd, file + RECORD_SUFFIX, 4096,
+                                    f"its record {file}{RECORD_SUFFIX}")
         except FileNotFoundError:
             raise Distrust(f"it has no record of its sha256 ({file}{RECORD_SUFFIX}) beside "
-                           "it; `python -m layerdiff.compare.aot` builds it again") from None
+                           "it (python -m layerdiff.compare.aot builds it again)") from None
     finally:
         os.close(folder_fd)
     if record.decode("ascii", "replace").split() != [hashlib.sha256(data).hexdigest(), file]:
-        raise Distrust(f"its sha256 is not the one in {file}{RECORD_SUFFIX}; "
-                       "`python -m layerdiff.compare.aot` builds it again")
+        raise Distrust(f"its sha256 is not the one in {file}{RECORD_SUFFIX} (python -m "
+                       "layerdiff.compare.aot builds it again)")
     private = tempfile.mkdtemp(dir=real, prefix=".load-")
     try:
         copy = os.path.join(private, file)
@@ -408,10 +409,6 @@ def build(directory: Path | None = None,
     module is compiled in a private folder inside it, its sha256 written beside it as
     ``<module>.sha256``, and both renamed into place, so a reader never finds half a module.
     Raises RuntimeError where it cannot be built there."""
-    import numba
-    from numba.pycc import CC
-
-    from layerdiff.compare import kernels
     name = module_name()
     if name is None:
         raise RuntimeError("the kernel cannot be compiled ahead of time here: its build is "
@@ -423,6 +420,10 @@ def build(directory: Path | None = None,
     except Distrust as doubt:
         raise RuntimeError(f"not building the kernel into {directory}: {doubt} (a diff would "
                            "not load it from there)") from None
+    import numba
+    from numba.pycc import CC
+
+    from layerdiff.compare import kernels
     with tempfile.TemporaryDirectory(dir=real, prefix=".build-") as scratch:
         compiler = CC(name)
         compiler.output_dir = scratch
@@ -464,6 +465,28 @@ def make_folder(folder: Path) -> None:
     for each in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(each, 0o700)
+
+
+@contextlib.contextmanager
+def _as_jitted():
+    """numba.pycc compiles an export with default flags; give it the JIT's own for ``fused``
+    (kernels._JIT): the numpy error model, and the GIL released while it runs, so that the
+    diff's reading thread keeps going during the metrics."""
+    from numba.pycc import compiler
+
+    plain = compiler.Flags
+
+    def flags():
+        made = plain()
+        made.release_gil = True
+        made.error_model = "numpy"
+        return made
+
+    compiler.Flags = flags
+    try:
+        yield
+    finally:
+        compiler.Flags = plain
 
 
 # ------------------------------------------------------------------- the background build
@@ -543,43 +566,19 @@ def _spawn(folder: str, name: str, lock_fd: int) -> None:
 
 
 def _background(folder: str, name: str, lock_fd: int) -> int:
-    """The background build: at the lowest priority, killed after _BUILD_LIMIT_S; says in
-    the lock file whether it failed (then not tried again for a day)."""
-    import signal
-    with contextlib.suppress(OSError):
-        os.nice(19)
-    signal.alarm(_BUILD_LIMIT_S)
+    """The background build (main() lowers its priority and limits its time first): says in
+    the lock file whether it failed (then no diff starts another for a day)."""
     state = b"built\n"
     try:
         if module_name() == name:  # else the source changed since: a later diff starts one
             build(Path(folder))
+        else:
+            state = b"stale\n"
     except BaseException:
         state = b"failed\n"
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, state, 0)
-    return 0 if state == b"built\n" else 1
-
-
-@contextlib.contextmanager
-def _as_jitted():
-    """numba.pycc compiles an export with default flags; give it the JIT's own for ``fused``
-    (kernels._JIT): the numpy error model, and the GIL released while it runs, so that the
-    diff's reading thread keeps going during the metrics."""
-    from numba.pycc import compiler
-
-    plain = compiler.Flags
-
-    def flags():
-        made = plain()
-        made.release_gil = True
-        made.error_model = "numpy"
-        return made
-
-    compiler.Flags = flags
-    try:
-        yield
-    finally:
-        compiler.Flags = plain
+    return 1 if state == b"failed\n" else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     warnings.simplefilter("ignore")  # numba.pycc's pending deprecation, once per build
     if argv[:1] == ["--background"] and len(argv) == 4:
+        import signal
+        with contextlib.suppress(OSError):
+            os.nice(19)  # the lowest priority: the diff that started it comes first
+        signal.alarm(_BUILD_LIMIT_S)  # a build hung this long ends (and frees its lock)
         return _background(argv[1], argv[2], int(argv[3]))
     try:
         print(f"built {build()}")
