@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -461,3 +462,20 @@ def test_a_failed_background_build_says_so_in_its_lock(tmp_path, monkeypatch):
         assert os.pread(lock, 64, 0) == b"stale\n"
     finally:
         os.close(lock)
+
+
+def test_a_cache_folder_it_cannot_write_loads_from_a_private_temporary_copy(
+        planted, capsys, monkeypatch):
+    """The verified bytes are loaded from a private copy: in the cache folder, else (read
+    only) in a temporary folder only we can change; no copy is left behind."""
+    made = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if dir is not None:
+            raise PermissionError("read-only")
+        return made(*args, dir=str(planted.root), **kwargs)
+    monkeypatch.setattr(aot.tempfile, "mkdtemp", mkdtemp)
+    assert planted.load(capsys) == (True, [])
+    assert sorted(p.name for p in planted.root.iterdir()) == ["kernels", "marker"]
+    assert sorted(p.name for p in planted.folder.iterdir()) == [planted.file.name,
+                                                                 planted.record.name]

@@ -338,7 +338,8 @@ def _load_verified(folder: Path, name: str) -> Any:
 
     The bytes are read once, from the descriptor whose owner and mode were checked, hashed,
     and those same bytes are written into a fresh private folder (0700, made by mkdtemp in
-    the checked cache folder) that the module is loaded from, then removed. Loading the cache
+    the checked cache folder, else in a temporary folder that passes the same checks) that
+    the module is loaded from, then removed. Loading the cache
     path itself would open it a second time: whatever it held by then would run, unhashed
     (another build of ours replacing it, at the least). The copy costs ~1 ms."""
     real = trusted_folder(folder)
@@ -362,7 +363,15 @@ def _load_verified(folder: Path, name: str) -> Any:
     if record.decode("ascii", "replace").split() != [hashlib.sha256(data).hexdigest(), file]:
         raise Distrust(f"its sha256 is not the one in {file}{RECORD_SUFFIX} (python -m "
                        "layerdiff.compare.aot builds it again)")
-    private = tempfile.mkdtemp(dir=real, prefix=".load-")
+    try:
+        private = tempfile.mkdtemp(dir=real, prefix=".load-")
+    except OSError:  # a cache folder we cannot write (read-only): the temporary folder,
+        private = tempfile.mkdtemp(prefix="layerdiff-load-")  # if only we can change it
+        try:
+            trusted_folder(Path(private))
+        except Distrust:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
     try:
         copy = os.path.join(private, file)
         fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -552,8 +561,7 @@ def _spawn(folder: str, name: str, lock_fd: int) -> None:
     """``python -m layerdiff.compare.aot --background``: this layerdiff (its folder first on
     PYTHONPATH), in a new session, reading nothing and writing nowhere visible, in the cache
     folder (never the working folder, which ``-m`` would put on sys.path: -P too)."""
-    import layerdiff
-    root = str(Path(layerdiff.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this layerdiff
     paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "LAYERDIFF_AOT_BUILD": "0",
            "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
