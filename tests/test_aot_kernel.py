@@ -479,3 +479,27 @@ def test_a_cache_folder_it_cannot_write_loads_from_a_private_temporary_copy(
     assert sorted(p.name for p in planted.root.iterdir()) == ["kernels", "marker"]
     assert sorted(p.name for p in planted.folder.iterdir()) == [planted.file.name,
                                                                  planted.record.name]
+
+
+def test_a_diff_in_a_received_folder_never_runs_a_module_planted_there(planted, tmp_path):
+    """The audit's case end to end: `layerdiff diff` run inside a folder of traces that holds
+    a planted module under the right name, with its true record, named by a relative
+    LAYERDIFF_KERNEL_CACHE or XDG_CACHE_HOME. The module never runs, the diff's rows come
+    from the JIT (exit 0: the pair is within tolerance), and the first case says why in one
+    line."""
+    ref, port = _pair(planted.root, np.float32, "received")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    xdg = planted.root / "xdg" / "layerdiff" / "kernels"
+    xdg.parent.mkdir(parents=True)
+    shutil.copytree(planted.folder, xdg)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("LAYERDIFF_KERNEL_CACHE", "XDG_CACHE_HOME")}
+    for env, said in (({"LAYERDIFF_KERNEL_CACHE": "kernels"}, 1), ({"XDG_CACHE_HOME": "xdg"}, 0)):
+        done = subprocess.run([sys.executable, "-m", "layerdiff", "diff", "received-ref.h5",
+                               "received-port.h5"], cwd=planted.root, capture_output=True,
+                              text=True, env={**base, "HOME": str(home), **env}, check=False)
+        assert done.returncode == 0, done.stderr
+        assert not planted.marker.exists()
+        lines = [line for line in done.stderr.splitlines() if "kernel" in line]
+        assert len(lines) == said, done.stderr

@@ -433,6 +433,7 @@ def build(directory: Path | None = None,
     from numba.pycc import CC
 
     from layerdiff.compare import kernels
+    _sweep(real)
     with tempfile.TemporaryDirectory(dir=real, prefix=".build-") as scratch:
         compiler = CC(name)
         compiler.output_dir = scratch
@@ -463,6 +464,16 @@ def build(directory: Path | None = None,
         os.replace(built, os.path.join(real, file))
         os.replace(record, os.path.join(real, file + RECORD_SUFFIX))
     return directory / file
+
+
+def _sweep(folder: str) -> None:
+    """Remove the private folders of builds and loads that ended without removing them
+    (killed) more than a day ago."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if (entry.name.startswith((".build-", ".load-")) and entry.is_dir(follow_symlinks=False)
+                    and time.time() - entry.stat(follow_symlinks=False).st_mtime > 86400):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def make_folder(folder: Path) -> None:
