@@ -461,8 +461,10 @@ def build(directory: Path | None = None,
                           encoding="ascii")
         for made in (built, record):  # whatever the umask: writable by no one else
             os.chmod(made, 0o644)
-        os.replace(built, os.path.join(real, file))
+        # the record first: a diff that finds the module then finds its record too (the
+        # first build: a record alone is no module, nothing is said)
         os.replace(record, os.path.join(real, file + RECORD_SUFFIX))
+        os.replace(built, os.path.join(real, file))
     return directory / file
 
 
