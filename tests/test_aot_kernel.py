@@ -224,10 +224,10 @@ def planted_module(tmp_path_factory):
 
 
 class Planted:
-    """A cache folder (0700, ours, in a 0700 folder of ours) holding the planted module and,
-    unless told otherwise, its true sha256 record: exactly what a build leaves."""
+    """A cache folder (0700, ours, in a 0700 folder of ours) holding the planted module and
+    its true sha256 record: exactly what a build leaves."""
 
-    def __init__(self, root, data: bytes, monkeypatch, *, record: bool = True):
+    def __init__(self, root, data: bytes, monkeypatch):
         self.root = root
         self.folder = root / "kernels"
         self.folder.mkdir(mode=0o700)
@@ -235,8 +235,7 @@ class Planted:
         self.record = self.folder / (self.file.name + aot.RECORD_SUFFIX)
         self.file.write_bytes(data)
         os.chmod(self.file, 0o644)
-        if record:
-            self.write_record(data)
+        self.write_record(data)
         self.marker = root / "marker"
         monkeypatch.setenv(MARKER, str(self.marker))
         monkeypatch.setenv("LAYERDIFF_KERNEL_CACHE", str(self.folder))

@@ -3,7 +3,7 @@
 A process's first compiled metric costs ~0.4 s before it reads a byte: ``import numba``, then
 numba's CPU target registering its implementations (scipy's import among them) on the first
 cached load of :mod:`layerdiff.compare.kernels`. The same ``fused`` kernel compiled ahead of
-time with ``numba.pycc`` is a plain extension module: importing it takes ~1 ms and needs
+time with ``numba.pycc`` is a plain extension module: loading it takes ~2 ms and needs
 neither numba nor scipy, and it runs the same LLVM code, so its results are the JIT's bit for
 bit (``scripts/aot_kernel.py`` and tests/test_aot_kernel.py check that).
 
