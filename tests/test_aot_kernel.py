@@ -424,8 +424,9 @@ def test_no_build_into_a_folder_others_can_write(tmp_path, builds, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and all("writable by" in line for line in lines)
     assert builds == []
-    with pytest.raises(RuntimeError, match="writable by"):
-        aot.build(tmp_path / "open")
+    if aot.module_name() is not None:  # else build() refuses before it looks at the folder
+        with pytest.raises(RuntimeError, match="writable by"):
+            aot.build(tmp_path / "open")
 
 
 def test_the_background_build_is_detached_and_quiet(tmp_path, monkeypatch):
