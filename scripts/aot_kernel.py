@@ -49,7 +49,8 @@ def _arguments(np, ref, port, bits: str, batch: int):
 def _module(directory: Path):
     """The built module, imported from ``directory`` by its file."""
     import importlib.util
-    path = next(Path(directory).glob("layerdiff_kernels_*"))
+    aot = _aot()
+    path = Path(directory) / aot.module_file(aot.module_name())  # not its .sha256 beside it
     spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -335,6 +335,9 @@ VARIANTS = {
     # `python -m layerdiff diff` end to end (interpreter, imports, report), wall time only
     "cli": ("cli", {}, False),
     "before-cli": ("cli", {}, True),
+    # the same without the built kernel (numba's JIT), and never starting a build of it
+    "jit-cli": ("cli", {"LAYERDIFF_AOT": "0"}, False),
+    "before-jit-cli": ("cli", {"LAYERDIFF_AOT": "0"}, True),
 }
 
 

@@ -256,7 +256,7 @@ class PairMetrics:
 @functools.cache
 def _kernel() -> Any:
     """The compiled kernel (:func:`layerdiff.compare.kernels.fused`): built ahead of time where
-    ``python -m layerdiff.compare.aot`` built it for this machine (no numba at run time: the
+    this user's layerdiff built it for this machine (compare/aot.py; no numba at run time: the
     ~0.4 s of numba's set-up gone), else numba's JIT, for arguments the build does not
     cover too; None where neither can be had. Loaded on first use: CLI start-up does not pay
     for it."""
@@ -265,11 +265,14 @@ def _kernel() -> Any:
     if compiled is None:
         return _jitted()
 
-    def kernel(ref, port, ref_bits, port_bits, *rest):
-        function = compiled.lookup(ref, port, ref_bits, port_bits, rest[5]) or _jitted()
+    def kernel(*args):
+        found = compiled.fused(*args)  # checks every argument; None: not what it was built for
+        if found is not None:
+            return found
+        function = _jitted()
         if function is None:
             raise RuntimeError("no compiled kernel for these argument types")
-        return function(ref, port, ref_bits, port_bits, *rest)
+        return function(*args)
     return kernel
 
 
