@@ -103,13 +103,15 @@ class _Frame:
 _ACTIVE: ContextVar[OpRecorder | None] = ContextVar("layerdiff_op_recorder", default=None)
 _APPLY_LOCK = threading.Lock()
 _apply_users = 0
+# Function.__dict__["apply"] as it was: a classmethod in torch 2.13, the C classmethod
+# descriptor in 2.14 (which has no __func__); __get__(None, cls) binds either to cls
 _original_apply: Any = None
 
 
 def _recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     recorder = _ACTIVE.get()
     if recorder is None:
-        return _original_apply.__func__(cls, *args, **kwargs)
+        return _original_apply.__get__(None, cls)(*args, **kwargs)
     return recorder.custom_function(cls, args, kwargs)
 
 
@@ -258,7 +260,7 @@ class OpRecorder:
     def custom_function(self, cls: type, args: tuple, kwargs: dict) -> Any:
         """``cls.apply(*args, **kwargs)``, recorded as op ``cls.__name__`` when a recorded
         module's own code calls it; the ops of its forward are its own, not recorded."""
-        apply = partial(_original_apply.__func__, cls, *args, **kwargs)
+        apply = partial(_original_apply.__get__(None, cls), *args, **kwargs)
         frames = self.frames
         if not (frames and frames[-1].recording):
             return apply()
