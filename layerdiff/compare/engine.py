@@ -120,15 +120,11 @@ def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Ma
     if isinstance(given, Mapping):
         return given, []
     if given is None:
-        if not recorded:
-            return Mapping(), []
-        mapping = Mapping.from_text(recorded["text"], recorded["name"],
-                                    recorded_in=port.path.name)
-        mapping.origin = f"recorded in {port.path.name} at capture"
-        return mapping, []
+        return Mapping.recorded(port.meta, port.path.name) or Mapping(), []
     mapping = Mapping.load(given)
     text = Path(given).read_text(encoding="utf-8")
-    if recorded and hashlib.sha256(text.encode()).hexdigest() != recorded.get("sha256"):
+    if isinstance(recorded, dict) and hashlib.sha256(text.encode()).hexdigest() != recorded.get(
+            "sha256"):
         return mapping, [f"--map {given} differs from the mapping {port.path.name} was captured "
                          f"with ({recorded['name']}); pairing follows --map"]
     return mapping, []
