@@ -50,6 +50,7 @@ COLOURS = {
     Verdict.WITHIN: "#2ca02c",
     Verdict.MODULE_WITHIN: "#98df8a",
     Verdict.IDENTICAL: "#9a9a9a",
+    Verdict.SAME_DIGEST: "#b4b4b4",
 }
 LABELS = {
     Status.ORIGIN: "origin",
@@ -60,6 +61,7 @@ LABELS = {
     Verdict.WITHIN: "within tolerance",
     Verdict.MODULE_WITHIN: "op differs, its module within",
     Verdict.IDENTICAL: "identical",
+    Verdict.SAME_DIGEST: "same digest (bytes not compared)",
 }
 
 FAILING_COLUMNS = [Column.SITE, Column.PASS, Column.ROLE, Column.ARG, Column.STEP, Column.RATIO,
