@@ -399,11 +399,13 @@ def compare_tensors(ref: SegmentReader, port: SegmentReader,
             count = min(blocks[0].size, nbytes - start)
             raws = [_bytes(reader, tensor, start, count, block)
                     for reader, tensor, block in zip(readers, tensors, blocks, strict=True)]
-            for check, raw in zip(checks, raws, strict=True):
-                if check is not None:
-                    check.update(raw)
+            for side in (0, 1):
+                if checks[side] is not None:
+                    checks[side].update(raws[side])
             same = same and same_bytes(raws[0], raws[1])
-            del raws  # a map goes with its last view
+            # a map goes with its last view: none may outlive the loop, in a traceback's frame
+            # either (a map holds the file open, and HDF5's lock with it)
+            del raws
             if done is not None:
                 done(2 * count)
         for check in checks:
