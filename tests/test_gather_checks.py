@@ -218,3 +218,27 @@ def test_without_map_the_mapping_the_capture_recorded_gives_the_rules(tmp_path):
         assert trace.index["shape"].tolist() == ["4,8", "6,8", "4,6"]
         np.testing.assert_array_equal(trace.read(trace.find(0, "fc#0", "weight", "weight")),
                                       weight)
+
+
+@pytest.mark.parametrize("summary", [False, True], ids=["data", "summary"])
+def test_without_digests_the_ranks_bytes_or_statistics_decide(tmp_path, summary):
+    """Rank files of a writer that computes no digests: their bytes are compared (a summary's
+    statistics, where there are no bytes); the replicated input passes, the cut weight not."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    manifest, files = tmp_path / "port.h5", []
+    for rank, part in enumerate(np.split(weight, 2)):
+        files.append(rank_path(manifest, rank))
+        with TraceWriter(files[-1], meta={"rank": rank, "world_size": 2},
+                         summary=summary) as writer, writer.site("fc", "Linear") as site:
+            writer.record(site, "input", x)
+            writer.record(site, "weight", part, arg="weight")
+        with h5py.File(files[-1], "r+") as h5:  # as a writer that computes no digests leaves
+            column = h5[f"{schema.INDEX_GROUP}/digest"]
+            column[...] = np.array([""] * column.shape[0], dtype=object)
+            del h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP)]
+    write_manifest(manifest, files)
+    with pytest.raises(TraceError, match=r"fc#0 weight weight \(step 0\) differs across ranks "
+                                         r"\(its values differ on rank 1\)"):
+        gather_module.gather(manifest, None, tmp_path / "g.h5")

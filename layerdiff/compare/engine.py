@@ -1,7 +1,9 @@
 """``diff``: compare a port's trace with the reference's, record by record, and find origins.
 
-Reads both indexes, pairs sites and records, then streams tensor data pair by pair (records
-whose digests agree are not read at all) and computes one row of metrics per pair. Memory stays
+Reads both indexes, pairs sites and records, then streams tensor data pair by pair and computes
+one row of metrics per pair. Records whose digests agree are not compared element by element:
+when verifying, their bytes are read on a second thread to be checked, and compared with each
+other (``identical`` is equal bytes); without, they are not read (``same-digest``). Memory stays
 at the tables plus a few MiB of chunk buffers, whatever the traces' size.
 """
 

@@ -169,6 +169,7 @@ def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[
     (shape, dtype, and digest, or bytes where there is none): all replicated, rank 0's copies
     are the whole tensors. Raises TraceError naming the first record that differs: cut across
     ranks (or diverged), it would be gathered as rank 0's part under the whole's name."""
+    rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]  # ~100 us a .iloc
     for row in index.to_dict("records"):
         if row["kind"] != "tensor":
             continue
@@ -177,7 +178,7 @@ def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[
             position = lookups[rank].get(key)
             if position is None:
                 continue  # no evidence of a cut: a record missing on a rank stays rank 0's
-            other = ranks[rank].index.iloc[position]
+            other = rows[rank][position]
             how = _differs(ranks[0], row, ranks[rank], other, rank)
             if how:
                 raise TraceError(_unjoined(row, other, how, modules, mapping, source))
@@ -186,7 +187,7 @@ def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[
             "which are the whole tensors")
 
 
-def _differs(first: Trace, row: dict[str, Any], trace: Trace, other: pd.Series,
+def _differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
              rank: int) -> str:
     """How rank ``rank``'s copy of a record differs from rank 0's, or ''."""
     if other["shape"] != row["shape"]:
@@ -198,7 +199,8 @@ def _differs(first: Trace, row: dict[str, Any], trace: Trace, other: pd.Series,
         same = row["digest"] == other["digest"]
     elif row["segment"] >= 0 and other["segment"] >= 0:
         same = np.array_equal(first.read(pd.Series(row), raw=True).reshape(-1).view(np.uint8),
-                              trace.read(other, raw=True).reshape(-1).view(np.uint8))
+                              trace.read(pd.Series(other), raw=True).reshape(-1).view(
+                                  np.uint8))
     else:  # summaries without digests: their statistics
         same = all(_same_number(row[c], other[c]) for c in _STAT_COLUMNS if c != "digest")
     return "" if same else f"its values differ on rank {rank}"
@@ -209,7 +211,7 @@ def _same_number(a: Any, b: Any) -> bool:
                             and math.isnan(a) and math.isnan(b))
 
 
-def _unjoined(row: dict[str, Any], other: pd.Series, how: str, modules: dict[str, str],
+def _unjoined(row: dict[str, Any], other: dict[str, Any], how: str, modules: dict[str, str],
               mapping: Mapping, source: Path) -> str:
     """The refusal of a gather that would join nothing: the record, and the rule to write."""
     module = modules.get(row["site"]) or schema.split_site(row["site"])[0]
@@ -220,9 +222,9 @@ def _unjoined(row: dict[str, Any], other: pd.Series, how: str, modules: dict[str
         side = "input" if role in ("input", "grad_input") else "output"
         tensor = side if arg == "0" else f"{side}.{arg}"
     shapes = schema.parse_shape(row["shape"]), schema.parse_shape(other["shape"])
-    apart = [axis for axis, (a, b) in enumerate(zip(*shapes)) if a != b] if len(
+    apart = [axis for axis, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b] if len(
         shapes[0]) == len(shapes[1]) else []
-    dim = str(apart[0]) if len(apart) == 1 else "D"
+    known = len(apart) == 1  # the parts' shapes differ along one axis: the cut's
     if mapping.shard_rules:
         rules = f"no [[shard]] rule of {_mapping_name(mapping)} cuts any record"
     elif mapping.path is not None:
@@ -233,8 +235,8 @@ def _unjoined(row: dict[str, Any], other: pd.Series, how: str, modules: dict[str
     return (f"{source}: {rules}, but {describe(row)} differs across ranks ({how}): it is cut "
             "across them (or the replicas diverged), and a gathered trace would hold rank 0's "
             "part under the whole model's name; write a rule for it in a mapping file "
-            f"([[shard]] site = \"{module}\", tensor = \"{tensor}\", dim = {dim}"
-            + ("" if apart else ": the axis it is cut along")
+            f"([[shard]] site = \"{module}\", tensor = \"{tensor}\", "
+            + (f"dim = {apart[0]}" if known else "dim = D: the axis it is cut along")
             + ") and pass it with --map FILE (docs/distributed.md)")
 
 
