@@ -233,8 +233,9 @@ def _unjoined(row: dict[str, Any], other: dict[str, Any], how: str, modules: dic
         rules = "no mapping gives [[shard]] rules (none given with --map, none recorded " \
                 "at capture)"
     return (f"{source}: {rules}, but {describe(row)} differs across ranks ({how}): it is cut "
-            "across them (or the replicas diverged), and a gathered trace would hold rank 0's "
-            "part under the whole model's name; write a rule for it in a mapping file "
+            f"across them (or the replicas diverged: `layerdiff ranks {source}` tells), and a "
+            "gathered trace would hold rank 0's part under the whole model's name; write a "
+            "rule for it in a mapping file "
             f"([[shard]] site = \"{module}\", tensor = \"{tensor}\", "
             + (f"dim = {apart[0]}" if known else "dim = D: the axis it is cut along")
             + ") and pass it with --map FILE (docs/distributed.md)")
