@@ -107,5 +107,9 @@ def test_a_summary_side_knows_digests_alone(collided, tmp_path):
     said = " ".join(format_diff(result, verbose=True).split())
     assert ("digests 3 records agree by their digests alone, bytes not compared" in said
             and "not against a deliberate one" in said and "same-digest" in said)
+    from layerdiff.report.html import write_html
+
+    page = write_html(result, tmp_path / "report.html").read_text()
+    assert "3 records agree by their digests alone (same digest: bytes not compared" in page
     assert set(diff(summary, ref).rows["verdict"]) == {"same-digest"}
     assert set(diff(ref, ref).rows["verdict"]) == {"identical"}

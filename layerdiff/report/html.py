@@ -166,6 +166,11 @@ def error_section(diff: Diff) -> str:
                "tolerance (ratio 1). ▼ on the bottom edge: identical (ratio 0); ▲ on the top "
                "edge: not finite or shapes differ. The backward panel is in backward execution "
                "order.")
+    digests = int((diff.rows[Column.VERDICT] == Verdict.SAME_DIGEST).sum())
+    if digests:
+        caption += (f" {digests:,} records agree by their digests alone (same digest: bytes not "
+                    "compared, since a side holds no data or --no-verify read none): equal "
+                    "against any accidental change, not against a deliberate one.")
     return head + page.figure(png, f"error over tolerance per site, step {step}", caption)
 
 
