@@ -123,7 +123,15 @@ def records_json(trace: Trace, records: pd.DataFrame) -> dict[str, Any]:
     rows = [{k: _jsonable(v) for k, v in row.items()} for row in records.to_dict("records")]
     return {"path": str(trace.path), "format_version": trace.version,
             "complete": trace.complete, "summary": trace.summary, "meta": trace.meta,
-            "records": rows}
+            "digest": DIGEST_MEANING.format(name=trace.digest_algorithm), "records": rows}
+
+
+# what the records' digest column is, said beside it: equal digests are no proof of equal bytes
+DIGEST_MEANING = ("each record's digest is its tensor's {name} checksum "
+                  "(docs/trace-format.md#tensor-digest): different digests mean different "
+                  "bytes; equal digests mean equal bytes against any accidental change, not "
+                  "against a deliberate one (the checksum is linear: a crafted change can keep "
+                  "it); '' where the writer computed none")
 
 
 def _jsonable(value: Any) -> Any:

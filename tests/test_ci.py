@@ -34,6 +34,7 @@ def test_unchanged_code_is_identical(mlp_golden):
     assert result.outcome == "identical" and result.passed
     assert result.outcome is CheckOutcome.IDENTICAL
     assert check_line(result).startswith("IDENTICAL  reference_models.mlp_port:port: all")
+    assert "bit for bit" in check_line(result)  # a full golden's bytes were compared
 
 
 def test_a_change_within_tolerance_is_drift_and_says_where(mlp_golden):
@@ -59,7 +60,11 @@ def test_a_planted_change_fails_with_its_origin(mlp_golden, tmp_path):
 def test_a_summary_golden_is_small_and_checks_by_statistics(tmp_path):
     path = golden(PORT, tmp_path / "g.h5", summary=True)
     assert path.stat().st_size < 200_000
-    assert check(PORT, path).outcome == "identical"
+    unchanged = check(PORT, path)
+    assert unchanged.outcome == "identical"
+    # a summary golden holds no tensors: it can only ever know that the digests agree
+    assert set(unchanged.diff.rows["verdict"]) == {"same-digest"}
+    assert "by their digests alone (no data to compare bytes" in check_line(unchanged)
     assert not check(_as(mlp_port.bug_weight_not_transposed, PORT), path).passed
 
 

@@ -30,6 +30,9 @@ def test_show_json_is_machine_readable(run, tmp_path):
     assert data["summary"] is True and data["format_version"] == schema.FORMAT_VERSION
     assert {r["role"] for r in data["records"]} == {"weight_grad"}
     assert all(r["segment"] == -1 for r in data["records"])
+    # the digests listed are said to be checksums, not proof that equal ones are equal bytes
+    assert "layerdiff-wsum32 checksum" in data["digest"]
+    assert "not against a deliberate one" in data["digest"]
 
 
 def test_show_by_site_counts_roles(run, tmp_path):

@@ -98,6 +98,24 @@ def test_a_regex_recorded_in_a_trace_is_refused_and_the_map_option_runs_it(tmp_p
     assert _layerdiff("diff", ref, port, "--map", safe).returncode == 0
 
 
+def test_a_recorded_mapping_with_a_bad_key_is_refused_naming_the_trace(tmp_path):
+    # the file the capture was given may be gone or fixed since: the sentence says the mapping
+    # is the one the trace recorded, and that --map FILE overrides it
+    rules = '[[shard]]\nsite = "m"\ntensor = "output"\ndimm = 0\n'
+    ref = _trace(tmp_path / "ref.h5", ["m"])
+    port = _trace(tmp_path / "port.h5", ["m"], _recorded(rules))
+    done = _layerdiff("diff", ref, port)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    message = " ".join(done.stderr.split())
+    assert "port.h5 recorded a mapping at capture that cannot be read" in message
+    assert "port.map.toml line 1: unknown key 'dimm' in shard rule 1" in message
+    assert "--map FILE overrides the recorded one" in message
+    good = tmp_path / "fixed.toml"
+    good.write_text("version = 1\n")
+    assert _layerdiff("diff", ref, port, "--map", good).returncode == 0
+
+
 def test_a_recorded_mapping_without_regex_is_still_applied():
     mapping = Mapping.from_text('[[site]]\nreference = "enc.*"\nport = "e.*"\n', "m.toml",
                                 recorded_in="port.h5")

@@ -118,10 +118,20 @@ def test_weights_from_loads_each_ranks_shard(traces):
     assert diff(traces["reference"], traces["own_weights"], mapping=MAP).passed
 
 
-def test_without_shard_rules_the_diff_says_what_is_missing(traces):
-    found = diff(traces["reference"], traces["port"], mapping=Mapping())
-    assert not found.passed
-    assert any("no [[shard]] rules" in warning for warning in found.meta["warnings"])
+def test_without_shard_rules_gather_and_diff_refuse_naming_the_rule_to_write(traces, tmp_path):
+    """No rule cuts anything while fc's weight differs across ranks: gathering rank 0's parts
+    under the whole model's names is refused, by `gather` and by the diff alike."""
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    said = (r"no mapping gives \[\[shard\]\] rules .* but blocks\.0\.mlp\.fc#0 \w+ \w+ "
+            r"\(step 0\) differs across ranks .*\[\[shard\]\] site = \"blocks\.0\.mlp\.fc\"")
+    with pytest.raises(TraceError, match=said):
+        diff(traces["reference"], traces["port"], mapping=Mapping())
+    done = CliRunner().invoke(main, ["gather", traces["port"], "-o", str(tmp_path / "g.h5")])
+    assert done.exit_code == 2 and not (tmp_path / "g.h5").exists(), done.output
+    assert "joined by" not in done.output
 
 
 def test_a_rule_whose_dim_does_not_fit_is_refused_naming_it(traces, tmp_path):

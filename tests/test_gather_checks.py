@@ -121,3 +121,124 @@ def test_joined_statistics_hold_at_the_ends_of_float64s_range(magnitude):
     joined, expected = _combined(parts), compute_stats(whole, "float64")
     for name in ("min", "max", "mean", "std", "l2"):
         assert math.isclose(joined[name], getattr(expected, name), rel_tol=1e-12), name
+
+
+# ---- gathering without rules: the recorded mapping, or the rank files decide ---------------
+
+
+def test_without_rules_a_sharded_world_is_refused_naming_the_rule_to_write(ranks):
+    """No --map and nothing recorded: the weight differs across ranks, so it is cut (or the
+    replicas diverged), and no gathered trace of rank 0's parts is written."""
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    folder, _ = ranks
+    with pytest.raises(TraceError, match=r"no mapping gives \[\[shard\]\] rules.*fc#0 weight "
+                                         r"weight \(step 0\) differs across ranks \(its values "
+                                         r"differ on rank 1\).*site = \"fc\", tensor = "
+                                         r"\"weight\", dim = D"):
+        gather_module.gather(folder / "port.h5", None, folder / "g.h5")
+    assert not (folder / "g.h5").exists()
+    done = CliRunner().invoke(main, ["gather", str(folder / "port.h5"), "-o",
+                                     str(folder / "g.h5")])
+    assert done.exit_code == 2 and "wrote" not in done.output, done.output
+    assert "write a rule for it in a mapping file" in " ".join(done.output.split())
+    assert not (folder / "g.h5").exists()
+    # the diff gathers the same way: the same sentence, not a diff of rank 0's parts
+    with pytest.raises(TraceError, match=r"fc#0 weight weight \(step 0\) differs across ranks"):
+        diff(folder / "ref.h5", folder / "port.h5", mapping=Mapping())
+
+
+def test_parts_of_different_shapes_name_the_axis_they_are_cut_along(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    manifest, files = tmp_path / "port.h5", []
+    for rank, part in enumerate((weight[:4], weight[4:])):  # an uneven split: 4 rows and 2
+        files.append(rank_path(manifest, rank))
+        _write(files[-1], x, part, x @ part.T, {"case": "port", "rank": rank, "world_size": 2})
+    write_manifest(manifest, files)
+    rules = tmp_path / "empty.toml"
+    rules.write_text("version = 1\n")
+    with pytest.raises(TraceError, match=r"empty.toml has no \[\[shard\]\] rules, but fc#0 "
+                                         r"weight weight \(step 0\) differs across ranks "
+                                         r"\(shape \(4,8\) on rank 0, \(2,8\) on rank 1\).*"
+                                         r"dim = 0\)"):
+        gather_module.gather(manifest, Mapping.load(rules), tmp_path / "g.h5")
+
+
+def test_a_replicated_world_gathers_to_rank_zeros_copies_and_says_so(tmp_path):
+    """Every record the same on every rank (data-parallel replicas on one batch): nothing to
+    join, and rank 0's copies are the whole tensors; the diff against the reference passes."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    _write(tmp_path / "ref.h5", x, weight, x @ weight.T, {"case": "ref"})
+    manifest, files = tmp_path / "port.h5", []
+    for rank in range(2):
+        files.append(rank_path(manifest, rank))
+        _write(files[-1], x, weight, x @ weight.T,
+               {"case": "port", "rank": rank, "world_size": 2})
+    write_manifest(manifest, files)
+    done = gather_module.gather(manifest, None, tmp_path / "g.h5")
+    assert (done.records, done.sharded) == (3, 0)
+    assert done.notes == [f"every record of {manifest} is the same on all 2 ranks (shape, "
+                          "dtype, digest): nothing is cut across ranks, and the gathered trace "
+                          "is rank 0's copies, which are the whole tensors"]
+    with open_trace(done.path) as trace:
+        assert trace.index["shape"].tolist() == ["4,8", "6,8", "4,6"]
+    found = diff(tmp_path / "ref.h5", manifest)
+    assert found.passed and any("same on all 2 ranks" in w for w in found.meta["warnings"])
+
+
+def test_without_map_the_mapping_the_capture_recorded_gives_the_rules(tmp_path):
+    """capture --weights-from --map records the mapping in every rank file: gather takes its
+    rules as the diff does (it joined nothing and wrote rank 0's parts)."""
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    recorded = {"weights": {"from": "ref.h5",
+                            "mapping": {"name": "port.map.toml", "text": RULES}}}
+    manifest, files = tmp_path / "port.h5", []
+    for rank, part in enumerate(np.split(weight, 2)):
+        files.append(rank_path(manifest, rank))
+        _write(files[-1], x, part, x @ part.T,
+               {"case": "port", "rank": rank, "world_size": 2, **recorded})
+    write_manifest(manifest, files)
+    done = CliRunner().invoke(main, ["gather", str(manifest), "-o", str(tmp_path / "g.h5")])
+    assert done.exit_code == 0, done.output
+    assert ("3 records of 2 ranks, 2 joined by the [[shard]] rules of port.map.toml (recorded "
+            "in port.h5's rank files at capture)") in " ".join(done.output.split())
+    with open_trace(tmp_path / "g.h5") as trace:
+        assert trace.index["shape"].tolist() == ["4,8", "6,8", "4,6"]
+        np.testing.assert_array_equal(trace.read(trace.find(0, "fc#0", "weight", "weight")),
+                                      weight)
+
+
+@pytest.mark.parametrize("summary", [False, True], ids=["data", "summary"])
+def test_without_digests_the_ranks_bytes_or_statistics_decide(tmp_path, summary):
+    """Rank files of a writer that computes no digests: their bytes are compared (a summary's
+    statistics, where there are no bytes); the replicated input passes, the cut weight not."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    weight = rng.standard_normal((6, 8), dtype=np.float32)
+    manifest, files = tmp_path / "port.h5", []
+    for rank, part in enumerate(np.split(weight, 2)):
+        files.append(rank_path(manifest, rank))
+        with TraceWriter(files[-1], meta={"rank": rank, "world_size": 2},
+                         summary=summary) as writer, writer.site("fc", "Linear") as site:
+            writer.record(site, "input", x)
+            writer.record(site, "weight", part, arg="weight")
+        with h5py.File(files[-1], "r+") as h5:  # as a writer that computes no digests leaves
+            column = h5[f"{schema.INDEX_GROUP}/digest"]
+            column[...] = np.array([""] * column.shape[0], dtype=object)
+            del h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP)]
+    write_manifest(manifest, files)
+    with pytest.raises(TraceError, match=r"fc#0 weight weight \(step 0\) differs across ranks "
+                                         r"\(its values differ on rank 1\)"):
+        gather_module.gather(manifest, None, tmp_path / "g.h5")

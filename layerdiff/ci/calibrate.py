@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.compare import diff
-from layerdiff.compare.judge import Verdict
+from layerdiff.compare.judge import UNCHANGED
 from layerdiff.compare.result import Column
 from layerdiff.compare.tolerances import default_tolerance
 from layerdiff.outputs import write_text
@@ -64,7 +64,7 @@ def calibrate(case_spec: str, output: str | os.PathLike, *, runs: int = 3,
         for other in paths[1:]:
             rows = diff(paths[0], other).rows
             frames.append(rows)
-            changed = rows[rows[Column.VERDICT] != Verdict.IDENTICAL].sort_values(Column.SEQ)
+            changed = rows[~rows[Column.VERDICT].isin(UNCHANGED)].sort_values(Column.SEQ)
             for site in changed[Column.SITE]:
                 if site not in result.nondeterministic:
                     result.nondeterministic.append(site)

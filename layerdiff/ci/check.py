@@ -3,7 +3,9 @@
 ``golden`` records a trace of a case; ``check`` captures the case again the same way (steps,
 loss scale, summary or full) and diffs it against the golden, with three outcomes:
 
-- ``identical``: every record bit for bit (digests agree);
+- ``identical``: no record changed: every record's bytes compared equal to the golden's, or,
+  where the golden holds no data (a summary golden), its digest equal (equal against any
+  accidental change, not against a deliberate one: see docs/trace-format.md#tensor-digest);
 - ``drift``: something changed, within tolerance (how much, and where the most);
 - ``fail``: out of tolerance, with the origin.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from layerdiff.compare import diff
-from layerdiff.compare.judge import Verdict
+from layerdiff.compare.judge import UNCHANGED
 from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import DiffError, TraceError
 from layerdiff.trace import open_trace, schema
@@ -28,7 +30,7 @@ from layerdiff.trace import open_trace, schema
 class CheckOutcome(StrEnum):
     """:attr:`CheckResult.outcome`."""
 
-    IDENTICAL = "identical"   # every record bit for bit
+    IDENTICAL = "identical"   # every record the same bytes, or the same digest (summary)
     DRIFT = "drift"           # something changed, within tolerance
     FAIL = "fail"             # out of tolerance, or the model's records changed
 
@@ -89,7 +91,7 @@ def check(case: CaseLike, golden_path: str | os.PathLike, *, mapping: Any = None
         result.meta["structure"] = structural
     if not result.passed or structural:
         outcome = CheckOutcome.FAIL
-    elif (result.rows[Column.VERDICT] == Verdict.IDENTICAL).all():
+    elif result.rows[Column.VERDICT].isin(UNCHANGED).all():
         outcome = CheckOutcome.IDENTICAL
     else:
         outcome = CheckOutcome.DRIFT

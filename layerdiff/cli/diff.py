@@ -150,7 +150,10 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
 def gather_command(manifest: str, mapping: str | None, output: str,
                    workers: int | None, force: bool) -> None:
     """Join a multi-rank capture's rank files into one trace by the mapping's [[shard]] rules,
-    as if one process had run the whole model (the diff does this by itself)."""
+    as if one process had run the whole model (the diff does this by itself).
+
+    Without --map, the mapping the capture recorded (--weights-from --map). A record that
+    differs across ranks while no rule cuts it is refused, naming the rule to write."""
     from layerdiff.mapping import Mapping
     from layerdiff.progress import CountProgress
     from layerdiff.trace.gather import gather
@@ -158,13 +161,15 @@ def gather_command(manifest: str, mapping: str | None, output: str,
     refuse_inputs({"-o": output}, {"manifest": manifest, "mapping file": mapping},
                   gathers=False)
     refuse_existing(output, "-o", force)
-    rules = Mapping.load(mapping) if mapping else Mapping()
+    rules = Mapping.load(mapping) if mapping else None  # None: the one the capture recorded
     with CountProgress("gather", "records") as bar:
         done = gather(manifest, rules, output, progress=bar.progress, workers=workers)
     for warning in done.unused_rules:
         click.echo(f"warning: {warning}", err=True)
+    for note in done.notes:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {done.path}: {done.records:,} records of {done.world_size} ranks, "
-               f"{done.sharded:,} joined by shard rules")
+               f"{done.sharded:,} joined by the [[shard]] rules of {done.mapping}")
 
 
 COMMANDS = (diff_command, show_command, gather_command)

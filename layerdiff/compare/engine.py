@@ -1,13 +1,17 @@
 """``diff``: compare a port's trace with the reference's, record by record, and find origins.
 
-Reads both indexes, pairs sites and records, then streams tensor data pair by pair (records
-whose digests agree are not read at all) and computes one row of metrics per pair. Memory stays
+Reads both indexes, pairs sites and records, then streams tensor data pair by pair and computes
+one row of metrics per pair. Records whose digests agree are not compared element by element:
+when verifying, their bytes are read on a second thread to be checked, and compared with each
+other (``identical`` is equal bytes); without, they are not read (``same-digest``). Memory stays
 at the tables plus a few MiB of chunk buffers, whatever the traces' size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +30,7 @@ from layerdiff.compare.adapted import adapt_calls
 from layerdiff.compare.arguments import CallSignatures
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.hints.attach import attach_hints
-from layerdiff.compare.judge import Verdict
+from layerdiff.compare.judge import UNCHANGED, Verdict
 from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
 from layerdiff.compare.origins import find_origins, first_unjudged
@@ -37,7 +41,7 @@ from layerdiff.compare.rank_parts import (
     refuse_multi_rank_reference,
     replica_disagreement,
 )
-from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
+from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
@@ -120,15 +124,11 @@ def _mapping(given: str | os.PathLike | Mapping | None, port: Trace) -> tuple[Ma
     if isinstance(given, Mapping):
         return given, []
     if given is None:
-        if not recorded:
-            return Mapping(), []
-        mapping = Mapping.from_text(recorded["text"], recorded["name"],
-                                    recorded_in=port.path.name)
-        mapping.origin = f"recorded in {port.path.name} at capture"
-        return mapping, []
+        return Mapping.recorded(port.meta, port.path.name) or Mapping(), []
     mapping = Mapping.load(given)
     text = Path(given).read_text(encoding="utf-8")
-    if recorded and hashlib.sha256(text.encode()).hexdigest() != recorded.get("sha256"):
+    if isinstance(recorded, dict) and hashlib.sha256(text.encode()).hexdigest() != recorded.get(
+            "sha256"):
         return mapping, [f"--map {given} differs from the mapping {port.path.name} was captured "
                          f"with ({recorded['name']}); pairing follows --map"]
     return mapping, []
@@ -153,7 +153,7 @@ def measure_baseline(ref: Trace, base: Trace, factor: float,
     rows = _Comparer(ref, base, Tolerances(), ref.loss_scale / base.loss_scale).run(
         exact, progress)
     floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")]
-    if len(floats) and (floats[Column.VERDICT] == Verdict.IDENTICAL).all():
+    if len(floats) and floats[Column.VERDICT].isin(UNCHANGED).all():
         raise DiffError(f"baseline {base.path} is identical to reference {ref.path}: it shows "
                         "no error to allow; a baseline is the reference run the port's way "
                         "(--dtype, --autocast, or on the port's device)")
@@ -365,34 +365,54 @@ class _Comparer:
         port_index = self.port.index.to_dict("records")
         rows: list[dict[str, Any]] = []
         streamed: list[tuple[int, TensorRef, TensorRef, PairMetrics, tuple[int, ...]]] = []
-        # records decided from the index (identical digests, statistics) whose data the
-        # verdict still vouches for: read only to check them against their digests
+        # records decided from the index (same digests, statistics) whose data the verdict
+        # still vouches for: read only to check them against their digests
         unread: tuple[dict[int, TensorRef], dict[int, TensorRef]] = ({}, {})
+        # pairs of equal digests whose bytes are both read (to be checked): compared as well,
+        # so that "identical" means equal bytes, not a digest a crafted file can keep
+        same: list[_SamePair] = []
+        checked: tuple[set[int], set[int]] = (set(), set())
         for pair in pairs:
             r, p = ref_index[pair.ref], port_index[pair.port]
             row = self._base_row(pair, r, p)
             rows.append(row)
             if row[Column.VERDICT]:  # decided from the index alone
-                if row[Column.VERDICT] == Verdict.IDENTICAL or min(r["segment"], p["segment"]) < 0:
+                if row[Column.VERDICT] == Verdict.IDENTICAL and r["kind"] == "tensor":
+                    refs = []
+                    for side, trace, number, record in ((0, self.ref, pair.ref, r),
+                                                        (1, self.port, pair.port, p)):
+                        tensor = _tensor(trace, record, None, False, compared=False)
+                        if number in checked[side]:  # its bytes checked once is enough
+                            tensor = dataclasses.replace(tensor, check=None)
+                        checked[side].add(number)
+                        refs.append(tensor)
+                    same.append(_SamePair(len(rows) - 1, pair, r, p, *refs))
+                elif (row[Column.VERDICT] == Verdict.SAME_DIGEST
+                      or min(r["segment"], p["segment"]) < 0):
                     for side, trace, number, record in ((0, self.ref, pair.ref, r),
                                                         (1, self.port, pair.port, p)):
                         if trace.verify and record["kind"] == "tensor" and record["segment"] >= 0:
                             unread[side][number] = _tensor(trace, record, None, False,
                                                            compared=False)
                 continue
-            shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
-            tolerance = Tolerance(row[Column.RTOL], row[Column.ATOL], row[Column.TOL_SOURCE])
-            metrics = new_metrics(tolerance, r, p, shape, row[Column.ROLE])
-            metrics.scratch = self.scratch
-            if row[Column.ROLE] in GRAD_ROLES and self.grad_factor != 1.0:
-                metrics.ulp_scale = None  # rescaled values: ULPs of neither side
-            streamed.append((len(rows) - 1,
-                             _tensor(self.ref, r, pair.ref_slice, False, compared=True),
-                             _tensor(self.port, p, pair.port_slice, pair.transpose_port,
-                                     compared=True), metrics, shape))
-        self._stream(rows, streamed, [list(side.values()) for side in unread], progress)
+            streamed.append(self._streamed(len(rows) - 1, pair, r, p, row))
+        self._stream(rows, streamed, [list(side.values()) for side in unread], same, progress)
         frame = pd.DataFrame(rows, columns=R.ROW_COLUMNS)
         return frame.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True)
+
+    def _streamed(self, position: int, pair: RecordPair, r: dict, p: dict,
+                  row: dict[str, Any]) -> tuple[int, TensorRef, TensorRef, PairMetrics,
+                                                tuple[int, ...]]:
+        """What the metrics stream needs of a pair compared element by element."""
+        shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
+        tolerance = Tolerance(row[Column.RTOL], row[Column.ATOL], row[Column.TOL_SOURCE])
+        metrics = new_metrics(tolerance, r, p, shape, row[Column.ROLE])
+        metrics.scratch = self.scratch
+        if row[Column.ROLE] in GRAD_ROLES and self.grad_factor != 1.0:
+            metrics.ulp_scale = None  # rescaled values: ULPs of neither side
+        return (position, _tensor(self.ref, r, pair.ref_slice, False, compared=True),
+                _tensor(self.port, p, pair.port_slice, pair.transpose_port, compared=True),
+                metrics, shape)
 
     def _base_row(self, pair: RecordPair, r: dict, p: dict) -> dict[str, Any]:
         ref_shape = sliced_shape(schema.parse_shape(r["shape"]), pair.ref_slice, False)
@@ -453,7 +473,12 @@ class _Comparer:
         unscaled = r["role"] not in GRAD_ROLES or self.grad_factor == 1.0
         if (plain and unscaled and r["digest"] and r["digest"] == p["digest"]
                 and r["dtype"] == p["dtype"]):
-            row.update(_identical_metrics(r), verdict=Verdict.IDENTICAL)
+            # identical only where both sides' bytes are read (to be checked) and compared
+            # (in _stream); else all that is known is the digest
+            compared = (min(r["segment"], p["segment"]) >= 0 and self.ref.verify
+                        and self.port.verify)
+            row.update(_identical_metrics(r),
+                       verdict=Verdict.IDENTICAL if compared else Verdict.SAME_DIGEST)
         elif r["segment"] < 0 or p["segment"] < 0:
             self._compare_statistics(row, r, p, plain)
         return row
@@ -484,12 +509,16 @@ class _Comparer:
                                             port_inf=row[Column.PORT_INF])
 
     def _stream(self, rows: list[dict[str, Any]], streamed: list,
-                unread: list[list[TensorRef]], progress: Progress | None) -> None:
+                unread: list[list[TensorRef]], same: list[_SamePair],
+                progress: Progress | None) -> None:
         """Metrics of the streamed pairs; meanwhile, on a second thread, the check of the
-        records nothing else reads."""
+        records nothing else reads, and the byte comparison of the pairs whose digests agree.
+        A pair whose bytes differ all the same (a digest collision: a crafted file, or a
+        chance near 2**-63) is then compared element by element like any other."""
         total = sum(ref.byte_range()[1] if ref.streamable else ref.nbytes
                     for _, ref, _, _, _ in streamed)
-        checked = sum(tensor.nbytes for side in unread for tensor in side)
+        checked = sum(tensor.nbytes for side in unread for tensor in side) + sum(
+            pair.ref_tensor.nbytes + pair.port_tensor.nbytes for pair in same)
         done = [0, 0]  # streamed, checked
 
         def report() -> None:
@@ -500,11 +529,25 @@ class _Comparer:
             done[1] += nbytes
             report()
 
-        with _Background(verify_tensors, ((trace.segments(), tensors, count_checked)
-                                          for trace, tensors in zip((self.ref, self.port),
-                                                                    unread, strict=True)
-                                          if tensors)):
+        differing: list[int] = []
+        jobs = [functools.partial(verify_tensors, trace.segments(), tensors, count_checked)
+                for trace, tensors in zip((self.ref, self.port), unread, strict=True)
+                if tensors]
+        if same:
+            jobs.append(lambda: differing.extend(compare_tensors(
+                self.ref.segments(), self.port.segments(),
+                [(pair.ref_tensor, pair.port_tensor) for pair in same], count_checked)))
+        with _Background(jobs):
             self._metrics(rows, streamed, done, report)
+        again = []
+        for number in differing:
+            pair = same[number]
+            row = rows[pair.position]
+            row.update(verdict="", note="; ".join(filter(None, [
+                row[Column.NOTE], "equal digests, unequal bytes (a digest collision: a crafted "
+                "file, or a chance near 2**-63): compared element by element"])))
+            again.append(self._streamed(pair.position, pair.pair, pair.ref, pair.port, row))
+        self._metrics(rows, again, done, report)
 
     def _metrics(self, rows: list[dict[str, Any]], streamed: list, done: list[int],
                  report: Callable[[], None]) -> None:
@@ -536,17 +579,29 @@ def _tensor(trace: Trace, row: dict, part, transpose: bool, *, compared: bool) -
                      row if trace.verify else None, statistics)
 
 
-class _Background:
-    """Runs ``function(*arguments)`` for each set of arguments on one daemon thread while the
-    block runs; on leaving, waits for it and raises what it raised."""
+@dataclasses.dataclass
+class _SamePair:
+    """A pair whose digests agree, its bytes to be compared: its row, and where they lie."""
 
-    def __init__(self, function: Callable[..., None], calls) -> None:
+    position: int  # of its row
+    pair: RecordPair
+    ref: dict
+    port: dict
+    ref_tensor: TensorRef
+    port_tensor: TensorRef
+
+
+class _Background:
+    """Runs each job in turn on one daemon thread while the block runs; on leaving, waits for
+    it and raises what it raised."""
+
+    def __init__(self, jobs: list[Callable[[], None]]) -> None:
         self._error: BaseException | None = None
 
         def run() -> None:
             try:
-                for arguments in calls:
-                    function(*arguments)
+                for job in jobs:
+                    job()
             except BaseException as exc:  # surfaced in the caller's thread
                 self._error = exc
 

@@ -29,7 +29,11 @@ import numpy as np
 class Verdict(StrEnum):
     """A diff row's verdict."""
 
-    IDENTICAL = "identical"        # same bytes
+    IDENTICAL = "identical"        # same bytes: both records' bytes compared equal
+    # same digest, bytes not compared (a side without data: a summary trace; or not read:
+    # --no-verify). Equal against accidental change (a chance near 2**-63 of a collision),
+    # not against a deliberate one: the digest is linear, and a crafted change can keep it
+    SAME_DIGEST = "same-digest"
     WITHIN = "within"              # every element within tolerance
     OUT = "out"
     SHAPE_MISMATCH = "shape-mismatch"
@@ -41,8 +45,9 @@ class Verdict(StrEnum):
     MODULE_WITHIN = "module-within"
 
 
-PASSING = frozenset({Verdict.IDENTICAL, Verdict.WITHIN, Verdict.REF_NAN,
+PASSING = frozenset({Verdict.IDENTICAL, Verdict.SAME_DIGEST, Verdict.WITHIN, Verdict.REF_NAN,
                      Verdict.MODULE_WITHIN})
+UNCHANGED = frozenset({Verdict.IDENTICAL, Verdict.SAME_DIGEST})  # no difference seen
 
 
 class Status(StrEnum):

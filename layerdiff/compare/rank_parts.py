@@ -44,13 +44,9 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
     beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
     the same), so that reports can read it after the diff; in the system's temporary folder
     where the manifest's folder is not writable. Raises DiffError when that is one of the
-    ``others`` traces the diff reads (it would rewrite its own reference)."""
-    warnings = []
-    if not mapping.shard_rules and len(port.rank_paths) > 1:
-        warnings.append(f"{port.path} is a {len(port.rank_paths)}-rank capture and "
-                        f"{mapping.name} has no [[shard]] rules: every record is compared as "
-                        "rank 0's copy, so sharded tensors will not pair; give --map with "
-                        "shard rules (docs/distributed.md)")
+    ``others`` traces the diff reads (it would rewrite its own reference). Raises TraceError
+    when no rule cuts a record that differs across ranks (:func:`gather`)."""
+    warnings: list[str] = []
     path, key = gathered_path(port.path), gather_key(port, mapping)
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
@@ -62,7 +58,8 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
                             "name and diff against that")
     fresh = not up_to_date(path, key)
     if fresh:
-        warnings += gather(port, mapping, path, workers=workers).unused_rules
+        done = gather(port, mapping, path, workers=workers)  # refuses a gather of nothing
+        warnings += done.unused_rules + done.notes
     with open_trace(path, verify=port.verify and not fresh) as trace:  # fresh: checked as read
         yield trace, warnings
 

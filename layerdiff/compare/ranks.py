@@ -228,14 +228,7 @@ def _mapping(given: str | os.PathLike | Mapping | None, rank0: Trace) -> Mapping
         return given
     if given is not None:
         return Mapping.load(given)
-    weights = rank0.meta.get("weights")
-    recorded = weights.get("mapping") if isinstance(weights, dict) else None
-    if recorded:
-        mapping = Mapping.from_text(recorded["text"], recorded["name"],
-                                    recorded_in=f"{rank0.path.name}'s rank files")
-        mapping.origin = f"recorded in {rank0.path.name}'s rank files at capture"
-        return mapping
-    return Mapping()
+    return Mapping.recorded(rank0.meta, f"{rank0.path.name}'s rank files") or Mapping()
 
 
 class _Comparer:

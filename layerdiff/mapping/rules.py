@@ -166,7 +166,33 @@ class Mapping:
         Python's regular expressions backtrack, and a crafted one can take hours on one name.
         Globs are matched in linear time and stay. The user who trusts the file passes it with
         ``--map`` (:meth:`load`), which runs its code and regular expressions."""
-        return _load(ConfigFile.parse(Path(name), text, MappingError), recorded_in=recorded_in)
+        try:
+            return _load(ConfigFile.parse(Path(name), text, MappingError),
+                         recorded_in=recorded_in)
+        except MappingError as exc:
+            if recorded_in in str(exc):  # a refusal of what a trace may not run names it
+                raise
+            raise MappingError(f"{recorded_in} recorded a mapping at capture that cannot be "
+                               f"read: {exc} (a mapping file given with --map FILE overrides "
+                               "the recorded one)") from None
+
+    @classmethod
+    def recorded(cls, meta: dict, recorded_in: str) -> Mapping | None:
+        """The mapping a trace's capture recorded (``capture --weights-from --map`` keeps the
+        file's text in the meta), read as :meth:`from_text` reads it; None when there is
+        none. ``recorded_in`` names the trace (or rank files) in what is said of it."""
+        weights = meta.get("weights")
+        recorded = weights.get("mapping") if isinstance(weights, dict) else None
+        if not recorded:
+            return None
+        if not isinstance(recorded, dict) or not all(
+                isinstance(recorded.get(key), str) for key in ("text", "name")):
+            raise MappingError(f"{recorded_in} recorded a mapping at capture that cannot be "
+                               "read: its meta weights.mapping needs 'name' and 'text' strings "
+                               "(a mapping file given with --map FILE overrides it)")
+        mapping = cls.from_text(recorded["text"], recorded["name"], recorded_in=recorded_in)
+        mapping.origin = f"recorded in {recorded_in} at capture"
+        return mapping
 
     @property
     def name(self) -> str:

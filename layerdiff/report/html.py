@@ -50,6 +50,7 @@ COLOURS = {
     Verdict.WITHIN: "#2ca02c",
     Verdict.MODULE_WITHIN: "#98df8a",
     Verdict.IDENTICAL: "#9a9a9a",
+    Verdict.SAME_DIGEST: "#b4b4b4",
 }
 LABELS = {
     Status.ORIGIN: "origin",
@@ -60,6 +61,7 @@ LABELS = {
     Verdict.WITHIN: "within tolerance",
     Verdict.MODULE_WITHIN: "op differs, its module within",
     Verdict.IDENTICAL: "identical",
+    Verdict.SAME_DIGEST: "same digest (bytes not compared)",
 }
 
 FAILING_COLUMNS = [Column.SITE, Column.PASS, Column.ROLE, Column.ARG, Column.STEP, Column.RATIO,
@@ -170,6 +172,11 @@ def error_section(diff: Diff) -> str:
                "tolerance (ratio 1). ▼ on the bottom edge: identical (ratio 0); ▲ on the top "
                "edge: not finite or shapes differ. The backward panel is in backward execution "
                "order.")
+    digests = int((diff.rows[Column.VERDICT] == Verdict.SAME_DIGEST).sum())
+    if digests:
+        caption += (f" {digests:,} records agree by their digests alone (same digest: bytes not "
+                    "compared, since a side holds no data or --no-verify read none): equal "
+                    "against any accidental change, not against a deliberate one.")
     return head + page.figure(png, f"error over tolerance per site, step {step}", caption)
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pandas as pd
 
-from layerdiff.compare.judge import Status
+from layerdiff.compare.judge import Status, Verdict
 from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
 from layerdiff.report.findings.diff import describe_origin
@@ -22,7 +22,7 @@ MAX_SITES = 40
 # (column, width, align); width 0 takes what the others leave.
 COLUMNS = [("step", 4, "r"), ("pass", 4, "l"), ("site", 0, "l"), ("role", 11, "l"),
            ("arg", 6, "l"), ("ratio", 9, "r"), ("max_abs", 9, "r"), ("cosine", 9, "r"),
-           ("status", 10, "l")]
+           ("status", 11, "l")]  # 'same-digest' whole
 
 
 @printable
@@ -195,6 +195,13 @@ def _summary(diff: Diff, width: int) -> list[str]:
                      "port gradients rescaled to the reference's")
     if meta.get("summary"):
         lines.append("summary trace: statistics compared, not tensors")
+    digests = int((rows[Column.VERDICT] == Verdict.SAME_DIGEST).sum()) if len(rows) else 0
+    if digests:
+        lines += textwrap.wrap(
+            f"digests   {digests:,} records agree by their digests alone, bytes not compared "
+            "(a side holds no data, or --no-verify read none): equal against any accidental "
+            "change, not against a deliberate one", width, subsequent_indent=" " * 10,
+            break_on_hyphens=False)
     if meta.get("baseline"):
         lines.append(f"baseline  {meta['baseline']['trace']}: each record may have "
                      f"{meta['baseline']['factor']:g}x the baseline's error + its dtype's rtol")

@@ -7,6 +7,13 @@ the mapping covers is the ranks' parts joined along the rule's dim (rank order),
 record is rank 0's copy, the sites table and execution order are rank 0's. Everything that
 reads one trace (the diff, its origins and hints, reports, ``show``) then works unchanged.
 
+The rules are the mapping given, else the one the capture recorded in the rank files
+(``--weights-from --map``), as the diff takes them. When no rule cuts any record, the rank files
+decide: if every record is the same on every rank (shape, dtype, digest), the world replicated
+everything and rank 0's copies are the whole tensors; if one differs, it is cut across ranks
+(or the replicas diverged) and gather refuses, naming it and the ``[[shard]]`` rule to write,
+rather than write rank 0's parts under the whole model's names.
+
 Summary rank files hold no tensors: a gathered summary record's statistics are combined from
 the parts' (min of mins, counts added, mean and spread from the parts' sums), with no digest.
 Which records a rule cut is kept in the meta (``gathered``), so a report can name the rank whose
@@ -39,7 +46,7 @@ from layerdiff.trace.stats import Stats, tensor_stats
 from layerdiff.trace.verify import describe
 
 PRODUCER = "layerdiff.gather"
-GATHER_VERSION = 1  # raise when a gathered trace's contents change: kept ones are then redone
+GATHER_VERSION = 2  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
 _KEY = ["step", "pass", "site", "role", "arg"]
@@ -55,6 +62,8 @@ class Gathered:
     records: int
     sharded: int
     unused_rules: list[str] = field(default_factory=list)  # rules that cut no record
+    mapping: str = "no mapping"  # where the rules came from
+    notes: list[str] = field(default_factory=list)  # what the user should know (one line each)
 
 
 def gather_key(manifest: Trace, mapping: Mapping) -> str:
@@ -85,27 +94,37 @@ def up_to_date(path: Path, key: str) -> bool:
         return False
 
 
-def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | os.PathLike, *,
-           progress: Progress | None = None, workers: int | None = None) -> Gathered:
+def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
+           output: str | os.PathLike, *, progress: Progress | None = None,
+           workers: int | None = None) -> Gathered:
     """Write the one-process view of the multi-rank capture ``manifest`` at ``output``.
+
+    ``mapping`` None takes the mapping the capture recorded in the rank files (``capture
+    --weights-from --map``), else none. When no ``[[shard]]`` rule cuts any record and a record
+    differs across ranks (shape, dtype or digest), raises :class:`TraceError` naming it and the
+    rule to write; when none differs, every record is replicated and the trace is rank 0's
+    (said in ``notes``).
 
     ``workers`` processes (default: every core but this one) check the rank files' bytes against
     digests and statistics while this process joins and writes, when there is enough data to
     pay for starting them (:data:`PARALLEL_MIN_BYTES`). Raises :class:`TraceError` naming the
     rank, the record and the rule when the ranks' parts cannot be joined (a record missing on
     a rank, parts of other shapes or dtypes), or a rank file's bytes are damaged."""
-    with _opened(manifest, mapping) as (ranks, key), _Checks(workers) as checks:
+    notes: list[str] = []
+    source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
+    with _opened(manifest, mapping) as (ranks, key, mapping), _Checks(workers) as checks:
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
         rules = [_rule(mapping, modules, row) for row in index.itertuples(index=False)]
         cut = [i for i, rule in enumerate(rules) if rule is not None]
         lookups = [_lookup(rank.index) for rank in ranks]
+        if not cut and len(ranks) > 1:
+            notes.append(_all_replicated(ranks, index, lookups, modules, mapping, source))
         checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
         meta = dict(first.meta)
         for name in ("rank", "manifest"):
             meta.pop(name, None)
-        source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
         meta["gathered"] = {
             "manifest": str(source), "world_size": len(ranks), "mapping": mapping.name,
             "rules": [rule.describe() for rule in mapping.shard_rules],
@@ -136,7 +155,90 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping, output: str | 
     unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
               "module paths) and tensor name"
               for rule in mapping.shard_rules if id(rule) not in used]
-    return Gathered(Path(path), len(ranks), len(index), len(cut), unused)
+    return Gathered(Path(path), len(ranks), len(index), len(cut), unused,
+                    _mapping_name(mapping), notes)
+
+
+def _mapping_name(mapping: Mapping) -> str:
+    return f"{mapping.name} ({mapping.origin})" if mapping.origin else mapping.name
+
+
+def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[tuple, int]],
+                    modules: dict[str, str], mapping: Mapping, source: Path) -> str:
+    """What to say of a world whose records no rule cut: every record the same on every rank
+    (shape, dtype, and digest, or bytes where there is none): all replicated, rank 0's copies
+    are the whole tensors. Raises TraceError naming the first record that differs: cut across
+    ranks (or diverged), it would be gathered as rank 0's part under the whole's name."""
+    rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]  # ~100 us a .iloc
+    for row in index.to_dict("records"):
+        if row["kind"] != "tensor":
+            continue
+        key = (int(row["step"]), row["pass"], row["site"], row["role"], row["arg"])
+        for rank in range(1, len(ranks)):
+            position = lookups[rank].get(key)
+            if position is None:
+                continue  # no evidence of a cut: a record missing on a rank stays rank 0's
+            other = rows[rank][position]
+            how = _differs(ranks[0], row, ranks[rank], other, rank)
+            if how:
+                raise TraceError(_unjoined(row, other, how, modules, mapping, source))
+    return (f"every record of {source} is the same on all {len(ranks)} ranks (shape, dtype, "
+            "digest): nothing is cut across ranks, and the gathered trace is rank 0's copies, "
+            "which are the whole tensors")
+
+
+def _differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
+             rank: int) -> str:
+    """How rank ``rank``'s copy of a record differs from rank 0's, or ''."""
+    if other["shape"] != row["shape"]:
+        return f"shape ({row['shape']}) on rank 0, ({other['shape']}) on rank {rank}"
+    if other["dtype"] != row["dtype"]:
+        return f"{row['dtype']} on rank 0, {other['dtype']} on rank {rank}"
+    if (row["digest"] and other["digest"]
+            and first.digest_algorithm == trace.digest_algorithm):
+        same = row["digest"] == other["digest"]
+    elif row["segment"] >= 0 and other["segment"] >= 0:
+        same = np.array_equal(first.read(pd.Series(row), raw=True).reshape(-1).view(np.uint8),
+                              trace.read(pd.Series(other), raw=True).reshape(-1).view(
+                                  np.uint8))
+    else:  # summaries without digests: their statistics
+        same = all(_same_number(row[c], other[c]) for c in _STAT_COLUMNS if c != "digest")
+    return "" if same else f"its values differ on rank {rank}"
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float)
+                            and math.isnan(a) and math.isnan(b))
+
+
+def _unjoined(row: dict[str, Any], other: dict[str, Any], how: str, modules: dict[str, str],
+              mapping: Mapping, source: Path) -> str:
+    """The refusal of a gather that would join nothing: the record, and the rule to write."""
+    module = modules.get(row["site"]) or schema.split_site(row["site"])[0]
+    role, arg = row["role"], row["arg"]
+    if role in ("weight", "weight_grad"):
+        tensor = arg
+    else:
+        side = "input" if role in ("input", "grad_input") else "output"
+        tensor = side if arg == "0" else f"{side}.{arg}"
+    shapes = schema.parse_shape(row["shape"]), schema.parse_shape(other["shape"])
+    apart = [axis for axis, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b] if len(
+        shapes[0]) == len(shapes[1]) else []
+    known = len(apart) == 1  # the parts' shapes differ along one axis: the cut's
+    if mapping.shard_rules:
+        rules = f"no [[shard]] rule of {_mapping_name(mapping)} cuts any record"
+    elif mapping.path is not None:
+        rules = f"{_mapping_name(mapping)} has no [[shard]] rules"
+    else:
+        rules = "no mapping gives [[shard]] rules (none given with --map, none recorded " \
+                "at capture)"
+    return (f"{source}: {rules}, but {describe(row)} differs across ranks ({how}): it is cut "
+            f"across them (or the replicas diverged: `layerdiff ranks {source}` tells), and a "
+            "gathered trace would hold rank 0's part under the whole model's name; write a "
+            "rule for it in a mapping file "
+            f"([[shard]] site = \"{module}\", tensor = \"{tensor}\", "
+            + (f"dim = {apart[0]}" if known else "dim = D: the axis it is cut along")
+            + ") and pass it with --map FILE (docs/distributed.md)")
 
 
 PARALLEL_MIN_BYTES = 256 << 20  # below, starting worker processes costs more than it saves
@@ -208,12 +310,12 @@ def _check_records(path: str, positions: list[int]) -> None:
 class _opened:
     """The rank files of a manifest, open (given as a path or an open manifest trace)."""
 
-    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping) -> None:
+    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping | None) -> None:
         self.manifest = manifest
         self.traces: list[Trace] = []
         self.mapping = mapping
 
-    def __enter__(self) -> tuple[list[Trace], str]:
+    def __enter__(self) -> tuple[list[Trace], str, Mapping]:
         given = self.manifest
         trace = given if isinstance(given, Trace) else open_trace(given)
         try:
@@ -221,11 +323,17 @@ class _opened:
                 raise TraceError(f"{trace.path} is a one-process trace, not the manifest of a "
                                  "multi-rank capture; there is nothing to gather")
             self.traces = [open_trace(path, verify=trace.verify) for path in trace.rank_paths]
+            if self.mapping is None:  # the diff's choice: the mapping the capture recorded
+                self.mapping = Mapping.recorded(
+                    self.traces[0].meta, f"{trace.path.name}'s rank files") or Mapping()
             key = gather_key(trace, self.mapping)
+        except BaseException:
+            self.__exit__()
+            raise
         finally:
             if not isinstance(given, Trace):
                 trace.close()
-        return self.traces, key
+        return self.traces, key, self.mapping
 
     def __exit__(self, *exc: object) -> None:
         for trace in self.traces:

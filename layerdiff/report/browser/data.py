@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare.judge import Verdict
+from layerdiff.compare.judge import UNCHANGED
 from layerdiff.compare.result import Column, Diff
 from layerdiff.errors import TraceError
 from layerdiff.trace import digest, schema
@@ -394,10 +394,10 @@ def batch_errors(diff: Diff, step: int) -> BatchErrors | None:
     measured = [r is not None and len(r) > 0 for r in rows[Column.BATCH_RATIO]]
     if not any(measured):
         return None
-    # Identical records (same digest) are never read, so they have no batch_ratio: each of
-    # their batch elements is exactly right.
+    # Identical records (same bytes, or the same digest) are not compared element by element,
+    # so they have no batch_ratio: each of their batch elements is exactly right.
     batch_ratio = [r if ok else (np.zeros(schema.parse_shape(shape)[0])
-                                 if verdict == Verdict.IDENTICAL
+                                 if verdict in UNCHANGED
                                  and len(schema.parse_shape(shape)) >= 2 else None)
                    for r, ok, shape, verdict in zip(rows[Column.BATCH_RATIO], measured,
                                                     rows[Column.SHAPE], rows[Column.VERDICT],

@@ -8,7 +8,7 @@ from html import escape
 import numpy as np
 
 from layerdiff.ci.check import CheckOutcome, CheckResult
-from layerdiff.compare.judge import Verdict
+from layerdiff.compare.judge import UNCHANGED, Verdict
 from layerdiff.compare.result import Column, Diff, Origin
 
 NOTEBOOK_ROWS = 20     # failing rows a notebook shows (.failing() has them all)
@@ -61,10 +61,16 @@ def check_line(result: CheckResult) -> str:
     (the origin)."""
     rows = result.diff.rows
     if result.outcome == CheckOutcome.IDENTICAL:
-        return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
-                f"{result.golden.name}")
+        digests = int((rows[Column.VERDICT] == Verdict.SAME_DIGEST).sum())
+        if not digests:
+            return (f"IDENTICAL  {result.case}: all {len(rows):,} records bit for bit as in "
+                    f"{result.golden.name}")
+        how = "all" if digests == len(rows) else f"{digests:,} of the {len(rows):,}"
+        return (f"IDENTICAL  {result.case}: all {len(rows):,} records unchanged from "
+                f"{result.golden.name}; {how} by their digests alone (no data to compare "
+                "bytes: a digest catches any accidental change, not a deliberate one)")
     if result.outcome == CheckOutcome.DRIFT:
-        changed = rows[rows[Column.VERDICT] != Verdict.IDENTICAL]
+        changed = rows[~rows[Column.VERDICT].isin(UNCHANGED)]
         worst = changed.loc[changed[Column.RATIO].fillna(0).idxmax()]
         return (f"DRIFT  {result.case}: {len(changed):,} of {len(rows):,} records changed, "
                 f"within tolerance; the most at {worst['site']} {worst['role']} "
