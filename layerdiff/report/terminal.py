@@ -357,7 +357,8 @@ def format_swap(result, width: int = WIDTH) -> str:
 
 @printable
 def format_bisect(result, width: int = WIDTH) -> str:
-    """A bisection's conclusion, and the layers it could not try."""
+    """A bisection's conclusion, the layers it could not judge (apart: never culprits), and
+    whether the search was complete."""
     outcome = str(result.outcome)
     if outcome == "culprits":
         names = ", ".join(port for _, port in result.culprits)
@@ -368,13 +369,24 @@ def format_bisect(result, width: int = WIDTH) -> str:
                 "swapped in, the reference stays within tolerance")
     elif result.reproduced:
         text = ("cannot conclude: the whole port swapped in breaks the reference, but no "
-                "smaller set of the layers that could be tried does")
+                "smaller set of the layers that could be judged does")
     else:
         text = ("cannot conclude: the port swapped in stays within tolerance, but some of its "
-                "layers could not be tried")
+                "layers could not be judged")
     lines = textwrap.wrap(text, width, subsequent_indent="  ")
-    for layer, why in result.not_swapped:
-        lines += _reason(f"not tried {layer}: {why}", width)
+    if result.cannot_judge:
+        lines += ["", "cannot judge (never a culprit):"]
+    for entry in result.cannot_judge:
+        names = " + ".join(entry.layers)
+        covered = (f" [judged inside {entry.covered_by}]" if entry.covered_by else "")
+        lines += _reason(f"{names}{covered}: {entry.why}", width)
+    if result.cannot_judge:
+        uncovered = [" + ".join(e.layers) for e in result.cannot_judge if not e.covered_by]
+        lines += [""] + textwrap.wrap(
+            "search complete: each layer that could not be judged is inside a container "
+            "judged in its place" if not uncovered else
+            f"search incomplete: {', '.join(uncovered)} could not be judged, alone or inside "
+            "a container judged in its place", width, subsequent_indent="  ")
     return "\n".join(lines)
 
 
