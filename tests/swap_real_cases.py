@@ -242,7 +242,7 @@ class PortEncoder(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.conv1(features))
         x = F.gelu(self.conv2(x)).transpose(1, 2)
-        x = x + self.embed_positions.weight[: x.shape[1]]
+        x = x + self.embed_positions(torch.arange(x.shape[1], device=x.device))
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)
@@ -377,7 +377,7 @@ class WhisperPortEncoder(nn.Module):
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
-        x = x + self.embed_positions.weight
+        x = x + self.embed_positions(torch.arange(W_POSITIONS, device=x.device))
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)

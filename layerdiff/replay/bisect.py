@@ -128,8 +128,9 @@ def bisect(swapper: Swapper, *, granularity: str = "auto",
                         "mapping file (--map)")
     search = _Search(swapper, on_probe)
     result = BisectResult(everything, probes=search.probes, cannot_judge=search.cannot_judge)
-    if not search.breaks(everything):
-        result.reproduced = False
+    whole = search.breaks(everything)
+    result.reproduced = whole is True
+    if whole is False:
         search.cover([])
         return result
     if granularity == "all":
@@ -229,7 +230,11 @@ class _Search:
 
     def cover(self, culprits: list[str]) -> None:
         """Each layer that could not be judged is covered by the innermost container around
-        it that was judged in a probe within tolerance, or that is a culprit."""
+        it that was judged in a probe within tolerance, or that is a culprit. Of the sets that
+        raised only whole, the smallest are kept (a set holding one of them says no more)."""
+        sets = [frozenset(c.reference) for c in self.cannot_judge]
+        self.cannot_judge[:] = [c for c, mine in zip(self.cannot_judge, sets, strict=True)
+                                if not any(other < mine for other in sets)]
         within = {m for p in self.probes if p.outcome == SwapOutcome.WITHIN for m in p.reference}
         judged = within | set(culprits)
         for entry in self.cannot_judge:
@@ -242,15 +247,19 @@ class _Search:
         """The culprits among ``candidates``, or [] when swapping all of them does not break
         the reference."""
         candidates = [m for m in candidates if m not in self._aside]
-        if not candidates or not self.breaks(candidates):
+        # unknown (the set raises only whole) is searched: its parts may be judged
+        if not candidates or self.breaks(candidates) is False:
             return []
         found = self._innermost(self._halve(candidates, []), candidates)
         while True:  # the rest: neither a culprit nor inside or around one (the same bug)
             rest = [m for m in candidates if m not in self._aside
                     and not any(_related(m, f) for f in found)]
-            if not rest or not self.breaks(rest):
+            if not rest or self.breaks(rest) is False:
                 return found
-            found += self._innermost(self._halve(rest, []), candidates)
+            more = self._innermost(self._halve(rest, []), candidates)
+            if not more:  # unknown, and no part of it breaks alone
+                return found
+            found += more
 
     def _halve(self, items: list[str], base: list[str]) -> list[str]:
         items = [m for m in items if m not in self._aside]

@@ -371,8 +371,8 @@ def format_bisect(result, width: int = WIDTH) -> str:
         text = ("cannot conclude: the whole port swapped in breaks the reference, but no "
                 "smaller set of the layers that could be judged does")
     else:
-        text = ("cannot conclude: the port swapped in stays within tolerance, but some of its "
-                "layers could not be judged")
+        text = ("cannot conclude: some of the port's layers could not be judged (below), and "
+                "no set of the others swapped in breaks the reference")
     lines = textwrap.wrap(text, width, subsequent_indent="  ")
     if result.cannot_judge:
         lines += ["", "cannot judge (never a culprit):"]
