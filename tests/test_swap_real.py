@@ -151,6 +151,7 @@ def test_a_stand_in_answers_from_the_port_layer_then_the_replaced_module():
     assert adapter.layer == "the reference's own 'layer'"  # not the adapter's own state
     assert adapter.weight is port.weight                # the port's trained parameter
     assert adapter.training and not adapter.eval().training  # the stand-in's own mode
+    assert not _adapter(_Norm(), nn.LayerNorm(4).eval()).training  # the replaced one's first
     assert not isinstance(adapter, nn.LayerNorm)        # documented: no dynamic subclass
     assert dict(adapter.named_parameters()) == {"wrapped.weight": port.weight}
 

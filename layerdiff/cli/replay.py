@@ -131,9 +131,9 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
             names = ", ".join(probe.swapped)
             line = f"probe {number:>3}  {probe.outcome:<12}  {names}"
             click.echo(line if len(line) <= 100 else line[:96] + " ...")
-            if probe.outcome == "cannot-judge":  # why, in one line, under it
-                why = f"           {probe.summary}"
-                click.echo(why if len(why) <= 160 else why[:156] + " ...")
+            if probe.why:  # cannot judge: why, in one line, under it
+                why = f"           {probe.why}"
+                click.echo(why if len(why) <= 100 else why[:96] + " ...")
 
     result = bisect(swapper, granularity=granularity, on_probe=show)
     finish(result, lambda: "\n" + format_bisect(result), json_path=json_path)

@@ -122,7 +122,10 @@ class StandIn(nn.Module):
 
     Its own state is kept under names that start with ``_`` (a host's code reading
     ``self.encoder.layer`` or ``self.attn.name`` must not get the adapter's); ``training`` is the
-    stand-in's own, set by the host's ``train()``/``eval()`` like any child's."""
+    stand-in's own: the replaced module's when it goes in (the layer inside too), then set by
+    the host's ``train()``/``eval()`` like any child's. ``isinstance`` checks of the host's
+    code see a stand-in, not the replaced module's class: a dynamic subclass of that class
+    would run its ``__init__``-less methods and hooks on the stand-in, so none is made."""
 
     _host_name: str
 
@@ -130,6 +133,8 @@ class StandIn(nn.Module):
         object.__setattr__(self, "_host_name", name)
         # not a child: its parameters are neither trained nor counted; it only answers reads
         object.__setattr__(self, "_replaced", replaced)
+        if replaced is not None:  # in the mode of the module it replaces (a host in eval)
+            self.train(replaced.training)
 
     def _inner(self) -> Any:
         """What the stand-in runs (a module, or a numpy layer): asked first."""

@@ -51,6 +51,7 @@ class Probe:
     outcome: SwapOutcome
     summary: str
     reference: list[str] = field(default_factory=list)  # the reference modules replaced
+    why: str = ""           # cannot judge: the reason, in one line
 
     @property
     def breaks(self) -> bool:
@@ -111,7 +112,8 @@ class BisectResult:
                 "not_swapped": [{"port": p, "why": why} for p, why in self.not_swapped],
                 "candidates": self.candidates,
                 "probes": [{"swapped": p.swapped, "outcome": str(p.outcome),
-                            "breaks": p.breaks, "summary": p.summary} for p in self.probes]}
+                            "breaks": p.breaks, "summary": p.summary, "why": p.why or None}
+                           for p in self.probes]}
 
 
 def bisect(swapper: Swapper, *, granularity: str = "auto",
@@ -216,8 +218,10 @@ class _Search:
 
     def _record(self, modules: list[str], outcome: Any) -> None:
         swapped = [m for m, _ in outcome.swapped]
+        why = outcome.raised or "; ".join(f"{layer}: {reason}"
+                                          for layer, reason in outcome.not_swapped)
         probe = Probe([self.swapper.pairs[m][0] for m in swapped], outcome.outcome,
-                      outcome.describe(), swapped)
+                      outcome.describe(), swapped, why)
         self.probes.append(probe)
         if self.on_probe is not None:
             self.on_probe(len(self.probes), probe)
