@@ -404,3 +404,183 @@ def whisper_port_bug() -> Case:
     # tiny random init, std 0.02, leaves attention scores near 0: an unscaled score hides)
     case.model.encoder.layers[1].approximate = "tanh"
     return dataclasses.replace(case, name="tests.swap_real_cases:whisper_port_bug")
+
+
+# ---- transformers' own Mixtral (a sparse MoE causal LM), and a port of it written here
+M_VOCAB, M_DIM, M_HEADS, M_KV, M_LAYERS, M_FFN, M_EXPERTS, M_TOP_K, M_LENGTH = (
+    32, 16, 4, 2, 2, 24, 4, 2, 8)
+M_HEAD_DIM, M_THETA, M_EPS = M_DIM // M_HEADS, 10000.0, 1e-6
+
+
+def _scaled_init(model: nn.Module) -> None:
+    """Weights of a trained model's scale (HF's std 0.02 leaves every value below float32's
+    absolute tolerance, where no bug shows)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            elif "norm" not in name:
+                param.normal_(0.0, 0.1)
+
+
+def _lm_case(model: nn.Module, name: str) -> Case:
+    seed_everything(SEED + 1)
+    tokens = torch.randint(M_VOCAB, (BATCH, M_LENGTH + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(output: Any) -> torch.Tensor:
+        logits = output if torch.is_tensor(output) else output.logits
+        return F.cross_entropy(logits.reshape(-1, M_VOCAB), targets.reshape(-1))
+
+    return Case(model=model, inputs=(inputs,), loss_fn=loss_fn, seed=SEED, steps=1,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                name=f"tests.swap_real_cases:{name}")
+
+
+def mixtral_reference() -> Case:
+    """``MixtralForCausalLM`` (transformers 5.x, eager attention, grouped-query, random
+    weights): its sparse MoE block takes ``_, top_k_weights, top_k_index = self.gate(h)`` and
+    hands them to its experts, which one-hot the index."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=M_VOCAB, hidden_size=M_DIM, intermediate_size=M_FFN,
+                           num_hidden_layers=M_LAYERS, num_attention_heads=M_HEADS,
+                           num_key_value_heads=M_KV, num_local_experts=M_EXPERTS,
+                           num_experts_per_tok=M_TOP_K, max_position_embeddings=64,
+                           rms_norm_eps=M_EPS, rope_theta=M_THETA, tie_word_embeddings=False,
+                           pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"
+    seed_everything(SEED)
+    model = MixtralForCausalLM(config)
+    _scaled_init(model)
+    return _lm_case(model, "mixtral_reference")
+
+
+class MixNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(M_DIM))
+        self.eps = M_EPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class MixAttention(nn.Module):
+    """Its own rotary tables and causal mask: it takes the hidden states alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(M_DIM, M_HEADS * M_HEAD_DIM, bias=False)
+        self.k_proj = nn.Linear(M_DIM, M_KV * M_HEAD_DIM, bias=False)
+        self.v_proj = nn.Linear(M_DIM, M_KV * M_HEAD_DIM, bias=False)
+        self.o_proj = nn.Linear(M_HEADS * M_HEAD_DIM, M_DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, M_HEADS, M_HEAD_DIM).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, M_KV, M_HEAD_DIM).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, M_KV, M_HEAD_DIM).transpose(1, 2)
+        inverse = M_THETA ** -(torch.arange(0, M_HEAD_DIM, 2, device=x.device).float()
+                               / M_HEAD_DIM)
+        angles = torch.outer(torch.arange(t, device=x.device).float(), inverse).repeat(1, 2)
+        cos, sin = angles.cos(), angles.sin()
+
+        def rotate(u: torch.Tensor) -> torch.Tensor:
+            first, second = u.chunk(2, dim=-1)
+            return u * cos + torch.cat([-second, first], dim=-1) * sin
+
+        q, k = rotate(q), rotate(k)
+        k, v = (u.repeat_interleave(M_HEADS // M_KV, dim=1) for u in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, M_DIM))
+
+
+class MixRouter(nn.Module):
+    """The router's logits alone: the port's MoE block chooses the experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(M_EXPERTS, M_DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+class MixExperts(nn.Module):
+    """Every expert on every token, weighted by a dense gate (0 for the experts not chosen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(M_EXPERTS, 2 * M_FFN, M_DIM))
+        self.down_proj = nn.Parameter(torch.zeros(M_EXPERTS, M_DIM, M_FFN))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        gates = torch.zeros(x.shape[0], M_EXPERTS, dtype=x.dtype, device=x.device).scatter(
+            -1, top_k_index, top_k_weights.to(x.dtype))
+        gate, up = torch.einsum("nd,efd->nef", x, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("nef,edf->ned", F.silu(gate) * up, self.down_proj)
+        return (out * gates.unsqueeze(-1)).sum(dim=1)
+
+
+class MixMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = MixRouter()
+        self.experts = MixExperts()
+        self.renormalise = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, M_DIM)
+        weights, chosen = self.gate(flat).float().softmax(-1).topk(M_TOP_K, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(flat, chosen, weights).view_as(x)
+
+
+class MixLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = MixAttention()
+        self.mlp = MixMoE()
+        self.input_layernorm = MixNorm()
+        self.post_attention_layernorm = MixNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MixModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(M_VOCAB, M_DIM, padding_idx=0)  # as Mixtral: no gradient
+        self.layers = nn.ModuleList(MixLayer() for _ in range(M_LAYERS))
+        self.norm = MixNorm()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class MixPort(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = MixModel()
+        self.lm_head = nn.Linear(M_DIM, M_VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+
+def mixtral_port() -> Case:
+    return _lm_case(_model(MixPort), "mixtral_port")
+
+
+def mixtral_port_bug() -> Case:
+    case = mixtral_port()
+    case.model.model.layers[1].mlp.renormalise = False  # BUG: top-k weights not renormalised
+    return dataclasses.replace(case, name="tests.swap_real_cases:mixtral_port_bug")

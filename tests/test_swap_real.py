@@ -123,6 +123,33 @@ def test_whisper_layers_its_encoder_reads_swap_in(site):
     assert result.outcome == SwapOutcome.WITHIN, result.describe()
 
 
+# ---- transformers' own Mixtral against a port written in tests/: its gate returns logits alone
+GATE0, GATE1 = "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"
+
+
+def test_mixtral_faithful_port_finds_nothing_and_the_moe_bug_is_named_not_the_gates():
+    """On the original adapter bisect named both gates for the faithful port and for the bug
+    alike, and set the experts aside for raising on the None the gates did not return."""
+    clean = bisect(Swapper(cases.mixtral_reference, cases.mixtral_port))
+    assert clean.outcome == BisectOutcome.NOTHING_TO_FIND, clean.probes
+    buggy = bisect(Swapper(cases.mixtral_reference, cases.mixtral_port_bug))
+    assert [port for _, port in buggy.culprits] == ["model.layers.1.mlp"], buggy.probes
+    assert [c.layers for c in buggy.cannot_judge] == [[GATE0], [GATE1]]  # not the experts
+    assert buggy.complete and all("(output 1..)" in c.why for c in buggy.cannot_judge)
+
+
+def test_a_layer_that_raises_on_what_another_did_not_return_is_not_blamed():
+    """The port's experts raise on the None the port's gate left for the reference's block to
+    pass on: the run cannot be judged, and the gate is the suspect, not the experts."""
+    result = swap(cases.mixtral_reference, cases.mixtral_port,
+                  [GATE0, "model.layers.0.mlp.experts"])
+    assert result.outcome == SwapOutcome.CANNOT_JUDGE and not result.not_swapped
+    assert result.suspects == [GATE0]
+    assert result.raised.startswith("layer model.layers.0.mlp.experts: MixExperts.forward")
+    alone = swap(cases.mixtral_reference, cases.mixtral_port, ["model.layers.0.mlp.experts"])
+    assert alone.outcome == SwapOutcome.WITHIN, alone.describe()
+
+
 # ---- what a stand-in answers
 class _Norm(nn.Module):
     def __init__(self, dtype=torch.float32) -> None:

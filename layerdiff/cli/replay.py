@@ -118,7 +118,7 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
     (listed apart: never a culprit); 2 for bad input.
     """
     from layerdiff.replay import Swapper, bisect
-    from layerdiff.report.terminal import format_bisect
+    from layerdiff.report.terminal import format_bisect, format_probe
 
     refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
                                           "baseline trace": baseline})
@@ -128,12 +128,7 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
 
     def show(number: int, probe) -> None:
         if not quiet:
-            names = ", ".join(probe.swapped)
-            line = f"probe {number:>3}  {probe.outcome:<12}  {names}"
-            click.echo(line if len(line) <= 100 else line[:96] + " ...")
-            if probe.why:  # cannot judge: why, in one line, under it
-                why = f"           {probe.why}"
-                click.echo(why if len(why) <= 100 else why[:96] + " ...")
+            click.echo(format_probe(number, probe))
 
     result = bisect(swapper, granularity=granularity, on_probe=show)
     finish(result, lambda: "\n" + format_bisect(result), json_path=json_path)

@@ -288,15 +288,18 @@ class Swapper:
             host_run = run_case(host, steps=steps)
         except Exception as exc:  # nothing ran to the end to judge: the swap cannot judge
             blamed = _blamed(exc)
-            if blamed is not None:  # a swapped layer could not be called, or lacks what is read
-                module, why = blamed
+            fewer = [adapter.host_name for _, adapter in adapters if _returned_fewer(adapter)]
+            # a layer that raised on what another swapped layer did not return (None) is not
+            # the one to blame for sure: then the run, not the layer, cannot be judged
+            doubt = blamed is not None and blamed[2] and any(m != blamed[0] for m in fewer)
+            if blamed is not None and not doubt:  # could not be called, or lacks what is read
+                module, why, _ = blamed
                 result.not_swapped.append((self._layer_name(module, into), why))
                 return result
-            if isinstance(exc, DiffError):
+            if blamed is None and isinstance(exc, DiffError):
                 raise  # bad input (steps, a mapping's conversion), said as such
-            why = _run_raised(exc, adapters, into)
-            result.suspects = [self._layer_name(adapter.host_name, into)
-                               for _, adapter in adapters if _returned_fewer(adapter)]
+            why = _run_raised(exc, adapters, into, blamed)
+            result.suspects = [self._layer_name(module, into) for module in fewer]
             if len(swapped) == 1:  # one layer in: it is the one that cannot be judged
                 result.not_swapped.append((swapped[0][1], why))
             else:  # which of them: bisect splits the set to find out
@@ -550,29 +553,33 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
     return list(order), outputs
 
 
-def _blamed(exc: BaseException) -> tuple[str, str] | None:
-    """(host module, why) when ``exc`` or what it was raised from names a swapped layer: one
-    that could not be called or raised in its own call, or lacks an attribute read of it."""
+def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
+    """(host module, why, whether it was the layer's own call) when ``exc`` or what it was
+    raised from names a swapped layer: one that could not be called or raised in its own call
+    (True), or lacks an attribute read of it (False: that is certain)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, LayerCallError):
-            return exc.module, exc.reason
+            return exc.module, exc.reason, True
         if isinstance(exc, SwappedAttributeError):
-            return exc.module, str(exc)
+            return exc.module, str(exc), False
         exc = exc.__cause__ or exc.__context__
     return None
 
 
 def _run_raised(exc: BaseException, adapters: list[tuple[str, nn.Module]],
-                into: SwapDirection) -> str:
+                into: SwapDirection, blamed: tuple[str, str, bool] | None = None) -> str:
     """One line: what the swapped run raised, where in the host's code, and the outputs a
     swapped layer did not return (None stood for them: the usual cause)."""
     host = "reference" if into == SwapDirection.REFERENCE else "port"
-    text = f"the {host}'s code raised {type(exc).__name__}: {one_line(exc)}"
-    where = _where(exc)
-    if where:
-        text += f" ({where})"
+    if blamed is not None:  # a swapped layer raised, maybe on what another did not return
+        text = f"layer {blamed[0]}: {blamed[1]}"
+    else:
+        text = f"the {host}'s code raised {type(exc).__name__}: {one_line(exc)}"
+        where = _where(exc)
+        if where:
+            text += f" ({where})"
     missing = [f"{adapter.host_name} ({arg})" for _, adapter in adapters
                if _returned_fewer(adapter) for arg, why in adapter.dropped if why == NOT_RETURNED]
     if missing:

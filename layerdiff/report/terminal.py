@@ -355,6 +355,17 @@ def format_swap(result, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+def format_probe(number: int, probe, width: int = WIDTH) -> str:
+    """One bisect probe as it runs: its number, outcome and layers, and, when it could not be
+    judged, why, on the line under it (each clipped to the width)."""
+    line = f"probe {number:>3}  {probe.outcome:<12}  {', '.join(probe.swapped)}"
+    lines = [line if len(line) <= width else line[:width - 4] + " ..."]
+    if probe.why:
+        why = f"           {probe.why}"
+        lines.append(why if len(why) <= width else why[:width - 4] + " ...")
+    return "\n".join(lines)
+
+
 @printable
 def format_bisect(result, width: int = WIDTH) -> str:
     """A bisection's conclusion, the layers it could not judge (apart: never culprits), and
