@@ -121,7 +121,9 @@ class StandIn(nn.Module):
     answered by :meth:`stand_in_value`, from the layer inside or else the replaced module.
 
     Its own state is kept under names that start with ``_`` (a host's code reading
-    ``self.encoder.layer`` or ``self.attn.name`` must not get the adapter's); ``training`` is the
+    ``self.encoder.layer`` or ``self.attn.name`` must not get the adapter's; a
+    :class:`LayerAdapter` adds only its child ``wrapped`` and the read-only ``host_name`` and
+    ``dropped``); ``training`` is the
     stand-in's own: the replaced module's when it goes in (the layer inside too), then set by
     the host's ``train()``/``eval()`` like any child's. ``isinstance`` checks of the host's
     code see a stand-in, not the replaced module's class: a dynamic subclass of that class

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import os
 import tempfile
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -283,6 +284,15 @@ class Swapper:
             host, adapters = self._swapped_host(modules, into)
         except LayerCallError as exc:
             result.not_swapped.append((self._layer_name(exc.module, into), exc.reason))
+            return result
+        except DiffError:
+            raise  # bad input: a mapping that does not fit, a host that cannot take layers
+        except Exception as exc:  # putting the layers in failed: nothing to judge
+            why = f"putting the layers in raised {type(exc).__name__}: {one_line(exc)}"
+            if len(swapped) == 1:
+                result.not_swapped.append((swapped[0][1], why))
+            else:
+                result.raised = why
             return result
         try:
             host_run = run_case(host, steps=steps)
@@ -596,8 +606,6 @@ def _returned_fewer(adapter: nn.Module) -> bool:
 def _where(exc: BaseException) -> str:
     """The innermost frame of ``exc``'s traceback outside torch and layerdiff: the model's
     own line ('modeling_whisper.py:712 in forward')."""
-    import traceback
-
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not any(part in Path(f.filename).parts for part in ("torch", "layerdiff"))]
     if not frames:
