@@ -209,6 +209,9 @@ class _Search:
             if len(self._aside) > before:
                 continue
             outer = _outermost(modules)
+            if len(outer) == 1:  # (a swapper names the one layer itself; this one did not)
+                self._set_aside(outer, outcome.raised)
+                continue
             half = len(outer) // 2
             self.breaks(outer[:half])
             self.breaks(outer[half:])
