@@ -180,6 +180,8 @@ def test_a_stand_in_answers_from_the_port_layer_then_the_replaced_module():
     assert adapter.training and not adapter.eval().training  # the stand-in's own mode
     assert not _adapter(_Norm(), nn.LayerNorm(4).eval()).training  # the replaced one's first
     assert not isinstance(adapter, nn.LayerNorm)        # documented: no dynamic subclass
+    assert adapter.bias is replaced.bias                # the port norm has no bias attribute
+    assert _adapter(nn.Linear(4, 4, bias=False), nn.Linear(4, 4)).bias is None  # its answer
     assert dict(adapter.named_parameters()) == {"wrapped.weight": port.weight}
 
 

@@ -154,7 +154,8 @@ class StandIn(nn.Module):
         """An attribute the host's code reads (``stride``, ``num_embeddings``, ``weight``,
         ``config``): the inner layer's where it has one of the same kind as the replaced
         module's (a tensor, a module, or a value of the same type: a port's own config class
-        does not answer for the reference's), else the replaced module's. A tensor both hold
+        does not answer for the reference's; a parameter slot the port leaves None, a bias it
+        does not have, is its answer), else the replaced module's. A tensor both hold
         comes from the inner layer, so what the host computes with it reaches the layer's
         trained parameter; cast to the replaced one's dtype and device where they differ, and
         the replaced module's where their shapes differ (another layout)."""
@@ -172,6 +173,9 @@ class StandIn(nn.Module):
             return theirs
         if theirs is _MISSING:
             return ours
+        if ours is None and isinstance(inner, nn.Module) and (
+                name in inner._parameters or name in inner._buffers):
+            return None  # a tensor slot the port leaves empty (Linear(bias=False)): its answer
         if torch.is_tensor(ours) and torch.is_tensor(theirs):
             if ours.shape != theirs.shape:
                 return theirs
