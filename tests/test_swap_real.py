@@ -289,3 +289,39 @@ def test_a_port_whose_every_probe_raises_cannot_conclude():
     assert result.outcome == BisectOutcome.CANNOT_CONCLUDE and not result.culprits
     assert {m for c in result.cannot_judge for m in c.layers} == {"c", "d", "f", "c.a", "c.b",
                                                                   "c.r", "d.e"}
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.nn.functional.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("the kernel's backward is not written yet")
+
+
+class _ForwardOnlyGELU(nn.Module):
+    def forward(self, x):
+        return _NoBackward.apply(x)
+
+
+def _forward_only_port():
+    from reference_models import mlp_port
+
+    case = mlp_port.port()
+    case.model.act2 = _ForwardOnlyGELU()
+    return case
+
+
+def test_a_layer_whose_backward_raises_cannot_be_judged_and_bisect_says_so():
+    from reference_models import mlp
+
+    result = swap(mlp.reference, _forward_only_port, ["act2"])
+    assert result.outcome == SwapOutcome.CANNOT_JUDGE, result.describe()
+    (layer, why), = result.not_swapped
+    assert layer == "act2" and "NotImplementedError: the kernel's backward is not written" in why
+    found = bisect(Swapper(mlp.reference, _forward_only_port))
+    assert not found.culprits and found.outcome == BisectOutcome.CANNOT_CONCLUDE
+    assert [c.layers for c in found.cannot_judge] == [["act2"]]
+    assert not found.complete  # act2 has no container to be judged in its place
