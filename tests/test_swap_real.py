@@ -49,7 +49,7 @@ def test_a_router_the_reference_cannot_use_is_cannot_judge_in_one_line(faithful)
     assert result.outcome == SwapOutcome.CANNOT_JUDGE and not result and not result.breaks
     (layer, why), = result.not_swapped
     assert layer == ROUTER0 and "\n" not in why
-    assert why.startswith("the reference's code raised TypeError: one_hot(): argument "
+    assert why.startswith("the run raised TypeError: one_hot(): argument "
                           "'input' (position 1) must be Tensor, not NoneType (at "
                           "swap_real_cases.py:"), why
     assert why.endswith(f"None stood for outputs the swapped-in layer does not return: "
@@ -61,7 +61,7 @@ def test_a_router_the_reference_cannot_use_is_cannot_judge_in_one_line(faithful)
 def test_several_layers_in_a_run_that_raised_are_cannot_judge_not_a_break(faithful):
     result = faithful.run([ROUTER0, "encoder.conv1"])
     assert result.outcome == SwapOutcome.CANNOT_JUDGE and not result.not_swapped
-    assert result.raised.startswith("the reference's code raised TypeError: one_hot()")
+    assert result.raised.startswith("the run raised TypeError: one_hot()")
     assert result.suspects == [ROUTER0]
 
 
@@ -233,9 +233,9 @@ class _Fake:
         inside = {m for m in self.order if any(m == o or m.startswith(o + ".") for o in outer)}
         raising = [m for m in outer if m in self.raises]
         if len(outer) == 1 and raising:
-            result.not_swapped.append((outer[0], "the reference's code raised KeyError: 'x'"))
+            result.not_swapped.append((outer[0], "the run raised KeyError: 'x'"))
         elif raising or (self.together and self.together <= set(outer)):
-            result.raised = "the reference's code raised KeyError: 'x'"
+            result.raised = "the run raised KeyError: 'x'"
         else:
             ratio = 10.0 if inside & self.bugs else 0.0
             result.rows.append(_row(ratio))

@@ -308,7 +308,7 @@ class Swapper:
                 return result
             if blamed is None and isinstance(exc, DiffError):
                 raise  # bad input (steps, a mapping's conversion), said as such
-            why = _run_raised(exc, adapters, into, blamed)
+            why = _run_raised(exc, adapters, blamed)
             result.suspects = [self._layer_name(module, into) for module in fewer]
             if len(swapped) == 1:  # one layer in: it is the one that cannot be judged
                 result.not_swapped.append((swapped[0][1], why))
@@ -579,14 +579,14 @@ def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
 
 
 def _run_raised(exc: BaseException, adapters: list[tuple[str, nn.Module]],
-                into: SwapDirection, blamed: tuple[str, str, bool] | None = None) -> str:
-    """One line: what the swapped run raised, where in the host's code, and the outputs a
-    swapped layer did not return (None stood for them: the usual cause)."""
-    host = "reference" if into == SwapDirection.REFERENCE else "port"
+                blamed: tuple[str, str, bool] | None = None) -> str:
+    """One line: what the swapped run raised, where in the models' code (the innermost frame
+    outside torch and layerdiff), and the outputs a swapped layer did not return (None stood
+    for them: the usual cause)."""
     if blamed is not None:  # a swapped layer raised, maybe on what another did not return
         text = f"layer {blamed[0]}: {blamed[1]}"
     else:
-        text = f"the {host}'s code raised {type(exc).__name__}: {one_line(exc)}"
+        text = f"the run raised {type(exc).__name__}: {one_line(exc)}"
         where = _where(exc)
         if where:
             text += f" ({where})"
@@ -672,10 +672,10 @@ def _port_modules(port: Any) -> list[str]:
 
 
 def _outermost(modules: Sequence[str]) -> list[str]:
-    """Of nested modules only the outer one is swapped (it holds the inner)."""
-    chosen = sorted(set(modules), key=len)
-    return [m for i, m in enumerate(chosen)
-            if not any(m.startswith(outer + ".") for outer in chosen[:i])]
+    """Of nested modules only the outer one is swapped (it holds the inner), in the order
+    given (the same names print the same way in every run)."""
+    chosen = list(dict.fromkeys(modules))
+    return [m for m in chosen if not any(m.startswith(outer + ".") for outer in chosen)]
 
 
 def _replace(model: nn.Module, path: str, layer: nn.Module) -> None:
