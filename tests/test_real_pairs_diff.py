@@ -338,3 +338,22 @@ def test_a_faithful_chain_has_no_absent_gradient(tmp_path):
     result = diff(capture(_chain(False), tmp_path / "ref.h5"),
                   capture(_chain(False), tmp_path / "port.h5"))
     assert result.passed and not (result.rows["match"] == "absent").any()
+
+
+@pytest.mark.parametrize(("name", "culprit", "with_adapters"), [
+    ("port_self", None, False), ("port_self_bug_mlp", "layers.0.mlp", False),
+    ("port_freqs", None, True), ("port_freqs_bug_rotary", "layers.1.attn", True)])
+def test_bisect_names_the_planted_layer_and_nothing_on_the_faithful_ports(
+        adapters, name, culprit, with_adapters):
+    """Swapped in where the Hugging Face-style reference calls its layers by keyword (and, for
+    port_freqs, through the call adapters), each port layer is judged: the faithful ports find
+    nothing to find in one probe, a bug is named where it was planted, and nothing is set aside."""
+    from layerdiff.replay import Swapper, bisect
+
+    result = bisect(Swapper(cases.reference, getattr(cases, name),
+                            adapters if with_adapters else None))
+    assert not result.cannot_judge, result.cannot_judge
+    if culprit is None:
+        assert result.outcome == "nothing-to-find" and len(result.probes) == 1
+    else:
+        assert [port for _, port in result.culprits] == [culprit], result.probes

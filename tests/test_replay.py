@@ -147,3 +147,36 @@ def test_self_attention_called_as_attn_x_x_x_replays_into_itself_cleanly(referen
     judged = result.diff.rows
     grads = judged[(judged["site"] == "blocks.0.attn.mha#0") & (judged["role"] == "grad_input")]
     assert len(grads) == 1 and grads.iloc[0]["ratio"] <= 1
+
+
+_NAN_PORT = (
+    "import torch\n"
+    "from reference_models import mlp_port\n"
+    "class NaNGELU(torch.nn.Module):\n"
+    "    def forward(self, x):  # a kernel that writes NaN into the first three columns\n"
+    "        y = torch.nn.functional.gelu(x)\n"
+    "        return torch.cat([torch.full_like(y[:, :3], float('nan')), y[:, 3:]], dim=1)\n"
+    "def port():\n"
+    "    case = mlp_port.port()\n"
+    "    case.model.act2 = NaNGELU()\n"
+    "    return case\n")
+
+
+def test_a_port_layer_whose_output_is_nan_fails_and_is_never_taken_for_randomness(
+        run, reference_traces, tmp_path, monkeypatch):
+    """Each call runs twice to tell dropout apart; NaN == NaN is false, so a NaN at the same
+    places in both runs once passed for randomness and the layer was skipped (exit 0)."""
+    (tmp_path / "nan_port.py").write_text(_NAN_PORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref = reference_traces("reference_models.mlp:reference")
+    result = replay(ref, load_case("nan_port:port"), propagated=False)
+    assert "act2#0" not in dict(result.skipped), result.skipped
+    assert not result.cannot_judge and not result and result.outcome == "fail"
+    local = result.local
+    failed = set(local[local["verdict"] == "LOCAL ERROR"]["port_site"])
+    assert "act2#0" in failed, local
+    said = run("replay", ref, "nan_port:port")
+    assert said.exit_code == 1 and said.output.startswith("FAIL"), said.output
+    assert "act2#0" in said.output.splitlines()[0]
+    # dropout is still told apart: its output changes with the seed, and it is finite
+    assert "random" in dict(result.skipped)["drop#0"]

@@ -50,7 +50,7 @@ def test_a_layer_that_raises_is_named_and_the_session_goes_on(run, tmp_path, mon
                  input="swap act2\nrun\nsites act*\nquit\n")
     said = " ".join(result.output.split())
     assert "CANNOT JUDGE" in said  # a layer that raises is never within tolerance
-    assert "act2 could not be called" in said
+    assert "act2 cannot be judged" in said
     assert "raised RuntimeError: kernel not implemented" in said
     assert " * act2" in result.output  # still there, still swapped
 

@@ -83,7 +83,8 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
     """Run REF_CASE with PORT_CASE's layers at --site in place; compare with the reference.
 
     Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not
-    or when a swapped layer cannot be called (cannot judge), 2 for bad input.
+    or when the swap cannot be judged (a swapped layer cannot be called, or the run raised),
+    2 for bad input.
     """
     from layerdiff.replay import swap
     from layerdiff.report.terminal import format_swap
@@ -113,10 +114,11 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
     """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
 
     Exit 0 only when the whole port swapped in keeps the reference within tolerance (nothing
-    to find); 1 when culprits are found or a layer could not be tried; 2 for bad input.
+    to find, every layer judged); 1 when culprits are found or a layer could not be judged
+    (listed apart: never a culprit); 2 for bad input.
     """
     from layerdiff.replay import Swapper, bisect
-    from layerdiff.report.terminal import format_bisect
+    from layerdiff.report.terminal import format_bisect, format_probe
 
     refuse_inputs({"--json": json_path}, {"mapping file": mapping, "tolerance file": tolerances,
                                           "baseline trace": baseline})
@@ -126,9 +128,7 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
 
     def show(number: int, probe) -> None:
         if not quiet:
-            names = ", ".join(probe.swapped)
-            line = f"probe {number:>3}  {probe.outcome:<12}  {names}"
-            click.echo(line if len(line) <= 100 else line[:96] + " ...")
+            click.echo(format_probe(number, probe))
 
     result = bisect(swapper, granularity=granularity, on_probe=show)
     finish(result, lambda: "\n" + format_bisect(result), json_path=json_path)

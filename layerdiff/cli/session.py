@@ -97,10 +97,9 @@ class SessionShell(cmd.Cmd):
 
     def do_bisect(self, arg: str) -> None:
         """bisect: find the smallest set of port layers that breaks the reference."""
-        from layerdiff.report.terminal import format_bisect
+        from layerdiff.report.terminal import format_bisect, format_probe
 
-        result = self.session.bisect(lambda n, p: self.echo(
-            f"probe {n:>3}  {p.outcome:<12}  {', '.join(p.swapped)}"))
+        result = self.session.bisect(lambda n, p: self.echo(format_probe(n, p)))
         self.echo(format_bisect(result))
 
     def do_quit(self, arg: str) -> bool:

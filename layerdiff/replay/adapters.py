@@ -21,6 +21,7 @@ the layer: the swap cannot judge it, and says so in one sentence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from torch import nn
 from layerdiff.capture.hooks import call_arguments, flatten
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.calling import CannotCall, adapted_call, bind_call
+from layerdiff.replay.calling import CannotCall, adapted_call, bind_call, one_line
 from layerdiff.signature import Signature
 from layerdiff.trace.arguments import dropped_arguments, map_argument
 
@@ -54,6 +55,15 @@ class _Tensor:
 TENSOR = _Tensor()
 
 
+@dataclass(frozen=True)
+class _Keyed:
+    """A mapping in an output skeleton, with its type: a Hugging Face ``ModelOutput`` (read as
+    ``out[0]`` and ``out.last_hidden_state``) is rebuilt as one, not as a plain dict."""
+
+    kind: type
+    items: tuple[tuple[Any, Any], ...]
+
+
 def skeleton(value: Any) -> Any:
     """An output's structure with its tensors replaced by :data:`TENSOR` (kept per module from
     the host's own run, to shape a swapped layer's outputs like the replaced layer's)."""
@@ -63,7 +73,7 @@ def skeleton(value: Any) -> Any:
         return type(value)(skeleton(v) for v in value) if not hasattr(value, "_fields") else (
             type(value)(*(skeleton(v) for v in value)))
     if isinstance(value, dict):
-        return {k: skeleton(v) for k, v in value.items()}
+        return _Keyed(type(value), tuple((k, skeleton(v)) for k, v in value.items()))
     return value
 
 
@@ -73,13 +83,114 @@ def _fill(shape: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(shape, (tuple, list)):
         items = [_fill(v, tensors) for v in shape]
         return type(shape)(*items) if hasattr(shape, "_fields") else type(shape)(items)
-    if isinstance(shape, dict):
-        return {k: _fill(v, tensors) for k, v in shape.items()}
+    if isinstance(shape, _Keyed):
+        items = {k: _fill(v, tensors) for k, v in shape.items}
+        try:
+            return shape.kind(**items) if shape.kind is not dict else items
+        except Exception:  # a mapping type that is not built from keywords
+            return items
     return shape
 
 
-class LayerAdapter(nn.Module):
-    """``layer`` called the way the replaced layer was (see the module's docstring).
+def _count(shape: Any) -> int:
+    """How many tensors a skeleton holds."""
+    if shape is TENSOR:
+        return 1
+    if isinstance(shape, (tuple, list)):
+        return sum(_count(v) for v in shape)
+    if isinstance(shape, _Keyed):
+        return sum(_count(v) for _, v in shape.items)
+    return 0
+
+
+class SwappedAttributeError(AttributeError):
+    """An attribute the host's code reads of a swapped-in layer that neither the layer nor the
+    module it replaces has: ``module`` is the host's name (the swap cannot judge it)."""
+
+    def __init__(self, module: str, message: str) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+_MISSING = object()
+
+
+class StandIn(nn.Module):
+    """A module standing in for ``replaced`` in another model's tree (the base of the swapped-in
+    layers): what the host's own code reads of it, beyond the module's own attributes, is
+    answered by :meth:`stand_in_value`, from the layer inside or else the replaced module.
+
+    Its own state is kept under names that start with ``_`` (a host's code reading
+    ``self.encoder.layer`` or ``self.attn.name`` must not get the adapter's; a
+    :class:`LayerAdapter` adds only its child ``wrapped`` and the read-only ``host_name`` and
+    ``dropped``); ``training`` is the
+    stand-in's own: the replaced module's when it goes in (the layer inside too), then set by
+    the host's ``train()``/``eval()`` like any child's. ``isinstance`` checks of the host's
+    code see a stand-in, not the replaced module's class: a dynamic subclass of that class
+    would run its ``__init__``-less methods and hooks on the stand-in, so none is made."""
+
+    _host_name: str
+
+    def _stand_in(self, name: str, replaced: nn.Module | None) -> None:
+        object.__setattr__(self, "_host_name", name)
+        # not a child: its parameters are neither trained nor counted; it only answers reads
+        object.__setattr__(self, "_replaced", replaced)
+        if replaced is not None:  # in the mode of the module it replaces (a host in eval)
+            self.train(replaced.training)
+
+    def _inner(self) -> Any:
+        """What the stand-in runs (a module, or a numpy layer): asked first."""
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        try:  # the stand-in's own parameters, buffers and children
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "_host_name" not in self.__dict__:
+                raise  # copy, pickle and the construction itself look for these
+        return self.stand_in_value(name)
+
+    def stand_in_value(self, name: str) -> Any:
+        """An attribute the host's code reads (``stride``, ``num_embeddings``, ``weight``,
+        ``config``): the inner layer's where it has one of the same kind as the replaced
+        module's (a tensor, a module, or a value of the same type: a port's own config class
+        does not answer for the reference's; a parameter slot the port leaves None, a bias it
+        does not have, is its answer), else the replaced module's. A tensor both hold
+        comes from the inner layer, so what the host computes with it reaches the layer's
+        trained parameter; cast to the replaced one's dtype and device where they differ, and
+        the replaced module's where their shapes differ (another layout)."""
+        inner = self._inner()
+        replaced = self.__dict__.get("_replaced")
+        ours = _MISSING if inner is None else getattr(inner, name, _MISSING)
+        theirs = _MISSING if replaced is None else getattr(replaced, name, _MISSING)
+        if ours is _MISSING and theirs is _MISSING:
+            kind = type(replaced).__name__ if replaced is not None else "module it replaces"
+            raise SwappedAttributeError(
+                self._host_name, f"the host's code reads '{name}' of the layer swapped in at "
+                f"{self._host_name}, and neither that layer ({type(inner).__name__}) nor the "
+                f"{kind} it replaces has it")
+        if ours is _MISSING:
+            return theirs
+        if theirs is _MISSING:
+            return ours
+        if ours is None and isinstance(inner, nn.Module) and (
+                name in inner._parameters or name in inner._buffers):
+            return None  # a tensor slot the port leaves empty (Linear(bias=False)): its answer
+        if torch.is_tensor(ours) and torch.is_tensor(theirs):
+            if ours.shape != theirs.shape:
+                return theirs
+            if ours.is_floating_point() and theirs.is_floating_point() and (
+                    ours.dtype != theirs.dtype or ours.device != theirs.device):
+                return ours.to(device=theirs.device, dtype=theirs.dtype)
+            return ours
+        if isinstance(ours, nn.Module) and isinstance(theirs, nn.Module):
+            return ours
+        return ours if type(ours) is type(theirs) else theirs
+
+
+class LayerAdapter(StandIn):
+    """``layer`` called the way the replaced layer was (see the module's docstring), standing
+    in for ``replaced`` (see :class:`StandIn`): the layer is this module's child ``wrapped``.
 
     ``args_map`` renames the caller's arguments (reference argument -> port argument; with
     ``inverse``, a port caller's arguments for a reference layer: one port argument may feed
@@ -91,33 +202,47 @@ class LayerAdapter(nn.Module):
     def __init__(self, name: str, layer: nn.Module, args_map: dict[str, str], *,
                  caller: Signature | None = None, expected: Any = None,
                  inverse: bool = False,
-                 call: tuple[CodeRef, Any] | None = None) -> None:
+                 call: tuple[CodeRef, Any] | None = None,
+                 replaced: nn.Module | None = None) -> None:
         super().__init__()
-        self.name = name
-        self.layer = layer
-        self.args_map = {k: v for k, v in args_map.items() if v != ""}
-        self.drop = frozenset() if inverse else dropped_arguments(args_map)
-        self.inverse = inverse
-        self.signature = Signature.of(layer.forward)
-        self.caller = caller
-        self.expected = expected
-        self.call = call
-        self.dropped: list[tuple[str, str]] = []  # what the last call left out, and why
+        self.wrapped = layer
+        self._args_map = {k: v for k, v in args_map.items() if v != ""}
+        self._drop = frozenset() if inverse else dropped_arguments(args_map)
+        self._inverse = inverse
+        self._signature = Signature.of(layer.forward)
+        self._caller = caller
+        self._expected = expected
+        self._call = call
+        self._dropped: list[tuple[str, str]] = []  # what the last call left out, and why
+        self._stand_in(name, replaced)
+
+    @property
+    def host_name(self) -> str:
+        """The replaced module's name in the host."""
+        return self._host_name
+
+    @property
+    def dropped(self) -> list[tuple[str, str]]:
+        """What the last call left out, and why."""
+        return self._dropped
+
+    def _inner(self) -> Any:
+        return self._modules.get("wrapped")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.call is not None:
+        if self._call is not None:
             return self._adapted(args, kwargs)
-        values = (_inverse_arguments(args, kwargs, self.args_map) if self.inverse
-                  else _mapped_arguments(args, kwargs, self.args_map))
+        values = (_inverse_arguments(args, kwargs, self._args_map) if self._inverse
+                  else _mapped_arguments(args, kwargs, self._args_map))
         try:
-            bound = bind_call(values, self.signature, reference=self.caller, drop=self.drop,
-                              where=f"layer {self.name} ({self._describe()})")
+            bound = bind_call(values, self._signature, reference=self._caller, drop=self._drop,
+                              where=f"layer {self._host_name} ({self._describe()})")
         except CannotCall as exc:
-            raise LayerCallError(self.name, str(exc)) from exc
-        self.dropped = bound.dropped
+            raise LayerCallError(self._host_name, str(exc)) from exc
+        self._dropped = bound.dropped
         call_args, call_kwargs = bound.call()
         caller = _placement([v for _, v in values])
-        layer = _placement([*self.layer.parameters(), *self.layer.buffers()])
+        layer = _placement([*self.wrapped.parameters(), *self.wrapped.buffers()])
         moved = caller is not None and layer is not None and (
             caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
         if moved:  # a bfloat16 or CUDA port layer inside a float32 CPU reference
@@ -131,18 +256,19 @@ class LayerAdapter(nn.Module):
         """The call through the mapping's adapter: the caller's arguments, moved to the
         layer's device and dtype, become the adapter's ``(args, kwargs)`` for the layer."""
         caller = _placement([v for _, v in call_arguments(args, kwargs)])
-        layer = _placement([*self.layer.parameters(), *self.layer.buffers()])
+        layer = _placement([*self.wrapped.parameters(), *self.wrapped.buffers()])
         moved = caller is not None and layer is not None and (
             caller[1] != layer[1] or (None not in (caller[0], layer[0]) and caller[0] != layer[0]))
         if moved:
             args, kwargs = _moved((args, kwargs), caller, layer)
-        ref, function = self.call
+        ref, function = self._call
         try:
-            call_args, call_kwargs = adapted_call(ref, function, args, kwargs, self.layer.forward,
-                                                  where=f"layer {self.name}")
+            call_args, call_kwargs = adapted_call(ref, function, args, kwargs,
+                                                  self.wrapped.forward,
+                                                  where=f"layer {self._host_name}")
         except CannotCall as exc:
-            raise LayerCallError(self.name, str(exc)) from exc
-        self.dropped = []
+            raise LayerCallError(self._host_name, str(exc)) from exc
+        self._dropped = []
         outputs = self._run(call_args, call_kwargs)
         if moved:
             outputs = _moved(outputs, layer, caller)
@@ -150,35 +276,40 @@ class LayerAdapter(nn.Module):
 
     def _run(self, call_args: tuple, call_kwargs: dict[str, Any]) -> Any:
         try:
-            return self.layer(*call_args, **call_kwargs)
-        except LayerCallError:
+            return self.wrapped(*call_args, **call_kwargs)
+        except (LayerCallError, SwappedAttributeError):
             raise
         except Exception as exc:  # the layer's own code failed: it cannot be judged here
-            raise LayerCallError(self.name, f"{self._describe()} raised "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise LayerCallError(self._host_name, f"{self._describe()} raised "
+                                 f"{type(exc).__name__}: {one_line(exc)}") from exc
 
     def _describe(self) -> str:
-        return self.signature.describe() if self.signature else type(self.layer).__name__
+        return self._signature.describe() if self._signature else type(self.wrapped).__name__
 
     def _shaped(self, outputs: Any) -> Any:
         """The layer's tensors in the replaced layer's output structure. A layer that returns
         fewer tensors fills the leading ones, and None stands for the rest (a Hugging Face
         attention also returns its weights, which its block does not use unless asked): said
-        in ``dropped``, and a caller that does use them fails the run, which says so."""
-        if self.expected is None or skeleton(outputs) == self.expected:
+        in ``dropped``, and a caller that does use them fails the run, which the swap then
+        cannot judge, saying which output was None."""
+        expected = self._expected
+        if expected is None or skeleton(outputs) == expected:
             return outputs
         tensors = [v for _, v in flatten(outputs, "") if torch.is_tensor(v)]
-        wanted = sum(1 for _, v in flatten(self.expected, "") if v is TENSOR)
+        wanted = _count(expected)
         if len(tensors) > wanted or not tensors:
-            raise LayerCallError(self.name, f"{self._describe()} returns {len(tensors)} "
+            raise LayerCallError(self._host_name, f"{self._describe()} returns {len(tensors)} "
                                  f"tensor(s) where the layer it replaces returns {wanted} "
-                                 f"({self.expected!r}), so its outputs cannot stand in for "
+                                 f"({expected!r}), so its outputs cannot stand in for "
                                  "that layer's; swap the layer around it instead")
         if len(tensors) < wanted:
-            self.dropped = [*self.dropped, (f"output {len(tensors)}.." if wanted - len(tensors)
-                                            > 1 else f"output {len(tensors)}",
-                                            "the port layer does not return it: None")]
-        return _fill(self.expected, tensors + [None] * (wanted - len(tensors)))
+            self._dropped = [*self._dropped, (f"output {len(tensors)}.." if wanted - len(tensors)
+                                              > 1 else f"output {len(tensors)}",
+                                              NOT_RETURNED)]
+        return _fill(expected, tensors + [None] * (wanted - len(tensors)))
+
+
+NOT_RETURNED = "the port layer does not return it: None"
 
 
 def _placement(values: list[Any]) -> tuple[torch.dtype | None, torch.device] | None:
@@ -262,26 +393,32 @@ class _CallableFunction(torch.autograd.Function):
                                                                   strict=True)))
 
 
-class CallableLayer(nn.Module):
-    """A per-site numpy layer as a torch module: its weights are this module's parameters."""
+class CallableLayer(StandIn):
+    """A per-site numpy layer as a torch module: its weights are this module's parameters
+    (under the reference's names), and what else the host reads of it is answered as
+    :class:`StandIn` says."""
 
     def __init__(self, name: str, layer: Any, weights: dict[str, np.ndarray],
-                 args_map: dict[str, str]) -> None:
+                 args_map: dict[str, str], *, replaced: nn.Module | None = None) -> None:
         super().__init__()
-        self.name, self.layer, self.args_map = name, layer, args_map
+        self._layer, self._args_map = layer, args_map
         for key, value in weights.items():
             self.register_parameter(key, nn.Parameter(torch.from_numpy(value.copy())))
+        self._stand_in(name, replaced)
+
+    def _inner(self) -> Any:
+        return self._layer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        values = _mapped_arguments(args, kwargs, self.args_map)
+        values = _mapped_arguments(args, kwargs, self._args_map)
         tensors = [(p, v) for p, v in values if torch.is_tensor(v)]
         plain = tuple((p, v) for p, v in values if not torch.is_tensor(v))
         names = [n for n, _ in self.named_parameters(recurse=False)]
         try:
             outputs = _CallableFunction.apply(
-                self.layer, plain, names, [p for p, _ in tensors], *(v for _, v in tensors),
+                self._layer, plain, names, [p for p, _ in tensors], *(v for _, v in tensors),
                 *(p for _, p in self.named_parameters(recurse=False)))
         except Exception as exc:
-            raise LayerCallError(self.name, f"the port's callable raised {type(exc).__name__}: "
-                                 f"{exc}") from exc
+            raise LayerCallError(self._host_name, f"the port's callable raised "
+                                 f"{type(exc).__name__}: {one_line(exc)}") from exc
         return outputs[0] if len(outputs) == 1 else outputs

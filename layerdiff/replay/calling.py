@@ -304,7 +304,7 @@ def adapted_call(adapter: CodeRef, function: Callable[..., Any], args: tuple,
     try:
         result = function(*args, **kwargs)
     except Exception as exc:  # the user's code: its failure is this layer's cannot-judge
-        raise CannotCall(f"{where}: {named} raised {type(exc).__name__}: {_one_line(exc)}; "
+        raise CannotCall(f"{where}: {named} raised {type(exc).__name__}: {one_line(exc)}; "
                          "fix the function, or the mapping's call line") from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2
             and isinstance(result[0], (tuple, list)) and isinstance(result[1], dict)):
@@ -324,6 +324,7 @@ def adapted_call(adapter: CodeRef, function: Callable[..., Any], args: tuple,
     return call_args, call_kwargs
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, clipped to 200 characters."""
     text = " ".join(str(exc).split())
     return text if len(text) <= 200 else text[:197] + "..."

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import os
 import tempfile
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -47,7 +48,15 @@ from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.adapters import CallableLayer, LayerAdapter, LayerCallError, skeleton
+from layerdiff.replay.adapters import (
+    NOT_RETURNED,
+    CallableLayer,
+    LayerAdapter,
+    LayerCallError,
+    SwappedAttributeError,
+    skeleton,
+)
+from layerdiff.replay.calling import one_line
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
 from layerdiff.trace.schema import Role
@@ -72,9 +81,9 @@ class SwapDirection(StrEnum):
 
 class SwapOutcome(StrEnum):
     WITHIN = "within"              # loss, outputs and weight gradients within tolerance
-    BREAKS = "breaks"              # out of tolerance, NaN/Inf where the reference is finite,
-                                   # or the run raised with the port's layers in
-    CANNOT_JUDGE = "cannot-judge"  # a layer could not be called: nothing was run to judge
+    BREAKS = "breaks"              # out of tolerance, or NaN/Inf where the reference is finite
+    CANNOT_JUDGE = "cannot-judge"  # a layer could not be called, or the run raised: nothing
+                                   # ran to the end to judge
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,13 @@ class SwapResult:
     losses: list[tuple[float, float]]       # (reference, swapped) per step
     rows: list[SwapRow] = field(default_factory=list)
     into: SwapDirection = SwapDirection.REFERENCE  # which model the swapped layers went into
-    not_swapped: list[tuple[str, str]] = field(default_factory=list)  # (port layer, why)
-    raised: str = ""                        # the swapped run failed outside a swapped call
+    # (layer, why): the swapped layer that could not be called, lacks an attribute the host's
+    # code reads, or (the only one swapped in) was in when the run raised
+    not_swapped: list[tuple[str, str]] = field(default_factory=list)
+    raised: str = ""  # the run raised with several layers in, none of them named by the error
+    # the swapped layers that returned fewer outputs than the layers they replace when the run
+    # raised (None stood for the rest: the likely cause)
+    suspects: list[str] = field(default_factory=list)
     # layer -> [(argument, why)]: the caller's arguments the layer did not take
     dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
@@ -116,9 +130,9 @@ class SwapResult:
 
     @property
     def outcome(self) -> SwapOutcome:
-        if self.not_swapped:
+        if self.not_swapped or self.raised:
             return SwapOutcome.CANNOT_JUDGE
-        if self.raised or not judge.within(self.ratio):
+        if not judge.within(self.ratio):
             return SwapOutcome.BREAKS
         return SwapOutcome.WITHIN
 
@@ -144,11 +158,11 @@ class SwapResult:
                                           "nothing") + " in the port"
         else:
             names = ", ".join(port for _, port in self.swapped) or "nothing"
+        if self.raised:
+            return f"cannot judge the swap of {names}: {self.raised}"
         if self.outcome == SwapOutcome.CANNOT_JUDGE:
             layer, why = self.not_swapped[0]
-            return f"cannot judge the swap of {names}: layer {layer} could not be called: {why}"
-        if self.raised:
-            return f"with {names} swapped in: breaks; the run raised {self.raised}"
+            return f"cannot judge the swap of {names}: layer {layer} cannot be judged: {why}"
         if not self.breaks:
             return f"with {names} swapped in: within tolerance ({self.ratio:.3g})"
         judged = [r for r in self.rows if r.judged]
@@ -160,6 +174,7 @@ class SwapResult:
         return {"outcome": str(self.outcome), "swapped": self.swapped, "steps": self.steps,
                 "losses": self.losses, "breaks": self.breaks, "ratio": _finite(self.ratio),
                 "not_swapped": self.not_swapped, "raised": self.raised,
+                "suspects": self.suspects,
                 "dropped": self.dropped, "rows": [r.as_json() for r in self.rows]}
 
 
@@ -267,13 +282,38 @@ class Swapper:
         result = SwapResult(swapped, steps, [], into=into)
         try:
             host, adapters = self._swapped_host(modules, into)
-            host_run = run_case(host, steps=steps)
         except LayerCallError as exc:
-            layer = self.pairs[exc.module][0] if into == SwapDirection.REFERENCE else exc.module
-            result.not_swapped.append((layer, exc.reason))
+            result.not_swapped.append((self._layer_name(exc.module, into), exc.reason))
             return result
-        except Exception as exc:  # the port's layers broke the run itself: a break
-            result.raised = f"{type(exc).__name__}: {exc}"
+        except DiffError:
+            raise  # bad input: a mapping that does not fit, a host that cannot take layers
+        except Exception as exc:  # putting the layers in failed: nothing to judge
+            why = f"putting the layers in raised {type(exc).__name__}: {one_line(exc)}"
+            if len(swapped) == 1:
+                result.not_swapped.append((swapped[0][1], why))
+            else:
+                result.raised = why
+            return result
+        try:
+            host_run = run_case(host, steps=steps)
+        except Exception as exc:  # nothing ran to the end to judge: the swap cannot judge
+            blamed = _blamed(exc)
+            fewer = [adapter.host_name for _, adapter in adapters if _returned_fewer(adapter)]
+            # a layer that raised on what another swapped layer did not return (None) is not
+            # the one to blame for sure: then the run, not the layer, cannot be judged
+            doubt = blamed is not None and blamed[2] and any(m != blamed[0] for m in fewer)
+            if blamed is not None and not doubt:  # could not be called, or lacks what is read
+                module, why, _ = blamed
+                result.not_swapped.append((self._layer_name(module, into), why))
+                return result
+            if blamed is None and isinstance(exc, DiffError):
+                raise  # bad input (steps, a mapping's conversion), said as such
+            why = _run_raised(exc, adapters, blamed)
+            result.suspects = [self._layer_name(module, into) for module in fewer]
+            if len(swapped) == 1:  # one layer in: it is the one that cannot be judged
+                result.not_swapped.append((swapped[0][1], why))
+            else:  # which of them: bisect splits the set to find out
+                result.raised = why
             return result
         result.dropped = {name: adapter.dropped for name, adapter in adapters
                           if isinstance(adapter, LayerAdapter) and adapter.dropped}
@@ -293,6 +333,10 @@ class Swapper:
             rows += self._parameter_rows(pure.model, host.model, steps)
             rows += self._swapped_grad_rows(pure.model, adapters, steps)
         return result
+
+    def _layer_name(self, module: str, into: SwapDirection) -> str:
+        """The swapped layer's name for a host module named by an error (the port's)."""
+        return self.pairs[module][0] if into == SwapDirection.REFERENCE else module
 
     def _swapped_host(self, modules: list[str], into: SwapDirection
                       ) -> tuple[Any, list[tuple[str, nn.Module]]]:
@@ -330,7 +374,8 @@ class Swapper:
                 replaced = get_module(host.model, port_module)
                 layer = LayerAdapter(port_module, get_module(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
-                                     expected=self.port_outputs.get(port_module), inverse=True)
+                                     expected=self.port_outputs.get(port_module), inverse=True,
+                                     replaced=replaced)
                 _replace(host.model, port_module, layer)
             adapters.append((module, layer))
         return host, adapters
@@ -352,11 +397,12 @@ class Swapper:
                 raise LayerCallError(ref_module, f"port layer {port_module} is not torch: the "
                                      "mapping's call adapter makes a torch call, and a numpy "
                                      "layer takes its inputs by argument path")
-            return CallableLayer(ref_module, donor.layers[port_module], weights, args_map)
+            return CallableLayer(ref_module, donor.layers[port_module], weights, args_map,
+                                 replaced=replaced)
         return LayerAdapter(ref_module, get_module(donor.model, port_module), args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
-                            call=self.calls.get(ref_module))
+                            call=self.calls.get(ref_module), replaced=replaced)
 
     def _compare(self, what: str, key: tuple[int, str, str, str], expected: torch.Tensor,
                  got: torch.Tensor, *, judged: bool = True) -> SwapRow:
@@ -420,7 +466,7 @@ class Swapper:
             if not isinstance(adapter, LayerAdapter):
                 continue  # a numpy layer's parameters carry the reference's names already
             port_module = self.pairs[ref_module][0]
-            for name, param in adapter.layer.named_parameters():
+            for name, param in adapter.wrapped.named_parameters():
                 found = self.mapping.param_source(f"{port_module}.{name}", partner) or \
                     ParamSource([f"{ref_module}.{name}"])
                 refs = [ref_params.get(n) for n in found.reference]
@@ -517,6 +563,57 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
     return list(order), outputs
 
 
+def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
+    """(host module, why, whether it was the layer's own call) when ``exc`` or what it was
+    raised from names a swapped layer: one that could not be called or raised in its own call
+    (True), or lacks an attribute read of it (False: that is certain)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, LayerCallError):
+            return exc.module, exc.reason, True
+        if isinstance(exc, SwappedAttributeError):
+            return exc.module, str(exc), False
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _run_raised(exc: BaseException, adapters: list[tuple[str, nn.Module]],
+                blamed: tuple[str, str, bool] | None = None) -> str:
+    """One line: what the swapped run raised, where in the models' code (the innermost frame
+    outside torch and layerdiff), and the outputs a swapped layer did not return (None stood
+    for them: the usual cause)."""
+    if blamed is not None:  # a swapped layer raised, maybe on what another did not return
+        text = f"layer {blamed[0]}: {blamed[1]}"
+    else:
+        text = f"the run raised {type(exc).__name__}: {one_line(exc)}"
+        where = _where(exc)
+        if where:
+            text += f" ({where})"
+    missing = [f"{adapter.host_name} ({arg})" for _, adapter in adapters
+               if _returned_fewer(adapter) for arg, why in adapter.dropped if why == NOT_RETURNED]
+    if missing:
+        text += (f"; None stood for outputs the swapped-in layer does not return: "
+                 f"{', '.join(missing)}")
+    return text
+
+
+def _returned_fewer(adapter: nn.Module) -> bool:
+    return isinstance(adapter, LayerAdapter) and any(why == NOT_RETURNED
+                                                     for _, why in adapter.dropped)
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc``'s traceback outside torch and layerdiff: the model's
+    own line ('modeling_whisper.py:712 in forward')."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not any(part in Path(f.filename).parts for part in ("torch", "layerdiff"))]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"at {Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
 def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,
                 port_module: str) -> None:
     """A port layer standing in for a module whose parameter is tied to another module's
@@ -529,7 +626,7 @@ def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping
         shared.setdefault(id(param), []).append(name)
     tied = {names[0]: names for names in shared.values() if len(names) > 1}
     by_name = dict(host.named_parameters(remove_duplicate=False))
-    for name, param in list(layer.layer.named_parameters()):
+    for name, param in list(layer.wrapped.named_parameters()):
         source = mapping.param_source(f"{port_module}.{name}", {port_module: module})
         refs = source.reference if source is not None else [f"{module}.{name}"]
         plain = source is None or all(step == "copy" for step in source.transforms)
@@ -539,7 +636,7 @@ def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping
         host_param = by_name.get(refs[0])
         if users and host_param is not None and host_param.shape == param.shape:
             owner, _, leaf = name.rpartition(".")
-            setattr(layer.layer.get_submodule(owner) if owner else layer.layer, leaf,
+            setattr(layer.wrapped.get_submodule(owner) if owner else layer.wrapped, leaf,
                     host_param)
 
 
@@ -575,10 +672,10 @@ def _port_modules(port: Any) -> list[str]:
 
 
 def _outermost(modules: Sequence[str]) -> list[str]:
-    """Of nested modules only the outer one is swapped (it holds the inner)."""
-    chosen = sorted(set(modules), key=len)
-    return [m for i, m in enumerate(chosen)
-            if not any(m.startswith(outer + ".") for outer in chosen[:i])]
+    """Of nested modules only the outer one is swapped (it holds the inner), in the order
+    given (the same names print the same way in every run)."""
+    chosen = list(dict.fromkeys(modules))
+    return [m for m in chosen if not any(m.startswith(outer + ".") for outer in chosen)]
 
 
 def _replace(model: nn.Module, path: str, layer: nn.Module) -> None:

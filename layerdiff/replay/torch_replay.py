@@ -11,7 +11,9 @@ reference passed them, whose ``(args, kwargs)`` make the port's call (gradients 
 it to the reference's arguments). The inputs are recorded under the reference's names (mapped
 by the site's ``args``), as the diff pairs them, and so are the input gradients. A call is run
 twice from different random seeds: a layer whose output changes draws random numbers (dropout)
-and cannot be replayed exactly, so it is skipped, saying why.
+and cannot be replayed exactly, so it is skipped, saying why. NaN at the same places in both
+runs is no change, and an output with a NaN or an Inf is never taken for randomness: it is
+judged (a non-finite value where the reference's is finite fails).
 """
 
 from __future__ import annotations
@@ -208,7 +210,10 @@ class TorchPort:
         with torch.no_grad():
             again = call(2)
         for (arg, a), (_, b) in zip(flatten(outputs, ""), flatten(again, ""), strict=True):
-            if torch.is_tensor(a) and not torch.equal(a.detach(), b):
+            # a NaN never equals itself: NaN at the same places is the same output, and an
+            # output with NaN or Inf is judged whatever the second run gave (the judge fails
+            # it where the reference is finite), never set aside as randomness
+            if torch.is_tensor(a) and not _same(a.detach(), b) and _finite(a) and _finite(b):
                 raise NotReplayable(f"output {arg} changes with the random seed (the layer "
                                     "draws random numbers, as dropout does)")
         return outputs
@@ -279,6 +284,20 @@ def _shared_leaves(call: RecordedCall, args_map: dict[str, str],
         if first is not None:
             shared[arg] = leaves[first]
     return shared
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN at the same places counting as equal."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not (a.is_floating_point() or a.is_complex()):
+        return False
+    return torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+def _finite(value: torch.Tensor) -> bool:
+    return not (value.is_floating_point() or value.is_complex()) or bool(
+        torch.isfinite(value).all())
 
 
 def _first_with(leaves: dict[str, torch.Tensor], leaf: torch.Tensor) -> str:

@@ -391,9 +391,21 @@ def format_swap(result, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+def format_probe(number: int, probe, width: int = WIDTH) -> str:
+    """One bisect probe as it runs: its number, outcome and layers, and, when it could not be
+    judged, why, on the line under it (each clipped to the width)."""
+    line = f"probe {number:>3}  {probe.outcome:<12}  {', '.join(probe.swapped)}"
+    lines = [line if len(line) <= width else line[:width - 4] + " ..."]
+    if probe.why:
+        why = f"           {probe.why}"
+        lines.append(why if len(why) <= width else why[:width - 4] + " ...")
+    return "\n".join(lines)
+
+
 @printable
 def format_bisect(result, width: int = WIDTH) -> str:
-    """A bisection's conclusion, and the layers it could not try."""
+    """A bisection's conclusion, the layers it could not judge (apart: never culprits), and
+    whether the search was complete."""
     outcome = str(result.outcome)
     if outcome == "culprits":
         names = ", ".join(port for _, port in result.culprits)
@@ -404,13 +416,24 @@ def format_bisect(result, width: int = WIDTH) -> str:
                 "swapped in, the reference stays within tolerance")
     elif result.reproduced:
         text = ("cannot conclude: the whole port swapped in breaks the reference, but no "
-                "smaller set of the layers that could be tried does")
+                "smaller set of the layers that could be judged does")
     else:
-        text = ("cannot conclude: the port swapped in stays within tolerance, but some of its "
-                "layers could not be tried")
+        text = ("cannot conclude: some of the port's layers could not be judged (below), and "
+                "no set of the others swapped in breaks the reference")
     lines = textwrap.wrap(text, width, subsequent_indent="  ")
-    for layer, why in result.not_swapped:
-        lines += _reason(f"not tried {layer}: {why}", width)
+    if result.cannot_judge:
+        lines += ["", "cannot judge (never a culprit):"]
+    for entry in result.cannot_judge:
+        names = " + ".join(entry.layers)
+        covered = (f" [judged inside {entry.covered_by}]" if entry.covered_by else "")
+        lines += _reason(f"{names}{covered}: {entry.why}", width)
+    if result.cannot_judge:
+        uncovered = [" + ".join(e.layers) for e in result.cannot_judge if not e.covered_by]
+        lines += [""] + textwrap.wrap(
+            "search complete: each layer that could not be judged is inside a container "
+            "judged in its place" if not uncovered else
+            f"search incomplete: {', '.join(uncovered)} could not be judged, alone or inside "
+            "a container judged in its place", width, subsequent_indent="  ")
     return "\n".join(lines)
 
 
