@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from layerdiff import Case
+
 from . import cnn
 from .porting import copy_state, port_case
 

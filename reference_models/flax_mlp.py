@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from layerdiff import Case
+
 from . import flax_mlp_reference as ref_model
 from .flax_mlp_reference import CLASSES, IN, WIDTH
 

@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+
 from .hf_llama import require_transformers
 
 SEED = 0

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, ExternalCase, seed_everything
+
 from . import cnn, cnn_port, mlp, mlp_port, transformer, transformer_port
 from .convlstm_numpy import NumpyConvLSTM, external_case
 from .porting import copy_state, port_case

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+
 from . import llama_port
 from .hint_bugs import PlantedHint
 from .porting import copy_state

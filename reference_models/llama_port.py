@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+
 from .hf_llama import CONFIG, SEED, TinyLlama, make_batch, next_token_loss
 
 

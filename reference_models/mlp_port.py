@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case
+
 from . import mlp
 from .porting import copy_state, port_case
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, ExternalCase, seed_everything
+
 from . import convlstm_numpy
 
 SEED = 0

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case, seed_everything
+
 from .porting import copy_state, port_case
 
 MODULE = "reference_models.op_bugs"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from layerdiff import Case
+
 from . import op_bugs
 from .porting import copy_state, port_case
 

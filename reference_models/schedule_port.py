@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from layerdiff import Case
+
 from . import mlp, mlp_port
 
 LR, MOMENTUM, GAMMA = 0.1, 0.9, 0.1

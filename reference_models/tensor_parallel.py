@@ -52,6 +52,7 @@ from torch.nn import functional as F
 from layerdiff import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapping import Mapping
+
 from .porting import port_case
 
 MODULE = "reference_models.tensor_parallel"

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from layerdiff import Case
+
 from . import transformer
 from .porting import port_case
 from .transformer import PAD, Config, causal_mask

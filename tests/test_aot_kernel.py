@@ -487,7 +487,7 @@ def test_a_diff_in_a_received_folder_never_runs_a_module_planted_there(planted, 
     LAYERDIFF_KERNEL_CACHE or XDG_CACHE_HOME. The module never runs, the diff's rows come
     from the JIT (exit 0: the pair is within tolerance), and the first case says why in one
     line."""
-    ref, port = _pair(planted.root, np.float32, "received")
+    _pair(planted.root, np.float32, "received")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     xdg = planted.root / "xdg" / "layerdiff" / "kernels"

@@ -45,7 +45,8 @@ def test_the_install_commands_put_the_cpu_torch_in_before_the_package():
 
 @pytest.mark.slow
 def test_the_wheel_holds_only_layerdiff_and_its_bundled_cases(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True,
                           timeout=300, check=False)
     if done.returncode != 0 and "No module named" in done.stderr:
         pytest.skip(f"cannot build a wheel here: {done.stderr.strip().splitlines()[-1]}")
@@ -80,7 +81,7 @@ def test_a_users_own_reference_models_package_does_not_hide_the_bundled_cases(tm
     mlp = bundled.import_module("reference_models.mlp")
     assert mlp.__name__ == "layerdiff.reference_models.mlp"
     assert type(load_case("reference_models.mlp:reference").model).__module__ == mlp.__name__
-    with pytest.raises(ModuleNotFoundError, match="reference_models.no_such"):
+    with pytest.raises(ModuleNotFoundError, match=r"reference_models\.no_such"):
         bundled.import_module("reference_models.no_such")
 
 

@@ -197,8 +197,8 @@ def test_a_weight_of_another_dtype_reads_as_the_replaced_ones_and_trains_the_por
 def test_an_attribute_neither_has_is_an_attribute_error_naming_the_layer():
     adapter = _adapter(_Norm(), nn.LayerNorm(4))
     assert not hasattr(adapter, "num_experts")
-    with pytest.raises(SwappedAttributeError, match="reads 'num_experts' of the layer swapped "
-                       "in at norm, and neither that layer .*_Norm.* nor the LayerNorm"):
+    with pytest.raises(SwappedAttributeError, match=r"reads 'num_experts' of the layer swapped "
+                       r"in at norm, and neither that layer .*_Norm.* nor the LayerNorm"):
         adapter.num_experts  # noqa: B018
 
 

@@ -238,10 +238,8 @@ def load() -> Compiled | None:
 
 def _say(line: str) -> None:
     """One line on stderr (load() is cached: once per process)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no stderr to speak to
         print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # no stderr to speak to
-        pass
 
 
 # ------------------------------------------------------------------- what is trusted

@@ -429,11 +429,11 @@ def format_bisect(result, width: int = WIDTH) -> str:
         lines += _reason(f"{names}{covered}: {entry.why}", width)
     if result.cannot_judge:
         uncovered = [" + ".join(e.layers) for e in result.cannot_judge if not e.covered_by]
-        lines += [""] + textwrap.wrap(
+        lines += ["", *textwrap.wrap(
             "search complete: each layer that could not be judged is inside a container "
             "judged in its place" if not uncovered else
             f"search incomplete: {', '.join(uncovered)} could not be judged, alone or inside "
-            "a container judged in its place", width, subsequent_indent="  ")
+            "a container judged in its place", width, subsequent_indent="  ")]
     return "\n".join(lines)
 
 
