@@ -52,7 +52,8 @@ def main() -> None:
                 verify_tensors(b.segments(), sides[1])
 
             def compared() -> None:
-                assert not compare_tensors(a.segments(), b.segments(), list(zip(*sides, strict=True)))
+                pairs = list(zip(*sides, strict=True))
+                assert not compare_tensors(a.segments(), b.segments(), pairs)
 
             ways = {"each side checked (before)": each_side,
                     "both checked, bytes compared": compared}
