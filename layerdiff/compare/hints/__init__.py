@@ -62,6 +62,9 @@ TESTS: list[Test] = [
     # rounding's size can fall in some batch elements or positions more than others, and
     # where it falls is then no evidence of a mask or a batch mix
     elementwise.precision,
+    # a rotation of each feature pair by an angle of the position and the pair alone: asked
+    # before where the error is, as a rotary mistake leaves position 0 exact (a mask's look)
+    rotary.rotation,
     positions.mask_input, positions.zero_rows, positions.batch, positions.positions,
 ]
 
