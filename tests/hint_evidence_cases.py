@@ -8,7 +8,6 @@ reference's weights."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -35,7 +34,7 @@ def _pair(build, inputs: tuple, name: str, **bug) -> tuple[Case, Case]:
     port = build(**bug)
     port.load_state_dict(reference.state_dict(), strict=True)
     return (_case(reference, inputs, f"tests.hint_evidence_cases:{name}_reference"),
-            dataclasses.replace(_case(port, inputs, f"tests.hint_evidence_cases:{name}")))
+            _case(port, inputs, f"tests.hint_evidence_cases:{name}"))
 
 
 # ---- a recurrence from a zero state: h_t = a h_{t-1} + b x_t
@@ -247,26 +246,29 @@ class RMSNorm(nn.Module):
 
 
 class NormModel(nn.Module):
-    def __init__(self, eps: float = 1e-6, offset: bool = False, small: bool = False) -> None:
+    def __init__(self, eps: float = 1e-6, offset: bool = False,
+                 scales: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
         self.norm = RMSNorm(WIDTH, eps, offset)
         self.head = nn.Linear(WIDTH, 4)
-        # small: rows whose mean square spans 1e-8 to 1e-2, where an epsilon of 1e-6 or
-        # 1e-5 matters (activations of a layer that starts near zero)
-        self.register_buffer("row_scale", torch.logspace(-4, -1, LENGTH)[None, :, None]
-                             if small else torch.ones(1, LENGTH, 1), persistent=False)
+        # scales: the rows' sizes spread from 10^lo to 10^hi over the positions (activations
+        # of a layer that starts near zero), where an epsilon of 1e-6 or 1e-5 shows
+        rows = (torch.logspace(*scales, LENGTH)[None, :, None] if scales
+                else torch.ones(1, LENGTH, 1))
+        self.register_buffer("row_scale", rows, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.inp(x) * self.row_scale))
 
 
-def rms_norm_eps(reference_eps: float, port_eps: float) -> tuple[Case, Case]:
+def rms_norm_eps(reference_eps: float, port_eps: float,
+                 scales: tuple[float, float] = (-4.0, -1.0)) -> tuple[Case, Case]:
     seed_everything(1)
     x = torch.randn(BATCH, LENGTH, WIDTH)
 
     def build(eps: float = reference_eps) -> NormModel:
-        return NormModel(eps=eps, small=True)
+        return NormModel(eps=eps, scales=scales)
 
     return _pair(build, (x,), "rms_norm_eps", eps=port_eps)
 
