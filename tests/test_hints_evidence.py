@@ -7,6 +7,8 @@ tests/hint_evidence_cases.py through capture and diff."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -125,6 +127,30 @@ def test_an_rms_norm_epsilon_is_fitted_positive_and_close(reference_eps, port_ep
     assert origin.hint is not None and origin.hint["kind"] == "epsilon", origin.hint
     evidence = origin.hint["evidence"]
     assert f"{port_eps:.2g} where the reference's is {reference_eps:.2g}" in evidence, evidence
+
+
+def _rms_norm(x, w, eps):
+    x = torch.tensor(x, dtype=torch.float32)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * torch.tensor(w).float()
+    return y.double().numpy()
+
+
+@pytest.mark.parametrize(("decades", "reference_eps", "port_eps"), [
+    ((-3, 0), 1e-6, 1e-5), ((-3, 0), 1e-5, 1e-6), ((-1, 0), 1e-6, 1e-5), ((-1, 0), 1e-5, 1e-6)])
+def test_both_epsilons_within_ten_percent(decades, reference_eps, port_eps):
+    """Rows of width 64 whose mean squares span the decades given: the linearized fit gave
+    no hint at (-3, 0) and a reference epsilon of 0 (fitted -5e-6, clipped) at (-1, 0)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 32, 64)) * np.logspace(*decades, 32)[None, :, None]
+    x = np.asarray(x, np.float32).astype(np.float64)
+    w = np.asarray(1 + 0.3 * rng.standard_normal(64), np.float32).astype(np.float64)
+    found = hint(_rms_norm(x, w, reference_eps), _rms_norm(x, w, port_eps), role="output",
+                 rtol=RTOL, atol=ATOL, inputs={"0": x}, weights={"weight": w})
+    assert found is not None and found.kind == Kind.EPSILON, found
+    numbers = [float(v) for v in re.findall(r"(\d\.?\d*e-\d+) where the reference's is "
+                                            r"(\d\.?\d*e-\d+)", found.evidence)[0]]
+    assert numbers[0] == pytest.approx(port_eps, rel=0.1), found.evidence
+    assert numbers[1] == pytest.approx(reference_eps, rel=0.1), found.evidence
 
 
 def test_the_epsilon_fit_never_goes_negative():

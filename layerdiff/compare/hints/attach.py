@@ -381,14 +381,16 @@ def _tables(origin: R.Origin, ref: Trace, port: Trace) -> hints.Hint | None:
         if table is None:
             return None
         found.append(table)
-    (ref_where, theta_ref), (port_where, theta_port) = found
+    (ref_where, theta_ref, ref_bits), (port_where, theta_port, port_bits) = found
     length = min(theta_ref.shape[0], theta_port.shape[0])  # a table made for longer inputs
     theta_ref, theta_port = theta_ref[:length], theta_port[:length]
     if theta_ref.shape != theta_port.shape or length < 2:
         return None
     gap = np.abs(np.angle(np.exp(1j * (theta_port - theta_ref))))
-    if float(gap.max()) <= 1e-4:
-        return None  # the same rotation: the fault is elsewhere
+    # tables held in a lower dtype turn each angle by up to about 2^-bits: no evidence
+    bits = min(b for b in (ref_bits, port_bits, 24) if b)
+    if float(gap.max()) <= max(1e-4, 4 * 2.0**-bits):
+        return None  # the same rotation (up to rounding): the fault is elsewhere
     worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
     size = float(np.max(np.abs(theta_ref)))
     if float(np.max(np.abs(np.angle(np.exp(1j * (theta_port + theta_ref)))))) <= 1e-4 * max(
@@ -414,7 +416,18 @@ def _base(theta: np.ndarray) -> float | None:
     return float(theta[1, 1] ** (-half))
 
 
-def _rotation_table(trace: Trace, step: int, module: str) -> tuple[str, np.ndarray] | None:
+def _significant_bits(values: np.ndarray) -> int | None:
+    """8 or 11 when every value is a bfloat16 or float16 number, else None."""
+    for bits in (8, 11):
+        mantissa, exponent = np.frexp(values)
+        if np.array_equal(np.ldexp(np.round(mantissa * 2.0**bits) / 2.0**bits, exponent),
+                          values):
+            return bits
+    return None
+
+
+def _rotation_table(trace: Trace, step: int, module: str
+                    ) -> tuple[str, np.ndarray, int | None] | None:
     """(where, angles (positions, frequencies)) of the first two records of one call and role
     inside ``module``, of one shape (..., L, w), with cos^2 + sin^2 = 1; columns repeated in
     halves (Hugging Face's cat(freqs, freqs)) or in pairs are taken once."""
@@ -447,5 +460,6 @@ def _rotation_table(trace: Trace, step: int, module: str) -> tuple[str, np.ndarr
                 elif width % 2 == 0 and np.allclose(theta[:, 0::2], theta[:, 1::2]):
                     theta = theta[:, 0::2]
                 args = f"'{first['arg']}', '{second['arg']}'"
-                return f"{site} {role} {args}", theta
+                bits = _significant_bits(np.concatenate([cos.ravel(), sin.ravel()]))
+                return f"{site} {role} {args}", theta, bits
     return None

@@ -100,7 +100,7 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
     mask = fit.mask if fit.mask is None or fit.mask.shape[0] == 1 else fit.mask[:keep]
     fit = dataclasses.replace(fit, mask=mask)
     judge = Judge(judge.ref[:keep], judge.port[:keep], judge.rtol, judge.atol)
-    for kind, text, variant in _variants(fit):
+    for kind, text, variant in _variants(fit, site.full_precision or "full-precision"):
         left = judge.accepts(project(_attend(q, k, v, positions, variant)))
         if left is not None:
             return Hint(kind, f"{text}: this attention recomputed that way from the "
@@ -279,7 +279,7 @@ def _fit_reference(q, k, v, context, positions, trig, masks, judge: Judge) -> _F
     return None
 
 
-def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
+def _variants(fit: _Fit, port: str = "full-precision") -> Iterator[tuple[Kind, str, _Fit]]:
     rope = fit.rope
 
     def with_(**changes) -> _Fit:
@@ -303,8 +303,8 @@ def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
             with_(rotate="k")
         for name, bits in LOWER:
             yield Kind.PRECISION, (
-                f"the rotary tables (cos, sin) rounded to {name} inside a port that computes "
-                f"in full precision (a table or constant cast to {name}?)"), \
+                f"the rotary tables (cos, sin) rounded to {name} inside a {port} port (a "
+                f"table or constant cast to {name}?)"), \
                 with_(rope=dataclasses.replace(rope, bits=bits))
     if fit.kv_heads not in (1, fit.heads):
         rep = fit.heads // fit.kv_heads
