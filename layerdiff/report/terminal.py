@@ -162,9 +162,10 @@ def _precision_hint(hint: dict | None, width: int) -> list[str]:
         named = ", ".join(hint["records"]) + (f" and {more} more" if more > 0 else "")
         return textwrap.wrap(
             f"values at {named} are {hint['lower']} inside a {hint['port']} port (a table, a "
-            f"constant or one layer cast to {hint['lower']}?): the rest of the port runs in {hint['port']} "
-            "like the reference, so these are the tensors to look at, not a baseline in "
-            f"{hint['lower']}", width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            f"constant or one layer cast to {hint['lower']}?): the rest of the port runs in "
+            f"{hint['port']} like the reference, so these are the tensors to look at, not a "
+            f"baseline in {hint['lower']}", width, initial_indent=" " * 6,
+            subsequent_indent=" " * 6)
     lines = textwrap.wrap(
         f"the port runs in {hint['port']}, the reference in {hint['reference']}: per-dtype "
         "tolerances cannot know what that precision accumulates. Judge the port by the "

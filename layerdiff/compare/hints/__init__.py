@@ -24,7 +24,8 @@ wrong), which an error of rounding's size must not be read as. One module per fa
   epsilon (fitted >= 0), weight-offset (a norm's weight as w where it is (1 + w), or back);
 - ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
 - ``positions``: mask and batch, told by where the error is (rows where the reference is
-  exactly 0 too; position 0 alone exact with a growing error: rotary); two boolean masks;
+  exactly 0 too; a mask input is boolean or 0/1, never position ids; position 0 alone exact
+  with a growing error and each feature pair's norm kept: rotary); two boolean masks;
 - ``rotary``: a decoder's attention with RoPE and grouped kv heads recomputed (rotary,
   permutation of kv heads, tables rounded to a lower dtype: precision); a rotation of each
   feature pair seen in the origin's own tensor (rotary);
@@ -85,9 +86,10 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
     its tolerance. The reference's tensors of the same site make more kinds testable:
     ``inputs`` (argument -> tensor, masks included), ``weights`` (parameter -> tensor),
     ``grad_output`` (for a backward origin), ``attention`` (see :class:`Attention`) and
-    ``children`` (what the site's sub-modules recorded, in call order). ``full_precision``,
-    the port's dtype when it runs in float32 or float64 everywhere else (a lower dtype's numbers at the
-    origin are then one tensor's, not the port's), ``where`` names the origin's record.
+    ``children`` (what the site's sub-modules recorded, in call order). ``full_precision``:
+    the port's dtype when it runs in float32 or float64 everywhere else (a lower dtype's
+    numbers at the origin are then one tensor's, not the port's); ``where`` names the
+    origin's record.
     """
     if np.asarray(ref).dtype == bool and np.asarray(port).dtype == bool:
         return positions.boolean(np.asarray(ref), np.asarray(port))

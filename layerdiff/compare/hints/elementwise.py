@@ -179,8 +179,8 @@ def precision(judge: Judge, site: Site) -> Hint | None:
             # rounded, not the port's arithmetic
             where = f" {site.where}" if site.where else " here"
             return Hint(Kind.PRECISION, f"values{where} are rounded to {name} inside a "
-                        f"{site.full_precision} port (a table, a constant or one layer cast to {name}?): "
-                        + numbers)
+                        f"{site.full_precision} port (a table, a constant or one layer cast to "
+                        f"{name}?): " + numbers)
         return Hint(Kind.PRECISION, f"computed in {name}: " + numbers)
     return None
 

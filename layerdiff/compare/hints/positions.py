@@ -208,7 +208,9 @@ def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None
     elsewhere (a causal mask off leaves the last position, which sees every key either way,
     exact). Position 0 exact with an error that does not grow is told by nothing here: any
     change to a causal softmax's scores (scale, a rotation's sign) leaves position 0, which
-    attends to itself alone, exact."""
+    attends to itself alone, exact. And growth alone is no rotation: a recurrence from a zero
+    state grows its error with every step too; the rotation's own evidence, each feature
+    pair's norm kept (:func:`~.rotary.pair_norms_kept`), is asked as well."""
     reduce = tuple(a for a in range(judge.error.ndim) if a != axis)
     rms = np.sqrt(np.mean(judge.error**2, axis=reduce))[1:]
     if rms.size < MIN_ROTATED:
