@@ -9,6 +9,7 @@ import pandas as pd
 
 from layerdiff.compare import hints
 from layerdiff.compare import result as R
+from layerdiff.compare.hints.positions import mask_shaped
 from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, schema
@@ -291,7 +292,9 @@ def _attention_parts(trace: Trace, step: int, site: str, output_row: pd.Series,
     masks = [row for _, row in inputs.iterrows()
              if not str(row["dtype"]).startswith(("float", "bfloat", "complex"))
              and int(row["segment"]) >= 0]
-    mask = trace.read(masks[0]) if masks else None
+    # boolean or 0/1 only: position ids (HF attention takes them beside its mask) are none
+    mask = next((values for values, row in ((trace.read(row), row) for row in masks)
+                 if mask_shaped(str(row["arg"]), values)), None)
     projected = _projected_attention(trace, step, site, output_row, max_elements, mask)
     if projected is not None:
         return projected

@@ -122,8 +122,9 @@ def _ungroup(values: np.ndarray, reduced: tuple[int, ...], shape: tuple[int, ...
     return np.transpose(moved, np.argsort(order))
 
 
-EPSILONS = np.concatenate([[0.0], 10.0 ** np.arange(-14.0, 1.01, 0.25)])  # the first grid
-FIT_GROUPS = 4096      # groups the grid search uses (spread over the variances); all refine
+EPSILONS = np.concatenate([[0.0], 10.0 ** np.arange(-14.0, 1.01, 0.5)])  # the first grid
+FIT_GROUPS = 4096      # groups the search uses, spread over the variances (the model is then
+                       # judged on all of them)
 
 
 def _fit_epsilons(c: np.ndarray, variance: np.ndarray,
@@ -155,13 +156,13 @@ def _fit_epsilons(c: np.ndarray, variance: np.ndarray,
         if e[i] < best[0]:
             best = (float(e[i]), float(EPSILONS[i]), float(eps_port))
     _, eps_ref, eps_port = best
-    step = 0.25
-    for _ in range(8):  # refine on log grids around the best, a tenth of a step at the end
+    step = 0.5
+    for _ in range(9):  # refine on log grids around the best, to 1e-3 decades at the end
         step /= 2.5
         refs = _around(eps_ref, step)
         ports = _around(eps_port, step)
         for p in ports:
-            e = energies(refs, float(p), (c, variance, weight))
+            e = energies(refs, float(p), sample)
             i = int(np.argmin(e))
             if e[i] < best[0]:
                 best = (float(e[i]), float(refs[i]), float(p))
