@@ -122,10 +122,10 @@ def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: in
         port_child = (suffix if port_module == schema.ROOT_MODULE
                       else f"{port_module}.{suffix}") + f"#{call}"
         # its first input, then any other floating-point one (a table the site's code made)
-        args = ["0", *(str(arg) for arg, dtype in zip(
-            ref.records(origin.step, child, Role.INPUT, kind="tensor")["arg"],
-            ref.records(origin.step, child, Role.INPUT, kind="tensor")["dtype"], strict=True)
-            if str(arg) != "0" and str(dtype).startswith(("float", "bfloat")))]
+        recorded = ref.records(origin.step, child, Role.INPUT, kind="tensor")
+        args = ["0", *(str(arg) for arg, dtype in zip(recorded["arg"], recorded["dtype"],
+                                                      strict=True)
+                       if str(arg) != "0" and str(dtype).startswith(("float", "bfloat")))]
         for arg in args:
             ref_row = _tensor_row(ref, origin.step, child, Role.INPUT, arg)
             port_row = _tensor_row(port, origin.step, port_child, Role.INPUT, arg)
