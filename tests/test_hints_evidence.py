@@ -69,6 +69,32 @@ def test_position_ids_are_no_mask_and_a_0_1_mask_still_is():
     assert found is not None and found.kind == Kind.MASK
 
 
+def _rope(x, positions, base=10000.0, sign=1.0):
+    """x (batch, length, heads, d) rotated, half-split pairs, as Hugging Face's."""
+    d = x.shape[-1]
+    angles = positions[:, None] * base ** (-np.arange(0, d, 2) / d)[None]
+    angles = np.concatenate([angles, angles], -1)[None, :, None, :]
+    turned = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * np.cos(angles) + sign * turned * np.sin(angles)
+
+
+@pytest.mark.parametrize(("bug", "words"), [
+    ({"offset": 3.0}, "the same turn at every position (positions offset"),
+    ({"base": 500000.0}, "no turn at position 0"),
+    ({"sign": -1.0}, "the sine negated")])
+def test_each_rope_mistake_at_a_rotary_site_is_a_rotation(bug, words):
+    rng = np.random.default_rng(3)
+    x = np.asarray(rng.standard_normal((3, 12, 2, 8)), np.float32).astype(np.float64)
+    positions = np.arange(12, dtype=np.float64)
+    ref = np.asarray(_rope(x, positions), np.float32).astype(np.float64)
+    port = _rope(x, positions + bug.get("offset", 0.0), bug.get("base", 10000.0),
+                 bug.get("sign", 1.0))
+    found = hint(ref, np.asarray(port, np.float32).astype(np.float64), role="output",
+                 rtol=RTOL, atol=ATOL, inputs={"0": x})
+    assert found is not None and found.kind == Kind.ROTARY, found
+    assert words in found.evidence and "half-split pairs" in found.evidence
+
+
 def test_a_random_error_that_keeps_no_pair_norm_gets_no_rotary():
     rng = np.random.default_rng(5)
     out = rng.standard_normal((4, 16, 32))
