@@ -135,7 +135,20 @@ def refuse_unloadable(assignments: list[Assignment], reference: dict[str, np.nda
                 "trace captured before layerdiff recorded the parameters of such modules at "
                 f"their caller lacks them): capture the reference again (or {rules})")
         raise MappingError(f"weights from {source}: nothing in the reference gives port "
-                           f"{shown} ({len(missing)} tensors); {rules}")
+                           f"{shown} ({len(missing)} tensors); {rules}, or look at the port: "
+                           f"{_port_side(missing)}")
+
+
+def _port_side(missing: list[str]) -> str:
+    """Where a port tensor no reference tensor gives may come from the port itself: an extra
+    parameter (a bias or a norm weight the reference's layer does not have), or a buffer it
+    makes for itself (declared with [[unmatched]])."""
+    modules = list(dict.fromkeys(name.rpartition(".")[0] or "<root>" for name in missing))
+    shown = ", ".join(modules[:3]) + (" ..." if len(modules) > 3 else "")
+    return (f"the port's {'module' if len(modules) == 1 else 'modules'} {shown} may have a "
+            "parameter the reference's layer does not (an extra bias or weight: the two "
+            "layers differ there), or a buffer it makes itself (declare it with [[unmatched]] "
+            f"port = \"{missing[0]}\")")
 
 
 # ---- resolution: what each port tensor would get (load_weights and map_check share it)
@@ -205,7 +218,8 @@ def resolve_shapes(shapes: dict[str, tuple[int, ...]], port_modules: Collection[
         if absent:
             note = f"the reference has no {', '.join(absent)}" + (
                 "; no [[param]] rule names it and its module pairs with none by name"
-                if found.reference == [name] else "")
+                if found.reference == [name] else "") + (
+                "; or a parameter only the port's layer has (an extra bias or weight)")
             assignments.append(Assignment(name, shape, found, problem=NO_SOURCE, note=note))
             continue
         assignments.append(_checked(_shard(_combined(Assignment(name, shape, found),

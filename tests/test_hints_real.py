@@ -108,17 +108,28 @@ def test_a_random_error_at_a_rotary_attention_gets_no_hint(llama_attention):
     assert kind_of(out, noisy, attention=parts) is None
 
 
-def test_position_zero_exact_is_rotary_only_when_the_error_grows_with_the_position():
+def test_position_zero_exact_is_rotary_only_when_each_feature_pair_keeps_its_norm():
+    """An error that is 0 at position 0 and grows with the position is no evidence of a
+    rotary embedding by itself (a recurrence from a zero state has it too): the port must be
+    the reference with each feature pair turned, its norm kept."""
     rng = np.random.default_rng(2)
     out = f32(rng.standard_normal((4, 16, 32)))
     growing, flat = out.copy(), out.copy()
     position = np.arange(16)[None, :, None]
     growing[:, 1:] += (position[:, 1:] * 1e-3) * rng.standard_normal((4, 15, 32))
     flat[:, 1:] += 1e-2 * rng.standard_normal((4, 15, 32))
-    assert kind_of(out, growing) == Kind.ROTARY
+    assert kind_of(out, growing) is None  # grows, but changes the pairs' norms
     # a causal softmax's scores changed (a scale) leave position 0 exact too: no hint, and
     # never a mask (a mask's boundary leaves the last position exact, not the first)
     assert kind_of(out, flat) is None
+    # each interleaved pair turned by 1e-3 x position x its frequency: a rotary base off
+    turn = 1e-3 * np.arange(16)[:, None] * 10000.0 ** (-np.arange(16) / 16)[None, :]
+    z = (out[..., 0::2] + 1j * out[..., 1::2]) * np.exp(1j * turn)
+    rotated = out.copy()
+    rotated[..., 0::2], rotated[..., 1::2] = z.real, z.imag
+    found = hint(out, f32(rotated), role="output", rtol=RTOL, atol=ATOL)
+    assert found is not None and found.kind == Kind.ROTARY, found
+    assert "interleaved pairs" in found.evidence and "keeps its norm" in found.evidence
 
 
 # ---- activations

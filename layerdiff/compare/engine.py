@@ -321,6 +321,22 @@ def _refuse_other_models(ref: Trace, port: Trace, rows: pd.DataFrame) -> None:
                     "its weights (--weights-from), or pass --map where names differ")
 
 
+MAX_LOWER_NAMED = 5    # records of a lower dtype in a full-precision port, named by the hint
+LOWER_SHARE = 0.1      # a port with at most this share of its float records in a lower dtype
+                       # (and captured without a lower --dtype or autocast) runs in full
+                       # precision
+
+
+def _one_tensor_lower(port: Trace, floats: pd.DataFrame, differ: pd.DataFrame) -> bool:
+    """Whether the port runs in its reference's precision but for a few records of a lower
+    dtype: captured without a lower --dtype or an autocast, and those records at most
+    LOWER_SHARE of its floating-point ones."""
+    meta = port.meta
+    if meta.get("autocast") or str(meta.get("dtype") or "") in ("bfloat16", "float16", "half"):
+        return False
+    return len(differ) <= LOWER_SHARE * len(floats)
+
+
 def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
                     mapping: Mapping) -> dict[str, Any] | None:
     """When the port runs in another precision and no baseline was given: the two commands
@@ -334,6 +350,16 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
         return None
     port_dtype = str(differ[Column.PORT_DTYPE].mode().iloc[0])
     autocast = port.meta.get("autocast")
+    if _one_tensor_lower(port, floats, differ):
+        # a float32 port with a few lower-precision tensors (a table, a constant cast to
+        # bfloat16 and multiplied into float32 values): a baseline run wholly in that dtype
+        # would hide the mistake; name the tensors instead
+        named = [f"{row[Column.SITE]} {row[Column.ROLE]} '{row[Column.ARG]}'"
+                 for _, row in differ.drop_duplicates(
+                     [Column.SITE, Column.ROLE, Column.ARG]).head(MAX_LOWER_NAMED).iterrows()]
+        return {"reference": str(floats[Column.DTYPE].mode().iloc[0]),
+                "port": str(floats[Column.PORT_DTYPE].mode().iloc[0]), "lower": port_dtype,
+                "records": named, "count": len(differ)}
     flag = (f"--autocast {autocast}" if autocast
             else f"--dtype {port.meta.get('dtype') or port_dtype}")
     # always the steps: the trace cannot tell whether the reference ran its case's default

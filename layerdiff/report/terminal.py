@@ -162,6 +162,15 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
 def _precision_hint(hint: dict | None, width: int) -> list[str]:
     if not hint:
         return []
+    if hint.get("records"):  # a few tensors of a lower dtype inside a full-precision port
+        more = hint["count"] - len(hint["records"])
+        named = ", ".join(hint["records"]) + (f" and {more} more" if more > 0 else "")
+        return textwrap.wrap(
+            f"values at {named} are {hint['lower']} inside a {hint['port']} port (a table, a "
+            f"constant or one layer cast to {hint['lower']}?): the rest of the port runs in "
+            f"{hint['port']} like the reference, so these are the tensors to look at, not a "
+            f"baseline in {hint['lower']}", width, initial_indent=" " * 6,
+            subsequent_indent=" " * 6)
     lines = textwrap.wrap(
         f"the port runs in {hint['port']}, the reference in {hint['reference']}: per-dtype "
         "tolerances cannot know what that precision accumulates. Judge the port by the "

@@ -21,12 +21,14 @@ wrong), which an error of rounding's size must not be read as. One module per fa
 - ``elementwise``: sign, scale, missing-term, approximation, precision;
 - ``layout``: transpose (axes, reshapes, a weight applied transposed), permutation;
 - ``normalization``: axis (a softmax over another axis; a norm backward over other axes),
-  epsilon;
+  epsilon (fitted >= 0), weight-offset (a norm's weight as w where it is (1 + w), or back);
 - ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
 - ``positions``: mask and batch, told by where the error is (rows where the reference is
-  exactly 0 too; position 0 alone exact with a growing error: rotary); two boolean masks;
+  exactly 0 too; a mask input is boolean or 0/1, never position ids; position 0 alone exact
+  with a growing error and each feature pair's norm kept: rotary); two boolean masks;
 - ``rotary``: a decoder's attention with RoPE and grouped kv heads recomputed (rotary,
-  permutation of kv heads);
+  permutation of kv heads, tables rounded to a lower dtype: precision); a rotation of each
+  feature pair seen in the origin's own tensor (rotary);
 - ``activation``: another activation function, at its site or inside a module;
 - ``recurrent``: an LSTM's or GRU's gates in another order (permutation).
 """
@@ -53,7 +55,9 @@ MIN_VALUES = 8         # fewer values than this: no hint
 
 # The order the kinds are tried in: the first that accepts names the hint.
 TESTS: list[Test] = [
-    elementwise.sign, elementwise.scale, elementwise.missing_term,
+    # no number fitted: a norm's weight as (1 + w) on one side, w on the other (before scale,
+    # which a constant w would also satisfy, less precisely)
+    elementwise.sign, normalization.weight_offset, elementwise.scale, elementwise.missing_term,
     layout.transpose, layout.permutation, layout.linear_transposed, recurrent.gate_order,
     normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention,
     normalization.epsilon,
@@ -62,6 +66,9 @@ TESTS: list[Test] = [
     # rounding's size can fall in some batch elements or positions more than others, and
     # where it falls is then no evidence of a mask or a batch mix
     elementwise.precision,
+    # a rotation of each feature pair by an angle of the position and the pair alone: asked
+    # before where the error is, as a rotary mistake leaves position 0 exact (a mask's look)
+    rotary.rotation,
     positions.mask_input, positions.zero_rows, positions.batch, positions.positions,
 ]
 
@@ -71,14 +78,18 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
          weights: dict[str, np.ndarray] | None = None,
          grad_output: np.ndarray | None = None,
          attention: Attention | None = None,
-         children: list[Child] | None = None) -> Hint | None:
+         children: list[Child] | None = None, full_precision: str = "",
+         where: str = "") -> Hint | None:
     """The likely cause of the difference between ``ref`` and ``port`` at an origin, or None.
 
     ``role`` is the origin's (output, grad_input, weight_grad, weight); ``rtol`` and ``atol``
     its tolerance. The reference's tensors of the same site make more kinds testable:
     ``inputs`` (argument -> tensor, masks included), ``weights`` (parameter -> tensor),
     ``grad_output`` (for a backward origin), ``attention`` (see :class:`Attention`) and
-    ``children`` (what the site's sub-modules recorded, in call order).
+    ``children`` (what the site's sub-modules recorded, in call order). ``full_precision``:
+    the port's dtype when it runs in float32 or float64 everywhere else (a lower dtype's
+    numbers at the origin are then one tensor's, not the port's); ``where`` names the
+    origin's record.
     """
     if np.asarray(ref).dtype == bool and np.asarray(port).dtype == bool:
         return positions.boolean(np.asarray(ref), np.asarray(port))
@@ -92,7 +103,7 @@ def hint(ref: np.ndarray, port: np.ndarray, *, role: str, rtol: float, atol: flo
     if judge.energy == 0 or float(np.max(judge.ratio)) <= 1:
         return None  # within tolerance: no error to explain
     site = Site(role, inputs or {}, weights or {}, grad_output, attention,
-                children or [])
+                children or [], full_precision, where)
     for test in TESTS:
         found = test(judge, site)
         if found is not None:

@@ -31,6 +31,7 @@ class Kind(StrEnum):
     SIGN = "sign"                    # port = -ref
     ROTARY = "rotary"                # q/k rotated otherwise: pair layout, sign, frequency base
     ACTIVATION = "activation"        # another activation function (silu for gelu, ...)
+    WEIGHT_OFFSET = "weight-offset"  # a norm's weight used as w where it is (1 + w), or back
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class Site:
     grad_output: np.ndarray | None
     attention: Attention | None
     children: list[Child] = field(default_factory=list)
+    full_precision: str = ""       # the port's dtype where it runs in float32/float64
+    where: str = ""                # the origin's record, for people ('at attn#0')
 
     @property
     def backward(self) -> bool:

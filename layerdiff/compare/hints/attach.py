@@ -9,6 +9,7 @@ import pandas as pd
 
 from layerdiff.compare import hints
 from layerdiff.compare import result as R
+from layerdiff.compare.hints.positions import mask_shaped
 from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, schema
@@ -33,10 +34,11 @@ def attach_hints(origins: list[R.Origin], reader: PairReader, *,
     port's gradients at the reference's loss scale)."""
     if reader.ref.summary or reader.port.summary:
         return
+    full = _full_precision(reader.port)
     for origin in origins[:max_origins]:
         try:
             with np.errstate(all="ignore"):  # -inf from a mask in the inputs: no warnings
-                found = _hint(origin, reader, max_elements)
+                found = _hint(origin, reader, max_elements, full)
         except (TraceError, ValueError, np.linalg.LinAlgError):
             # a record that cannot be read, or tensors no model fits the shapes of: a hint is
             # a help, never a reason for the diff to fail
@@ -44,7 +46,23 @@ def attach_hints(origins: list[R.Origin], reader: PairReader, *,
         origin.hint = None if found is None else found.as_json()
 
 
-def _hint(origin: R.Origin, reader: PairReader, max_elements: int) -> hints.Hint | None:
+def _full_precision(port: Trace) -> str:
+    """The port's dtype when it runs in full precision: captured without a lower --dtype or an
+    autocast, and at least 90% of its floating-point records float32 or float64 ('' when
+    not). A lower dtype found at one of its records is then that record's (a table or a
+    constant cast), not the port's."""
+    meta = port.meta
+    if meta.get("autocast") or str(meta.get("dtype") or "") in ("bfloat16", "float16", "half"):
+        return ""
+    dtypes = port.index["dtype"].astype(str)
+    floats = dtypes[dtypes.str.contains("float")]
+    if len(floats) == 0 or float(floats.isin(["float32", "float64"]).mean()) < 0.9:
+        return ""
+    return str(floats.mode().iloc[0])
+
+
+def _hint(origin: R.Origin, reader: PairReader, max_elements: int,
+          full_precision: str = "") -> hints.Hint | None:
     row = origin_row(origin)
     ref_row, port_row = reader.records(row)
     if ref_row is None or port_row is None or min(int(ref_row["segment"]),
@@ -53,20 +71,23 @@ def _hint(origin: R.Origin, reader: PairReader, max_elements: int) -> hints.Hint
     ref, port = reader.ref, reader.port
     # compared element by element: checked by digest alone where the sealed index vouches
     ref_values, port_values = reader.read(row, stored=True, compared=True)
-    found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements)
+    where = f"at {origin.site}" + ("" if origin.arg in ("", "0") else f" '{origin.arg}'")
+    found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements,
+                     full_precision=full_precision, where=where)
     if found is not None or origin.role != Role.OUTPUT or origin.pass_ != Pass.FORWARD:
         return found
     inner = _own_code_record(origin, ref, port, max_elements)
-    if inner is None:
-        return None
-    # the first value the site's own code made wrong, before its later children reshaped it
-    child, ref_values, port_values = inner
-    found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements,
-                     children_only=True)
-    if found is None:
-        return None
-    return hints.Hint(found.kind, f"at {child}'s input (the first value the site's own code "
-                      f"makes that is out): {found.evidence}")
+    if inner is not None:
+        # the first value the site's own code made wrong, before its later children
+        # reshaped it
+        child, ref_values, port_values = inner
+        found = _hint_at(origin, ref, ref_values, port_values, ref_row, max_elements,
+                         children_only=True, full_precision=full_precision,
+                         where="there")
+        if found is not None:
+            return hints.Hint(found.kind, f"at {child} (the first value the site's own code "
+                              f"makes that is out): {found.evidence}")
+    return _tables(origin, ref, port)
 
 
 def _relative(site: str, child: str) -> str:
@@ -100,22 +121,28 @@ def _own_code_record(origin: R.Origin, ref: Trace, port: Trace, max_elements: in
             continue
         port_child = (suffix if port_module == schema.ROOT_MODULE
                       else f"{port_module}.{suffix}") + f"#{call}"
-        ref_row = _tensor_row(ref, origin.step, child, Role.INPUT, "0")
-        port_row = _tensor_row(port, origin.step, port_child, Role.INPUT, "0")
-        if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
-            continue
-        a = np.asarray(ref.read(ref_row), np.float64)
-        b = np.asarray(port.read(port_row), np.float64)
-        if a.shape != b.shape:
-            continue
-        if np.any(np.abs(b - a) > atol + rtol * np.abs(a)):
-            return suffix, a, b
+        # its first input, then any other floating-point one (a table the site's code made)
+        recorded = ref.records(origin.step, child, Role.INPUT, kind="tensor")
+        args = ["0", *(str(arg) for arg, dtype in zip(recorded["arg"], recorded["dtype"],
+                                                      strict=True)
+                       if str(arg) != "0" and str(dtype).startswith(("float", "bfloat")))]
+        for arg in args:
+            ref_row = _tensor_row(ref, origin.step, child, Role.INPUT, arg)
+            port_row = _tensor_row(port, origin.step, port_child, Role.INPUT, arg)
+            if ref_row is None or port_row is None or int(ref_row["numel"]) > max_elements:
+                continue
+            a = np.asarray(ref.read(ref_row), np.float64)
+            b = np.asarray(port.read(port_row), np.float64)
+            if a.shape != b.shape:
+                continue
+            if np.any(np.abs(b - a) > atol + rtol * np.abs(a)):
+                return suffix + "'s input" + ("" if arg == "0" else f" '{arg}'"), a, b
     return None
 
 
 def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: np.ndarray,
-             ref_row: pd.Series, max_elements: int,
-             children_only: bool = False) -> hints.Hint | None:
+             ref_row: pd.Series, max_elements: int, children_only: bool = False,
+             full_precision: str = "", where: str = "") -> hints.Hint | None:
     step, role = origin.step, origin.role
     port_values = _as_compared(ref_values, port_values, None if children_only
                                else origin.metrics.get("max_abs"))
@@ -150,7 +177,8 @@ def _hint_at(origin: R.Origin, ref: Trace, ref_values: np.ndarray, port_values: 
     return hints.hint(cut(ref_values), cut(port_values), role=role,
                       rtol=float(rtol or 0.0), atol=float(atol or 0.0),
                       inputs={k: cut(v) for k, v in inputs.items()}, weights=weights,
-                      grad_output=grad_output, attention=attention, children=children)
+                      grad_output=grad_output, attention=attention, children=children,
+                      full_precision=full_precision, where=where)
 
 
 MAX_CHILDREN = 16      # a module with more sub-modules than this is not looked inside
@@ -264,7 +292,9 @@ def _attention_parts(trace: Trace, step: int, site: str, output_row: pd.Series,
     masks = [row for _, row in inputs.iterrows()
              if not str(row["dtype"]).startswith(("float", "bfloat", "complex"))
              and int(row["segment"]) >= 0]
-    mask = trace.read(masks[0]) if masks else None
+    # boolean or 0/1 only: position ids (HF attention takes them beside its mask) are none
+    mask = next((values for values, row in ((trace.read(row), row) for row in masks)
+                 if mask_shaped(str(row["arg"]), values)), None)
     projected = _projected_attention(trace, step, site, output_row, max_elements, mask)
     if projected is not None:
         return projected
@@ -333,3 +363,106 @@ def _projected_attention(trace: Trace, step: int, site: str, output_row: pd.Seri
     bias = _module_param(trace, step, out_site, "bias")
     return hints.Attention(q, k, v, trace.read(context), trace.read(out_weight),
                            None if bias is None else trace.read(bias), mask)
+
+
+# ---- rotary tables made by the site's own code
+
+TABLE_VALUES = 1 << 16  # a rotary table larger than this is not looked for
+ROTATION = 2e-2         # cos^2 + sin^2 = 1 to this (a bfloat16 table's is about 8e-3 off)
+
+
+def _tables(origin: R.Origin, ref: Trace, port: Trace) -> hints.Hint | None:
+    """At an origin whose own code is at fault and no value it makes tells how: the rotary
+    tables inside it, when both sides record them (as a module's output or a layer's input).
+    Both are rotations (cos^2 + sin^2 = 1, column by column a frequency); a port whose angles
+    differ from the reference's made its rotation otherwise (another base, the sine's sign).
+    The tables' layouts may differ (Meta's (L, d/2), Hugging Face's (L, d)): compared by
+    frequency, not element by element."""
+    found = []
+    for trace, site in ((ref, origin.site), (port, origin.port_site or origin.site)):
+        table = _rotation_table(trace, origin.step, schema.split_site(site)[0])
+        if table is None:
+            return None
+        found.append(table)
+    (ref_where, theta_ref, ref_bits), (port_where, theta_port, port_bits) = found
+    length = min(theta_ref.shape[0], theta_port.shape[0])  # a table made for longer inputs
+    theta_ref, theta_port = theta_ref[:length], theta_port[:length]
+    if theta_ref.shape != theta_port.shape or length < 2:
+        return None
+    gap = np.abs(np.angle(np.exp(1j * (theta_port - theta_ref))))
+    # tables held in a lower dtype turn each angle by up to about 2^-bits: no evidence
+    bits = min(b for b in (ref_bits, port_bits, 24) if b)
+    if float(gap.max()) <= max(1e-4, 4 * 2.0**-bits):
+        return None  # the same rotation (up to rounding): the fault is elsewhere
+    worst = np.unravel_index(int(np.argmax(gap)), gap.shape)
+    size = float(np.max(np.abs(theta_ref)))
+    if float(np.max(np.abs(np.angle(np.exp(1j * (theta_port + theta_ref)))))) <= 1e-4 * max(
+            size, 1.0):
+        what = "the port's angles are the reference's negated: the rotation's sine negated"
+    else:
+        bases = [_base(theta) for theta in (theta_ref, theta_port)]
+        what = ("the port's frequency base is {1:.4g} where the reference's is {0:.4g}"
+                .format(*bases) if all(bases) and abs(bases[1] / bases[0] - 1) > 1e-3 else
+                "other frequencies or positions")
+    return hints.Hint(hints.Kind.ROTARY, f"the rotary tables inside the site differ: "
+                      f"the port's ({port_where}) and the reference's ({ref_where}) are both "
+                      f"rotations (cos^2 + sin^2 = 1) whose angles differ, by up to "
+                      f"{float(gap.max()):.2g} rad (position {int(worst[0])}): {what}")
+
+
+def _base(theta: np.ndarray) -> float | None:
+    """The base of a table's frequencies base^(-2j/d), j < d/2, from the angle of the
+    second one at position 1."""
+    half = theta.shape[1]
+    if half < 2 or not 0 < theta[1, 1] < 1:
+        return None
+    return float(theta[1, 1] ** (-half))
+
+
+def _significant_bits(values: np.ndarray) -> int | None:
+    """8 or 11 when every value is a bfloat16 or float16 number, else None."""
+    for bits in (8, 11):
+        mantissa, exponent = np.frexp(values)
+        if np.array_equal(np.ldexp(np.round(mantissa * 2.0**bits) / 2.0**bits, exponent),
+                          values):
+            return bits
+    return None
+
+
+def _rotation_table(trace: Trace, step: int, module: str
+                    ) -> tuple[str, np.ndarray, int | None] | None:
+    """(where, angles (positions, frequencies)) of the first two records of one call and role
+    inside ``module``, of one shape (..., L, w), with cos^2 + sin^2 = 1; columns repeated in
+    halves (Hugging Face's cat(freqs, freqs)) or in pairs are taken once."""
+    rows = trace.records(step, pass_=Pass.FORWARD, kind="tensor")
+    rows = rows[(rows["segment"] >= 0) & (rows["numel"] <= TABLE_VALUES)
+                & (rows["numel"] >= 8)
+                & rows["dtype"].astype(str).str.startswith(("float", "bfloat")).to_numpy()]
+    if module != schema.ROOT_MODULE:
+        inside = [schema.split_site(s)[0] == module or schema.split_site(s)[0].startswith(
+            module + ".") for s in rows["site"]]
+        rows = rows[np.asarray(inside, dtype=bool)] if len(rows) else rows
+    for (site, role), group in rows.groupby(["site", "role"], sort=False):
+        group = group.sort_values("seq")
+        listed = list(group.iterrows())
+        for i, (_, first) in enumerate(listed):
+            for _, second in listed[i + 1:i + 2]:
+                if first["shape"] != second["shape"]:
+                    continue
+                shape = schema.parse_shape(first["shape"])
+                if len(shape) < 2 or shape[-2] < 2:
+                    continue
+                cos = np.asarray(trace.read(first), np.float64)
+                sin = np.asarray(trace.read(second), np.float64)
+                if not np.allclose(cos * cos + sin * sin, 1.0, atol=ROTATION, rtol=0):
+                    continue
+                theta = np.arctan2(sin, cos).reshape(-1, *shape[-2:])[0]
+                width = theta.shape[1]
+                if width % 2 == 0 and np.allclose(theta[:, : width // 2], theta[:, width // 2:]):
+                    theta = theta[:, : width // 2]
+                elif width % 2 == 0 and np.allclose(theta[:, 0::2], theta[:, 1::2]):
+                    theta = theta[:, 0::2]
+                args = f"'{first['arg']}', '{second['arg']}'"
+                bits = _significant_bits(np.concatenate([cos.ravel(), sin.ravel()]))
+                return f"{site} {role} {args}", theta, bits
+    return None

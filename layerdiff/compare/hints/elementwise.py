@@ -169,10 +169,19 @@ def precision(judge: Judge, site: Site) -> Hint | None:
         if port_in < 0.99 or ref_in >= 0.5:
             continue
         k = _rms(error) / max(_rms(_rounding(ref, bits)), 1e-300)
-        if 0.1 <= k <= 16:
-            return Hint(Kind.PRECISION, f"computed in {name}: {port_in:.0%} of the port's "
-                        f"values are {name} numbers ({ref_in:.0%} of the reference's), its "
-                        f"error {k:.2g}x what rounding the reference to {name} makes")
+        if not 0.1 <= k <= 16:
+            continue
+        numbers = (f"{port_in:.0%} of the port's values are {name} numbers ({ref_in:.0%} of "
+                   f"the reference's), its error {k:.2g}x what rounding the reference to "
+                   f"{name} makes")
+        if site.full_precision:
+            # the port's records are float32 (or wider) everywhere else: this one tensor was
+            # rounded, not the port's arithmetic
+            where = f" {site.where}" if site.where else " here"
+            return Hint(Kind.PRECISION, f"values{where} are rounded to {name} inside a "
+                        f"{site.full_precision} port (a table, a constant or one layer cast to "
+                        f"{name}?): " + numbers)
+        return Hint(Kind.PRECISION, f"computed in {name}: " + numbers)
     return None
 
 

@@ -65,7 +65,7 @@ def epsilon(judge: Judge, site: Site) -> Hint | None:
         c = np.sum(y * z, axis=1) / yy
         for variance, what in ((np.var(xs, axis=1), "variance"),
                                (np.mean(xs * xs, axis=1), "mean square")):
-            fitted = _fit_epsilons(c, variance)
+            fitted = _fit_epsilons(c, variance, yy)
             if fitted is None:
                 continue
             eps_ref, eps_port = fitted
@@ -79,7 +79,8 @@ def epsilon(judge: Judge, site: Site) -> Hint | None:
                           / max(np.sum((1 - factor) ** 2 * yy), 1e-300))
             reference = (f"{eps_ref:.2g}" if eps_ref > 0
                          else "one too small to measure")
-            return Hint(Kind.EPSILON, f"a normalization's epsilon: {eps_port:.2g} where the "
+            port = f"{eps_port:.2g}" if eps_port > 0 else "one too small to measure"
+            return Hint(Kind.EPSILON, f"a normalization's epsilon: {port} where the "
                         f"reference's is {reference}, fitted from each {text}'s {what} of the "
                         f"input ({left_text(left)}); the 10% of {text}s with the smallest {what} "
                         f"hold {share:.0%} of the error")
@@ -121,21 +122,62 @@ def _ungroup(values: np.ndarray, reduced: tuple[int, ...], shape: tuple[int, ...
     return np.transpose(moved, np.argsort(order))
 
 
-def _fit_epsilons(c: np.ndarray, variance: np.ndarray) -> tuple[float, float] | None:
-    """(eps_ref, eps_port) from the per-group factors: c^2 (v + eps_port) = v + eps_ref is
-    linear in both, fitted by least squares; eps_ref is clipped at 0 (it is the poorly
-    determined one when it is much smaller than every variance)."""
-    c2 = c * c
-    a = np.stack([c2, -np.ones_like(c2)], axis=1)
-    b = variance * (1 - c2)
-    (eps_port, eps_ref), *_ = np.linalg.lstsq(a, b, rcond=None)
-    if eps_ref < 0:
-        eps_ref = 0.0
-        eps_port = float(np.sum(c2 * b) / np.sum(c2 * c2))
-    if not (eps_port > 0 and np.isfinite(eps_port)) or abs(eps_port - eps_ref) <= 1e-3 * max(
-            eps_port, eps_ref):
+EPSILONS = np.concatenate([[0.0], 10.0 ** np.arange(-14.0, 1.01, 0.5)])  # the first grid
+FIT_GROUPS = 4096      # groups the search uses, spread over the variances (the model is then
+                       # judged on all of them)
+
+
+def _fit_epsilons(c: np.ndarray, variance: np.ndarray,
+                  weight: np.ndarray | None = None) -> tuple[float, float] | None:
+    """(eps_ref, eps_port), both >= 0, that make sqrt((v + eps_ref) / (v + eps_port)) closest
+    to the per-group factors c, each group weighted by its energy (``weight``): the model's
+    own residual energy, so the least-squares sense is the acceptance rule's. An epsilon is a
+    physical quantity, never negative: searched over 0 and 10^-14 .. 10 on a log grid, then
+    refined around the best. (Solving the linearized c^2 (v + eps_port) = v + eps_ref by
+    least squares returned a negative epsilon, -8e-7 for 1e-6, where every variance is far
+    above both: only their difference is determined there.)"""
+    weight = np.ones_like(c) if weight is None else weight
+    if c.size > FIT_GROUPS:
+        pick = np.argsort(variance)[np.linspace(0, c.size - 1, FIT_GROUPS).astype(np.int64)]
+        sample = (c[pick], variance[pick], weight[pick])
+    else:
+        sample = (c, variance, weight)
+
+    def energies(eps_ref: np.ndarray, eps_port: float, groups) -> np.ndarray:
+        cc, v, w = groups
+        with np.errstate(divide="ignore", invalid="ignore"):
+            f = np.sqrt((v[None, :] + eps_ref[:, None]) / (v[None, :] + eps_port))
+        return np.where(np.isfinite(f), w * (cc - f) ** 2, np.inf).sum(axis=1)
+
+    best = (np.inf, 0.0, 0.0)
+    for eps_port in EPSILONS:
+        e = energies(EPSILONS, float(eps_port), sample)
+        i = int(np.argmin(e))
+        if e[i] < best[0]:
+            best = (float(e[i]), float(EPSILONS[i]), float(eps_port))
+    _, eps_ref, eps_port = best
+    step = 0.5
+    for _ in range(9):  # refine on log grids around the best, to 1e-3 decades at the end
+        step /= 2.5
+        refs = _around(eps_ref, step)
+        ports = _around(eps_port, step)
+        for p in ports:
+            e = energies(refs, float(p), sample)
+            i = int(np.argmin(e))
+            if e[i] < best[0]:
+                best = (float(e[i]), float(refs[i]), float(p))
+        _, eps_ref, eps_port = best
+    if not (np.isfinite(best[0]) and eps_ref >= 0 and eps_port >= 0) or abs(
+            eps_port - eps_ref) <= 1e-3 * max(eps_port, eps_ref):
         return None
-    return float(eps_ref), float(eps_port)
+    return eps_ref, eps_port
+
+
+def _around(eps: float, step: float) -> np.ndarray:
+    """eps and its neighbours on a log grid of ``step`` decades (0 stays 0)."""
+    if eps == 0:
+        return np.array([0.0])
+    return eps * 10.0 ** (step * np.arange(-2, 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,3 +247,50 @@ def _other_axes(ndim: int, used: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         if axes not in seen:
             seen.add(axes)
             yield axes
+
+
+# ---------------------------------------------------------------------------------------------
+# A norm's weight stored as an offset from 1 (Gemma's RMS norm: x_hat (1 + w))
+
+
+def weight_offset(judge: Judge, site: Site) -> Hint | None:
+    """A layer or RMS norm whose weight w is used as (1 + w) on one side and as w on the
+    other: Gemma's RMS norm stores its scale as an offset from 1, and a port that multiplies
+    by w alone (or adds 1 to a weight stored whole) gives port = ref w / (1 + w) feature by
+    feature (or (1 + w) / w). The reference is first rebuilt from the site's input as a
+    row-wise normalization times its multiplier (one scale per row, fitted, so the epsilon
+    need not be known); then the port is the same rows times the other multiplier, with the
+    recorded w and no number fitted."""
+    if site.role != Role.OUTPUT:
+        return None
+    shape = judge.ref.shape
+    x = next((v for _, v in site.float_inputs() if v.shape == shape), None)
+    w = site.weights.get("weight")
+    if x is None or w is None or np.ndim(w) != 1 or x.ndim < 1 or np.size(w) != shape[-1] \
+            or shape[-1] < 4:
+        return None
+    w = np.asarray(w, np.float64)
+    bias = np.asarray(site.weights.get("bias", 0.0), np.float64)
+    if bias.ndim and bias.shape != w.shape:
+        return None
+    for centred in (False, True):
+        xc = x - x.mean(-1, keepdims=True) if centred else x
+        for ref_mult, port_mult, text in (
+                (1 + w, w, "the port multiplies by w where the reference multiplies by (1 + w)"),
+                (w, 1 + w, "the port multiplies by (1 + w) where the reference multiplies by w")):
+            base = xc * ref_mult
+            norm = np.sum(base * base, axis=-1, keepdims=True)
+            scale = np.sum((judge.ref - bias) * base, axis=-1, keepdims=True) / np.where(
+                norm > 0, norm, 1)
+            if not judge.close(scale * base + bias, judge.ref):
+                continue  # the reference is no normalization times this multiplier
+            left = judge.accepts(scale * xc * port_mult + bias)
+            if left is not None:
+                what = "a layer" if centred else "an RMS"
+                ratio = "w / (1 + w)" if port_mult is w else "(1 + w) / w"
+                return Hint(Kind.WEIGHT_OFFSET, f"norm weight offset: {text} (Gemma's RMS norm "
+                            f"stores its scale as an offset from 1): port = reference x "
+                            f"{ratio} feature by feature with the recorded weight, the "
+                            f"reference rebuilt as {what} norm of the input "
+                            f"({left_text(left)})")
+    return None

@@ -16,6 +16,7 @@ import numpy as np
 from layerdiff.trace.schema import PARAM_ROLES, RESULT_ROLES
 
 from ._common import NOISE, Hint, Judge, Kind, Site, shift_mask
+from .rotary import pair_norms_kept
 
 CHANCE = 1e-6          # a pattern of where the error is must be this unlikely by chance
 
@@ -72,6 +73,8 @@ def mask_input(judge: Judge, site: Site) -> Hint | None:
     if site.role not in RESULT_ROLES or ref.ndim < 2:
         return None
     for name, mask in site.masks():
+        if not mask_shaped(name, mask):
+            continue  # position ids, token ids: where they are 0 is no mask
         for pattern, what in _mask_patterns(mask, ref.shape):
             worst, _ = _slices(judge, tuple(range(pattern.ndim)))
             bad = worst > 1
@@ -84,6 +87,17 @@ def mask_input(judge: Judge, site: Site) -> Hint | None:
                         f"{_x(worst[pattern].max())} there, {_x(worst[~pattern].max())} "
                         "elsewhere)")
     return None
+
+
+def mask_shaped(name: str, values: np.ndarray) -> bool:
+    """Whether an integer or boolean input can be a mask: boolean, or integers that are all 0
+    or 1, and not named as positions. Position ids (0, 1, 2, ... per row) are 0 at the first
+    position only, and a position-dependent error there (a rotary embedding's, exact at
+    position 0) would otherwise read as 'the error is where the mask is nonzero'."""
+    if "position" in name.lower():
+        return False
+    values = np.asarray(values)
+    return values.dtype == bool or bool(np.all((values == 0) | (values == 1)))
 
 
 def _mask_patterns(mask: np.ndarray, shape: tuple[int, ...]
@@ -194,10 +208,18 @@ def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None
     elsewhere (a causal mask off leaves the last position, which sees every key either way,
     exact). Position 0 exact with an error that does not grow is told by nothing here: any
     change to a causal softmax's scores (scale, a rotation's sign) leaves position 0, which
-    attends to itself alone, exact."""
+    attends to itself alone, exact. And growth alone is no rotation: a recurrence from a zero
+    state grows its error with every step too; the rotation's own evidence, each feature
+    pair's norm kept (:func:`~.rotary.pair_norms_kept`), is asked as well."""
     reduce = tuple(a for a in range(judge.error.ndim) if a != axis)
     rms = np.sqrt(np.mean(judge.error**2, axis=reduce))[1:]
     if rms.size < MIN_ROTATED:
+        return None
+    kept = pair_norms_kept(judge)
+    if kept is None:
+        # growth with the position alone is no rotation: a recurrence from a zero state (a
+        # selective scan, an RNN with another decay) is exact at position 0 and drifts more
+        # with every step; a rotation keeps each feature pair's norm, and nothing else does
         return None
     tail = float(np.mean(rms[-max(1, rms.size // 4):]))
     ranks = np.argsort(np.argsort(rms))
@@ -208,9 +230,10 @@ def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None
     return Hint(Kind.ROTARY, f"position 0 exact ({worst[0]:.2g}x tolerance) and every later "
                 f"position of axis {axis} wrong, the error growing with the position (rms "
                 f"{rms[0]:.2g} at position 1, {rms[middle - 1]:.2g} at {middle}, "
-                f"{rms[-1]:.2g} at {last}; rank correlation {correlation:.2f}): a rotary "
-                "frequency (its base or scaling) other than the reference's, not a mask "
-                "boundary")
+                f"{rms[-1]:.2g} at {last}; rank correlation {correlation:.2f}), each "
+                f"feature pair ({kept[0]}) keeping its norm (pair norms differ by rms "
+                f"{kept[1]:.2g}, the values by {kept[2]:.2g}): a rotary frequency (its base or "
+                "scaling) other than the reference's, not a mask boundary")
 
 
 GAP = 10.0             # wrong slices' relative error over the clean slices' largest, at least

@@ -42,6 +42,7 @@ class _Rope:
     layout: str               # "half" | "interleaved" | "none"
     base: float
     sign: float = 1.0         # -1: the sine negated (rotation the other way)
+    bits: int | None = None   # the cos/sin tables rounded to this many significant bits
 
     def pairs(self) -> str:
         if self.layout == "none":
@@ -99,7 +100,7 @@ def rotary(judge: Judge, site: Site) -> Hint | None:
     mask = fit.mask if fit.mask is None or fit.mask.shape[0] == 1 else fit.mask[:keep]
     fit = dataclasses.replace(fit, mask=mask)
     judge = Judge(judge.ref[:keep], judge.port[:keep], judge.rtol, judge.atol)
-    for kind, text, variant in _variants(fit):
+    for kind, text, variant in _variants(fit, site.full_precision or "full-precision"):
         left = judge.accepts(project(_attend(q, k, v, positions, variant)))
         if left is not None:
             return Hint(kind, f"{text}: this attention recomputed that way from the "
@@ -213,6 +214,8 @@ def _rotate(x: np.ndarray, positions: np.ndarray, rope: _Rope) -> np.ndarray:
     inv = rope.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     angles = positions[:, None] * inv[None, :]          # (length, d/2)
     cos, sin = np.cos(angles), rope.sign * np.sin(angles)
+    if rope.bits is not None:
+        cos, sin = _rounded(cos, rope.bits), _rounded(sin, rope.bits)
     if rope.layout == "half":
         a, b = x[..., : d // 2], x[..., d // 2:]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
@@ -220,6 +223,15 @@ def _rotate(x: np.ndarray, positions: np.ndarray, rope: _Rope) -> np.ndarray:
     out = np.empty_like(x)
     out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
     return out
+
+
+def _rounded(values: np.ndarray, bits: int) -> np.ndarray:
+    """Values rounded to ``bits`` significant bits, to nearest (a cast to a lower dtype)."""
+    mantissa, exponent = np.frexp(values)
+    return np.ldexp(np.round(mantissa * 2.0**bits) / 2.0**bits, exponent)
+
+
+LOWER = (("bfloat16", 8), ("float16", 11))  # name, significant bits
 
 
 def _heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -267,7 +279,7 @@ def _fit_reference(q, k, v, context, positions, trig, masks, judge: Judge) -> _F
     return None
 
 
-def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
+def _variants(fit: _Fit, port: str = "full-precision") -> Iterator[tuple[Kind, str, _Fit]]:
     rope = fit.rope
 
     def with_(**changes) -> _Fit:
@@ -289,6 +301,11 @@ def _variants(fit: _Fit) -> Iterator[tuple[Kind, str, _Fit]]:
             with_(rotate="q")
         yield Kind.ROTARY, "the rotary embedding applied to k only (q left unrotated)", \
             with_(rotate="k")
+        for name, bits in LOWER:
+            yield Kind.PRECISION, (
+                f"the rotary tables (cos, sin) rounded to {name} inside a {port} port (a "
+                f"table or constant cast to {name}?)"), \
+                with_(rope=dataclasses.replace(rope, bits=bits))
     if fit.kv_heads not in (1, fit.heads):
         rep = fit.heads // fit.kv_heads
         if fit.tiled:
@@ -348,3 +365,140 @@ def _search(energy, low: float, high: float, points: int) -> float:
         else:
             low = a
     return (low + high) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A rotation between feature pairs, seen in the origin's own tensor
+
+
+PAIR_GAP = 0.1         # pair norms must agree this many times better than the values do
+
+
+def _pairings(width: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """The pairs a rotary embedding rotates in a last axis of ``width``: interleaved
+    (x[2i], x[2i+1]), which needs no head width, then half-split (x[i], x[i+d/2]) within each
+    head for every even head width d that divides the axis (d = 2 is the interleaved one)."""
+    if width < 2 or width % 2:
+        return
+    yield ("interleaved pairs (x[2i], x[2i+1])", np.arange(0, width, 2),
+           np.arange(1, width, 2))
+    for d in range(4, width + 1, 2):
+        if width % d:
+            continue
+        starts = (np.arange(width // d) * d)[:, None]
+        first = (starts + np.arange(d // 2)[None, :]).ravel()
+        yield f"half-split pairs (x[i], x[i+d/2]) of d = {d}", first, first + d // 2
+
+
+def _pair_norms(values: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sqrt(values[..., a] ** 2 + values[..., b] ** 2)
+
+
+def _rms(values: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(values))))
+
+
+def pair_norms_kept(judge: Judge) -> tuple[str, float, float] | None:
+    """(pairing, pair norms' error rms, values' error rms) when, for one pairing of the last
+    axis, the port's pairs have the reference's norms PAIR_GAP times more closely than its
+    values have the reference's: what a rotation of each pair does (a rotary embedding's
+    sign, base, positions), and no other error. A random error changes each pair's norm by
+    about 1/sqrt(2) of its size; a recurrence or any other change of the values, by as much."""
+    ref, port = judge.ref, judge.port
+    if ref.ndim < 2:
+        return None
+    error = _rms(judge.error)
+    if error == 0:
+        return None
+    for text, a, b in _pairings(ref.shape[-1]):
+        gap = _rms(_pair_norms(port, a, b) - _pair_norms(ref, a, b))
+        if gap <= PAIR_GAP * error:
+            return text, gap, error
+    return None
+
+
+def rotation(judge: Judge, site: Site) -> Hint | None:
+    """The port's tensor is the reference's with each feature pair turned by an angle that
+    depends on its position and its pair only: the same turn in every batch element (and
+    head), as a rotary embedding done otherwise makes (the sine's sign, another base, other
+    positions). Asked of the origin's own tensor, where the rotated q or k is recorded (a
+    rotary module, an op site): the pairs' norms agree with the reference's far better than
+    the values do, and one angle per (position, pair), fitted over at least two samples each,
+    leaves the error at the tolerance's scale. A recurrence from a zero state, whose error
+    also starts at 0 and grows with the position, keeps no pair's norm."""
+    ref = judge.ref
+    if site.role != Role.OUTPUT or ref.ndim < 3:
+        return None
+    kept = pair_norms_kept(judge)
+    if kept is None:
+        return None
+    pairing, gap, error = kept
+    a, b = next((a, b) for text, a, b in _pairings(ref.shape[-1]) if text == pairing)
+    zr = ref[..., a] + 1j * ref[..., b]
+    zp = judge.port[..., a] + 1j * judge.port[..., b]
+    for axis in range(1, ref.ndim - 1):
+        samples = tuple(i for i in range(ref.ndim - 1) if i != axis)
+        count = int(np.prod([ref.shape[i] for i in samples]))
+        if count < 2:
+            continue
+        turn = np.sum(zp * np.conj(zr), axis=samples, keepdims=True)
+        unit = np.where(np.abs(turn) > 0, turn / np.where(np.abs(turn) > 0, np.abs(turn), 1), 1)
+        model_z = zr * unit
+        model = np.empty_like(ref)
+        model[..., a], model[..., b] = model_z.real, model_z.imag
+        left = judge.accepts(model)
+        if left is None:
+            continue
+        angles = np.angle(unit).reshape(ref.shape[axis], -1)   # (positions, pairs)
+        what = (_against_input(judge, site, zr, zp, a, b, samples)
+                or _turns(angles, _positions(site, ref.shape[axis])))
+        return Hint(Kind.ROTARY, f"each feature pair, {pairing}, keeps its norm (pair norms "
+                    f"differ by rms {gap:.2g}, the values by {error:.2g}) and is turned by an "
+                    f"angle that depends on its position (axis {axis}) and its pair only, the "
+                    f"same in all {count} batch elements and heads: a rotary embedding done "
+                    f"otherwise, {what} ({left_text(left)})")
+    return None
+
+
+def _against_input(judge: Judge, site: Site, zr: np.ndarray, zp: np.ndarray, a: np.ndarray,
+                   b: np.ndarray, samples: tuple[int, ...]) -> str | None:
+    """When the site took the unrotated tensor (an input of the output's shape that the
+    reference is a rotation of, one angle per (position, pair)): how the port's turn compares
+    with the reference's, 'the sine negated' when it is the reference's turned back."""
+    x = next((v for _, v in site.float_inputs() if v.shape == judge.ref.shape), None)
+    if x is None:
+        return None
+    zx = x[..., a] + 1j * x[..., b]
+
+    def turn(z: np.ndarray) -> np.ndarray:
+        t = np.sum(z * np.conj(zx), axis=samples, keepdims=True)
+        return np.where(np.abs(t) > 0, t / np.where(np.abs(t) > 0, np.abs(t), 1), 1)
+
+    ref_turn, port_turn = turn(zr), turn(zp)
+    if not judge.close(np.concatenate([(zx * ref_turn).real, (zx * ref_turn).imag], -1),
+                       np.concatenate([zr.real, zr.imag], -1)):
+        return None  # the reference is no rotation of this input
+    theta_ref, theta_port = np.angle(ref_turn), np.angle(port_turn)
+    size = float(np.max(np.abs(theta_ref)))
+    if size > 0 and float(np.max(np.abs(np.angle(np.exp(1j * (theta_port + theta_ref)))))) \
+            <= 1e-3 * size:
+        return ("the sine negated: the port turns each pair of its input by -theta where "
+                "the reference turns it by theta")
+    return None
+
+
+def _turns(angles: np.ndarray, positions: np.ndarray) -> str:
+    """What the turn per (position, pair) looks like: growing with the position from none at
+    position 0 (a frequency: the sine's sign, the base), or the same at every position (the
+    positions offset)."""
+    wrapped = np.angle(np.exp(1j * angles))
+    size = float(np.max(np.abs(wrapped)))
+    if size == 0:
+        return "by no angle"
+    at_zero = np.flatnonzero(positions == 0)
+    if at_zero.size and float(np.max(np.abs(wrapped[at_zero[0]]))) <= 1e-3 * size:
+        return ("no turn at position 0 and one that changes with the position (the "
+                "rotation's sign or its frequencies: the sine negated, another base)")
+    if float(np.max(np.abs(wrapped - wrapped[:1]))) <= 1e-3 * size:
+        return "the same turn at every position (positions offset by a constant)"
+    return "a turn at position 0 too (positions other than the reference's)"

@@ -24,6 +24,14 @@ def mapcheck_text(check: MapCheck, width: int = WIDTH) -> str:
     if check.unused_reference:
         lines += ["", *wrap(f"reference tensors nothing uses ({len(check.unused_reference)}): "
                             + ", ".join(check.unused_reference), width)]
+    without = [entry.port for entry in check.entries if entry.status == NO_SOURCE]
+    if without:
+        names = ", ".join(without[:4]) + (" ..." if len(without) > 4 else "")
+        lines += ["", *wrap(f"port tensors no reference tensor gives ({len(without)}): {names}. "
+                            "Either the mapping lacks their rule, or the port itself has a "
+                            "parameter the reference's layer does not (an extra bias or weight: "
+                            "look at the port's code there), or a buffer it makes itself "
+                            "(declare it with [[unmatched]] port = ...)", width)]
     return "\n".join([*lines, "", mapcheck_verdict(check)])
 
 
@@ -52,6 +60,10 @@ def mapcheck_verdict(check: MapCheck) -> str:
     # a module off around tensors nothing else checks: the rule, or the port's own code
     advice = ("check their rules, or the port there"
               if len(check.failing()) == check.count(MISMATCH_AROUND) else f"fix {mapping}")
+    if check.count(NO_SOURCE):
+        # a port tensor nothing gives: the mapping may miss a rule, or the port may hold a
+        # parameter the reference has not (an extra bias or weight); its note says which
+        advice += ", or the port"
     return clip(f"FAIL  of {len(check.entries)} port tensors: {', '.join(problems)}; "
                 + advice, WIDTH)
 
