@@ -91,6 +91,39 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
     return paths
 
 
+def manifest_ranks(path: str | os.PathLike) -> list[Path] | None:
+    """The rank files of the complete manifest at ``path``, each verified as a reader would
+    (:func:`rank_files`); None where there is no such manifest, or it does not verify."""
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as h5:
+            guard_global_heaps(h5, path)
+            attrs = read_root_attributes(h5, path)
+        if not _complete(attrs):
+            return None
+        meta = schema.parse_meta(attrs.get(schema.ATTR_META), path)
+        return rank_files(path, meta["manifest"]) if "manifest" in meta else None
+    except (OSError, TraceError):
+        return None
+
+
+def complete_trace(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a complete trace (its writer published it)."""
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as h5:
+            guard_global_heaps(h5, path)
+            return _complete(read_root_attributes(h5, path))
+    except (OSError, TraceError):
+        return False
+
+
+def _complete(attrs: dict[str, Any]) -> bool:
+    complete = attrs.get(schema.ATTR_COMPLETE, False)
+    return attrs.get(schema.ATTR_FORMAT) == schema.FORMAT_NAME and isinstance(
+        complete, (bool, np.bool_)) and bool(complete)
+
+
 def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
     """Whether root attributes are a manifest's (its meta holds ``manifest``)."""
     return "manifest" in schema.parse_meta(attrs.get(schema.ATTR_META), path)
@@ -111,9 +144,7 @@ def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, An
     except OSError as exc:
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} cannot be read as HDF5 "
                          f"({exc}); capture all ranks again") from None
-    complete = attrs.get(schema.ATTR_COMPLETE, False)
-    if attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME or not (
-            isinstance(complete, (bool, np.bool_)) and bool(complete)):
+    if not _complete(attrs):
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} is not a complete trace; "
                          "capture all ranks again")
     return attrs
