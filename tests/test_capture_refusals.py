@@ -40,6 +40,37 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_exit_130(tmp_path, modul
     assert list(tmp_path.iterdir()) == []
 
 
+# The command with Ctrl-C once the trace is published, while the capture lets go of its
+# staging memory: the audit's "no trace was published ... nothing was recorded yet" over a
+# published trace.
+_AFTER_PUBLISH = """
+import os, signal, sys, time
+from layerdiff.capture.stage import Stager
+release = Stager.release
+def interrupted_release(self):
+    release(self)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+Stager.release = interrupted_release
+sys.argv = ["layerdiff", "capture", sys.argv[1], "-o", sys.argv[2]]
+from layerdiff.cli import run
+run()
+"""
+
+
+def test_ctrl_c_after_the_trace_was_published_says_it_was(tmp_path):
+    from layerdiff import open_trace
+
+    target = tmp_path / "t.h5"
+    done = subprocess.run([sys.executable, "-c", _AFTER_PUBLISH, MLP, str(target)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"wrote {target} (") and done.stderr == ""
+    with open_trace(target) as trace:
+        assert trace.complete
+
+
 def test_ctrl_c_while_the_case_imports_is_one_line_and_exit_130(run, tmp_path):
     result = run("capture", "tests.ctrl_c_at_import:reference", "-o", tmp_path / "t.h5")
     assert result.exit_code == 130

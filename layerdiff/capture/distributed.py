@@ -15,7 +15,7 @@ The last word of a capture is what is on disk. After a rank fails or Ctrl-C, the
 looked at: a manifest this capture published that verifies (every rank file present, complete,
 the one it names) is a capture that finished, whatever came after; otherwise the sentence names
 the rank files that were published and the ``.partial`` files that hold what the others
-recorded. A spawned rank starts with SIGINT held back and handles it once it runs: Ctrl-C while
+recorded. A spawned rank starts with SIGINT ignored and handles it once it runs: Ctrl-C while
 the ranks start, or into a rank, ends in that one sentence, never in the ranks' tracebacks.
 """
 
@@ -36,7 +36,8 @@ from typing import Any
 
 from layerdiff.capture.port import capture_port
 from layerdiff.errors import CaptureError, Interrupted, LayerdiffError, interrupt_inside
-from layerdiff.trace.manifest import complete_trace, manifest_ranks, rank_path, write_manifest
+from layerdiff.trace.manifest import manifest_ranks, rank_path, write_manifest
+from layerdiff.trace.published import Identity, file_identity, is_new, published_since
 
 # How long ranks wait for each other at the end of a capture: longer than any file close.
 BARRIER_TIMEOUT = timedelta(minutes=10)
@@ -49,9 +50,6 @@ _RANK_INTERRUPTED = 130
 _RANK_FAILED = 2
 # The note in the ranks' folder that tells a rank still starting to stop (see _stop).
 _STOP = "stop"
-
-_Identity = tuple[int, int, int, int] | None
-
 
 def launched_world() -> tuple[int, int] | None:
     """(rank, world size) when this process was started by torchrun with more than one rank."""
@@ -113,6 +111,10 @@ def _spawn(nproc: int, case: str, output: str | os.PathLike, options: dict[str, 
             ended = _wait(processes)
         except KeyboardInterrupt:
             interrupted, ended = True, None
+        except BaseException:  # a rank that cannot be started: the others wait for it in vain
+            with _interrupts_hurry(processes):
+                _stop(processes, notes)
+            raise
         with _interrupts_hurry(processes):
             if interrupted or ended is not None:
                 _stop(processes, notes)
@@ -124,7 +126,7 @@ def _spawn(nproc: int, case: str, output: str | os.PathLike, options: dict[str, 
             return _raise_no_manifest(output, nproc, before, interrupted, first, ended)
 
 
-def _raise_no_manifest(output: str | os.PathLike, world: int, before: dict[Path, _Identity],
+def _raise_no_manifest(output: str | os.PathLike, world: int, before: dict[Path, Identity],
                        interrupted: bool, first: tuple[int, str, str] | None,
                        ended: Any) -> Path:
     """Raise the sentence for a --nproc capture that published no manifest."""
@@ -284,31 +286,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
 
 
-def _identity(path: Path) -> _Identity:
-    """What tells one file at ``path`` from the next (a publish renames a new file there)."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
-
-
-def _identities(output: str | os.PathLike, world: int) -> dict[Path, _Identity]:
+def _identities(output: str | os.PathLike, world: int) -> dict[Path, Identity]:
     """The files a capture to ``output`` writes, as they are before it starts."""
     from layerdiff.trace.h5file import partial_path
 
     paths = [Path(output), *(rank_path(output, rank) for rank in range(world))]
-    return {path: _identity(path) for path in [*paths, *map(partial_path, paths)]}
+    return {path: file_identity(path) for path in [*paths, *map(partial_path, paths)]}
 
 
-def _published(output: str | os.PathLike, before: dict[Path, _Identity]) -> bool:
+def _published(output: str | os.PathLike, before: dict[Path, Identity]) -> bool:
     """Whether this capture published the manifest at ``output`` (not the file that was there
     before it, which --force replaces only at the publish) and it verifies."""
-    return (_identity(Path(output)) not in (None, before[Path(output)])
-            and manifest_ranks(output) is not None)
+    return is_new(output, before[Path(output)]) and manifest_ranks(output) is not None
 
 
-def _no_manifest(output: str | os.PathLike, world: int, before: dict[Path, _Identity]) -> str:
+def _no_manifest(output: str | os.PathLike, world: int, before: dict[Path, Identity]) -> str:
     """That no manifest was published at ``output``, and what this capture did leave: the
     rank files it published, the .partial files that hold what the other ranks recorded."""
     from layerdiff.trace.h5file import partial_path
@@ -316,9 +308,9 @@ def _no_manifest(output: str | os.PathLike, world: int, before: dict[Path, _Iden
     published, partial = [], []
     for rank in range(world):
         path = rank_path(output, rank)
-        if _identity(path) not in (None, before[path]) and complete_trace(path):
+        if published_since(path, before[path]):
             published.append(path)
-        elif _identity(partial_path(path)) not in (None, before[partial_path(path)]):
+        elif is_new(partial_path(path), before[partial_path(path)]):
             partial.append((rank, partial_path(path)))
     said = [f"no manifest was published at {output}"]
     if published:

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
 from layerdiff.trace.guards import guard_global_heaps
+from layerdiff.trace.published import is_complete
 
 PRODUCER = "layerdiff.capture (manifest)"
 _DIGESTS = {"index": schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP),
@@ -99,29 +99,12 @@ def manifest_ranks(path: str | os.PathLike) -> list[Path] | None:
         with h5py.File(path, "r") as h5:
             guard_global_heaps(h5, path)
             attrs = read_root_attributes(h5, path)
-        if not _complete(attrs):
+        if not is_complete(attrs):
             return None
         meta = schema.parse_meta(attrs.get(schema.ATTR_META), path)
         return rank_files(path, meta["manifest"]) if "manifest" in meta else None
     except (OSError, TraceError):
         return None
-
-
-def complete_trace(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a complete trace (its writer published it)."""
-    path = Path(path)
-    try:
-        with h5py.File(path, "r") as h5:
-            guard_global_heaps(h5, path)
-            return _complete(read_root_attributes(h5, path))
-    except (OSError, TraceError):
-        return False
-
-
-def _complete(attrs: dict[str, Any]) -> bool:
-    complete = attrs.get(schema.ATTR_COMPLETE, False)
-    return attrs.get(schema.ATTR_FORMAT) == schema.FORMAT_NAME and isinstance(
-        complete, (bool, np.bool_)) and bool(complete)
 
 
 def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
@@ -144,7 +127,7 @@ def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, An
     except OSError as exc:
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} cannot be read as HDF5 "
                          f"({exc}); capture all ranks again") from None
-    if not _complete(attrs):
+    if not is_complete(attrs):
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} is not a complete trace; "
                          "capture all ranks again")
     return attrs
