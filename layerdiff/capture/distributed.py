@@ -44,7 +44,7 @@ BARRIER_TIMEOUT = timedelta(minutes=10)
 # After one rank ended early (failed, interrupted): how long the others have to end on their
 # own (they fail on its closed connections), then to stop after a SIGINT, before a SIGKILL.
 SETTLE_SECONDS = 3.0
-STOP_SECONDS = 30.0
+STOP_SECONDS = 15.0
 # A spawned rank's exit status when it was interrupted or failed (its note says how).
 _RANK_INTERRUPTED = 130
 _RANK_FAILED = 2
