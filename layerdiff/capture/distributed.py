@@ -115,15 +115,25 @@ def _spawn(nproc: int, case: str, output: str | os.PathLike, options: dict[str, 
             with _interrupts_hurry(processes):
                 _stop(processes, notes)
             raise
-        with _interrupts_hurry(processes):
-            if interrupted or ended is not None:
-                _stop(processes, notes)
-            if not interrupted and ended is None:
-                return Path(output)  # every rank finished: rank 0 published the manifest
-            if _published(output, before):
-                return Path(output)  # what failed or was interrupted came after the publish
-            first = _first_note(notes)
-            return _raise_no_manifest(output, nproc, before, interrupted, first, ended)
+        try:
+            with _interrupts_hurry(processes):
+                return _last_word(output, nproc, processes, notes, before, interrupted, ended)
+        except KeyboardInterrupt:  # one that came before the handler was in place
+            with _interrupts_hurry(processes):
+                return _last_word(output, nproc, processes, notes, before, True, ended)
+
+
+def _last_word(output: str | os.PathLike, world: int, processes: list[Any], notes: str,
+               before: dict[Path, Identity], interrupted: bool, ended: Any) -> Path:
+    """Stop the ranks still running (after Ctrl-C, or one that ended early), then return the
+    manifest where this capture published one that verifies; raise the sentence otherwise."""
+    if interrupted or ended is not None:
+        _stop(processes, notes)
+    if not interrupted and ended is None:
+        return Path(output)  # every rank finished: rank 0 published the manifest
+    if _published(output, before):
+        return Path(output)  # what failed or was interrupted came after the publish
+    return _raise_no_manifest(output, world, before, interrupted, _first_note(notes), ended)
 
 
 def _raise_no_manifest(output: str | os.PathLike, world: int, before: dict[Path, Identity],
