@@ -119,3 +119,7 @@ def interrupt_group_mid_run():
 
 def interrupt_command_mid_run():
     return _mid_run("command", "tests.dist_cases:interrupt_command_mid_run")
+
+
+def interrupt_rank_zero_after_manifest():
+    return _after_manifest("self", 0, "tests.dist_cases:interrupt_rank_zero_after_manifest")

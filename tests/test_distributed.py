@@ -142,3 +142,35 @@ def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path):
     assert done.stderr == (f"interrupted: no manifest was published at {out}; no rank recorded "
                            "anything yet\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def _torchrun_rank(rank: int, world: int, port: int, spec: str, output: str, said: str) -> None:
+    """One rank as torchrun starts it (RANK, WORLD_SIZE in the environment): what
+    capture_ranks returned or raised, written to ``said``.rank."""
+    import os
+
+    from layerdiff.capture.distributed import capture_ranks
+    from layerdiff.errors import LayerdiffError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        outcome = f"returned {capture_ranks(spec, output, progress=False)}"
+    except LayerdiffError as exc:
+        outcome = f"raised {type(exc).__name__}: {exc}"
+    Path(f"{said}.{rank}").write_text(outcome, encoding="utf-8")
+
+
+def test_under_torchrun_rank_zero_interrupted_after_the_publish_returns_the_manifest(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.gloo import free_port
+
+    out, said = tmp_path / "port.h5", tmp_path / "said"
+    mp.start_processes(_torchrun_rank, args=(2, free_port(), "tests.dist_cases:interrupt_rank_"
+                                             "zero_after_manifest", str(out), str(said)),
+                       nprocs=2, start_method="spawn")
+    assert Path(f"{said}.0").read_text(encoding="utf-8") == f"returned {out}"
+    assert Path(f"{said}.1").read_text(encoding="utf-8") == "returned None"
+    with open_trace(out) as trace:
+        assert len(trace.rank_paths) == 2
