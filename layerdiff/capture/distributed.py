@@ -169,7 +169,7 @@ def _spawned(rank: int, world: int, port: int, case: str, output: str,
             signal.signal(signal.SIGINT, signal.default_int_handler)
             if hasattr(signal, "pthread_sigmask"):  # a rank may start with it blocked, too
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        _die_with_parent()
+        _die_with_parent(signal.SIGINT if interruptible else signal.SIGTERM)
         # after the handler is in place: a stop sent before that left its note first
         if Path(notes, _STOP).exists() or os.getppid() != parent:
             raise KeyboardInterrupt
@@ -287,13 +287,14 @@ def _ignore_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGINT to this rank when the process that spawned it dies (torch's spawn does
-    the same), so a killed capture leaves no rank waiting for its peers."""
+def _die_with_parent(number: int) -> None:
+    """Linux: signal ``number`` to this rank when the process that spawned it dies (torch's
+    spawn does the same with SIGINT, which closes the rank's .partial; SIGTERM where SIGINT is
+    ignored), so a killed capture leaves no rank waiting for its peers."""
     with contextlib.suppress(Exception):
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, number)  # PR_SET_PDEATHSIG
 
 
 def _identities(output: str | os.PathLike, world: int) -> dict[Path, Identity]:
