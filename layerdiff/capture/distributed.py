@@ -220,14 +220,14 @@ def _wait(processes: list[Any]) -> Any:
 
 
 def _stop(processes: list[Any], notes: str) -> None:
-    """End the ranks still running: a moment to end on their own (a Ctrl-C at the terminal
-    reached them too; a failed rank's peers fail on its closed connections), then SIGINT
-    (each closes its .partial, as Ctrl-C does; one still starting reads the note), then
-    SIGKILL."""
+    """End the ranks still running: at once a note that tells a rank still starting not to
+    run; a moment to end on their own (a Ctrl-C at the terminal reached them too; a failed
+    rank's peers fail on its closed connections); then SIGINT (each closes its .partial, as
+    Ctrl-C does); then SIGKILL."""
+    with contextlib.suppress(OSError):
+        Path(notes, _STOP).touch()
     for grace, stop in ((SETTLE_SECONDS, None), (STOP_SECONDS, signal.SIGINT)):
         if stop is not None:
-            with contextlib.suppress(OSError):
-                Path(notes, _STOP).touch()
             for process in processes:
                 if process.is_alive():
                     with contextlib.suppress(OSError):
