@@ -5,10 +5,11 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import os
 import pkgutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from layerdiff import bundled
-from layerdiff.errors import CaseError
+from layerdiff.errors import CaptureError, CaseError
 from layerdiff.rng import seed_everything  # noqa: F401  (a case seeds with it: public here too)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -178,3 +179,46 @@ def load_case(spec: str) -> Case | ExternalCase:
     if not case.name:
         case.name = spec
     return case
+
+
+# The largest finite value of each floating dtype a loss is computed in (numpy's finfo, without
+# importing a framework for it).
+_LARGEST = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38,
+            "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
+_INSTEAD = "use a power of two that leaves room, such as 2**20 (1048576)"
+
+
+def check_loss_scale(loss_scale: float, widest: str = "float32") -> None:
+    """Refuse a ``--loss-scale`` that records nothing useful: not a finite positive number,
+    or beyond what ``widest`` (the widest floating dtype the model computes in) can hold, so
+    that the scaled loss and every gradient would be inf."""
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise CaptureError(f"--loss-scale must be a finite positive number (got {loss_scale}); "
+                           f"{_INSTEAD}")
+    largest = _LARGEST.get(widest, _LARGEST["float32"])
+    if loss_scale > largest:
+        raise CaptureError(f"--loss-scale {loss_scale:g} is larger than {widest} can hold "
+                           f"({largest:.4g}): the scaled loss and every gradient would be inf, "
+                           f"so nothing useful would be recorded; {_INSTEAD}")
+
+
+def check_scaled_loss(name: str, step: int, loss: float, scaled: float, dtype: str,
+                      loss_scale: float) -> None:
+    """Refuse a scaled loss that overflowed where the loss itself was finite: every gradient
+    from it would be inf or NaN (a loss that is already not finite is the model's, recorded)."""
+    if math.isfinite(loss) and not math.isfinite(scaled):
+        raise CaptureError(f"case {name}: --loss-scale {loss_scale:g} overflows the {dtype} loss "
+                           f"at step {step} ({loss:g} times {loss_scale:g} is {scaled} in "
+                           f"{dtype}), so every gradient recorded from it would be inf or NaN; "
+                           f"no trace was published; {_INSTEAD}")
+
+
+def nothing_selected(include: Sequence[str], exclude: Sequence[str], model: str,
+                     paths: Sequence[str]) -> str:
+    """The sentence for a capture's --include/--exclude globs that leave no module of
+    ``model`` to record (``paths`` are its module paths)."""
+    globs = " ".join([*(f"--include {p!r}" for p in include),
+                      *(f"--exclude {p!r}" for p in exclude)])
+    return (f"{globs} leave{'s' if len(include) + len(exclude) == 1 else ''} no module of "
+            f"{model} to record, so the trace would hold nothing but the loss; module paths "
+            f"look like: {', '.join(paths[:8])}; narrow the --exclude globs")

@@ -84,6 +84,23 @@ def refuse_existing(path: PathLike, option: str, force: bool) -> None:
                           "choose another path")
 
 
+def refuse_rank_file(path: PathLike, option: str, rewritten: PathLike | None = None) -> None:
+    """Raise OutputError when ``path`` is a rank file that the manifest beside it names:
+    replacing it, even with --force, breaks that manifest. ``rewritten`` is the manifest a
+    multi-rank capture writes whole, with its rank files: those it may replace."""
+    from layerdiff.trace.companions import manifest_of
+
+    if not os.path.lexists(path):
+        return
+    found = manifest_of(path)
+    if found is None or (rewritten is not None and same_file(found[0], rewritten)):
+        return
+    manifest, rank = found
+    raise OutputError(f"{option} {path} is rank {rank}'s file of the manifest {manifest}: "
+                      "replacing it would break that manifest, even with --force; choose "
+                      f"another path, or capture every rank again with -o {manifest}")
+
+
 def make_folder(path: PathLike, what: str) -> Path:
     """Create the folder ``path`` (and its parents) where it is missing; an OutputError naming
     ``what`` it is for (an option) when it cannot be (a read-only disk, a file in the way)."""

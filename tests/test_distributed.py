@@ -1,7 +1,13 @@
 """Multi-rank capture: one trace per rank, a manifest published last, refused when a rank file
-is missing or replaced, and no manifest when a rank fails."""
+is missing or replaced, and no manifest when a rank fails; Ctrl-C into any of its processes
+ends in one sentence that says what is on disk (issue 38, item 2)."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +64,113 @@ def test_a_rank_that_fails_leaves_no_manifest(run, tmp_path):
     assert result.exit_code == 2
     assert "rank 1 failed" in result.output and "no manifest was published" in result.output
     assert not out.exists()
+    # what is on disk: rank 0 finished its file, rank 1's .partial holds what it recorded
+    partial = tmp_path / "port.rank1.h5.partial"
+    assert (f"; {tmp_path / 'port.rank0.h5'} was published; {partial} holds what rank 1 "
+            f"recorded up to there (layerdiff show {partial} --allow-incomplete)") in result.output
+    assert (tmp_path / "port.rank0.h5").exists() and partial.exists()
+
+
+# --- Ctrl-C: the last word is what is on disk --------------------------------------------------
+
+ROOT = Path(__file__).parent.parent
+
+# The command, with Ctrl-C to its whole process group (as a terminal sends it) the moment its
+# ranks are started: while each loads Python and torch, before any of them runs.
+_AT_START = """
+import os, signal, sys
+import layerdiff.capture.distributed as distributed
+wait = distributed._wait
+def interrupted_wait(processes):
+    os.killpg(os.getpgrp(), signal.SIGINT)
+    return wait(processes)
+distributed._wait = interrupted_wait
+sys.argv = ["layerdiff", *sys.argv[1:]]
+from layerdiff.cli import run
+run()
+"""
+
+
+def _interrupted_capture(case: str, out: Path, at_start: bool = False):
+    """``layerdiff capture CASE -o OUT --nproc 2`` in a process group of its own (the cases
+    send SIGINT to it), SIGINT handled as a terminal's is."""
+    command = (["-c", _AT_START] if at_start else ["-m", "layerdiff"])
+    done = subprocess.run([sys.executable, *command, "capture", case, "-o", str(out), "--nproc",
+                           "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, \
+        done.stderr[-3000:]
+    assert "Aborted" not in done.stderr
+    return done
+
+
+@pytest.mark.parametrize("case", ["interrupt_group_after_manifest",
+                                  "interrupt_rank_one_after_manifest"])
+def test_ctrl_c_after_the_manifest_was_published_says_it_was(tmp_path, case):
+    out = tmp_path / "port.h5"
+    done = _interrupted_capture(f"tests.dist_cases:{case}", out)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote manifest {out} naming 2 rank files" in done.stdout
+    assert done.stderr == ""
+    with open_trace(out) as trace:  # it verifies: both rank files, complete, the ones it names
+        assert len(trace.rank_paths) == 2
+
+
+@pytest.mark.parametrize("case", ["interrupt_group_mid_run", "interrupt_command_mid_run"])
+def test_ctrl_c_mid_run_is_one_sentence_naming_what_is_on_disk(tmp_path, case):
+    out = tmp_path / "port.h5"
+    done = _interrupted_capture(f"tests.dist_cases:{case}", out)
+    assert done.returncode == 130
+    assert done.stderr.count("\n") == 1, done.stderr
+    partial = tmp_path / "port.rank0.h5.partial"
+    assert done.stderr.startswith(f"interrupted: no manifest was published at {out}; ")
+    assert str(partial) in done.stderr and "--allow-incomplete" in done.stderr
+    assert not out.exists() and partial.exists()
+    # rank 1 runs on: it finished its file, or was stopped too; the sentence says which
+    rank1 = tmp_path / "port.rank1.h5"
+    assert (f"{rank1} was published" in done.stderr) == rank1.exists()
+    assert (f"{rank1}.partial" in done.stderr) == Path(f"{rank1}.partial").exists()
+    with open_trace(partial, allow_incomplete=True) as trace:
+        assert not trace.complete
+
+
+def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path):
+    out = tmp_path / "port.h5"
+    done = _interrupted_capture(REFERENCE, out, at_start=True)
+    assert done.returncode == 130
+    assert done.stderr == (f"interrupted: no manifest was published at {out}; no rank recorded "
+                           "anything yet\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _torchrun_rank(rank: int, world: int, port: int, spec: str, output: str, said: str) -> None:
+    """One rank as torchrun starts it (RANK, WORLD_SIZE in the environment): what
+    capture_ranks returned or raised, written to ``said``.rank."""
+    import os
+
+    from layerdiff.capture.distributed import capture_ranks
+    from layerdiff.errors import LayerdiffError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        outcome = f"returned {capture_ranks(spec, output, progress=False)}"
+    except LayerdiffError as exc:
+        outcome = f"raised {type(exc).__name__}: {exc}"
+    Path(f"{said}.{rank}").write_text(outcome, encoding="utf-8")
+
+
+def test_under_torchrun_rank_zero_interrupted_after_the_publish_returns_the_manifest(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.gloo import free_port
+
+    out, said = tmp_path / "port.h5", tmp_path / "said"
+    mp.start_processes(_torchrun_rank, args=(2, free_port(), "tests.dist_cases:interrupt_rank_"
+                                             "zero_after_manifest", str(out), str(said)),
+                       nprocs=2, start_method="spawn")
+    assert Path(f"{said}.0").read_text(encoding="utf-8") == f"returned {out}"
+    assert Path(f"{said}.1").read_text(encoding="utf-8") == "returned None"
+    with open_trace(out) as trace:
+        assert len(trace.rank_paths) == 2

@@ -391,3 +391,20 @@ def test_a_module_held_under_two_names_is_one_module_and_its_variables_are_share
         assert len(trace.records(0, role="weight")) == 2   # recorded once, at its first call
         assert {"name": "first.kernel", "users": ["first.kernel", "second.kernel"]} in \
             trace.meta["shared_parameters"]
+
+
+def test_options_that_would_record_nothing_useful_are_refused_as_for_torch(tmp_path):
+    """Globs that leave no module, a loss scale float32 cannot hold, and one the float32 loss
+    overflows at step 0: one sentence each, no trace (issue 38, item 5)."""
+    with pytest.raises(CaptureError, match=r"--exclude '\*' leaves no module of the Flax model "
+                                           "to record"):
+        layerdiff.capture(flax_case(), tmp_path / "a.h5", exclude=["*"])
+    with pytest.raises(CaptureError, match=r"--loss-scale 1e\+300 is larger than float32 can "
+                                           "hold"):
+        layerdiff.capture(flax_case(), tmp_path / "b.h5", loss_scale=1e300)
+    large = flax_case()
+    large.loss_fn = lambda y: mean_square(y) + 1000.0
+    with pytest.raises(CaptureError, match=r"--loss-scale 1e\+38 overflows the float32 loss at "
+                                           r"step 0 .*2\*\*20"):
+        layerdiff.capture(large, tmp_path / "c.h5", loss_scale=1e38)
+    assert not any(tmp_path.glob("*.h5"))

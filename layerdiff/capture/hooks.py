@@ -58,6 +58,7 @@ from torch import nn
 from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
 from layerdiff.capture.stage import Stager
+from layerdiff.case import nothing_selected
 from layerdiff.errors import CaptureError
 from layerdiff.trace import arguments, schema
 from layerdiff.trace.schema import Pass, Role
@@ -263,9 +264,13 @@ def select_modules(model: nn.Module, include: Sequence[str],
             sample = ", ".join(path for path, _ in named[:8])
             raise CaptureError(f"--include {pattern!r} matches no module of "
                                f"{type(model).__name__}; module paths look like: {sample}")
-    return [(path, module) for path, module in named
-            if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
-            and not any(fnmatch.fnmatchcase(path, p) for p in exclude)]
+    selected = [(path, module) for path, module in named
+                if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
+                and not any(fnmatch.fnmatchcase(path, p) for p in exclude)]
+    if not selected:
+        raise CaptureError(nothing_selected(include, exclude, type(model).__name__,
+                                            [path for path, _ in named]))
+    return selected
 
 
 class ModuleRecorder:

@@ -22,6 +22,7 @@ from typing import Any
 
 from layerdiff.case import Case, ExternalCase
 from layerdiff.errors import CaptureError, Interrupted
+from layerdiff.trace.published import file_identity, published_since
 from layerdiff.weights import WeightsReport
 
 # Told where the weights came from and what loading them did, before the capture starts.
@@ -48,7 +49,8 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
 
     Raises :class:`CaptureError` for a mapping without ``weights_from`` or a case that records
     itself (layerdiff cannot set its weights), and :class:`Interrupted` on Ctrl-C, naming the
-    partial file that holds what was recorded.
+    partial file that holds what was recorded; a Ctrl-C that came once the trace was published
+    (while the capture let go of its memory) is a capture that finished.
     """
     from layerdiff.capture import capture
     from layerdiff.capture.precision import cast_case
@@ -70,9 +72,15 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     if rank is not None:
         extra_meta.update(rank=rank, world_size=world_size)
     start = time.perf_counter()
-    with interrupt_names_partial(output):
-        path = capture(case, output, progress=progress and not rank, dtype=dtype,
-                       extra_meta=extra_meta, **options)
+    before = file_identity(output)
+    try:
+        with interrupt_names_partial(output):
+            path = capture(case, output, progress=progress and not rank, dtype=dtype,
+                           extra_meta=extra_meta, **options)
+    except Interrupted:
+        if not published_since(output, before):
+            raise
+        path = Path(output)  # the Ctrl-C came after the publish: the trace is complete
     if not rank and on_written is not None:
         on_written(path, time.perf_counter() - start)
     return path

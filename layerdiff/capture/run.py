@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from layerdiff.capture.precision import autocast_context
-from layerdiff.case import Case, seed_everything
+from layerdiff.case import Case, check_loss_scale, check_scaled_loss, seed_everything
 from layerdiff.errors import CaptureError
 
 
@@ -36,8 +35,9 @@ def check_run_options(case: Case, steps: int, loss_scale: float) -> None:
     if steps > 1 and case.optimizer is None:
         raise CaptureError(f"case {case.name} has no optimizer, so it cannot run {steps} steps; "
                            "give the Case an optimizer or use --steps 1")
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise CaptureError(f"--loss-scale must be a finite positive number (got {loss_scale})")
+    widest = "float64" if any(param.dtype == torch.float64
+                              for param in case.model.parameters()) else "float32"
+    check_loss_scale(loss_scale, widest)
 
 
 def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
@@ -72,7 +72,14 @@ def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
             observer.phase = "loss"
             observer.record_loss(loss)
             observer.phase = "backward"
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        if loss_scale != 1.0:
+            scaled = loss * loss_scale
+            check_scaled_loss(case.name, step, float(loss.detach().double().sum()),
+                              float(scaled.detach().double().sum()),
+                              str(scaled.dtype).removeprefix("torch."), loss_scale)
+            scaled.backward()
+        else:
+            loss.backward()
         if observer:
             observer.after_backward()
             observer.phase = "optimizer step"

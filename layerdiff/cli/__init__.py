@@ -17,19 +17,26 @@ from __future__ import annotations
 import os
 import sys
 
-import click
+try:
+    import click
 
-from layerdiff.cli import capture, ci, debug, demo, diff, ranks, replay, session
-from layerdiff.errors import Interrupted, LayerdiffError
+    from layerdiff.cli import capture, ci, debug, demo, diff, ranks, replay, session
+    from layerdiff.errors import Interrupted, LayerdiffError
+except KeyboardInterrupt:  # Ctrl-C while the command loads: the same line as a moment later
+    sys.stderr.write("interrupted: nothing was published\n")
+    raise SystemExit(130) from None
 
 
 class _Group(click.Group):
     """Turns a LayerdiffError into one sentence on stderr and exit code 2 (unless --debug)."""
 
     def invoke(self, ctx: click.Context):
-        from layerdiff.trace.signals import interrupts_kept
-
         try:
+            # imported inside: these load h5py and numpy (half a second), and a Ctrl-C then
+            # is the same interrupt as one a moment later, not click's "Aborted!" and exit 1
+            from layerdiff.trace.printable import visible
+            from layerdiff.trace.signals import interrupts_kept
+
             with interrupts_kept():
                 return super().invoke(ctx)
         except KeyboardInterrupt:
@@ -40,8 +47,6 @@ class _Group(click.Group):
         except LayerdiffError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            from layerdiff.trace.printable import visible
-
             message = visible(str(exc))  # one line, which may quote a name from a trace
             click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{message}", err=True)
             ctx.exit(exc.exit_code)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from layerdiff.cli.options import force_option
-from layerdiff.outputs import refuse_existing, refuse_inputs
+from layerdiff.outputs import refuse_existing, refuse_inputs, refuse_rank_file
 
 if TYPE_CHECKING:
     from layerdiff.weights import WeightsReport
@@ -98,6 +98,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
         options["matmul_precision"] = matmul_precision
     launched = launched_world()
     if nproc is None and launched is None:
+        refuse_rank_file(output, "-o")
         refuse_existing(output, "-o", force)
         capture_port(case_spec, output, **options)
         return
@@ -106,6 +107,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                   {"--weights-from trace": weights_from, "mapping file": mapping})
     if launched is None or launched[0] == 0:
         for path in [output, *(rank_path(output, r) for r in range(world))]:
+            refuse_rank_file(path, "-o", rewritten=output)
             refuse_existing(str(path), "-o", force)
     start = time.perf_counter()
     published = capture_ranks(case_spec, output, nproc=nproc, **options)

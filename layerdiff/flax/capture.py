@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import math
 import os
 import platform
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerdiff.case import Case, seed_everything
+from layerdiff.case import (
+    Case,
+    check_loss_scale,
+    check_scaled_loss,
+    nothing_selected,
+    seed_everything,
+)
 from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
 from layerdiff.flax.graph import ModelGraph, Owned
 from layerdiff.flax.intercept import intercepted
@@ -112,8 +117,7 @@ def _check_options(case: Case, steps: int, loss_scale: float, precision: str) ->
     if steps > 1 and case.optimizer is None:
         raise CaptureError(f"case {case.name} has no optimizer, so it cannot run {steps} steps; "
                            "give the Case an optax optimizer or use --steps 1")
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise CaptureError(f"--loss-scale must be a finite positive number (got {loss_scale})")
+    check_loss_scale(loss_scale, "float64" if jax.config.jax_enable_x64 else "float32")
     if precision not in MATMUL_PRECISIONS:
         raise CaptureError(f"--matmul-precision {precision!r} is not one of "
                            f"{', '.join(MATMUL_PRECISIONS)}")
@@ -148,9 +152,12 @@ def _select(graph: ModelGraph, include: Sequence[str], exclude: Sequence[str]) -
         if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
             raise CaptureError(f"--include {pattern!r} matches no module of the Flax model; "
                                f"module paths look like: {', '.join(paths[:8])}")
-    return {path for path in paths
-            if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
-            and not any(fnmatch.fnmatchcase(path, p) for p in exclude)}
+    selected = {path for path in paths
+                if (not include or any(fnmatch.fnmatchcase(path, p) for p in include))
+                and not any(fnmatch.fnmatchcase(path, p) for p in exclude)}
+    if not selected:
+        raise CaptureError(nothing_selected(include, exclude, "the Flax model", paths))
+    return selected
 
 
 def _arrays(state: Any) -> dict[tuple, jax.Array]:
@@ -203,7 +210,11 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
             with writer.site("<loss>", "loss") as site:
                 writer.record(site, Role.OUTPUT, np.asarray(loss))
             sink.phase = "backward"
-            (grads,) = backward(jnp.asarray(loss_scale, dtype=loss.dtype))
+            scale = jnp.asarray(loss_scale, dtype=loss.dtype)
+            if loss_scale != 1.0:
+                check_scaled_loss(case.name, writer.current_step, float(loss),
+                                  float(loss * scale), str(loss.dtype), loss_scale)
+            (grads,) = backward(scale)
         sink.record_weight_grads(_arrays(grads))
         sink.phase = "optimizer step"
         if tx is not None:

@@ -13,6 +13,7 @@ input may be the gathered trace that another input's diff would rewrite
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,3 +53,26 @@ def companions(path: str | os.PathLike) -> list[Companion]:
     return [*(Companion(rank_file, f"rank {rank}'s file of {named}", False)
               for rank, rank_file in enumerate(ranks)),
             Companion(gathered_path(path), f"the gathered trace kept beside {named}", True)]
+
+
+def manifest_of(path: str | os.PathLike) -> tuple[Path, int] | None:
+    """(the manifest, the rank) when ``path`` is a rank file that the manifest beside it names
+    (``port.rank1.h5`` of ``port.h5``, checked as a reader checks it); None otherwise."""
+    path = Path(path)
+    found = re.fullmatch(r"(.+)\.rank(\d+)", path.stem)
+    if found is None:
+        return None
+    manifest = path.with_name(f"{found.group(1)}{path.suffix}")
+    if not manifest.is_file():
+        return None
+    for companion in companions(manifest):
+        if not companion.rewritten and _same(companion.path, path):
+            return manifest, int(found.group(2))
+    return None
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
 from layerdiff.errors import TraceError
 from layerdiff.trace import schema
 from layerdiff.trace.attributes import read_root_attributes
 from layerdiff.trace.guards import guard_global_heaps
+from layerdiff.trace.published import is_complete
 
 PRODUCER = "layerdiff.capture (manifest)"
 _DIGESTS = {"index": schema.ATTR_TABLE_DIGEST.format(table=schema.INDEX_GROUP),
@@ -91,6 +91,22 @@ def rank_files(manifest_path: Path, manifest: Any) -> list[Path]:
     return paths
 
 
+def manifest_ranks(path: str | os.PathLike) -> list[Path] | None:
+    """The rank files of the complete manifest at ``path``, each verified as a reader would
+    (:func:`rank_files`); None where there is no such manifest, or it does not verify."""
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as h5:
+            guard_global_heaps(h5, path)
+            attrs = read_root_attributes(h5, path)
+        if not is_complete(attrs):
+            return None
+        meta = schema.parse_meta(attrs.get(schema.ATTR_META), path)
+        return rank_files(path, meta["manifest"]) if "manifest" in meta else None
+    except (OSError, TraceError):
+        return None
+
+
 def _is_manifest(attrs: dict[str, Any], path: Path) -> bool:
     """Whether root attributes are a manifest's (its meta holds ``manifest``)."""
     return "manifest" in schema.parse_meta(attrs.get(schema.ATTR_META), path)
@@ -111,9 +127,7 @@ def _rank_attributes(manifest_path: Path, rank: int, path: Path) -> dict[str, An
     except OSError as exc:
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} cannot be read as HDF5 "
                          f"({exc}); capture all ranks again") from None
-    complete = attrs.get(schema.ATTR_COMPLETE, False)
-    if attrs.get(schema.ATTR_FORMAT) != schema.FORMAT_NAME or not (
-            isinstance(complete, (bool, np.bool_)) and bool(complete)):
+    if not is_complete(attrs):
         raise TraceError(f"{manifest_path}: rank {rank}'s file {path} is not a complete trace; "
                          "capture all ranks again")
     return attrs
