@@ -111,6 +111,7 @@ def diverge_text(result: DivergeResult) -> str:
             # a command to copy: broken at its arguments, never clipped
             lines += [f"  layerdiff diff {result.traces['reference_step']} \\",
                       f"    {result.traces['port_step']} --verbose"]
+    lines += [line for text in result.notes for line in _wrap(f"note: {text}", "")]
     lines += [line for text in result.warnings for line in _wrap(f"warning: {text}", "")]
     took = ", ".join(f"{name} {value:.1f} s" for name, value in result.seconds.items())
     lines.append(clip(f"took {took}"))
