@@ -41,7 +41,7 @@ from layerdiff.compare.reading import TensorRef, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
-from layerdiff.compare.suggest import full_commands, ops_commands
+from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
@@ -220,8 +220,10 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping),
         "op_pairings": op_pairings(sites),
-        "ops_commands": ops_commands(ref, port, origins, first_step),
-        "full_commands": full_commands(ref, port, origins, first_step),
+        "ops_commands": ops_commands(ref, port, origins, first_step,
+                                     diff_options(mapping, tolerances)),
+        "full_commands": full_commands(ref, port, origins, first_step,
+                                       diff_options(mapping, tolerances)),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)

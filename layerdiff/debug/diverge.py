@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import find_origins
 from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Column, Diff, Origin
+from layerdiff.compare.suggest import diff_options
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
@@ -128,6 +130,8 @@ class DivergeResult:
     # the update that ended step first_step - 1, rerun from the reference's inputs
     optimizer_update: UpdateEvidence | None = None
     notes: list[str] = field(default_factory=list)  # how it ran (data kept for the mapping)
+    # the diff of the first diverging step's traces, with every option it needs (the mapping)
+    step_command: str = ""
 
     @property
     def found(self) -> bool:
@@ -185,6 +189,7 @@ class DivergeResult:
             "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "step_command": self.step_command or None,
         }
 
 
@@ -271,6 +276,9 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
         rerun = time.perf_counter()
         update = _rerun_update(ref_case, port_case, starts, mapping, first - 1, warnings)
         seconds["update rerun"] = time.perf_counter() - rerun
+    step_command = shlex.join(["layerdiff", "diff", str(traces["reference_step"]),
+                               str(traces["port_step"]), *diff_options(mapping, tolerances),
+                               "--verbose"])
     cause, explanation = _explain(step_diff, first, update)
     if step_diff.first_failing_step is None:
         warnings.append(f"the statistics of step {first} are out of tolerance but its full "
@@ -278,7 +286,7 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
                         "tolerance, or a run that is not deterministic")
     return DivergeResult(ref_case.name, port_case.name, steps, first, per_step, cause,
                          explanation, summary, step_diff, traces, seconds, warnings, update,
-                         notes)
+                         notes, step_command)
 
 
 @dataclass
