@@ -217,3 +217,20 @@ def test_an_hf_llama_port_with_weight_decay_names_step_1_and_the_converted_weigh
     assert {"layers.0.attention.wq.weight", "layers.1.attention.wk.weight"} <= decayed
     assert all(np.isfinite(p.decay) for p in result.optimizer_update.differing)
     assert f"--map {LLAMA_MAP}" in result.step_command
+
+
+# ---- the capture option it stands on
+
+def test_capture_keeps_data_for_exactly_the_modules_named(tmp_path):
+    from layerdiff import CaptureError
+    from layerdiff.capture import capture
+    from reference_models import mlp
+
+    path = capture(mlp.reference(), tmp_path / "t.h5", data_modules=["fc1"])
+    assert _kept(path) == {"fc1#0"}
+    with open_trace(path) as trace:
+        assert trace.meta["data_modules"] == ["fc1"] and not trace.summary
+    with pytest.raises(CaptureError, match="names no module fc9"):
+        capture(mlp.reference(), tmp_path / "u.h5", data_modules=["fc9"])
+    with pytest.raises(CaptureError, match="summary"):
+        capture(mlp.reference(), tmp_path / "v.h5", data_modules=["fc1"], summary=True)
