@@ -175,6 +175,58 @@ def test_the_diffs_printed_ops_commands_carry_the_mapping_and_run(adapters, tmp_
     assert "FAIL  origin: layers.0.attn#0/" in named.output  # an op inside the attention
 
 
+def test_a_summary_diff_through_adapters_and_its_printed_full_commands_run(adapters, tmp_path,
+                                                                         run):
+    """Statistics only at an adapted site: the inputs the adapter passes through unchanged are
+    judged by their statistics (found by running it on meta tensors), what it makes is listed
+    as not compared; the diff names the one origin and its --full-around commands run."""
+    ref, full, port = tmp_path / "ref.h5", tmp_path / "refw.h5", tmp_path / "port.h5"
+    assert run("capture", "tests.real_pairs_cases:reference", "-o", ref,
+               "--summary").exit_code == 0
+    assert run("capture", "tests.real_pairs_cases:reference", "-o", full).exit_code == 0
+    captured = run("capture", "tests.real_pairs_cases:port_freqs_bug_scale", "-o", port,
+                   "--summary", "--weights-from", full, "--map", adapters)
+    assert captured.exit_code == 0, captured.output
+    result = run("diff", ref, port, "--map", adapters, "--json", tmp_path / "d.json")
+    assert result.exit_code == 1, result.output
+    found = json.loads((tmp_path / "d.json").read_text())
+    assert [o["site"] for o in found["origins"]] == ["layers.0.attn#0"]  # layers.1's input
+    # (passed through by the adapter) is judged, so layers.1.attn is no second origin
+    commands = _commands(result.output, "element-wise error and likely cause:")
+    assert [c[:2] for c in commands] == [["layerdiff", "capture"]] * 2 + [["layerdiff", "diff"]]
+    port_command = commands[1]
+    assert port_command[port_command.index("--weights-from") + 1] == str(full)
+    assert commands[2][commands[2].index("--map") + 1] == str(adapters)
+    for command in commands[:2]:
+        done = run(*command[1:])
+        assert done.exit_code == 0, done.output
+    named = run(*commands[2][1:])
+    assert named.exit_code == 1, named.output
+    assert "FAIL  origin: layers.0.attn#0, forward output" in named.output
+    assert "likely cause: scale" in named.output  # element-wise now
+
+
+def test_statistics_only_at_an_adapted_site_pairs_what_passes_through(adapters, tmp_path):
+    from layerdiff import diff, load_weights
+    from layerdiff.capture import capture
+
+    ref = capture(cases.reference(), tmp_path / "ref.h5", summary=True)
+    full = capture(cases.reference(), tmp_path / "full.h5")
+    case = cases.port_freqs()
+    load_weights(case.model, full, adapters)
+    port = capture(case, tmp_path / "port.h5", summary=True)
+    result = diff(ref, port, mapping=adapters)
+    assert result, result.failing()
+    rows = result.rows[result.rows["match"] == "adapted"]
+    judged = set(zip(rows["site"], rows["role"], rows["port_arg"], strict=True))
+    assert {("layers.0.attn#0", "input", "0"), ("layers.1#0", "input", "0"),
+            ("layers.0.attn#0", "grad_input", "0")} <= judged
+    unmatched = result.unmatched
+    made = unmatched[(unmatched["side"] == "port") & (unmatched["site"] == "layers.0.attn#0")
+                     & (unmatched["role"] == "input") & (unmatched["arg"] == "1")]
+    assert len(made) == 1 and "kept statistics only" in made.iloc[0]["reason"]
+
+
 # ---- the Hugging Face Llama against its Meta-style port (slow: a few seconds a step)
 
 transformers = pytest.importorskip("transformers")

@@ -110,7 +110,10 @@ def _recapture(ref: Trace, port: Trace, ref_modules: list[str], port_modules: li
     port_cmd = _capture(port.meta, port_out, option, port_modules, steps)
     weights = port.meta.get("weights") or {}
     if weights.get("from"):
-        port_cmd += ["--weights-from", str(ref_out)]
+        # the trace the port's weights came from, where it is still there: the reference's
+        # new capture keeps no weight data outside --full-around (nor in a --summary one)
+        source = Path(str(weights["from"]))
+        port_cmd += ["--weights-from", str(source if source.is_file() else ref_out)]
         mapping = weights.get("mapping") or {}
         if mapping.get("path"):
             port_cmd += ["--map", str(mapping["path"])]
