@@ -21,6 +21,7 @@ import torch
 
 from layerdiff.debug.diverge import Cause, data_needed, diverge
 from layerdiff.debug.optimizer_update import WEIGHT_DECAY
+from layerdiff.report.diverge_html import render_diverge_html
 from layerdiff.report.findings import render
 from layerdiff.trace import open_trace
 from tests import real_pairs_cases as cases
@@ -121,6 +122,8 @@ def test_a_forward_bug_from_step_2_is_found_there_through_the_adapters(adapters,
     # the update that ended step 1 was rerun and is the reference's
     assert result.optimizer_update is not None and not result.optimizer_update
     assert "--map" in result.step_command and str(adapters) in result.step_command
+    page = render_diverge_html(result)
+    assert "diff of that step" in page and "note: the statistics runs keep" in page
 
 
 def test_a_port_with_another_weight_decay_is_the_optimizer_at_step_1(adapters, tmp_path):
