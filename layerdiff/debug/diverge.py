@@ -8,7 +8,9 @@ every step costs memory and disk in proportion. So:
 1. Both cases run ``steps`` optimizer steps under a *summary* capture (statistics only: min,
    max, mean, std, L2 norm and NaN/Inf counts of every record, the loss among them, no tensor
    data), the port starting from the reference's weights. The summary diff of the two finds
-   ``first_step``, the first step with any record out of tolerance.
+   ``first_step``, the first step with any record out of tolerance. Where the mapping names
+   code, the tensor data that code reads is kept too, and only that (:func:`data_needed`: the
+   inputs of the sites a call adapter rebuilds, the parameters a conversion makes).
 2. Both run again from the same starting point up to ``first_step``, recording that step alone
    in full (``capture(..., record_steps={k})``), and the full diff of that step names the
    origin. Weights are recorded at the start of each step, so an origin that is a weight at
