@@ -93,6 +93,14 @@ def test_the_data_kept_is_what_the_call_adapters_read(adapters):
     assert "call adapters" in plan.note and "tests.real_pairs_cases:block_call" in plan.note
     assert data_needed(cases.reference(), cases.port_self(), None).options("port") == {
         "summary": True}  # a mapping without code: statistics only, as before
+    # a port that records itself cannot keep data for some modules only: all of it, said
+    from layerdiff import ExternalCase
+
+    external = data_needed(cases.reference(), ExternalCase(run=lambda *a, **k: None,
+                                                            name="numpy port"), adapters)
+    assert external.options("port") == {"summary": False}
+    assert external.options("reference")["data_modules"] == sorted(plan.reference)
+    assert "keeps all its tensor data" in external.note
 
 
 def test_the_faithful_port_with_call_adapters_does_not_diverge(adapters, tmp_path):
