@@ -1,7 +1,7 @@
 """The commands a diff prints for the next step carry every option they need, and run as
 printed (the issue: a printed diff without the --map its mapping needs was refused). The ops,
 --full-around and diverge commands through call adapters are run in
-tests/test_diverge_adapters.py; here the helper and the precision hint."""
+tests/test_diverge_adapters.py; here `diff_options` and the precision hint."""
 
 from __future__ import annotations
 
