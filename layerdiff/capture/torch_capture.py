@@ -65,7 +65,8 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
             extra_meta: dict[str, Any] | None = None,
             record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
             ops_all: bool = False, full_around: Sequence[str] = (),
-            radius: int = 1, matmul_precision: str = "float32") -> Path:
+            radius: int = 1, matmul_precision: str = "float32",
+            data_modules: Collection[str] | None = None) -> Path:
     """Run ``case`` (a Case, or a spec such as ``"my_models:reference"``) with every selected
     module call recorded into the trace at ``path``.
 
@@ -85,7 +86,11 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
     keeps tensor data only for the modules named (paths, globs or sites), everything inside
     them and their ``radius`` nearest siblings on each side; every other record keeps its
     statistics, as in a summary trace (the second phase of a two-phase capture of a model too
-    large to capture in full).
+    large to capture in full). ``data_modules`` keeps tensor data for exactly the modules
+    named (paths, not globs: nothing inside them, no siblings), statistics for every other
+    record: what a later diff must read element by element and no more (``diverge`` keeps so
+    the inputs of sites a mapping's call adapter rebuilds, and the parameters a conversion
+    makes); with ``full_around``, the two sets are kept together.
 
     A case whose model is a Flax NNX module is captured by :mod:`layerdiff.flax.capture`
     into the same format (``include``, ``exclude``, ``loss_scale``, ``steps``, ``summary``,
@@ -101,7 +106,8 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
     if isinstance(case, Case) and case.framework == "flax":
         unsupported = [flag for flag, given in (
             ("--autocast", autocast), ("--record-steps", record_steps is not None),
-            ("--ops", ops or ops_all), ("--full-around", full_around)) if given]
+            ("--ops", ops or ops_all), ("--full-around", full_around),
+            ("data_modules", data_modules is not None)) if given]
         if unsupported:
             raise CaptureError(f"case {case.name} is a Flax model: {', '.join(unsupported)} "
                                "apply to torch models only; capture it without them")
@@ -123,8 +129,9 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
         if record_steps is not None:
             raise CaptureError(f"case {case.name} records itself, so layerdiff cannot record "
                                "only some of its steps; capture all of them")
-        if ops or full_around:
-            raise CaptureError(f"case {case.name} records itself, so --ops and --full-around "
+        if ops or full_around or data_modules is not None:
+            raise CaptureError(f"case {case.name} records itself, so --ops, --full-around and "
+                               "data_modules "
                                "do not apply to it; record what it needs in its own code")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
@@ -136,7 +143,8 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
                                weights=weights, queue_bytes=queue_bytes, autocast=autocast,
                                extra_meta={"dtype": dtype, **(extra_meta or {})},
                                record_steps=record_steps, ops=ops, ops_all=ops_all,
-                               full_around=full_around, radius=radius)
+                               full_around=full_around, radius=radius,
+                               data_modules=data_modules)
     return prepared.run(progress=progress)
 
 
@@ -153,7 +161,7 @@ class PreparedCapture:
                  autocast: str | None = None, extra_meta: dict[str, Any] | None = None,
                  record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
                  ops_all: bool = False, full_around: Sequence[str] = (),
-                 radius: int = 1) -> None:
+                 radius: int = 1, data_modules: Collection[str] | None = None) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
         self.loss_scale = loss_scale
@@ -167,6 +175,7 @@ class PreparedCapture:
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
         meta["ops"] = {"globs": list(ops), "modules": sorted(op_modules), "all": ops_all}
         keep = None
+        kept: set[str] = set()
         if full_around:
             if summary:
                 raise CaptureError("--full-around keeps tensor data around the sites it names "
@@ -175,6 +184,20 @@ class PreparedCapture:
             kept = around_modules(case.model, full_around, radius)
             meta["full_around"] = {"around": list(full_around), "radius": radius,
                                    "modules": sorted(kept)}
+        if data_modules is not None:
+            if summary:
+                raise CaptureError("data_modules keeps tensor data for the modules it names "
+                                   "and statistics elsewhere; it cannot be combined with "
+                                   "summary, which keeps none")
+            named = {path for path, _ in modules}
+            unknown = sorted(set(data_modules) - {path for path, _ in
+                                                  select_modules(case.model, (), ())})
+            if unknown:
+                raise CaptureError(f"data_modules names no module {', '.join(unknown[:4])} of "
+                                   f"{type(case.model).__name__}")
+            meta["data_modules"] = sorted(set(data_modules) & named)
+            kept = kept | set(data_modules)
+        if full_around or data_modules is not None:
             keep = partial(_keeps, frozenset(kept))
         meta.update(extra_meta or {}, autocast=autocast, model_dtype=model_dtype(case))
         if record_steps is not None:

@@ -104,6 +104,12 @@ class _Call:
         ref_rows = self.ref.records(self.step, self.pair.reference, Role.INPUT)
         if ref_rows.empty:
             return
+        port_rows = self.port.records(self.step, self.pair.port, Role.INPUT)
+        missing = [side for side, rows in (("reference", ref_rows), ("port", port_rows))
+                   if ((rows["kind"] == "tensor") & (rows["segment"] < 0)).any()]
+        if missing:  # a summary trace, or a site a partial capture kept statistics of
+            self._by_statistics(adapter, ref_rows, port_rows, missing)
+            return
         values, origin = self._reference_call(ref_rows)
         self.ref_index = {str(row["arg"]): row for row in ref_rows.to_dict("records")}
         args, kwargs = rebuild_call(values)
@@ -118,7 +124,6 @@ class _Call:
                 "must take the reference's arguments as they were passed and return "
                 "(args, kwargs) for the port layer") from None
         made = _flatten_call(new_args, new_kwargs)
-        port_rows = self.port.records(self.step, self.pair.port, Role.INPUT)
         port_paths = {str(arg): row for (_, row), arg in zip(port_rows.iterrows(),
                                                               port_rows["arg"], strict=True)}
         paths = _bind(list(made), list(port_paths), self.port_sig)
@@ -246,6 +251,62 @@ class _Call:
                "argument or a view of one) has no baseline error to scale")
         return Tolerance(tolerance.rtol, tolerance.atol, f"{tolerance.source}; {why}",
                          tolerance.kind), None
+
+    def _by_statistics(self, adapter, ref_rows: pd.DataFrame, port_rows: pd.DataFrame,
+                       sides: list[str]) -> None:
+        """A side holds statistics only for this call's inputs (a summary trace, or a site a
+        partial capture kept statistics of): the adapter cannot make the port's inputs from
+        the reference's values. It is run on stand-ins of the recorded shapes and dtypes
+        (meta tensors: no memory, no values) to learn which reference tensors it passes to
+        the port unchanged; those, and their input gradients, are paired and judged by their
+        statistics like any record without data. What it makes from them cannot be judged
+        without values: listed as not compared, saying why, never a reason for the diff to
+        stop (the site's outputs are still judged)."""
+        why = (f"not compared: {' and '.join(sides)} kept statistics only at this site, and "
+               f"call adapter {self.spec} makes it from the reference's values")
+        passed = self._passed_through(adapter, ref_rows, port_rows)
+        for port_path, ref_pos in passed.items():
+            self.records.pairs.append(RecordPair(ref_pos, int(port_rows.index[
+                list(port_rows["arg"].astype(str)).index(port_path)]), "adapted", 1.0))
+            self._paired(port_path, Role.INPUT)
+        key = ("port", self.step, self.pair.port, Role.INPUT)
+        self.records.unmatched = [(*e[:5], why) if e[:4] == key else e
+                                  for e in self.records.unmatched]
+        self.records.port_missing = [m for m in self.records.port_missing
+                                     if m[:3] != (self.step, self.pair.reference,
+                                                  self.pair.port)]
+        arg_of = {pos: str(arg) for pos, arg in zip(ref_rows.index, ref_rows["arg"],
+                                                    strict=True)}
+        self._gradients({path: arg_of[pos] for path, pos in passed.items()})
+
+    def _passed_through(self, adapter, ref_rows: pd.DataFrame,
+                        port_rows: pd.DataFrame) -> dict[str, int]:
+        """Port input path -> the reference record the adapter passes to it unchanged, found by
+        running it on meta tensors; empty when it cannot run so."""
+        import torch
+
+        values: list[tuple[str, Any]] = []
+        origin: dict[int, int] = {}
+        try:
+            for pos, row in ref_rows.iterrows():
+                arg = str(row["arg"])
+                if row["kind"] == "tensor":
+                    tensor = torch.empty(schema.parse_shape(str(row["shape"])),
+                                         dtype=getattr(torch, str(row["dtype"])), device="meta")
+                    origin[id(tensor)] = int(pos)
+                    values.append((arg, tensor))
+                else:
+                    values.append((arg, _plain(row["value"])))
+            args, kwargs = rebuild_call(values)
+            new_args, new_kwargs = adapter(*args, **kwargs)
+            made = _flatten_call(tuple(new_args), dict(new_kwargs))
+        except Exception:  # an adapter that needs values: nothing is known to pass through
+            return {}
+        recorded = {str(arg): kind for arg, kind in zip(port_rows["arg"], port_rows["kind"],
+                                                        strict=True)}
+        paths = _bind(list(made), list(recorded), self.port_sig)
+        return {paths[path]: origin[id(value)] for path, value in made.items()
+                if path in paths and id(value) in origin and recorded[paths[path]] == "tensor"}
 
     def _paired(self, port_path: str, role: str) -> None:
         """A port record the adapter's call paired: no longer without partner."""

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,7 @@ from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, 
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
-from layerdiff.compare.suggest import full_commands, ops_commands
+from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping
@@ -218,10 +219,12 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         + mapping.unused_site_rules(ref.sites["module"].unique())
         + tolerances.unmatched(rows) + converted_said,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
-                                                                        mapping),
+                                                                        mapping, tolerances),
         "op_pairings": op_pairings(sites),
-        "ops_commands": ops_commands(ref, port, origins, first_step),
-        "full_commands": full_commands(ref, port, origins, first_step),
+        "ops_commands": ops_commands(ref, port, origins, first_step,
+                                     diff_options(mapping, tolerances)),
+        "full_commands": full_commands(ref, port, origins, first_step,
+                                       diff_options(mapping, tolerances)),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
@@ -337,10 +340,11 @@ def _one_tensor_lower(port: Trace, floats: pd.DataFrame, differ: pd.DataFrame) -
     return len(differ) <= LOWER_SHARE * len(floats)
 
 
-def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
-                    mapping: Mapping) -> dict[str, Any] | None:
+def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame, mapping: Mapping,
+                    tolerances: Tolerances | None = None) -> dict[str, Any] | None:
     """When the port runs in another precision and no baseline was given: the two commands
-    that judge it by what that precision allows."""
+    that judge it by what that precision allows (the baseline captured as the reference was,
+    the diff with this diff's mapping and tolerances)."""
     # both floats: a record paired with an integer one (a (batch, T) 0/1 mask against a 4-D
     # float mask of the same name) is a different tensor, not the port's precision
     floats = rows[rows[Column.DTYPE].astype(str).str.contains("float")
@@ -366,12 +370,20 @@ def _precision_hint(ref: Trace, port: Trace, rows: pd.DataFrame,
     options = f" --steps {int(ref.meta.get('steps', 1) or 1)}"
     if ref.loss_scale != 1.0:
         options += f" --loss-scale {ref.loss_scale:g}"
+    same = [[f"--{name}", glob] for name in ("include", "exclude")
+            for glob in ref.meta.get(name) or []]  # the same records as the reference
+    same += [["--ops", glob] for glob in (ref.meta.get("ops") or {}).get("globs") or []]
+    if ref.summary:
+        same.append(["--summary"])
+    if same:
+        options += " " + shlex.join([word for words in same for word in words])
     case = ref.meta.get("case") or "REF_CASE"
     base = ref.path.with_name(f"{ref.path.stem}.{port_dtype}.h5")
+    given = diff_options(mapping, tolerances)
     return {"reference": str(differ[Column.DTYPE].mode().iloc[0]), "port": port_dtype,
             "capture": f"layerdiff capture {case} {flag}{options} -o {base}",
             "diff": f"layerdiff diff {ref.path} {port.path} --baseline {base}"
-                    + (f" --map {mapping.path}" if mapping.path and not mapping.origin else "")}
+                    + (" " + shlex.join(given) if given else "")}
 
 
 class _Comparer:

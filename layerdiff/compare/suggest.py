@@ -14,13 +14,36 @@ from layerdiff.trace import Trace, schema
 TORCH_PRODUCER = "layerdiff.capture (torch)"
 
 
+def diff_options(mapping: Any = None, tolerances: Any = None) -> list[str]:
+    """The options a printed ``layerdiff diff`` needs to compare as the diff that printed it
+    did: the mapping file the user gave (``--map``: a mapping that names code or regular
+    expressions is refused when read back from a trace, and is run only when passed), the
+    tolerance file and the ``--rtol``/``--atol`` flags. ``mapping`` is a Mapping or a path,
+    ``tolerances`` a Tolerances or a path (None: not given)."""
+    options: list[str] = []
+    if mapping is not None:
+        path = getattr(mapping, "path", mapping)
+        if path is not None and not getattr(mapping, "origin", ""):  # not read from a trace
+            options += ["--map", str(path)]
+    if tolerances is not None:
+        path = getattr(tolerances, "path", tolerances)
+        if path is not None:
+            options += ["--tolerances", str(path)]
+        for name in ("rtol", "atol"):
+            value = getattr(tolerances, name, None)
+            if value is not None:
+                options += [f"--{name}", repr(float(value))]
+    return options
+
+
 def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
-                 first_step: int | None) -> list[str]:
+                 first_step: int | None, diff_args: list[str] | None = None) -> list[str]:
     """Shell commands that capture both sides again with ``--ops`` on the modules whose own code
     holds an origin, then diff them; empty when there is no such origin, when those ops were
     captured already, or when a side was not captured by layerdiff's torch hooks from a case
     spec (a port that records itself names its own op sites; a Case built in a notebook has no
-    spec to capture it again by)."""
+    spec to capture it again by). ``diff_args`` are the printed diff's options
+    (:func:`diff_options`)."""
     # an origin is innermost: with its output or input gradient out, the fault is in the
     # module's own code (a weight gradient is not an op's: ops do not record parameters)
     wanted = [o for o in origins if o.role in schema.RESULT_ROLES
@@ -39,11 +62,12 @@ def ops_commands(ref: Trace, port: Trace, origins: list[R.Origin],
         if ref_module not in ref_modules:
             ref_modules.append(ref_module)
             port_modules.append(port_module)
-    return _recapture(ref, port, ref_modules, port_modules, first_step, "--ops", "ops")
+    return _recapture(ref, port, ref_modules, port_modules, first_step, "--ops", "ops",
+                      diff_args)
 
 
 def full_commands(ref: Trace, port: Trace, origins: list[R.Origin],
-                  first_step: int | None) -> list[str]:
+                  first_step: int | None, diff_args: list[str] | None = None) -> list[str]:
     """Where a side is a summary trace: the captures that keep tensor data around the origins'
     modules (``--full-around``) and statistics elsewhere, then their diff, which can show the
     element-wise error and a likely cause; the second phase for a model too big to capture in
@@ -63,7 +87,7 @@ def full_commands(ref: Trace, port: Trace, origins: list[R.Origin],
             ref_modules.append(ref_module)
             port_modules.append(port_module)
     return _recapture(ref, port, ref_modules, port_modules, first_step, "--full-around",
-                      "full")
+                      "full", diff_args)
 
 
 def _recapturable(ref: Trace, port: Trace) -> bool:
@@ -73,8 +97,10 @@ def _recapturable(ref: Trace, port: Trace) -> bool:
 
 
 def _recapture(ref: Trace, port: Trace, ref_modules: list[str], port_modules: list[str],
-               first_step: int, option: str, tag: str) -> list[str]:
-    """Capture both sides again with ``option MODULE`` for each module, then diff them."""
+               first_step: int, option: str, tag: str,
+               diff_args: list[str] | None = None) -> list[str]:
+    """Capture both sides again with ``option MODULE`` for each module, then diff them with
+    ``diff_args`` (the mapping and tolerances the diff that printed them was given)."""
     if not ref_modules:
         return []
     ref_out = _renamed(ref.path, tag)
@@ -84,12 +110,15 @@ def _recapture(ref: Trace, port: Trace, ref_modules: list[str], port_modules: li
     port_cmd = _capture(port.meta, port_out, option, port_modules, steps)
     weights = port.meta.get("weights") or {}
     if weights.get("from"):
-        port_cmd += ["--weights-from", str(ref_out)]
+        # the trace the port's weights came from, where it is still there: the reference's
+        # new capture keeps no weight data outside --full-around (nor in a --summary one)
+        source = Path(str(weights["from"]))
+        port_cmd += ["--weights-from", str(source if source.is_file() else ref_out)]
         mapping = weights.get("mapping") or {}
         if mapping.get("path"):
             port_cmd += ["--map", str(mapping["path"])]
     return [shlex.join(ref_cmd), shlex.join(port_cmd),
-            shlex.join(["layerdiff", "diff", str(ref_out), str(port_out)])]
+            shlex.join(["layerdiff", "diff", str(ref_out), str(port_out), *(diff_args or [])])]
 
 
 def _one_op(ref: Trace, site: str) -> bool:
@@ -128,6 +157,12 @@ def _capture(meta: dict[str, Any], output: Path, option: str, modules: list[str]
     for name in ("dtype", "autocast"):
         if meta.get(name):
             command += [f"--{name}", str(meta[name])]
+    ops = meta.get("ops") or {}
+    for glob in ops.get("globs") or []:  # the ops captured before stay captured
+        if not (option == "--ops" and glob in modules):
+            command += ["--ops", glob]
+    if ops.get("all") and (ops.get("globs") or option == "--ops"):
+        command.append("--ops-all")
     if meta.get("summary") and option != "--full-around":
         command.append("--summary")
     return command

@@ -8,7 +8,9 @@ every step costs memory and disk in proportion. So:
 1. Both cases run ``steps`` optimizer steps under a *summary* capture (statistics only: min,
    max, mean, std, L2 norm and NaN/Inf counts of every record, the loss among them, no tensor
    data), the port starting from the reference's weights. The summary diff of the two finds
-   ``first_step``, the first step with any record out of tolerance.
+   ``first_step``, the first step with any record out of tolerance. Where the mapping names
+   code, the tensor data that code reads is kept too, and only that (:func:`data_needed`: the
+   inputs of the sites a call adapter rebuilds, the parameters a conversion makes).
 2. Both run again from the same starting point up to ``first_step``, recording that step alone
    in full (``capture(..., record_steps={k})``), and the full diff of that step names the
    origin. Weights are recorded at the start of each step, so an origin that is a weight at
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -57,6 +60,7 @@ import pandas as pd
 import torch
 
 from layerdiff.capture import capture
+from layerdiff.capture.modules import module_paths
 from layerdiff.capture.torch_capture import weights_meta
 from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import diff
@@ -65,6 +69,7 @@ from layerdiff.compare.judge import PASSING
 from layerdiff.compare.origins import find_origins
 from layerdiff.compare.pair import PairReader
 from layerdiff.compare.result import Column, Diff, Origin
+from layerdiff.compare.suggest import diff_options
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
@@ -72,7 +77,7 @@ from layerdiff.mapping import Mapping
 from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
 from layerdiff.trace.schema import Pass, Role
-from layerdiff.weights import load_weights_from
+from layerdiff.weights import as_mapping, load_weights_from, port_tensors
 
 # Measured: the planted optimizer bugs (a schedule one step early, Adam's L2 for AdamW's decay)
 # move 37-100% of a weight's elements out of tolerance; Adam amplifying near-zero gradients of
@@ -126,6 +131,9 @@ class DivergeResult:
     warnings: list[str] = field(default_factory=list)
     # the update that ended step first_step - 1, rerun from the reference's inputs
     optimizer_update: UpdateEvidence | None = None
+    notes: list[str] = field(default_factory=list)  # how it ran (data kept for the mapping)
+    # the diff of the first diverging step's traces, with every option it needs (the mapping)
+    step_command: str = ""
 
     @property
     def found(self) -> bool:
@@ -182,6 +190,8 @@ class DivergeResult:
             "traces": {name: str(path) for name, path in self.traces.items()},
             "seconds": {name: round(value, 3) for name, value in self.seconds.items()},
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
+            "step_command": self.step_command or None,
         }
 
 
@@ -219,17 +229,20 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
                                                         ("port", port_case))}
     seconds: dict[str, float] = {}
 
-    # Phase 1: statistics of every record of every step.
+    # Phase 1: statistics of every record of every step, and tensor data where the mapping's
+    # code must read it (the inputs a call adapter rebuilds, the parameters a conversion makes)
+    data = data_needed(ref_case, port_case, mapping)
+    notes = [data.note] if data.note else []
     traces = {"reference_summary": out / "reference.summary.h5",
               "port_summary": out / "port.summary.h5"}
-    capture(ref_case, traces["reference_summary"], steps=steps, summary=True,
-            progress=progress)
+    capture(ref_case, traces["reference_summary"], steps=steps, progress=progress,
+            **data.options("reference"))
     if golden:
         traces["golden_summary"] = out / "golden.summary.h5"
         golden = _golden(ref_case, starts["reference"], traces, "golden_summary", warnings,
-                         steps=steps, summary=True, progress=progress)
-    capture(port_case, traces["port_summary"], steps=steps, summary=True, progress=progress,
-            extra_meta=extra_meta)
+                         steps=steps, progress=progress, **data.options("reference"))
+    capture(port_case, traces["port_summary"], steps=steps, progress=progress,
+            extra_meta=extra_meta, **data.options("port"))
     summary = _diff(traces, "reference_summary", "port_summary", "golden_summary", mapping,
                     tolerances, warnings)
     per_step = _per_step(summary, traces, steps)
@@ -237,7 +250,7 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     seconds["statistics"] = time.perf_counter() - started
     if first is None:
         return DivergeResult(ref_case.name, port_case.name, steps, None, per_step, None, "",
-                             summary, None, traces, seconds, warnings)
+                             summary, None, traces, seconds, warnings, notes=notes)
 
     # Phase 2: the first diverging step, in full, from the same start.
     phase2 = time.perf_counter()
@@ -265,13 +278,101 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
         rerun = time.perf_counter()
         update = _rerun_update(ref_case, port_case, starts, mapping, first - 1, warnings)
         seconds["update rerun"] = time.perf_counter() - rerun
+    step_command = shlex.join(["layerdiff", "diff", str(traces["reference_step"]),
+                               str(traces["port_step"]), *diff_options(mapping, tolerances),
+                               "--verbose"])
     cause, explanation = _explain(step_diff, first, update)
     if step_diff.first_failing_step is None:
         warnings.append(f"the statistics of step {first} are out of tolerance but its full "
                         "records are not: a reduction-order difference at the edge of "
                         "tolerance, or a run that is not deterministic")
     return DivergeResult(ref_case.name, port_case.name, steps, first, per_step, cause,
-                         explanation, summary, step_diff, traces, seconds, warnings, update)
+                         explanation, summary, step_diff, traces, seconds, warnings, update,
+                         notes, step_command)
+
+
+@dataclass
+class DataPlan:
+    """What the statistics phase keeps tensor data for, per side: the modules whose records a
+    diff through the mapping's code reads element by element (``None``: none, a summary
+    capture; ``"all"``: a full capture, where a side cannot keep data for some modules only)."""
+
+    reference: frozenset[str] | str | None = None
+    port: frozenset[str] | str | None = None
+    why: list[str] = field(default_factory=list)   # what needs data, for the note
+    note: str = ""                                 # one line for the user, when data is kept
+
+    def options(self, side: str) -> dict[str, Any]:
+        """The capture options of ``side``'s statistics run."""
+        kept = getattr(self, side)
+        if kept is None:
+            return {"summary": True}
+        if kept == "all":
+            return {"summary": False}
+        return {"summary": False, "data_modules": sorted(kept)}
+
+
+def data_needed(reference: Case, port: Case | ExternalCase,
+                mapping: str | os.PathLike | Mapping | None) -> DataPlan:
+    """The modules whose records the statistics phase must keep in full for the diff through
+    ``mapping``'s code: a call adapter rebuilds the port's call from the reference's recorded
+    arguments and compares what it makes with the port's recorded inputs (both sides' inputs
+    of the sites it names); a conversion makes the port's parameter from the reference's
+    tensors (the modules owning both). Statistics cannot stand in for either. A side that
+    cannot keep data for some modules only (a port that records itself, a Flax model) is
+    captured in full, and the note says so."""
+    rules = as_mapping(mapping)
+    if not rules.code_refs():
+        return DataPlan()
+    ref_paths = module_paths(reference.model)
+    port_paths = (None if isinstance(port, ExternalCase) or port.framework != "torch"
+                  else module_paths(port.model))
+    ref_keep: set[str] = set()
+    port_keep: set[str] = set()
+    adapted, converted = set(), set()
+    for path in ref_paths:  # [[site]] rules with call = ...
+        rule = rules.site_rule(path)
+        if rule is not None and rule.call is not None:
+            ref_keep.add(path)
+            adapted.add(rule.call.spec)
+            renamed = rules.rename(path)
+            if renamed is not None:
+                port_keep.add(renamed[0])
+    for ref_site, code in rules.pair_calls.items():  # [[pair]] rules with call = ...
+        ref_keep.add(schema.split_site(ref_site)[0])
+        port_keep.add(schema.split_site(rules.pairs[ref_site])[0])
+        adapted.add(code.spec)
+    if port_paths is not None:  # [[param]] rules whose chain names a function
+        partner = rules.module_partners(port_paths, ref_paths)
+        for name in port_tensors(port.model):
+            source = rules.param_source(name, partner)
+            if source is None or not source.functions:
+                continue
+            converted.update(source.functions)
+            port_keep.add(name.rpartition(".")[0] or schema.ROOT_MODULE)
+            ref_keep.update(ref.rpartition(".")[0] or schema.ROOT_MODULE
+                            for ref in source.reference)
+    ref_keep &= set(ref_paths)
+    what = ([f"the inputs of the sites call adapter{'s' if len(adapted) > 1 else ''} "
+             f"{', '.join(sorted(adapted))} rebuild{'' if len(adapted) > 1 else 's'}"]
+            if adapted else []) + (
+        [f"the parameters conversion{'s' if len(converted) > 1 else ''} "
+         f"{', '.join(sorted(converted))} make{'' if len(converted) > 1 else 's'}"]
+        if converted else [])
+    if not ref_keep and not port_keep:
+        return DataPlan()
+    plan = DataPlan(frozenset(ref_keep),
+                    "all" if port_paths is None else frozenset(port_keep & set(port_paths)),
+                    what)
+    if port_paths is None:
+        plan.note = (f"the port keeps all its tensor data in the statistics run (it records "
+                     f"itself or is no torch model, so it cannot keep some only); the mapping's "
+                     f"code reads {' and '.join(what)}")
+    else:
+        plan.note = (f"the statistics runs keep tensor data of {len(plan.reference)} reference "
+                     f"and {len(plan.port)} port modules: the mapping's code reads "
+                     f"{' and '.join(what)}")
+    return plan
 
 
 def _rerun_update(ref: Case, port: Case, starts: dict[str, Any],

@@ -73,8 +73,11 @@ def _header(result: DivergeResult) -> str:
              ("cause", "none" if result.cause is None else str(result.cause))]
     facts += [(name.replace("_", " ") + " trace", str(path))
               for name, path in result.traces.items()]
-    warnings = "".join(f"<p class=\"note\">warning: {escape(text)}</p>"
-                       for text in result.warnings)
+    if result.step_command:
+        facts.append(("diff of that step", result.step_command))
+    warnings = "".join(f"<p class=\"note\">note: {escape(text)}</p>" for text in result.notes)
+    warnings += "".join(f"<p class=\"note\">warning: {escape(text)}</p>"
+                        for text in result.warnings)
     verdict = "fail" if result.found else "pass"
     return ("<header>"
             f"<div class=\"banner {verdict}\"><span class=\"verdict\">"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from layerdiff.compare.result import Origin
+from layerdiff.compare.suggest import wrap_command
 from layerdiff.debug.batch import BatchResult, Evidence, Mixing, MixTest, samples_said
 from layerdiff.debug.determinism import DeterminismResult, DifferenceKind
 from layerdiff.debug.diverge import DivergeResult
@@ -106,11 +107,11 @@ def diverge_text(result: DivergeResult) -> str:
             shown = "; ".join(describe_origin(o) for o in others[:4])
             more = f" and {len(others) - 4} more" if len(others) > 4 else ""
             lines += _wrap(f"also: {shown}{more}", "  ")
-        if "reference_step" in result.traces:
+        if result.step_command:
             lines.append("see every record of that step:")
             # a command to copy: broken at its arguments, never clipped
-            lines += [f"  layerdiff diff {result.traces['reference_step']} \\",
-                      f"    {result.traces['port_step']} --verbose"]
+            lines += [f"  {line}" for line in wrap_command(result.step_command, WIDTH - 2)]
+    lines += [line for text in result.notes for line in _wrap(f"note: {text}", "")]
     lines += [line for text in result.warnings for line in _wrap(f"warning: {text}", "")]
     took = ", ".join(f"{name} {value:.1f} s" for name, value in result.seconds.items())
     lines.append(clip(f"took {took}"))
