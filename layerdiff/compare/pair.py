@@ -159,6 +159,8 @@ class PairReader:
         port = as_compared(self.port.read(port_row, compared=compared), plan and plan.port_slice,
                            plan.transpose_port if plan is not None else False)
         port = port if stored else np.asarray(port, dtype=np.float64)
+        if port.shape != ref.shape and port.size == ref.size:
+            port = port.reshape(ref.shape)  # a reshape apart: compared as flat views
         if role in schema.GRAD_ROLES and self.grad_factor != 1.0:
             port = port.astype(np.float64) * self.grad_factor  # as the diff compared them
         return ref, port
