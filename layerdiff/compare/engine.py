@@ -171,7 +171,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
-                           outside_gradients=ref.meta.get("grad_output") == "outside")
+                           outside_gradients=ref.meta.get("grad_output") == "outside",
+                           output_conversions=_output_conversions(sites, mapping))
     # call = "...": imports the adapter; its inputs judged by the baseline as any record
     adapted = adapt_calls(ref, port, records, mapping, tolerances, baseline)
     if not records.pairs and adapted.empty:
@@ -186,6 +187,10 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     if records.converted:  # parameters made through a conversion function: compared through it
         from layerdiff.compare.converted import converted_rows
         rows, converted_said = converted_rows(comparer, rows, records.converted)
+    output_plans: dict = {}
+    if records.output_converted:  # outputs brought into the reference's layout by a function
+        from layerdiff.compare.outconv import output_rows
+        rows, output_plans = output_rows(comparer, rows, records)
     if not independent:  # a replay records only the calls it made: absent is not None there
         rows = absent_rows(comparer, rows, records.absent)  # gradients the port never sent
     _refuse_guessed_names(ref, port, sites, rows, mapping)
@@ -202,6 +207,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     unjudged = first_unjudged(rows, ref.sites, origins, first_step)
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     pairs = _row_pairs(ref_index, records)
+    pairs.update(output_plans)
     attach_hints(origins, PairReader(ref, port, pairs))
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
@@ -225,6 +231,16 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
+
+
+def _output_conversions(sites, mapping: Mapping) -> dict:
+    """Reference site -> its output conversion (``output_transform =`` on its rule)."""
+    found = {}
+    for pair in sites.pairs:
+        conversion = mapping.output_conversion(pair.reference)
+        if conversion is not None:
+            found[pair.reference] = conversion
+    return found
 
 
 def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, RecordPair]:
