@@ -44,7 +44,7 @@ from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.suggest import full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
-from layerdiff.mapping import Mapping
+from layerdiff.mapping import Mapping, is_code
 from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.schema import GRAD_ROLES, PARAM_ROLES, Role
@@ -172,7 +172,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
                            outside_gradients=ref.meta.get("grad_output") == "outside",
-                           output_conversions=_output_conversions(sites, mapping))
+                           output_conversions=_output_conversions(ref, port, sites, mapping))
     # call = "...": imports the adapter; its inputs judged by the baseline as any record
     adapted = adapt_calls(ref, port, records, mapping, tolerances, baseline)
     if not records.pairs and adapted.empty:
@@ -233,13 +233,18 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
 
 
-def _output_conversions(sites, mapping: Mapping) -> dict:
-    """Reference site -> its output conversion (``output_transform =`` on its rule)."""
+def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:
+    """Reference site -> its output conversion: ``output_transform =`` on its rule, else one
+    the diff derives where the mapping converts the site's weights by a row permutation
+    (compare/outconv.py; torch, only for a mapping whose [[param]] rules name a function)."""
     found = {}
     for pair in sites.pairs:
         conversion = mapping.output_conversion(pair.reference)
         if conversion is not None:
             found[pair.reference] = conversion
+    if any(is_code(step) for rule in mapping.param_rules for step in rule.transforms):
+        from layerdiff.compare.outconv import derived_conversions
+        found.update(derived_conversions(ref, port, sites, mapping, set(found)))
     return found
 
 

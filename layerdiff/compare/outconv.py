@@ -229,3 +229,137 @@ def read_back(ref: Trace, port: Trace, plan: OutputConvertedPair,
         if made.role == role and made.arg == arg:
             return np.asarray(made.ref_values), np.asarray(made.port_values)
     raise MappingError(f"output conversion {plan.item.conversion.spec} gives no {role} {arg}")
+
+
+# ---------------------------------------------------------------- derived from the weights
+
+@dataclass(frozen=True)
+class DerivedPermutation:
+    """An output conversion the diff derives itself: a site whose weights the mapping converts
+    by one permutation of their rows (``hf_to_meta_qk`` on a q/k projection) returns its
+    output features in that order, so the port's output, read along its last axis in the
+    inverse order, is the reference's."""
+
+    inverse: tuple[int, ...]      # reference feature j is the port's feature inverse[j]
+    functions: tuple[str, ...]    # the conversion functions that make the permutation
+    params: tuple[str, ...]       # the port parameters whose rows it permutes
+    takes: tuple[str, ...] = ("0",)
+    gives: str = "0"
+
+    @property
+    def spec(self) -> str:
+        return ", ".join(self.functions)
+
+    @property
+    def where(self) -> str:
+        return f"derived from the mapping's conversion of {', '.join(self.params)}"
+
+    def resolve(self):
+        import torch
+
+        inverse = torch.tensor(self.inverse, dtype=torch.long)
+
+        def unpermute(output):
+            return output.index_select(-1, inverse)
+
+        return unpermute
+
+    def describe(self) -> str:
+        return (f"the inverse of the row permutation {self.spec} makes of "
+                f"{', '.join(self.params)} (derived by the diff: the weight's rows are permuted, "
+                "so are the output's features)")
+
+
+def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
+                        given: set[str]) -> dict[str, DerivedPermutation]:
+    """Reference site -> the output permutation its weights' conversion makes, for each site
+    pair without an output conversion of its own (``given``) whose port parameters the mapping
+    makes from one reference tensor each through a chain with a conversion function that
+    permutes rows, the same permutation for every parameter of the module (a bias copied
+    unpermuted under a permuted weight gives none). Found exactly, by running each chain on a
+    tensor whose elements are their own indices. Only where the output's last axis has as many
+    features as the weight has rows."""
+    from layerdiff.mapping import ParamSource
+    from layerdiff.trace.schema import param_name, split_site
+
+    ref_weights = ref.index[ref.index["role"] == Role.WEIGHT]
+    ref_shape = {param_name(site, arg): shape for site, arg, shape in zip(
+        ref_weights["site"], ref_weights["arg"], ref_weights["shape"], strict=True)}
+    port_weights = port.index[port.index["role"] == Role.WEIGHT]
+    by_site: dict[str, dict[str, str]] = {}
+    for site, arg, shape in zip(port_weights["site"], port_weights["arg"],
+                                port_weights["shape"], strict=True):
+        by_site.setdefault(site, {}).setdefault(str(arg), shape)
+    port_outputs = port.index[(port.index["role"] == Role.OUTPUT)
+                              & (port.index["arg"] == "0") & (port.index["kind"] == "tensor")]
+    output_shape = dict(zip(port_outputs["site"], port_outputs["shape"], strict=True))
+    found: dict[str, DerivedPermutation] = {}
+    for pair in sites.pairs:
+        params = by_site.get(pair.port)
+        if pair.reference in given or not params or pair.port not in output_shape:
+            continue
+        partner = {split_site(pair.port)[0]: split_site(pair.reference)[0]}
+        perms, functions, names = [], [], []
+        for arg, shape in params.items():
+            name = param_name(pair.port, arg)
+            source = mapping.param_source(name, partner) or ParamSource([name])
+            if len(source.reference) != 1 or source.reshapes or source.reference[0] not in \
+                    ref_shape:
+                perms = []
+                break
+            perm = _row_permutation(source, _shape(ref_shape[source.reference[0]]),
+                                    _shape(shape), name)
+            if perm is None:
+                perms = []
+                break
+            perms.append(perm)
+            functions += [f for f in source.functions if f not in functions]
+            names.append(name)
+        if not perms or not functions or any(p != perms[0] for p in perms):
+            continue
+        perm = perms[0]
+        if perm == tuple(range(len(perm))):
+            continue  # the conversion keeps the rows where they are: nothing to undo
+        out = _shape(output_shape[pair.port])
+        if not out or out[-1] != len(perm):
+            continue
+        inverse = tuple(int(i) for i in np.argsort(np.asarray(perm)))
+        found[pair.reference] = DerivedPermutation(inverse, tuple(functions), tuple(names))
+    return found
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    from layerdiff.trace.schema import parse_shape
+
+    return tuple(parse_shape(text))
+
+
+def _row_permutation(source: Any, ref_shape: tuple[int, ...], port_shape: tuple[int, ...],
+                     name: str) -> tuple[int, ...] | None:
+    """The permutation ``perm`` with ``chain(w) == w[perm]`` for every ``w`` of the
+    reference's shape, or None when the chain is no permutation of rows (a transpose, a
+    reshape across rows, arithmetic). Copies are the identity. Found by running the chain once
+    on a tensor whose elements are their own flat indices (float64 holds them exactly)."""
+    from layerdiff.weights import combine  # torch: a mapping names a function
+
+    if not ref_shape or tuple(ref_shape) != tuple(port_shape):
+        return None
+    size = int(np.prod(ref_shape))
+    if size == 0 or size >= 2 ** 53:
+        return None
+    index = np.arange(size, dtype=np.float64).reshape(ref_shape)
+    try:
+        made = np.asarray(combine(source, [index], port=name))
+    except Exception:  # the chain refuses this: not for deriving (the diff's rows say why)
+        return None
+    if made.shape != tuple(ref_shape):
+        return None
+    rows = ref_shape[0]
+    row_size = size // rows
+    first = made.reshape(rows, -1)[:, 0]
+    if not np.all(first == np.round(first)) or not np.all(first % row_size == 0):
+        return None
+    perm = (first // row_size).astype(np.int64)
+    if sorted(perm.tolist()) != list(range(rows)) or not np.array_equal(made, index[perm]):
+        return None
+    return tuple(int(i) for i in perm)
