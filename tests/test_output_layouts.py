@@ -246,6 +246,7 @@ def test_experts_returning_unweighted_outputs_pair_through_an_output_conversion(
     grads = converted[converted["role"] == "grad_output"]
     assert set(grads["port_shape"]) == {f"{TOKENS},{K}", f"{TOKENS},{K},{D}"}
     assert grads["verdict"].isin(PASSING).all() and (grads["ratio"] < 0.5).all(), grads
+    assert "pulled back through output conversion" in grads.iloc[0]["note"]
     assert "vector-Jacobian product" in grads.iloc[0]["note"]
     for _, row in converted.iterrows():  # read back as compared: reports and hints see this
         ref_values, port_values = read_pair(result, row)

@@ -132,7 +132,7 @@ def converted_outputs(ref: Trace, port: Trace, item: Conversion) -> list[Made]:
     found = [Made(step, Role.OUTPUT, gives, int(ref_row.name), first,
                   ref.read(ref_row), _numpy(made_forward),
                   f"{conversion.describe()} applied to the port's output(s) {taken}, compared "
-                  "with the reference's")]
+                  f"with the reference's output {gives!r}")]
     ref_grads = _by_arg(ref, step, pair.reference, Role.GRAD_OUTPUT)
     port_grads = _by_arg(port, step, pair.port, Role.GRAD_OUTPUT)
     floats = [i for i, v in enumerate(values)
@@ -151,9 +151,10 @@ def converted_outputs(ref: Trace, port: Trace, item: Conversion) -> list[Made]:
         found.append(Made(step, Role.GRAD_OUTPUT, arg,
                           int(ref_grads[gives].name), int(port_row.name), grad,
                           port.read(port_row),
-                          f"the reference's gradient pushed through {conversion.describe()}'s "
-                          f"vector-Jacobian product at the port's outputs, compared with the "
-                          f"port's gradient at its output {take!r}"))
+                          f"the port's gradient at its output {take!r} compared with the "
+                          f"reference's at {gives!r} pulled back through "
+                          f"{conversion.describe()} (its vector-Jacobian product at the port's "
+                          "outputs)"))
     return found
 
 
@@ -266,8 +267,8 @@ class DerivedPermutation:
 
     def describe(self) -> str:
         return (f"the inverse of the row permutation {self.spec} makes of "
-                f"{', '.join(self.params)} (derived by the diff: the weight's rows are permuted, "
-                "so are the output's features)")
+                f"{', '.join(self.params)} (derived: a layer whose weight rows are permuted "
+                "gives its output features in that order)")
 
 
 def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
