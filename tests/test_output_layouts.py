@@ -305,3 +305,15 @@ def test_an_output_conversion_is_read_as_data(moe_pair):
     assert (conversion.spec, conversion.takes, conversion.gives) == (
         f"{HERE}:weighted_sum", ("0", "1"), "0")
     assert f"{HERE}:weighted_sum" in [ref.spec for ref in mapping.code_refs()]
+
+
+def test_summary_traces_list_converted_outputs_as_not_compared(moe_pair, tmp_path):
+    _, mapping = moe_pair
+    reference = capture(_moe_case(ReferenceExperts), tmp_path / "ref.h5", summary=True)
+    port = _moe_case(PortExperts)
+    load_weights(port.model, moe_pair[0], mapping)
+    result = diff(reference, capture(port, tmp_path / "port.h5", summary=True), mapping=mapping)
+    rows = result.rows[result.rows["match"] == "output-converted"]
+    assert sorted(rows["role"]) == ["grad_output", "output"]
+    assert all("statistics only" in note and "not compared" in note for note in rows["note"])
+    assert result.passed

@@ -36,6 +36,7 @@ import pandas as pd
 
 from layerdiff.compare import result as R
 from layerdiff.compare.converted import _row
+from layerdiff.compare.judge import Verdict
 from layerdiff.compare.records import RecordPair, RecordPairing
 from layerdiff.compare.result import Column
 from layerdiff.errors import MappingError
@@ -73,6 +74,9 @@ def output_rows(comparer: Any, rows: pd.DataFrame, records: RecordPairing
         steps = sorted(set(ref.records(site=pair.reference, role=Role.OUTPUT)["step"]))
         for step in steps:
             item = Conversion(pair, conversion, int(step))
+            if not _has_data(ref, port, item):
+                new += _statistics_only(comparer, item)
+                continue
             for made in converted_outputs(ref, port, item):
                 key = (made.step, pair.reference, made.role, made.arg)
                 r = dict(ref.index.iloc[made.ref_pos].to_dict(), arg=made.arg)
@@ -90,6 +94,39 @@ def output_rows(comparer: Any, rows: pd.DataFrame, records: RecordPairing
     frame = pd.DataFrame(new, columns=R.ROW_COLUMNS)
     merged = frame if rows.empty else pd.concat([rows, frame], ignore_index=True)
     return merged.sort_values([Column.STEP, Column.SEQ], kind="stable", ignore_index=True), plans
+
+
+def _has_data(ref: Trace, port: Trace, item: Conversion) -> bool:
+    """Whether the reference's output and every port output the function takes hold tensor
+    data (not a summary trace, nor statistics kept around a --full-around capture)."""
+    ref_row = _by_arg(ref, item.step, item.pair.reference, Role.OUTPUT).get(
+        item.conversion.gives)
+    port_rows = _by_arg(port, item.step, item.pair.port, Role.OUTPUT)
+    rows = [ref_row, *(port_rows.get(take) for take in item.conversion.takes)]
+    return all(row is None or row["kind"] != "tensor" or int(row["segment"]) >= 0
+               for row in rows)
+
+
+def _statistics_only(comparer: Any, item: Conversion) -> list[dict[str, Any]]:
+    """Rows for a side without tensor data: a function cannot be applied to statistics, so
+    the output (and its gradient) is listed as not compared."""
+    ref, port = comparer.ref, comparer.port
+    found = []
+    for role in (Role.OUTPUT, Role.GRAD_OUTPUT):
+        r = _by_arg(ref, item.step, item.pair.reference, role).get(item.conversion.gives)
+        p = _by_arg(port, item.step, item.pair.port, role).get(item.conversion.takes[0])
+        if r is None or p is None:
+            continue
+        r, p = r.to_dict(), dict(p.to_dict(), shape=r["shape"], digest="")
+        row = comparer._base_row(RecordPair(0, 0, MATCH, 1.0), r, p)
+        for column in (Column.MAX_ABS, Column.REF_NAN, Column.REF_INF, Column.PORT_NAN,
+                       Column.PORT_INF):
+            row[column] = None
+        row.update(verdict=Verdict.WITHIN, ratio=np.nan, match=MATCH, note=(
+            f"statistics only: {item.conversion.describe()} cannot be applied to statistics; "
+            "not compared"))
+        found.append(row)
+    return found
 
 
 @dataclass
