@@ -332,6 +332,7 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
                               & (port.index["arg"] == "0") & (port.index["kind"] == "tensor")]
     output_shape = dict(zip(port_outputs["site"], port_outputs["shape"], strict=True))
     found: dict[str, DerivedPermutation] = {}
+    seen: dict[tuple, tuple[int, ...] | None] = {}  # one run per chain and shapes, not per layer
     for pair in sites.pairs:
         params = by_site.get(pair.port)
         if pair.reference in given or not params or pair.port not in output_shape:
@@ -345,8 +346,11 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
                     ref_shape:
                 perms = []
                 break
-            perm = _row_permutation(source, _shape(ref_shape[source.reference[0]]),
-                                    _shape(shape), name)
+            shapes = (_shape(ref_shape[source.reference[0]]), _shape(shape))
+            key = (source.transforms, *shapes)
+            if key not in seen:
+                seen[key] = _row_permutation(source, *shapes, name)
+            perm = seen[key]
             if perm is None:
                 perms = []
                 break
