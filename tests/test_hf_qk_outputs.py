@@ -120,3 +120,20 @@ def test_the_permutation_is_found_exactly_or_not_at_all():
     square = (convert.HEAD_DIM, convert.HEAD_DIM)
     assert _row_permutation(ParamSource(["w"], ("transpose",)), square, square, "w") is None
     assert _row_permutation(ParamSource(["w"], (QK,)), shape, (8, shape[0]), "w") is None
+
+
+@pytest.mark.parametrize(("bug", "local_at"), [("port", set()),
+                                               ("port_bug_attention", {"layers.1.attention#0"})])
+def test_replay_feeds_the_qk_projections_their_gradient_in_the_ports_order(traces, bug,
+                                                                            local_at):
+    from layerdiff import load_case
+    from layerdiff.replay import replay
+
+    reference, mapping, _ = traces
+    result = replay(reference, load_case(f"reference_models.llama_port:{bug}"),
+                    mapping=mapping, propagated=False)
+    table = result.local
+    local = table[table["verdict"] == "LOCAL ERROR"]
+    assert set(local["port_site"]) == local_at, table
+    qk = table[table["port_site"].str.contains(r"attention\.w[qk]#")]
+    assert set(qk["pass"]) == {"forward", "backward"} and len(qk) == 8, qk

@@ -317,3 +317,17 @@ def test_summary_traces_list_converted_outputs_as_not_compared(moe_pair, tmp_pat
     assert sorted(rows["role"]) == ["grad_output", "output"]
     assert all("statistics only" in note and "not compared" in note for note in rows["note"])
     assert result.passed
+
+
+@pytest.mark.parametrize(("experts", "local_at"), [(PortExperts, set()),
+                                                   (BuggyPortExperts, {"moe.experts#0"})])
+def test_replay_feeds_the_experts_the_reference_gradient_through_the_conversion(
+        moe_pair, experts, local_at):
+    from layerdiff.replay import replay
+
+    reference, mapping = moe_pair
+    result = replay(reference, _moe_case(experts), mapping=mapping, propagated=False)
+    table = result.local
+    local = table[table["verdict"] == "LOCAL ERROR"]
+    assert set(local["port_site"]) == local_at, table
+    assert not result.cannot_judge

@@ -260,6 +260,30 @@ def _pull_back(function, values: list, floats: list[int], grad: np.ndarray, conv
     return [t.detach().to(torch.float64).numpy() for t in pulled]
 
 
+def pull_back(conversion: Any, function: Any, outputs: list, grad: np.ndarray,
+              where: str) -> list:
+    """The gradients arriving at the port outputs ``outputs`` (those ``conversion`` takes, as
+    torch tensors or plain values) when ``grad`` arrives at the reference's output it gives:
+    ``J_f^T grad`` at ``outputs`` (float64), None for an output that is no floating-point
+    tensor. What replay feeds a port layer in place of the reference's gradient."""
+    import torch
+
+    floats = [i for i, v in enumerate(outputs) if torch.is_tensor(v) and v.is_floating_point()]
+    found: list = [None] * len(outputs)
+    if not floats:
+        return found
+    values = [v.detach().cpu() if torch.is_tensor(v) else v for v in outputs]
+    pulled = _pull_back(function, values, floats, grad, conversion, _Named(where), 0)
+    for i, value in zip(floats, pulled, strict=True):
+        found[i] = value
+    return found
+
+
+@dataclass(frozen=True)
+class _Named:
+    port: str
+
+
 def read_back(ref: Trace, port: Trace, plan: OutputConvertedPair,
               role: str, arg: str) -> tuple[np.ndarray, np.ndarray]:
     """The (reference, port) values one output-converted row compared."""
@@ -317,7 +341,6 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
     unpermuted under a permuted weight gives none). Found exactly, by running each chain on a
     tensor whose elements are their own indices. Only where the output's last axis has as many
     features as the weight has rows."""
-    from layerdiff.mapping import ParamSource
     from layerdiff.trace.schema import param_name, split_site
 
     ref_weights = ref.index[ref.index["role"] == Role.WEIGHT]
@@ -337,37 +360,50 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
         params = by_site.get(pair.port)
         if pair.reference in given or not params or pair.port not in output_shape:
             continue
-        partner = {split_site(pair.port)[0]: split_site(pair.reference)[0]}
-        perms, functions, names = [], [], []
-        for arg, shape in params.items():
-            name = param_name(pair.port, arg)
-            source = mapping.param_source(name, partner) or ParamSource([name])
-            if len(source.reference) != 1 or source.reshapes or source.reference[0] not in \
-                    ref_shape:
-                perms = []
-                break
-            shapes = (_shape(ref_shape[source.reference[0]]), _shape(shape))
-            key = (source.transforms, *shapes)
-            if key not in seen:
-                seen[key] = _row_permutation(source, *shapes, name)
-            perm = seen[key]
-            if perm is None:
-                perms = []
-                break
-            perms.append(perm)
-            functions += [f for f in source.functions if f not in functions]
-            names.append(name)
-        if not perms or not functions or any(p != perms[0] for p in perms):
-            continue
-        perm = perms[0]
-        if perm == tuple(range(len(perm))):
-            continue  # the conversion keeps the rows where they are: nothing to undo
-        out = _shape(output_shape[pair.port])
-        if not out or out[-1] != len(perm):
-            continue
-        inverse = tuple(int(i) for i in np.argsort(np.asarray(perm)))
-        found[pair.reference] = DerivedPermutation(inverse, tuple(functions), tuple(names))
+        port_module, ref_module = split_site(pair.port)[0], split_site(pair.reference)[0]
+        derived = derive_permutation(
+            {param_name(pair.port, arg): _shape(shape) for arg, shape in params.items()},
+            ref_shape, mapping, {port_module: ref_module},
+            (_shape(output_shape[pair.port]) or (0,))[-1], seen)
+        if derived is not None:
+            found[pair.reference] = derived
     return found
+
+
+def derive_permutation(params: dict[str, tuple[int, ...]], ref_shapes: dict[str, Any],
+                       mapping: Any, partner: dict[str, str], features: int,
+                       seen: dict | None = None) -> DerivedPermutation | None:
+    """The output permutation of one port layer (see :func:`derived_conversions`): its
+    parameters by full name with their shapes, the reference's weights' shapes by name (text or
+    tuples), its module's partner (port module -> reference module) and the number of features
+    on its output's last axis; None where none is derived exactly. ``seen`` caches the
+    permutation of each chain and shapes across layers."""
+    from layerdiff.mapping import ParamSource
+
+    seen = {} if seen is None else seen
+    perms, functions = [], []
+    for name, shape in params.items():
+        source = mapping.param_source(name, partner) or ParamSource([name])
+        if len(source.reference) != 1 or source.reshapes or source.reference[0] not in \
+                ref_shapes:
+            return None
+        ref_shape = ref_shapes[source.reference[0]]
+        shapes = (_shape(ref_shape) if isinstance(ref_shape, str) else tuple(ref_shape),
+                  tuple(shape))
+        key = (source.transforms, *shapes)
+        if key not in seen:
+            seen[key] = _row_permutation(source, *shapes, name)
+        if seen[key] is None:
+            return None
+        perms.append(seen[key])
+        functions += [f for f in source.functions if f not in functions]
+    if not perms or not functions or any(p != perms[0] for p in perms):
+        return None
+    perm = perms[0]
+    if perm == tuple(range(len(perm))) or features != len(perm):
+        return None  # rows kept in place, or an output that is not the rows' features
+    inverse = tuple(int(i) for i in np.argsort(np.asarray(perm)))
+    return DerivedPermutation(inverse, tuple(functions), tuple(params))
 
 
 def _shape(text: str) -> tuple[int, ...]:
