@@ -4,6 +4,14 @@ Reshape-only pairs: a projection whose output is (B, T, N*H) in the reference an
 in the port holds the same elements in the same order; the diff pairs it without a rule, with
 a note, forward and backward (it failed as ``not finite ... worst element [nan]``). A
 transpose is never taken for a reshape.
+
+Output conversions (``output_transform`` on a site rule): experts that return the routing
+weights and each chosen expert's unweighted output (tokens, k, dim) against a reference whose
+experts return the weighted sum. The faithful port passes with the rule (the gradients at the
+port's outputs compared with the reference's pulled back through the function's vjp); a bug in
+one expert is named at the experts, in the diff and in replay; a function that raises is one
+sentence; a malformed rule is refused with its line; a trace's recorded mapping naming one is
+not run; summary traces list the converted outputs as not compared.
 """
 
 from __future__ import annotations
