@@ -44,6 +44,8 @@ PASSING = {Verdict.WITHIN, Verdict.IDENTICAL}
     ((B, T * N, H), (B * T, N * H), False),    # merged here, split there: not assumed
     ((B, T, N * H), (B, T, N * H + 1), False),
     ((B, T, N * H), (B, T, N * H), False),     # equal shapes: nothing to allow
+    ((0, N * H), (1, 0, N * H), True),         # empty: axes of size 1 only
+    ((0, N * H), (0, N, H), False),
 ])
 def test_same_order_is_a_merge_of_adjacent_axes_never_a_transpose(a, b, same):
     assert same_order(a, b) is same

@@ -601,8 +601,8 @@ def same_order(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     assumed), nor does a merge on one side with a split elsewhere on the other."""
     if a == b or int(np.prod(a, dtype=np.int64)) != int(np.prod(b, dtype=np.int64)):
         return False
-    if int(np.prod(a, dtype=np.int64)) == 0:
-        return False  # nothing to compare, and every product is 0: say the shapes differ
+    if int(np.prod(a, dtype=np.int64)) == 0:  # every product is 0: axes of size 1 only
+        return _unit_axes_apart(a, b)
     ends_a, ends_b = _leading_products(a), _leading_products(b)
     return ends_a <= ends_b or ends_b <= ends_a
 
