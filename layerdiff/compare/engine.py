@@ -49,7 +49,7 @@ from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
-from layerdiff.mapping import Mapping
+from layerdiff.mapping import Mapping, is_code
 from layerdiff.outputs import replacing
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.schema import GRAD_ROLES, PARAM_ROLES, Role
@@ -172,7 +172,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
-                           outside_gradients=ref.meta.get("grad_output") == "outside")
+                           outside_gradients=ref.meta.get("grad_output") == "outside",
+                           output_conversions=_output_conversions(ref, port, sites, mapping))
     # call = "...": imports the adapter; its inputs judged by the baseline as any record
     adapted = adapt_calls(ref, port, records, mapping, tolerances, baseline)
     if not records.pairs and adapted.empty:
@@ -187,6 +188,10 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     if records.converted:  # parameters made through a conversion function: compared through it
         from layerdiff.compare.converted import converted_rows
         rows, converted_said = converted_rows(comparer, rows, records.converted)
+    output_plans: dict = {}
+    if records.output_converted:  # outputs brought into the reference's layout by a function
+        from layerdiff.compare.outconv import output_rows
+        rows, output_plans = output_rows(comparer, rows, records)
     if not independent:  # a replay records only the calls it made: absent is not None there
         rows = absent_rows(comparer, rows, records.absent)  # gradients the port never sent
     _refuse_guessed_names(ref, port, sites, rows, mapping)
@@ -203,6 +208,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     unjudged = first_unjudged(rows, ref.sites, origins, first_step)
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     pairs = _row_pairs(ref_index, records)
+    pairs.update(output_plans)
     attach_hints(origins, PairReader(ref, port, pairs))
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
@@ -228,6 +234,21 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
+
+
+def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:
+    """Reference site -> its output conversion: ``output_transform =`` on its rule, else one
+    the diff derives where the mapping converts the site's weights by a row permutation
+    (compare/outconv.py; torch, only for a mapping whose [[param]] rules name a function)."""
+    found = {}
+    for pair in sites.pairs:
+        conversion = mapping.output_conversion(pair.reference)
+        if conversion is not None:
+            found[pair.reference] = conversion
+    if any(is_code(step) for rule in mapping.param_rules for step in rule.transforms):
+        from layerdiff.compare.outconv import derived_conversions
+        found.update(derived_conversions(ref, port, sites, mapping, set(found)))
+    return found
 
 
 def _row_pairs(ref_index: pd.DataFrame, records: RecordPairing) -> dict[RowKey, RecordPair]:
@@ -493,13 +514,12 @@ class _Comparer:
                        note="" if same else f"values differ: reference {r['value'] or 'tensor'}"
                        f", port {p['value'] or 'tensor'}")
             return row
-        if ref_shape != port_shape and not _unit_axes_apart(ref_shape, port_shape):
+        if ref_shape != port_shape and not same_order(ref_shape, port_shape):
             row.update(verdict=Verdict.SHAPE_MISMATCH, ratio=np.inf,
                        note=f"shapes differ: reference ({r['shape']}), port ({p['shape']})")
             return row
         if ref_shape != port_shape:
-            notes.append(f"shapes differ by axes of size 1 (reference ({r['shape']}), port "
-                         f"({p['shape']})): the same elements in the same order, compared")
+            notes.append(reshape_note(ref_shape, port_shape))
         if r["dtype"] != p["dtype"]:
             notes.append(f"dtypes differ ({r['dtype']} vs {p['dtype']}): compared in float64 "
                          f"at {dtype}'s tolerance")
@@ -661,6 +681,42 @@ def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     """Whether two shapes differ only by axes of size 1 (HF's position ids (1, T) against a
     port's (T)): row-major order puts the same elements in the same places."""
     return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
+
+
+def same_order(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two shapes hold the same elements in the same row-major order by their shapes
+    alone: one is the other with runs of adjacent axes merged (or, the other way, axes split),
+    axes of size 1 aside. A projection's (B, T, N*H) against a port's (B, T, N, H), tokens
+    (B*T, D) against (B, T, D). Each axis of the coarser shape then ends where an axis of the
+    finer one ends: the products of the leading axes of the coarser are among the finer's.
+    A transpose never passes ((B, N, T, H) against (B, T, N, H): B*N is no product of (B, T,
+    N, H)'s leading axes unless N is T, and then the shapes are equal and no reshape is
+    assumed), nor does a merge on one side with a split elsewhere on the other."""
+    if a == b or int(np.prod(a, dtype=np.int64)) != int(np.prod(b, dtype=np.int64)):
+        return False
+    if int(np.prod(a, dtype=np.int64)) == 0:  # every product is 0: axes of size 1 only
+        return _unit_axes_apart(a, b)
+    ends_a, ends_b = _leading_products(a), _leading_products(b)
+    return ends_a <= ends_b or ends_b <= ends_a
+
+
+def _leading_products(shape: tuple[int, ...]) -> set[int]:
+    products, running = set(), 1
+    for n in shape:
+        if n != 1:  # an axis of size 1 ends nowhere new
+            running *= int(n)
+            products.add(running)
+    return products
+
+
+def reshape_note(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> str:
+    """The note on a row whose shapes differ only by a reshape (see :func:`same_order`)."""
+    ref, port = schema.format_shape(ref_shape), schema.format_shape(port_shape)
+    if _unit_axes_apart(ref_shape, port_shape):
+        return (f"shapes differ by axes of size 1 (reference ({ref}), port ({port})): the "
+                "same elements in the same order, compared")
+    return (f"the same elements in the same order, shapes ({ref}) and ({port}) (adjacent axes "
+            "merged on one side): compared as flat views, no rule needed")
 
 
 def _statistics(row: pd.Series) -> np.ndarray:

@@ -31,6 +31,9 @@ from layerdiff.errors import TraceError
 from layerdiff.trace import Trace, open_trace, schema
 
 RowKey = tuple[int, str, str, str]  # step, reference site, role, arg: one diff row
+# a row of outputs compared through an output conversion (compare/outconv.py): read back
+# through it
+OUTPUT_CONVERTED = "output-converted"
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,18 @@ class PairReader:
         step, site, role, arg = row_key(row)
         if isinstance(plan, ConvertedPair) and ref_row is not None and port_row is not None:
             return self._converted(plan, role, stored)
+        if (plan is not None and plan.match == OUTPUT_CONVERTED and ref_row is not None
+                and port_row is not None):
+            from layerdiff.compare.outconv import read_back  # torch, as the diff did
+
+            ref, port = read_back(self.ref, self.port, plan, role, arg)
+            if not stored:
+                ref, port = ref.astype(np.float64), port.astype(np.float64)
+            if port.shape != ref.shape and port.size == ref.size:
+                port = port.reshape(ref.shape)
+            if role in schema.GRAD_ROLES and self.grad_factor != 1.0:
+                port = port.astype(np.float64) * self.grad_factor
+            return ref, port
         if ref_row is None:
             raise TraceError(f"{self.ref.path} has no tensor data for {site} {role} {arg} at "
                              f"step {step}")
@@ -159,6 +174,8 @@ class PairReader:
         port = as_compared(self.port.read(port_row, compared=compared), plan and plan.port_slice,
                            plan.transpose_port if plan is not None else False)
         port = port if stored else np.asarray(port, dtype=np.float64)
+        if port.shape != ref.shape and port.size == ref.size:
+            port = port.reshape(ref.shape)  # a reshape apart: compared as flat views
         if role in schema.GRAD_ROLES and self.grad_factor != 1.0:
             port = port.astype(np.float64) * self.grad_factor  # as the diff compared them
         return ref, port

@@ -74,6 +74,9 @@ class RecordPairing:
     # weights and weight gradients whose chain has a conversion function: no slice of the
     # port's tensor is a reference tensor, so compare/converted.py compares them through it
     converted: list[ConvertedParam] = field(default_factory=list)
+    # site pairs whose port outputs an output conversion brings into the reference's layout,
+    # with it: (SitePair, conversion), compared by compare/outconv.py
+    output_converted: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,15 @@ class ConvertedParam:
 
 def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
                  mapping: Mapping, signatures: CallSignatures | None = None, *,
-                 outside_gradients: bool = False) -> RecordPairing:
+                 outside_gradients: bool = False,
+                 output_conversions: dict | None = None) -> RecordPairing:
     """Pair every reference record with its port record. Inputs pair by the recorded
     signatures (``signatures``; by the same path without them, see :mod:`arguments`),
     outputs by the mapping's ``outputs`` renames, the same path, then shape (see
     :func:`output_partners`). Inputs of a site with a call adapter are left to
-    :mod:`layerdiff.compare.adapted`."""
+    :mod:`layerdiff.compare.adapted`; the output an output conversion gives (reference site
+    -> conversion, ``output_conversions``), its gradient and the port outputs it takes, to
+    :mod:`layerdiff.compare.outconv`."""
     result = RecordPairing([], [])
     by_ref = sites.by_reference()
     port_keys = {key: pos for pos, key in enumerate(zip(
@@ -106,6 +112,9 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     adapted = {pair.reference for pair in sites.pairs
                if mapping.call_adapter(pair.reference) is not None}
     result.adapted = [pair for pair in sites.pairs if pair.reference in adapted]
+    conversions = output_conversions or {}
+    result.output_converted = [(pair, conversions[pair.reference]) for pair in sites.pairs
+                               if pair.reference in conversions]
 
     graded = ref_index[ref_index["role"] == Role.GRAD_OUTPUT]
     fed = set(zip(graded["step"].astype(int), graded["site"], graded["arg"], strict=True))
@@ -132,13 +141,19 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
         if inputs and site in adapted:
             result.excused.add(key)  # given to the call adapter (adapted.py)
             continue
+        conversion = conversions.get(site)
+        if not inputs and conversion is not None and _under(arg, (conversion.gives,)):
+            continue  # compared with what the output conversion makes (outconv.py)
         if inputs:
             port_arg, why = _input_partner(arg, pair, signatures, calls, arguments)
         else:
             if site not in outputs:
-                outputs[site] = output_partners(calls.outputs("reference", site),
-                                                 calls.outputs("port", pair.port),
-                                                 mapping.output_names(site))
+                gives, takes = ((conversion.gives,), conversion.takes) if conversion else ((), ())
+                outputs[site] = output_partners(
+                    {a: s for a, s in calls.outputs("reference", site).items()
+                     if not _under(a, gives)},
+                    {a: s for a, s in calls.outputs("port", pair.port).items()
+                     if not _under(a, takes)}, mapping.output_names(site))
             port_arg, why = outputs[site].get(arg), None
         if port_arg is None and why == MAPPING_DROPS:
             result.dropped.append(key)
@@ -194,11 +209,14 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     result.absent += absent
     used_port |= param_used
     partner_of_port = {p.port: p.reference for p in sites.pairs}
+    taken = {pair.port: conversion.takes for pair, conversion in result.output_converted}
     for pos, (step, site, role, arg, kind, dtype) in enumerate(zip(
             port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
             port_index["kind"], port_index["dtype"], strict=True)):
         if pos in used_port or site not in partner_of_port:
             continue
+        if role in (Role.OUTPUT, Role.GRAD_OUTPUT) and _under(arg, taken.get(site, ())):
+            continue  # an output conversion takes it (outconv.py)
         declared = mapping.why_unmatched_record("port", site, role, arg)
         if declared is not None:
             result.declared.append(("port", int(step), site, role, arg, declared))
@@ -214,6 +232,11 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
                                         name + rest))
     result.pairs.sort(key=lambda p: p.ref)
     return result
+
+
+def _under(arg: str, paths: tuple[str, ...]) -> bool:
+    """Whether an argument path is one of ``paths`` or lies inside one."""
+    return any(arg == path or arg.startswith(path + ".") for path in paths)
 
 
 def _swapped_axes(shape: str) -> tuple[int, ...]:

@@ -9,7 +9,15 @@ h5py, and nothing of the other layerdiff stages. The file format is described in
 from layerdiff.mapping.code import CodeRef, is_code
 from layerdiff.mapping.params import TRANSFORMS, ParamSource, PartView, Slice
 from layerdiff.mapping.pattern import Pattern
-from layerdiff.mapping.rules import Mapping, ParamRule, ShardRule, SiteRule, UnmatchedRecord
+from layerdiff.mapping.rules import (
+    Mapping,
+    OutputConversion,
+    ParamRule,
+    ShardRule,
+    SiteRule,
+    UnmatchedRecord,
+)
 
-__all__ = ["TRANSFORMS", "CodeRef", "Mapping", "ParamRule", "ParamSource", "PartView",
-           "Pattern", "ShardRule", "SiteRule", "Slice", "UnmatchedRecord", "is_code"]
+__all__ = ["TRANSFORMS", "CodeRef", "Mapping", "OutputConversion", "ParamRule", "ParamSource",
+           "PartView", "Pattern", "ShardRule", "SiteRule", "Slice", "UnmatchedRecord",
+           "is_code"]

@@ -28,6 +28,12 @@ A TOML file (YAML with the same keys works too)::
                                                # whole port call, so such a rule takes no args
     outputs = { "0" = "0" }       # reference output -> port output, where they differ
 
+    [[site]]                      # an output conversion: the port's outputs -> the reference's
+    reference = "moe.experts"
+    port = "moe.experts"
+    output_transform = { function = "my_port.convert:weighted_sum", takes = ["0", "1"] }
+    # or output_transform = "my_port.convert:f" (takes the port's output "0", gives "0")
+
     [[pair]]                      # one reference site with one port site (module#call)
     reference = "tgt_pos#0"
     port = "pos#1"
@@ -85,6 +91,33 @@ class SiteRule:
     line: int | None
     call: CodeRef | None = None          # a call adapter: reference arguments -> port call
     outputs: dict[str, str] = field(default_factory=dict)  # reference output -> port output
+    output_transform: OutputConversion | None = None       # the port's outputs -> the reference's
+
+
+@dataclass(frozen=True)
+class OutputConversion:
+    """``output_transform`` on a ``[[site]]`` or ``[[pair]]`` rule: ``function(*port outputs
+    named by takes) -> tensor`` brings what the port site returns into the layout of the
+    reference's output ``gives`` (compared by :mod:`layerdiff.compare.outconv`)."""
+
+    code: CodeRef
+    takes: tuple[str, ...] = ("0",)
+    gives: str = "0"
+
+    @property
+    def spec(self) -> str:
+        return self.code.spec
+
+    @property
+    def where(self) -> str:
+        return self.code.where
+
+    def resolve(self):
+        """The function, imported now (see :meth:`CodeRef.resolve`)."""
+        return self.code.resolve()
+
+    def describe(self) -> str:
+        return f"output conversion {self.spec}"
 
 
 @dataclass(frozen=True)
@@ -145,6 +178,7 @@ class Mapping:
     pair_args: dict[str, dict[str, str]] = field(default_factory=dict)  # [[pair]] args rules
     pair_calls: dict[str, CodeRef] = field(default_factory=dict)        # [[pair]] call adapters
     pair_outputs: dict[str, dict[str, str]] = field(default_factory=dict)  # [[pair]] outputs
+    pair_output_transforms: dict[str, OutputConversion] = field(default_factory=dict)
     unmatched_reference: list[tuple[str, str]] = field(default_factory=list)  # (glob, why)
     unmatched_port: list[tuple[str, str]] = field(default_factory=list)
     unmatched_records: list[UnmatchedRecord] = field(default_factory=list)
@@ -231,8 +265,17 @@ class Mapping:
         rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
         return rule.outputs if rule is not None else {}
 
+    def output_conversion(self, ref_site: str) -> OutputConversion | None:
+        """The output conversion (``output_transform =``) for a reference site: its
+        [[pair]]'s, else the [[site]] rule's that renames its module, else None."""
+        if ref_site in self.pairs:
+            return self.pair_output_transforms.get(ref_site)
+        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        return rule.output_transform if rule is not None else None
+
     def code_refs(self) -> list[CodeRef]:
-        """Every function the mapping names (conversions, then call adapters), once each."""
+        """Every function the mapping names (conversions, call adapters, then output
+        conversions), once each."""
         found: dict[str, CodeRef] = {}
         for rule in self.param_rules:
             for step in rule.transforms:
@@ -241,6 +284,10 @@ class Mapping:
         for ref in [r.call for r in self.site_rules] + list(self.pair_calls.values()):
             if ref is not None:
                 found.setdefault(ref.spec, ref)
+        for conversion in [r.output_transform for r in self.site_rules] + list(
+                self.pair_output_transforms.values()):
+            if conversion is not None:
+                found.setdefault(conversion.spec, conversion.code)
         return list(found.values())
 
     def _where(self, line: int | None) -> str:
@@ -334,7 +381,7 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
     for number, (entry, line) in enumerate(config.tables("site"), start=1):
         where = f"site rule {number}"
         config.check_keys(entry, {"reference", "reference_regex", "port", "args", "call",
-                                  "outputs"}, where, line)
+                                  "outputs", "output_transform"}, where, line)
         if ("reference" in entry) == ("reference_regex" in entry):
             config.fail(f"{where} needs exactly one of 'reference' or 'reference_regex'", line)
         port = _string(config, entry, "port", where, line)
@@ -362,10 +409,12 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
                             f"'{pattern.text}' has {stars}", line)
         mapping.site_rules.append(SiteRule(
             pattern, port, _args(config, entry, where, line), line,
-            _call(config, entry, where, line), _outputs(config, entry, where, line)))
+            _call(config, entry, where, line), _outputs(config, entry, where, line),
+            _output_transform(config, entry, where, line)))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):
         where = f"pair {number}"
-        config.check_keys(entry, {"reference", "port", "args", "call", "outputs"}, where, line)
+        config.check_keys(entry, {"reference", "port", "args", "call", "outputs",
+                                  "output_transform"}, where, line)
         ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
         for name in (ref, port):
             if not re.fullmatch(r".+#\d+", name):
@@ -378,6 +427,9 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
         if call is not None:
             mapping.pair_calls[ref] = call
         mapping.pair_outputs[ref] = _outputs(config, entry, where, line)
+        conversion = _output_transform(config, entry, where, line)
+        if conversion is not None:
+            mapping.pair_output_transforms[ref] = conversion
     for number, (entry, line) in enumerate(config.tables("unmatched"), start=1):
         where = f"unmatched entry {number}"
         config.check_keys(entry, {"reference", "port", "why", "input", "output"}, where, line)
@@ -502,6 +554,43 @@ def _outputs(config: ConfigFile, entry: dict, where: str, line: int | None) -> d
         config.fail(f"{where}: outputs must be a table of reference output = port output "
                     "strings, e.g. outputs = { logits = \"0\" }", line)
     return {str(key): str(value) for key, value in outputs.items()}
+
+
+def _output_transform(config: ConfigFile, entry: dict, where: str,
+                      line: int | None) -> OutputConversion | None:
+    """A rule's output conversion: ``output_transform = "package.module:function"``, or a
+    table ``{ function = "...", takes = ["0", "1"], gives = "0" }`` (the port's outputs the
+    function takes, in order, and the reference output it gives; both "0" by default).
+    Checked for its form only: reading a mapping imports nothing."""
+    if "output_transform" not in entry:
+        return None
+    value = entry["output_transform"]
+    usage = ("output_transform must name a function as 'package.module:function', or be a "
+             "table { function = \"package.module:function\", takes = [\"0\", \"1\"], "
+             "gives = \"0\" }")
+    table = value if isinstance(value, dict) else {"function": value}
+    config.check_keys(table, {"function", "takes", "gives"}, f"{where}'s output_transform",
+                      line)
+    spec = table.get("function")
+    if not isinstance(spec, str) or not is_code(spec):
+        config.fail(f"{where}: {usage}, got {value!r}", line)
+
+    def path(item: object) -> str | None:
+        if isinstance(item, int) and not isinstance(item, bool):
+            return str(item)
+        return item if isinstance(item, str) and item else None
+
+    takes = table.get("takes", ["0"])
+    takes = [takes] if isinstance(takes, (str, int)) and not isinstance(takes, bool) else takes
+    paths = [path(item) for item in takes] if isinstance(takes, list) else [None]
+    gives = path(table.get("gives", "0"))
+    if not paths or None in paths or len(set(paths)) != len(paths) or gives is None:
+        config.fail(f"{where}: output_transform's takes must be a list of the port's output "
+                    "paths (each once, e.g. takes = [\"0\", \"1\"]) and gives one reference "
+                    f"output path, got {value!r}", line)
+    return OutputConversion(
+        CodeRef(spec, f"{config.path} line {line}" if line is not None else str(config.path)),
+        tuple(paths), gives)
 
 
 def _string(config: ConfigFile, entry: dict, key: str, where: str, line: int | None) -> str:

@@ -162,6 +162,8 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
     backend = _backend(ref, port, mapping)
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
+    if hasattr(backend, "output_conversions"):
+        backend.output_conversions.update(_output_conversions(ref, calls, mapping, backend))
     log = ReplayLog()
     meta = {"case": port.name, "replay_of": str(ref.path), "loss_scale": ref.loss_scale,
             "steps": 1}
@@ -216,6 +218,50 @@ def _call_adapters(calls: list[RecordedCall], mapping: Mapping
     return found
 
 
+def _output_conversions(ref: Trace, calls: list[RecordedCall], mapping: Mapping,
+                        backend: Any) -> dict[str, tuple[Any, Any]]:
+    """Reference site -> (its output conversion, the function) for a torch port: the
+    mapping's ``output_transform``, else the row permutation the diff derives from the
+    conversion of the layer's weights (compare/outconv.py), so a replayed layer is fed the
+    reference's output gradient in its own layout."""
+    from layerdiff.mapping import is_code
+
+    derive = any(is_code(step) for rule in mapping.param_rules for step in rule.transforms)
+    ref_shapes: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+    if derive:
+        index = ref.index
+        weights = index[index["role"] == Role.WEIGHT]
+        ref_shapes = {schema.param_name(site, arg): shape for site, arg, shape in zip(
+            weights["site"], weights["arg"], weights["shape"], strict=True)}
+        firsts = index[(index["role"] == Role.OUTPUT) & (index["kind"] == "tensor")]
+        outputs = {(site, str(arg)): shape for site, arg, shape in zip(
+            firsts["site"], firsts["arg"], firsts["shape"], strict=True)}
+    found: dict[str, tuple[Any, Any]] = {}
+    seen: dict = {}
+    for call in calls:
+        conversion = mapping.output_conversion(call.site)
+        if conversion is None and derive:
+            target = port_site_for(call.site, mapping, backend.modules)
+            shape = outputs.get((call.site, "0"))
+            if target is None or not shape:
+                continue
+            from layerdiff.compare.outconv import derive_permutation
+
+            module_name = schema.split_site(target[0])[0]
+            module = backend.modules[module_name]
+            params = {f"{module_name}.{name}" if module_name else name: tuple(tensor.shape)
+                      for held in (module._parameters, module._buffers)
+                      for name, tensor in held.items() if tensor is not None}
+            conversion = derive_permutation(
+                params, ref_shapes, mapping,
+                {module_name: schema.split_site(call.site)[0]},
+                schema.parse_shape(shape)[-1] if schema.parse_shape(shape) else 0, seen)
+        if conversion is not None:
+            found[call.site] = (conversion, conversion.resolve())
+    return found
+
+
 def _reference_heads(call: RecordedCall, args_map: dict[str, str],
                      dropped: list[tuple[str, str]]) -> set[str]:
     """The reference's argument heads behind the heads a port call left out (a rename rule
@@ -233,7 +279,8 @@ def replayed_mapping(mapping: Mapping, log: ReplayLog) -> Mapping:
     adjusted = dataclasses.replace(
         mapping, site_rules=[dataclasses.replace(rule, call=None) for rule in mapping.site_rules],
         pairs=dict(mapping.pairs), pair_args=dict(mapping.pair_args), pair_calls={},
-        pair_outputs=dict(mapping.pair_outputs))
+        pair_outputs=dict(mapping.pair_outputs),
+        pair_output_transforms=dict(mapping.pair_output_transforms))
     replayed = dict(log.replayed)
     for ref_site, heads in log.left_out.items():
         rename = mapping.rename(schema.split_site(ref_site)[0])
@@ -244,6 +291,9 @@ def replayed_mapping(mapping: Mapping, log: ReplayLog) -> Mapping:
         adjusted.pairs[ref_site] = replayed[ref_site]
         adjusted.pair_args[ref_site] = {**args, **{head: "" for head in heads}}
         adjusted.pair_outputs[ref_site] = mapping.output_names(ref_site)
+        conversion = mapping.output_conversion(ref_site)
+        if conversion is not None:
+            adjusted.pair_output_transforms[ref_site] = conversion
     return adjusted
 
 

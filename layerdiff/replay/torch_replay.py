@@ -75,6 +75,9 @@ class TorchPort:
         # a trace made before grad_output meant "from outside the call" holds everything that
         # reached each output, the layer's own later use of it included (docs/trace-format.md)
         self._grad_output_whole = ref.meta.get("grad_output") != "outside"
+        # reference site -> (its output conversion, the function): the port layer's outputs
+        # get the reference's gradient pulled back through it (compare/outconv.py)
+        self.output_conversions: dict[str, tuple[Any, Callable[..., Any]]] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -221,15 +224,21 @@ class TorchPort:
     def _backward(self, call: RecordedCall, site: str, module_name: str, module: nn.Module,
                   flat: list[tuple[str, Any]], leaves: dict[str, torch.Tensor],
                   writer: TraceWriter) -> None:
+        converted, taken = self._converted_grads(call, site, flat)
         pairs = [(arg, value) for arg, value in flat if torch.is_tensor(value)
-                 and value.requires_grad and arg in call.grad_outputs]
+                 and value.requires_grad
+                 and (arg in converted if arg in taken else arg in call.grad_outputs)]
         if not pairs:
             return
         grads = []
         for arg, value in pairs:
-            grad = read_value(self.ref, call.grad_outputs[arg])
-            writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
-            grad = torch.from_numpy(grad).to(value.device, value.dtype)
+            if arg in converted:  # the reference's gradient, in the port's layout
+                grad = torch.from_numpy(converted[arg]).to(value.device, value.dtype)
+                writer.record(site, Role.GRAD_OUTPUT, _numpy(grad), arg=arg)
+            else:
+                grad = read_value(self.ref, call.grad_outputs[arg])
+                writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
+                grad = torch.from_numpy(grad).to(value.device, value.dtype)
             grads.append(grad)
             # The recorded gradient is what arrived from outside the call: autograd adds the
             # layer's own later use of the output (an LSTM cell's c feeds its h). An older
@@ -252,6 +261,26 @@ class TorchPort:
                 key = id(param)
                 self._grad_sums[key] = grad if key not in self._grad_sums else (
                     self._grad_sums[key] + grad)
+
+    def _converted_grads(self, call: RecordedCall, site: str, flat: list[tuple[str, Any]]
+                         ) -> tuple[dict[str, Any], set[str]]:
+        """Where the site has an output conversion: the gradients its port outputs get (the
+        reference's at the output the conversion gives, pulled back through it: numpy arrays
+        by the port's output path), and the outputs it takes (fed nothing else)."""
+        conversion = self.output_conversions.get(call.site)
+        if conversion is None:
+            return {}, set()
+        conv, function = conversion
+        values = dict(flat)
+        taken = set(conv.takes)
+        if conv.gives not in call.grad_outputs or any(t not in values for t in conv.takes):
+            return {}, taken
+        from layerdiff.compare.outconv import pull_back
+
+        pulled = pull_back(conv, function, [values[t] for t in conv.takes],
+                           read_value(self.ref, call.grad_outputs[conv.gives]), where=site)
+        return {take: grad for take, grad in zip(conv.takes, pulled, strict=True)
+                if grad is not None}, taken
 
     def finish(self, writer: TraceWriter, complete: set[str]) -> None:
         """Weight gradients, summed over the calls of every module holding the parameter as
