@@ -113,8 +113,8 @@ def test_bad_file_names_file_and_line(tmp_path, name, text, error, line, words):
 
 def test_unknown_key_without_near_miss_lists_known_keys(tmp_path):
     path = _write(tmp_path, "map.toml", 'version = 1\n\n[[site]]\nzzz = 1\nport = "b"\n')
-    with pytest.raises(MappingError,
-                       match="known keys: args, call, output_transform, outputs, port, reference") as info:
+    with pytest.raises(MappingError, match="known keys: args, call, output_transform, outputs, "
+                                           "port, reference") as info:
         Mapping.load(path)
     _assert_names(str(info.value), path, 3)
 

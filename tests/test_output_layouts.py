@@ -247,7 +247,8 @@ def test_experts_returning_unweighted_outputs_pair_through_an_output_conversion(
     assert result.passed, result.failing()[["site", "role", "arg", "ratio", "note"]]
     rows = result.rows[result.rows["site"] == "moe.experts#0"]
     converted = rows[rows["match"] == "output-converted"]
-    assert sorted(zip(converted["role"], converted["arg"], converted["port_arg"])) == [
+    assert sorted(zip(converted["role"], converted["arg"], converted["port_arg"],
+                      strict=True)) == [
         ("grad_output", "0", "0"), ("grad_output", "0 (port 1)", "1"),
         ("output", "0", "0")]
     forward = converted[converted["role"] == "output"].iloc[0]
