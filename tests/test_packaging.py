@@ -64,17 +64,24 @@ def test_the_wheel_holds_only_layerdiff_and_its_bundled_cases(tmp_path):
     assert torch and str(torch[0].specifier) == str(_torch_requirement().specifier)
 
 
+def _users_package(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """A package of the user's own named ``reference_models``, first on the path, and the
+    bundle's modules forgotten so that they import again."""
+    mine = tmp_path / "reference_models"
+    mine.mkdir()
+    for name, text in files.items():
+        (mine / name).write_text(text, encoding="utf-8")
+    for name in [m for m in sys.modules if bundled._names_bundled(m)]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 def test_a_users_own_reference_models_package_does_not_hide_the_bundled_cases(tmp_path,
                                                                               monkeypatch):
     """A user's top-level ``reference_models`` (a plausible name for the models they port)
     comes first, as Python would have it; a bundled case it lacks is still found."""
-    mine = tmp_path / "reference_models"
-    mine.mkdir()
-    (mine / "__init__.py").write_text("MINE = True\n", encoding="utf-8")
-    (mine / "cases.py").write_text("from reference_models import MINE\n", encoding="utf-8")
-    for name in [m for m in sys.modules if bundled._names_bundled(m)]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _users_package(tmp_path, monkeypatch, {"__init__.py": "MINE = True\n",
+                                           "cases.py": "from reference_models import MINE\n"})
     monkeypatch.chdir(tmp_path)
 
     assert bundled.import_module("reference_models.cases").MINE
@@ -88,13 +95,8 @@ def test_a_users_own_reference_models_package_does_not_hide_the_bundled_cases(tm
 def test_an_error_inside_a_module_is_not_taken_for_its_absence(tmp_path, monkeypatch):
     """Only the bundled name itself missing falls back; a module that exists and fails to
     import says its own error."""
-    mine = tmp_path / "reference_models"
-    mine.mkdir()
-    (mine / "__init__.py").write_text("", encoding="utf-8")
-    (mine / "mlp.py").write_text("import no_such_dependency_xyz\n", encoding="utf-8")
-    for name in [m for m in sys.modules if bundled._names_bundled(m)]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _users_package(tmp_path, monkeypatch, {"__init__.py": "",
+                                           "mlp.py": "import no_such_dependency_xyz\n"})
 
     with pytest.raises(ModuleNotFoundError) as raised:
         bundled.import_module("reference_models.mlp")

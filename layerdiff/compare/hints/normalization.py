@@ -149,23 +149,22 @@ def _fit_epsilons(c: np.ndarray, variance: np.ndarray,
             f = np.sqrt((v[None, :] + eps_ref[:, None]) / (v[None, :] + eps_port))
         return np.where(np.isfinite(f), w * (cc - f) ** 2, np.inf).sum(axis=1)
 
-    best = (np.inf, 0.0, 0.0)
-    for eps_port in EPSILONS:
-        e = energies(EPSILONS, float(eps_port), sample)
-        i = int(np.argmin(e))
-        if e[i] < best[0]:
-            best = (float(e[i]), float(EPSILONS[i]), float(eps_port))
-    _, eps_ref, eps_port = best
-    step = 0.5
-    for _ in range(9):  # refine on log grids around the best, to 1e-3 decades at the end
-        step /= 2.5
-        refs = _around(eps_ref, step)
-        ports = _around(eps_port, step)
+    def search(refs: np.ndarray, ports: np.ndarray, best: tuple[float, float, float]
+               ) -> tuple[float, float, float]:
+        """(energy, eps_ref, eps_port) of the best pair on this grid, or ``best``."""
         for p in ports:
             e = energies(refs, float(p), sample)
             i = int(np.argmin(e))
             if e[i] < best[0]:
                 best = (float(e[i]), float(refs[i]), float(p))
+        return best
+
+    best = search(EPSILONS, EPSILONS, (np.inf, 0.0, 0.0))
+    _, eps_ref, eps_port = best
+    step = 0.5
+    for _ in range(9):  # refine on log grids around the best, to 1e-3 decades at the end
+        step /= 2.5
+        best = search(_around(eps_ref, step), _around(eps_port, step), best)
         _, eps_ref, eps_port = best
     if not (np.isfinite(best[0]) and eps_ref >= 0 and eps_port >= 0) or abs(
             eps_port - eps_ref) <= 1e-3 * max(eps_port, eps_ref):
