@@ -45,6 +45,7 @@ from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, 
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
+from layerdiff.compare.shapes import unit_axes_apart as _unit_axes_apart
 from layerdiff.compare.suggest import full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
@@ -617,12 +618,6 @@ class _Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-
-def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Whether two shapes differ only by axes of size 1 (HF's position ids (1, T) against a
-    port's (T)): row-major order puts the same elements in the same places."""
-    return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
 
 
 def _statistics(row: pd.Series) -> np.ndarray:

@@ -28,6 +28,7 @@ from torch import nn
 import layerdiff.rng as rng
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.modules import named_modules
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
@@ -229,7 +230,9 @@ class TorchPort:
         for arg, value in pairs:
             grad = read_value(self.ref, call.grad_outputs[arg])
             writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
-            grad = torch.from_numpy(grad).to(value.device, value.dtype)
+            # a port output apart from the reference's only by axes of size 1 ((T, D) against
+            # (1, T, D)) holds the same elements in the same order: the diff's rule
+            grad = torch.from_numpy(as_shape(grad, value.shape)).to(value.device, value.dtype)
             grads.append(grad)
             # The recorded gradient is what arrived from outside the call: autograd adds the
             # layer's own later use of the output (an LSTM cell's c feeds its h). An older
