@@ -137,7 +137,7 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
         result = ReplayResult(
             diff(reference, path, mapping=replayed_mapping(mapping, log), tolerances=tolerances,
                  independent=True),
-            log.replayed, log.failed, log.skipped, log.dropped)
+            log.replayed, log.failed, log.skipped, log.dropped, notes=list(log.notes))
         if propagated:
             try:
                 result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
@@ -154,6 +154,7 @@ class ReplayLog:
         self.dropped: dict[str, list[tuple[str, str]]] = {}  # port site -> (argument, why)
         # reference site -> the reference's argument heads the port's call left out
         self.left_out: dict[str, set[str]] = {}
+        self.notes: list[str] = []  # what the backend could not find out, and why
 
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
@@ -193,6 +194,7 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         while open_calls:
             writer.exit(open_calls.pop()[1])
         backend.finish(writer, _complete_modules(ref, log))
+        log.notes.extend(getattr(backend, "notes", ()))
     if not log.replayed:
         raise DiffError(f"no call of {ref.path} was replayed into {port.name}: "
                         + ("; ".join(f"{s}: {why}" for s, why in (log.failed + log.skipped)[:3])

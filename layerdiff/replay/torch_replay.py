@@ -28,6 +28,7 @@ from torch import nn
 import layerdiff.rng as rng
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.modules import named_modules
+from layerdiff.capture.stage import unsupported_tensor
 from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
@@ -70,6 +71,7 @@ class TorchPort:
                 if param is not None:
                     self._holders.setdefault(id(param), []).append((name, local))
         self._grad_sums: dict[int, torch.Tensor] = {}
+        self.notes: list[str] = []
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
         self._port_signatures: dict[str, Signature | None] = {}
         self._ref_signatures: dict[str, Signature | None] = {}
@@ -109,8 +111,9 @@ class TorchPort:
             for tensors in (module._parameters, module._buffers):
                 for name, tensor in tensors.items():
                     if tensor is not None:
-                        writer.record(site, Role.WEIGHT, _numpy(tensor), arg=name,
-                                      pass_=Pass.FORWARD)
+                        writer.record(site, Role.WEIGHT, self._weight(call, module_name, name,
+                                                                      tensor),
+                                      arg=name, pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args} - left_out
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
@@ -121,6 +124,27 @@ class TorchPort:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
         self._backward(call, site, module_name, module, flat, leaves, writer)
         return dropped
+
+    def _weight(self, call: RecordedCall, module_name: str, name: str,
+                tensor: torch.Tensor) -> Any:
+        """A parameter or buffer as the trace records it. A tensor of any dtype (complex and
+        bool too) is its numpy array; one whose layout has no numpy form (sparse) is made
+        dense where the reference recorded its values, else recorded as capture records it
+        (its layout, shape and dtype: compared as those), saying so once."""
+        if tensor.layout is torch.strided and not tensor.is_quantized:
+            return _numpy(tensor)
+        rows = self.ref.records(0, schema.site_name(call.module, 0), Role.WEIGHT)
+        recorded = rows[rows["arg"] == name]
+        if (not recorded.empty and recorded.iloc[0]["kind"] == "tensor"
+                and tensor.layout is not torch.strided):
+            return _numpy(tensor.to_dense())
+        self.notes.append(
+            f"{schema.param_name(schema.site_name(module_name, 0), name)} is a "
+            f"{str(tensor.layout).removeprefix('torch.')} tensor"
+            f"{' (quantized)' if tensor.is_quantized else ''}, and the reference's trace "
+            "holds only the layout, shape and dtype of its partner: those are compared, not "
+            "its values")
+        return unsupported_tensor(tensor)
 
     def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
         """The reference's recorded inputs of ``call`` under the port's argument names."""
