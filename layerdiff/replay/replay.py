@@ -194,6 +194,7 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         while open_calls:
             writer.exit(open_calls.pop()[1])
         backend.finish(writer, _complete_modules(ref, log))
+        log.skipped.extend(getattr(backend, "set_aside", ()))
         log.notes.extend(getattr(backend, "notes", ()))
     if not log.replayed:
         raise DiffError(f"no call of {ref.path} was replayed into {port.name}: "
@@ -289,7 +290,9 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     from layerdiff.weights import load_weights
 
     load_weights(port.model, ref.path, mapping)
-    return TorchPort(port.model, ref)
+    backend = TorchPort(port.model, ref)
+    backend.watch_uses(port.model, port.call_model)
+    return backend
 
 
 def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:

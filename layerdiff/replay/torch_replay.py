@@ -34,6 +34,7 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
+from layerdiff.replay.uses import outside_uses
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import (
     NotPlainData,
@@ -71,6 +72,10 @@ class TorchPort:
                 if param is not None:
                     self._holders.setdefault(id(param), []).append((name, local))
         self._grad_sums: dict[int, torch.Tensor] = {}
+        # parameter -> port modules whose own code uses it outside the calls of the modules
+        # holding it (a tied head ``x @ self.tok.weight.T`` in the root): :meth:`watch_uses`
+        self._outside: dict[int, list[str]] = {}
+        self.set_aside: list[tuple[str, str]] = []  # (weight_grad, why): not compared
         self.notes: list[str] = []
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
         self._port_signatures: dict[str, Signature | None] = {}
@@ -81,6 +86,18 @@ class TorchPort:
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
+
+    def watch_uses(self, model: nn.Module, call: Callable[[], Any]) -> None:
+        """Find the parameters the port's code uses outside their own modules' calls, from
+        one forward ``call()`` of the whole ``model`` (``uses.outside_uses``): a module's
+        replay alone does not make that part of the reference's recorded gradient."""
+        try:
+            self._outside = outside_uses(model, self.modules, call, self._devices, restored)
+        except Exception as exc:  # the replay goes on; the one thing unknown is said
+            self.notes.append(f"could not look for parameters used outside their modules' "
+                              f"calls (the port's forward raised {type(exc).__name__}: {exc}); "
+                              "a weight gradient with such a use would differ from the "
+                              "reference's recorded total")
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: tuple[CodeRef, Callable[..., Any]] | None = None
@@ -288,6 +305,18 @@ class TorchPort:
             holders = [(m, n) for m, n in self._holders[key] if m in self._first_site]
             if all(module in complete for module, _ in holders):
                 module, name = holders[0]
+                outside = self._outside.get(key)
+                if outside:  # the recorded total holds a use that no replayed call makes
+                    full = schema.param_name(self._first_site[module], name)
+                    self.set_aside.append((
+                        f"{self._first_site[module]} weight_grad {name}",
+                        f"cannot judge alone: {full} is also used at "
+                        f"{', '.join(outside)} (in that module's own code, outside the calls "
+                        f"of {', '.join(sorted({m for m, _ in holders}))}); the reference's "
+                        "recorded gradient sums that use too, which the module's call alone "
+                        "does not make, so it is not compared (its outputs and input "
+                        "gradients are)"))
+                    continue
                 writer.record(self._first_site[module], Role.WEIGHT_GRAD, _numpy(grad), arg=name)
 
 
