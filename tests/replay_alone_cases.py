@@ -34,12 +34,31 @@ class _ScaledEmbedding(nn.Embedding):
         return super().forward(idx) * 1.01
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1.01
+
+
+class _GradScaledEmbedding(nn.Embedding):
+    """The planted backward bug: the lookup's gradient into the table scaled by 1.01 (the
+    head's use of the table, in the root's code, is right)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, _ScaleGrad.apply(self.weight))
+
+
 class TinyGPT(nn.Module):
     """The head is the token embedding's weight, used in the root's own code."""
 
-    def __init__(self, bug: bool = False) -> None:
+    def __init__(self, bug: str = "") -> None:
         super().__init__()
-        self.tok = (_ScaledEmbedding if bug else nn.Embedding)(VOCAB, DIM)
+        self.tok = {"": nn.Embedding, "forward": _ScaledEmbedding,
+                    "backward": _GradScaledEmbedding}[bug](VOCAB, DIM)
         self.block = _Block()
         self.norm = nn.LayerNorm(DIM)
 
@@ -48,7 +67,7 @@ class TinyGPT(nn.Module):
         return x @ self.tok.weight.T
 
 
-def _gpt(bug: bool = False) -> Case:
+def _gpt(bug: str = "") -> Case:
     torch.manual_seed(0)
     targets = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(4))
     return Case(model=TinyGPT(bug), inputs=(_tokens(),), seed=0,
@@ -61,7 +80,11 @@ def gpt() -> Case:
 
 
 def gpt_bug_embedding() -> Case:
-    return _gpt(bug=True)
+    return _gpt(bug="forward")
+
+
+def gpt_bug_embedding_backward() -> Case:
+    return _gpt(bug="backward")
 
 
 class WithBuffers(nn.Module):

@@ -66,6 +66,38 @@ def test_a_planted_bug_in_that_embedding_is_still_named(traces):
     assert not result and _local(result) == {("tok#0", "forward")}
 
 
+def test_with_the_reference_case_the_recorded_gradient_is_split_and_compared(traces):
+    """The reference's tok calls replayed alone give its calls' part of the recorded total:
+    the port's calls are judged against that, both made the same way."""
+    reference = load_case(f"{CASES}:gpt")
+    result = replay(traces("gpt"), load_case(f"{CASES}:gpt"), reference_case=reference)
+    assert result.outcome == ReplayOutcome.PASS and not result.skipped
+    assert result.notes == ["tok.weight is also used at <root>: judged on what the calls of "
+                            "tok alone make, on both sides"]
+    rows = result.diff.rows
+    grad = rows[(rows["site"] == "tok#0") & (rows["role"] == "weight_grad")].iloc[0]
+    assert grad["ratio"] <= 0.01
+
+
+def test_a_bug_in_the_embeddings_own_gradient_is_named_only_with_the_split(traces):
+    port = f"{CASES}:gpt_bug_embedding_backward"
+    alone = replay(traces("gpt"), load_case(port))  # its weight gradient is set aside
+    assert alone.passed and "tok#0 weight_grad weight" in dict(alone.skipped)
+    split = replay(traces("gpt"), load_case(port), reference_case=load_case(f"{CASES}:gpt"))
+    assert _local(split) == {("tok#0", "backward")}
+
+
+def test_cli_reference_case(run, traces):
+    ref = traces("gpt")
+    bad = run("replay", ref, f"{CASES}:gpt_bug_embedding_backward",
+              "--reference-case", f"{CASES}:gpt")
+    assert bad.exit_code == 1
+    assert bad.output.startswith("FAIL  local error in 1 site(s): tok#0 (backward)")
+    good = run("replay", ref, f"{CASES}:gpt")
+    assert good.exit_code == 0 and "cannot judge alone: tok.weight is also used at <root>" in (
+        " ".join(good.output.split()))
+
+
 # ---- buffers of every layout and kind
 
 def test_sparse_complex_and_bool_buffers_are_compared(traces):
@@ -75,9 +107,8 @@ def test_sparse_complex_and_bool_buffers_are_compared(traces):
     weights = rows[(rows["site"] == "inner#0") & (rows["role"] == "weight")]
     assert dict(zip(weights["arg"], weights["verdict"], strict=True)) == {
         "adjacency": "identical", "phase": "identical", "keep": "identical"}
-    assert result.notes == [
-        "inner.adjacency is a sparse_coo tensor, and the reference's trace holds only the "
-        "layout, shape and dtype of its partner: those are compared, not its values"]
+    assert result.notes == ["inner.adjacency is sparse_coo: compared by layout, shape and "
+                            "dtype (all the trace holds of it)"]
 
 
 def test_a_sparse_port_buffer_against_a_dense_reference_is_compared_dense(traces):

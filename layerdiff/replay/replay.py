@@ -120,20 +120,27 @@ class ReplayResult:
 def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
            mapping: str | os.PathLike | Mapping | None = None,
            sites: Sequence[str] = (), tolerances: str | os.PathLike | Tolerances | None = None,
-           output: str | os.PathLike | None = None, propagated: bool = True) -> ReplayResult:
+           output: str | os.PathLike | None = None, propagated: bool = True,
+           reference_case: Case | None = None) -> ReplayResult:
     """Replay every matched site of ``reference`` into ``port`` and judge each on its own.
 
     ``port`` is a torch Case (its model gets the reference's weights through ``mapping``) or
     an ExternalCase with per-site ``layers``. ``sites`` are globs over the reference's site or
     module names. ``output`` keeps the replay trace. With ``propagated``, the port also runs
     whole on the case's inputs, for the propagated error beside each local one.
+
+    A weight the port's code also uses outside its modules' calls (a tied head
+    ``x @ self.tok.weight.T`` in the root) has a recorded gradient that no module's call alone
+    makes. With ``reference_case`` (the reference's torch case) the reference's modules are
+    replayed alone too and what their calls make is compared with what the port's make;
+    without it that weight gradient is set aside, "cannot judge alone", in ``skipped``.
     """
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
     with tempfile.TemporaryDirectory(prefix="layerdiff-replay-") as tmp:
         path = Path(output) if output else Path(tmp) / "replay.h5"
         with open_trace(reference) as ref:
-            log = write_replay(ref, port, mapping, sites, path)
+            log = write_replay(ref, port, mapping, sites, path, reference_case)
         result = ReplayResult(
             diff(reference, path, mapping=replayed_mapping(mapping, log), tolerances=tolerances,
                  independent=True),
@@ -158,10 +165,13 @@ class ReplayLog:
 
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
-                 sites: Sequence[str], path: Path) -> ReplayLog:
-    """The replay trace: every recorded call of step 0 that has a port partner, replayed."""
+                 sites: Sequence[str], path: Path,
+                 reference_case: Case | None = None) -> ReplayLog:
+    """The replay trace: every recorded call of step 0 that has a port partner, replayed.
+    ``reference_case`` (torch) splits a weight gradient that has a use outside its modules'
+    calls (:mod:`layerdiff.replay.alone`)."""
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
-    backend = _backend(ref, port, mapping)
+    backend = _backend(ref, port, mapping, reference_case)
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
     log = ReplayLog()
     meta = {"case": port.name, "replay_of": str(ref.path), "loss_scale": ref.loss_scale,
@@ -271,7 +281,8 @@ def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:
     return complete
 
 
-def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
+def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
+             reference_case: Case | None = None):
     if isinstance(port, ExternalCase):
         if not port.layers:
             raise CaptureError(f"case {port.name} records itself and gives no per-site layers, "
@@ -292,6 +303,10 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     load_weights(port.model, ref.path, mapping)
     backend = TorchPort(port.model, ref)
     backend.watch_uses(port.model, port.call_model)
+    if reference_case is not None:
+        from layerdiff.replay.alone import ReferenceAlone
+
+        backend.reference_alone = ReferenceAlone(reference_case.model, ref, TorchPort)
     return backend
 
 

@@ -32,6 +32,7 @@ from layerdiff.capture.stage import unsupported_tensor
 from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.alone import CannotSplit, ReferenceAlone, as_like
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
 from layerdiff.replay.uses import outside_uses
@@ -76,6 +77,9 @@ class TorchPort:
         # holding it (a tied head ``x @ self.tok.weight.T`` in the root): :meth:`watch_uses`
         self._outside: dict[int, list[str]] = {}
         self.set_aside: list[tuple[str, str]] = []  # (weight_grad, why): not compared
+        # the reference case's modules replayed alone, to split such a recorded gradient
+        self.reference_alone: ReferenceAlone | None = None
+        self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
         self.notes: list[str] = []
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
         self._port_signatures: dict[str, Signature | None] = {}
@@ -107,6 +111,7 @@ class TorchPort:
         site and its function) makes the port's call from the reference's arguments."""
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
+        self._partner.setdefault(module_name, call.module)
         args_map = {} if adapter else args_map  # the adapter makes the whole call
         drop = dropped_arguments(args_map)
         values = self._inputs(call, args_map, drop)
@@ -155,12 +160,10 @@ class TorchPort:
         if (not recorded.empty and recorded.iloc[0]["kind"] == "tensor"
                 and tensor.layout is not torch.strided):
             return _numpy(tensor.to_dense())
-        self.notes.append(
-            f"{schema.param_name(schema.site_name(module_name, 0), name)} is a "
-            f"{str(tensor.layout).removeprefix('torch.')} tensor"
-            f"{' (quantized)' if tensor.is_quantized else ''}, and the reference's trace "
-            "holds only the layout, shape and dtype of its partner: those are compared, not "
-            "its values")
+        kind = "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
+        self.notes.append(f"{schema.param_name(schema.site_name(module_name, 0), name)} is "
+                          f"{kind}: compared by layout, shape and dtype (all the trace holds "
+                          "of it)")
         return unsupported_tensor(tensor)
 
     def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
@@ -307,17 +310,50 @@ class TorchPort:
                 module, name = holders[0]
                 outside = self._outside.get(key)
                 if outside:  # the recorded total holds a use that no replayed call makes
-                    full = schema.param_name(self._first_site[module], name)
-                    self.set_aside.append((
-                        f"{self._first_site[module]} weight_grad {name}",
-                        f"cannot judge alone: {full} is also used at "
-                        f"{', '.join(outside)} (in that module's own code, outside the calls "
-                        f"of {', '.join(sorted({m for m, _ in holders}))}); the reference's "
-                        "recorded gradient sums that use too, which the module's call alone "
-                        "does not make, so it is not compared (its outputs and input "
-                        "gradients are)"))
-                    continue
+                    grad = self._split(grad, holders, outside)
+                    if grad is None:
+                        continue
                 writer.record(self._first_site[module], Role.WEIGHT_GRAD, _numpy(grad), arg=name)
+
+    def _split(self, grad: torch.Tensor, holders: list[tuple[str, str]],
+               outside: list[str]) -> torch.Tensor | None:
+        """The port's module-alone gradient of a parameter also used at ``outside`` (port
+        modules' own code), made comparable with the reference's recorded total: plus the
+        part of that total the reference's partner modules' calls alone do not make. None,
+        set aside with its reason, where the reference case is not given or cannot split."""
+        module, name = holders[0]
+        site = self._first_site[module]
+        full = schema.param_name(site, name)
+        users = ", ".join(sorted({m for m, _ in holders}))
+        why = None
+        if self.reference_alone is None:
+            why = ("give the reference case (--reference-case) to compare what the calls "
+                   "alone make on both sides")
+        else:
+            partners = [self._partner[m] for m, _ in holders if m in self._partner]
+            try:
+                rest = self.reference_alone.outside_part(partners, name)
+                if rest.shape != tuple(grad.shape):
+                    raise CannotSplit(f"the reference's {full} gradient is {rest.shape}, the "
+                                      f"port's {tuple(grad.shape)}")
+            except CannotSplit as exc:
+                why = str(exc)
+            else:
+                # one line: the terminal clips a note to its width
+                self.notes.append(f"{full} is also used at {', '.join(outside)}: judged on "
+                                  f"what the calls of {users} alone make, on both sides")
+                return grad + as_like(rest, grad)
+        self.set_aside.append((
+            f"{site} weight_grad {name}",
+            f"cannot judge alone: {full} is also used at {', '.join(outside)} (in that "
+            f"module's own code, outside the calls of {users}); the reference's recorded "
+            "gradient sums that use too, which the module's call alone does not make, so it "
+            f"is not compared (its outputs and input gradients are): {why}"))
+        return None
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's weight gradient summed over the calls replayed so far."""
+        return self._grad_sums.get(id(param))
 
 
 def _shared_leaves(call: RecordedCall, args_map: dict[str, str],
