@@ -49,6 +49,27 @@ def test_a_head_in_the_roots_code_is_found_as_a_use_outside_the_embedding():
     assert "forward" not in vars(case.model.tok)  # every watched forward put back
 
 
+class _Reads(nn.Module):
+    """Reads its child's weight's dtype, shape and a detached copy: no gradient flows from
+    those; uses another child's weight in its own matmul: one does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(self.a(x).to(self.b.weight.dtype)) * self.b.weight.shape[0]
+        return y + self.b.weight.detach().sum() + x @ self.a.weight.T
+
+
+def test_only_uses_a_gradient_flows_from_count():
+    model = _Reads()
+    modules = dict(model.named_modules())
+    modules["<root>"] = modules.pop("")
+    uses = outside_uses(model, modules, lambda: model(torch.ones(1, 2)), [], restored)
+    assert uses == {id(model.a.weight): ["<root>"]}
+
+
 def test_a_faithful_port_with_a_head_in_the_roots_code_passes(traces):
     result = replay(traces("gpt"), load_case(f"{CASES}:gpt"))
     assert result.outcome == ReplayOutcome.PASS and not _local(result)

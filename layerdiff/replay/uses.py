@@ -32,6 +32,10 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _NO_GRADIENT or not any(isinstance(out, torch.Tensor)
+                                           for out in tree_leaves(result)):
+            return result  # reading its dtype, shape or device is no use a gradient flows from
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 holders = self.holders.get(id(leaf))
@@ -39,7 +43,11 @@ class _Watch(TorchFunctionMode):
                     where = self.found.setdefault(id(leaf), [])
                     if self.stack[-1] not in where:
                         where.append(self.stack[-1])
-        return func(*args, **kwargs)
+        return result
+
+
+# tensors made from a parameter that no gradient flows back through
+_NO_GRADIENT = {torch.Tensor.detach, torch.Tensor.data.__get__}
 
 
 def outside_uses(model: nn.Module, modules: dict[str, nn.Module], call: Callable[[], Any],
@@ -71,17 +79,19 @@ def outside_uses(model: nn.Module, modules: dict[str, nn.Module], call: Callable
 
     # each module's forward, watched on the instance: a module called through
     # ``child.forward(...)`` (which runs no module hooks) is seen all the same
-    own = {name: module.__dict__.get("forward") for name, module in unique.values()}
-    for name, module in unique.values():
-        module.forward = watched(name, module.forward)
+    wrapped: list[tuple[nn.Module, Any]] = []  # (module, its own instance forward or None)
     try:
+        for name, module in unique.values():
+            own = module.__dict__.get("forward")
+            module.forward = watched(name, module.forward)
+            wrapped.append((module, own))
         with rng.preserved(devices), restored(model.buffers()), torch.no_grad(), \
                 _Watch(holders, stack, found):
             call()
-    finally:
-        for name, module in unique.values():
-            if own[name] is None:
+    finally:  # only what was wrapped, however far the wrapping got
+        for module, own in wrapped:
+            if own is None:
                 del module.forward
             else:
-                module.forward = own[name]
+                module.forward = own
     return found
