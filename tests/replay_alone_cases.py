@@ -146,6 +146,22 @@ def buffers_bug_keep() -> Case:
     return _buffers(flip=True)
 
 
+class _SparseLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM, sparse=True)  # its gradient is sparse
+        self.fc = nn.Linear(DIM, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx))
+
+
+def sparse_gradient() -> Case:
+    torch.manual_seed(0)
+    return Case(model=_SparseLookup(), inputs=(_tokens(),), seed=0,
+                loss_fn=lambda out: out.square().mean())
+
+
 class _Mix(nn.Module):
     def __init__(self, squeeze: bool) -> None:
         super().__init__()

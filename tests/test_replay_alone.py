@@ -150,6 +150,16 @@ def test_a_wrong_complex_or_bool_buffer_is_out(traces, port, buffer):
     assert ("inner#0", "forward") in _local(result)
 
 
+def test_a_sparse_weight_gradient_is_compared_as_capture_records_it(traces):
+    result = replay(traces("sparse_gradient"), load_case(f"{CASES}:sparse_gradient"))
+    assert result.outcome == ReplayOutcome.PASS
+    assert result.notes == ["emb.weight's gradient is sparse_coo: compared by layout, shape "
+                            "and dtype (all the trace holds of it)"]
+    rows = result.diff.rows
+    grad = rows[(rows["site"] == "emb#0") & (rows["role"] == "weight_grad")].iloc[0]
+    assert grad["verdict"] == "identical"
+
+
 # ---- axes of size 1: the diff's rule
 
 def test_the_shared_rule():

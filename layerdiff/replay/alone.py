@@ -75,6 +75,8 @@ class ReferenceAlone:
         if alone is None:
             raise CannotSplit(f"the reference's calls of {', '.join(modules)} make no "
                               f"gradient of {full}")
+        if alone.layout is not torch.strided:  # an nn.Embedding(sparse=True)'s gradient
+            alone = alone.to_dense()
         return total - alone.detach().cpu().double().numpy()
 
     def _module(self, path: str) -> nn.Module:

@@ -149,21 +149,28 @@ class TorchPort:
 
     def _weight(self, call: RecordedCall, module_name: str, name: str,
                 tensor: torch.Tensor) -> Any:
-        """A parameter or buffer as the trace records it. A tensor of any dtype (complex and
-        bool too) is its numpy array; one whose layout has no numpy form (sparse) is made
-        dense where the reference recorded its values, else recorded as capture records it
-        (its layout, shape and dtype: compared as those), saying so once."""
+        """A parameter or buffer as the trace records it (:meth:`_stored`)."""
+        return self._stored(tensor, schema.site_name(call.module, 0), Role.WEIGHT, name,
+                            schema.param_name(schema.site_name(module_name, 0), name))
+
+    def _stored(self, tensor: torch.Tensor, ref_site: str, role: str, name: str,
+                full: str) -> Any:
+        """A weight or weight gradient as the trace records it. A tensor of any dtype (complex
+        and bool too) is its numpy array; one whose layout has no numpy form (sparse: a
+        buffer, an ``nn.Embedding(sparse=True)``'s gradient) is made dense where the
+        reference recorded values at ``ref_site`` (``role``, ``name``), else recorded as
+        capture records it (its layout, shape and dtype: compared as those), saying so."""
         if tensor.layout is torch.strided and not tensor.is_quantized:
             return _numpy(tensor)
-        rows = self.ref.records(0, schema.site_name(call.module, 0), Role.WEIGHT)
+        rows = self.ref.records(0, ref_site, role)
         recorded = rows[rows["arg"] == name]
         if (not recorded.empty and recorded.iloc[0]["kind"] == "tensor"
                 and tensor.layout is not torch.strided):
             return _numpy(tensor.to_dense())
         kind = "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
-        self.notes.append(f"{schema.param_name(schema.site_name(module_name, 0), name)} is "
-                          f"{kind}: compared by layout, shape and dtype (all the trace holds "
-                          "of it)")
+        what = "" if role == Role.WEIGHT else "'s gradient"
+        self.notes.append(f"{full}{what} is {kind}: compared by layout, shape and dtype (all "
+                          "the trace holds of it)")
         return unsupported_tensor(tensor)
 
     def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
@@ -313,7 +320,11 @@ class TorchPort:
                     grad = self._split(grad, holders, outside)
                     if grad is None:
                         continue
-                writer.record(self._first_site[module], Role.WEIGHT_GRAD, _numpy(grad), arg=name)
+                site = self._first_site[module]
+                ref_site = schema.site_name(self._partner.get(module, module), 0)
+                writer.record(site, Role.WEIGHT_GRAD, self._stored(
+                    grad, ref_site, Role.WEIGHT_GRAD, name, schema.param_name(site, name)),
+                    arg=name)
 
     def _split(self, grad: torch.Tensor, holders: list[tuple[str, str]],
                outside: list[str]) -> torch.Tensor | None:
@@ -339,6 +350,8 @@ class TorchPort:
             except CannotSplit as exc:
                 why = str(exc)
             else:
+                if grad.layout is not torch.strided:  # a sparse gradient: added densely
+                    grad = grad.to_dense()
                 # one line: the terminal clips a note to its width
                 self.notes.append(f"{full} is also used at {', '.join(outside)}: judged on "
                                   f"what the calls of {users} alone make, on both sides")
