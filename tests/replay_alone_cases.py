@@ -198,3 +198,44 @@ def unit_reference() -> Case:
 
 def unit_port() -> Case:
     return _unit(squeeze=True)
+
+
+# ---- a real pair: transformers' GPT2LMHeadModel (its head an nn.Linear tied to wte) against
+# a nanoGPT port whose head is the embedding's weight in the root's own code
+
+def _head_in_root_gpt():
+    from tests import gpt_cases
+
+    class HeadInRootGPT(gpt_cases.GPT):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            del self.lm_head  # wte keeps the tied weight; the head is the root's own matmul
+
+        def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, None]:
+            pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+            for block in self.transformer.h:
+                x = block(x)
+            return self.transformer.ln_f(x) @ self.transformer.wte.weight.T, None
+
+    return gpt_cases._build(HeadInRootGPT, f"{__name__}:gpt2_head_in_root")
+
+
+def gpt2_head_in_root() -> Case:
+    return _head_in_root_gpt()
+
+
+def gpt2_head_in_root_bug_lookup_grad() -> Case:
+    """The embedding's lookup sends 1.01x the right gradient into its table."""
+    case = _head_in_root_gpt()
+    wte = case.model.transformer.wte
+    wte.forward = lambda idx: F.embedding(idx, _ScaleGrad.apply(wte.weight))
+    return case
+
+
+def gpt2_head_in_root_bug_gelu_backward() -> Case:
+    from tests import gpt_cases
+
+    case = _head_in_root_gpt()
+    case.model.transformer.h[1].mlp.gelu = gpt_cases.CustomGELU()
+    return case

@@ -5,6 +5,8 @@ only by axes of size 1. The cases are in ``tests/replay_alone_cases.py``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,36 @@ def test_modules_reached_by_two_paths_get_their_own_forward_back():
     modules["<root>"] = modules.pop("")
     outside_uses(model, modules, lambda: model(torch.ones(1, 2)), [], restored)
     assert "forward" not in vars(shared) and "forward" not in vars(model)
+
+
+# ---- a real pair: transformers' GPT2LMHeadModel against a port whose head is in its root
+
+HF_MAP = "reference_models/hf_gpt2.map.toml"
+
+
+@pytest.fixture(scope="module")
+def hf_trace(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return capture(load_case("reference_models.hf_gpt2:reference"),
+                   tmp_path_factory.mktemp("hf") / "ref.h5")
+
+
+@pytest.mark.parametrize(("port", "split", "named"), [
+    ("gpt2_head_in_root", False, set()),   # was transformer.wte#0 backward at 7295x
+    ("gpt2_head_in_root", True, set()),
+    ("gpt2_head_in_root_bug_lookup_grad", True, {("transformer.wte#0", "backward")}),
+    ("gpt2_head_in_root_bug_gelu_backward", False,
+     {("transformer.h.1.mlp.act#0", "backward")}),
+    ("gpt2_head_in_root_bug_gelu_backward", True,
+     {("transformer.h.1.mlp.act#0", "backward")}),
+])
+def test_hf_gpt2_against_a_port_with_its_head_in_the_root(hf_trace, monkeypatch, port, split,
+                                                          named):
+    monkeypatch.chdir(Path(__file__).parent.parent)
+    reference = load_case("reference_models.hf_gpt2:reference") if split else None
+    result = replay(hf_trace, load_case(f"{CASES}:{port}"), mapping=HF_MAP,
+                    reference_case=reference, propagated=False)
+    assert not result.cannot_judge and _local(result) == named
+    assert bool(result) == (not named)
+    set_aside = [site for site, why in result.skipped if "cannot judge alone" in why]
+    assert set_aside == ([] if split else ["transformer.wte#0 weight_grad weight"])
