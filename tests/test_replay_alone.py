@@ -102,6 +102,20 @@ def test_with_the_reference_case_the_recorded_gradient_is_split_and_compared(tra
     assert grad["ratio"] <= 0.01
 
 
+def test_a_weight_the_mapping_converts_is_not_split(traces, tmp_path):
+    """A conversion stands between the two sides' tensors: the reference's part could not be
+    taken from the port's by subtraction, so the weight gradient is set aside, saying why."""
+    mapping = tmp_path / "conv.map.toml"
+    mapping.write_text('version = 1\n\n[[param]]\nport = "tok.weight"\n'
+                       'reference = "tok.weight"\n'
+                       f'transform = "{CASES}:same"\n')
+    result = replay(traces("gpt"), load_case(f"{CASES}:gpt"), mapping=mapping,
+                    reference_case=load_case(f"{CASES}:gpt"), propagated=False)
+    assert result.passed
+    why = " ".join(dict(result.skipped)["tok#0 weight_grad weight"].split())
+    assert f"the mapping makes it from tok.weight through {CASES}:same" in why
+
+
 def test_a_bug_in_the_embeddings_own_gradient_is_named_only_with_the_split(traces):
     port = f"{CASES}:gpt_bug_embedding_backward"
     alone = replay(traces("gpt"), load_case(port))  # its weight gradient is set aside

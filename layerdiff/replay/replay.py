@@ -307,6 +307,7 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         from layerdiff.replay.alone import ReferenceAlone
 
         backend.reference_alone = ReferenceAlone(reference_case.model, ref, TorchPort)
+        backend.param_source = lambda name: mapping.param_source(name, {})
     return backend
 
 

@@ -79,6 +79,8 @@ class TorchPort:
         self.set_aside: list[tuple[str, str]] = []  # (weight_grad, why): not compared
         # the reference case's modules replayed alone, to split such a recorded gradient
         self.reference_alone: ReferenceAlone | None = None
+        # port parameter's full name -> the mapping's [[param]] source for it, if any
+        self.param_source: Callable[[str], Any] = lambda name: None
         self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
         self.notes: list[str] = []
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
@@ -342,7 +344,13 @@ class TorchPort:
                    "alone make on both sides")
         else:
             partners = [self._partner[m] for m, _ in holders if m in self._partner]
+            source = self.param_source(full)
             try:
+                if source is not None and (source.transforms != ("copy",) or source.parts != 1
+                                           or len(source.reference) != 1):
+                    raise CannotSplit(f"the mapping makes it from {', '.join(source.reference)}"
+                                      f" through {' then '.join(source.transforms)} "
+                                      f"({source.where}), which a split does not undo")
                 rest = self.reference_alone.outside_part(partners, name)
                 if rest.shape != tuple(grad.shape):
                     raise CannotSplit(f"the reference's {full} gradient is {rest.shape}, the "
