@@ -15,6 +15,7 @@ provides and that an ``[[unmatched]] port =`` entry declares are kept as the por
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -62,8 +63,25 @@ def load_weights(model: nn.Module, trace_path: str | os.PathLike,
     with open_trace(trace_path) as trace:
         reference = trace_weights(trace)
         called = set(trace.sites["module"]) if _drops_uncalled(trace.meta) else None
+        described = described_weights(trace)
     return load_weights_from(model, reference, mapping, source=str(trace_path),
-                             called_modules=called)
+                             called_modules=called, described=described)
+
+
+def described_weights(trace: Trace) -> dict[str, str]:
+    """Full name -> layout of each first-step weight the trace could keep only as its layout,
+    shape and dtype (a sparse buffer): no values to load."""
+    rows = trace.records(trace.index["step"].min(), role=Role.WEIGHT, kind="value")
+    found = {}
+    for _, row in rows.iterrows():
+        try:
+            value = json.loads(row["value"])
+        except (TypeError, ValueError):
+            continue
+        if isinstance(value, dict) and "unsupported_tensor" in value:
+            found[schema.param_name(row["site"], row["arg"])] = str(
+                value["unsupported_tensor"]).removeprefix("torch.")
+    return found
 
 
 def _drops_uncalled(meta: dict[str, Any]) -> bool:
@@ -82,13 +100,24 @@ def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
 def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                       mapping: str | os.PathLike | Mapping | None = None, *,
                       source: str = "the reference",
-                      called_modules: Collection[str] | None = None) -> WeightsReport:
+                      called_modules: Collection[str] | None = None,
+                      described: dict[str, str] | None = None) -> WeightsReport:
     """Set ``model``'s parameters and buffers from ``reference`` (name -> array) through
     ``mapping``; see :func:`load_weights`. ``called_modules``, the modules with sites in a
     reference trace captured before the tensors of modules that are never called were
-    recorded, lets a tensor missing from it be explained."""
+    recorded, lets a tensor missing from it be explained. ``described`` (full name ->
+    layout) are reference tensors recorded without their values (sparse): a port tensor that
+    only they would give keeps its own, saying so."""
     mapping = as_mapping(mapping)
     assignments = resolve_weights(model, reference, mapping)
+    for found in assignments:
+        absent = [ref for ref in found.source.reference if ref not in reference]
+        if found.problem == NO_SOURCE and described and absent and all(
+                ref in described for ref in absent):
+            found.problem = PORT_OWN
+            found.note = KEPT + ", ".join(
+                f"the reference's trace holds {ref} ({described[ref]}) as its layout, shape "
+                "and dtype alone" for ref in absent)
     refuse_unloadable(assignments, reference, mapping, source, called_modules)
     targets = port_tensors(model)
     report = WeightsReport({found.port: found.source.reference for found in assignments
@@ -106,7 +135,10 @@ def load_weights_from(model: nn.Module, reference: dict[str, np.ndarray],
                 how = (f"{str(value.dtype).removeprefix('torch.')} -> "
                        f"{str(target.dtype).removeprefix('torch.')}")
                 report.cast[how] = report.cast.get(how, 0) + 1
-            target.copy_(value.to(target.dtype))
+            value = value.to(target.dtype)
+            if target.layout is not torch.strided:  # a port holding it sparse: made sparse
+                value = value.to_sparse(layout=target.layout)
+            target.copy_(value)
     return report
 
 
@@ -489,8 +521,10 @@ def trace_weights(trace: Trace) -> dict[str, np.ndarray]:
     if rows.empty:
         raise MappingError(f"{trace.path} records no weights (was it captured with "
                            "--no-weights?); capture the reference with weights")
+    # a tensor the trace could keep only as its layout, shape and dtype (a sparse buffer) has
+    # no values to load: the port keeps its own, and replay compares the two descriptions
     weights = {schema.param_name(row["site"], row["arg"]): np.array(trace.read(row))
-               for _, row in rows.iterrows()}
+               for _, row in rows.iterrows() if row["kind"] == "tensor"}
     # a tied tensor is recorded once: every other name it had gives the same values, so that a
     # port that does not tie it (or ties it the other way round) still finds it by name
     for shared in trace.meta.get("shared_parameters") or []:

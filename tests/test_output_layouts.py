@@ -25,8 +25,8 @@ from torch import nn
 
 from layerdiff import Case, MappingError, capture, diff, load_weights, seed_everything
 from layerdiff.compare import read_pair
-from layerdiff.compare.engine import same_order
 from layerdiff.compare.judge import Verdict
+from layerdiff.compare.shapes import same_order
 from layerdiff.mapping import Mapping
 
 B, T, N, H = 2, 3, 2, 4

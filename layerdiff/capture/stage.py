@@ -19,6 +19,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def unsupported_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """What a trace holds of a tensor whose bytes it cannot store (a sparse or quantized
+    one): its layout, shape and dtype, as a plain value. Replay records a port's such
+    tensor the same way, so the two compare."""
+    return {"unsupported_tensor": repr(tensor.layout), "shape": list(tensor.shape),
+            "dtype": dtype_name(tensor.dtype)}
+
+
 class Stager:
     """Turns tensors and plain values into recorder submissions for one capture.
 
@@ -57,9 +65,7 @@ class Stager:
                tensor: torch.Tensor) -> None:
         rec = self.recorder
         if tensor.layout is not torch.strided or tensor.is_quantized:
-            self.value(step, pass_, site, role, arg,
-                       {"unsupported_tensor": repr(tensor.layout), "shape": list(tensor.shape),
-                        "dtype": dtype_name(tensor.dtype)})
+            self.value(step, pass_, site, role, arg, unsupported_tensor(tensor))
             return
         typed = self._typed.get(tensor.dtype)
         if typed is None:

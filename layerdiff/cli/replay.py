@@ -33,9 +33,15 @@ from layerdiff.report.emit import STDOUT, exit_code, finish, write_outputs
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a self-contained HTML report.")
 @click.option("-v", "--verbose", is_flag=True, help="Every site, not only the notable ones.")
+@click.option("--reference-case", "reference_spec", metavar="CASE",
+              help="The reference's case (package.module:name): a weight the port's code also "
+                   "uses outside its modules' calls (a tied head in the parent's code) is then "
+                   "judged on what those calls alone make, on both sides; without it that "
+                   "weight gradient is set aside (cannot judge alone).")
 def replay_command(reference: str, port_spec: str, mapping: str | None, sites: tuple[str, ...],
                    tolerances: str | None, rtol: float | None, atol: float | None,
-                   json_path: str | None, html_path: str | None, verbose: bool) -> None:
+                   json_path: str | None, html_path: str | None, verbose: bool,
+                   reference_spec: str | None) -> None:
     """Run each layer of PORT_CASE on REFERENCE's recorded inputs: its own error, alone.
 
     Exit 0 when no layer has a local error, 1 when one does or a layer cannot be called
@@ -51,7 +57,8 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
                   {"reference trace": reference, "mapping file": mapping,
                    "tolerance file": tolerances})
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
-                    tolerances=tolerances_from(tolerances, rtol, atol), output=kept)
+                    tolerances=tolerances_from(tolerances, rtol, atol), output=kept,
+                    reference_case=load_case(reference_spec) if reference_spec else None)
     finish(result, lambda: format_replay(result, verbose=verbose), json_path=json_path,
            html_path=html_path)
 

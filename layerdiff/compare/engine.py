@@ -46,6 +46,7 @@ from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, 
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import finish_row, new_metrics
+from layerdiff.compare.shapes import reshape_note, same_order
 from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
 from layerdiff.errors import DiffError
@@ -675,48 +676,6 @@ class _Background:
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-
-def _unit_axes_apart(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Whether two shapes differ only by axes of size 1 (HF's position ids (1, T) against a
-    port's (T)): row-major order puts the same elements in the same places."""
-    return a != b and [n for n in a if n != 1] == [n for n in b if n != 1]
-
-
-def same_order(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Whether two shapes hold the same elements in the same row-major order by their shapes
-    alone: one is the other with runs of adjacent axes merged (or, the other way, axes split),
-    axes of size 1 aside. A projection's (B, T, N*H) against a port's (B, T, N, H), tokens
-    (B*T, D) against (B, T, D). Each axis of the coarser shape then ends where an axis of the
-    finer one ends: the products of the leading axes of the coarser are among the finer's.
-    A transpose never passes ((B, N, T, H) against (B, T, N, H): B*N is no product of (B, T,
-    N, H)'s leading axes unless N is T, and then the shapes are equal and no reshape is
-    assumed), nor does a merge on one side with a split elsewhere on the other."""
-    if a == b or int(np.prod(a, dtype=np.int64)) != int(np.prod(b, dtype=np.int64)):
-        return False
-    if int(np.prod(a, dtype=np.int64)) == 0:  # every product is 0: axes of size 1 only
-        return _unit_axes_apart(a, b)
-    ends_a, ends_b = _leading_products(a), _leading_products(b)
-    return ends_a <= ends_b or ends_b <= ends_a
-
-
-def _leading_products(shape: tuple[int, ...]) -> set[int]:
-    products, running = set(), 1
-    for n in shape:
-        if n != 1:  # an axis of size 1 ends nowhere new
-            running *= int(n)
-            products.add(running)
-    return products
-
-
-def reshape_note(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> str:
-    """The note on a row whose shapes differ only by a reshape (see :func:`same_order`)."""
-    ref, port = schema.format_shape(ref_shape), schema.format_shape(port_shape)
-    if _unit_axes_apart(ref_shape, port_shape):
-        return (f"shapes differ by axes of size 1 (reference ({ref}), port ({port})): the "
-                "same elements in the same order, compared")
-    return (f"the same elements in the same order, shapes ({ref}) and ({port}) (adjacent axes "
-            "merged on one side): compared as flat views, no rule needed")
 
 
 def _statistics(row: pd.Series) -> np.ndarray:

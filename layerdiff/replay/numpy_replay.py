@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.replay.recorded import RecordedCall, read_value, reference_weights
 from layerdiff.trace import Trace, TraceWriter, schema
@@ -70,6 +71,8 @@ class CallablePort:
             return
         for arg, grad in grads.items():
             writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
+            # in the layer's own output shape where the two differ only by axes of size 1
+            grads[arg] = as_shape(grad, np.shape(outputs[arg]))
         grad_inputs, weight_grads = self.layers[module].backward(context, grads)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
         for arg, grad in grad_inputs.items():

@@ -120,24 +120,31 @@ class ReplayResult:
 def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
            mapping: str | os.PathLike | Mapping | None = None,
            sites: Sequence[str] = (), tolerances: str | os.PathLike | Tolerances | None = None,
-           output: str | os.PathLike | None = None, propagated: bool = True) -> ReplayResult:
+           output: str | os.PathLike | None = None, propagated: bool = True,
+           reference_case: Case | None = None) -> ReplayResult:
     """Replay every matched site of ``reference`` into ``port`` and judge each on its own.
 
     ``port`` is a torch Case (its model gets the reference's weights through ``mapping``) or
     an ExternalCase with per-site ``layers``. ``sites`` are globs over the reference's site or
     module names. ``output`` keeps the replay trace. With ``propagated``, the port also runs
     whole on the case's inputs, for the propagated error beside each local one.
+
+    A weight the port's code also uses outside its modules' calls (a tied head
+    ``x @ self.tok.weight.T`` in the root) has a recorded gradient that no module's call alone
+    makes. With ``reference_case`` (the reference's torch case) the reference's modules are
+    replayed alone too and what their calls make is compared with what the port's make;
+    without it that weight gradient is set aside, "cannot judge alone", in ``skipped``.
     """
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
     with tempfile.TemporaryDirectory(prefix="layerdiff-replay-") as tmp:
         path = Path(output) if output else Path(tmp) / "replay.h5"
         with open_trace(reference) as ref:
-            log = write_replay(ref, port, mapping, sites, path)
+            log = write_replay(ref, port, mapping, sites, path, reference_case)
         result = ReplayResult(
             diff(reference, path, mapping=replayed_mapping(mapping, log), tolerances=tolerances,
                  independent=True),
-            log.replayed, log.failed, log.skipped, log.dropped)
+            log.replayed, log.failed, log.skipped, log.dropped, notes=list(log.notes))
         if propagated:
             try:
                 result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
@@ -154,13 +161,17 @@ class ReplayLog:
         self.dropped: dict[str, list[tuple[str, str]]] = {}  # port site -> (argument, why)
         # reference site -> the reference's argument heads the port's call left out
         self.left_out: dict[str, set[str]] = {}
+        self.notes: list[str] = []  # what the backend could not find out, and why
 
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
-                 sites: Sequence[str], path: Path) -> ReplayLog:
-    """The replay trace: every recorded call of step 0 that has a port partner, replayed."""
+                 sites: Sequence[str], path: Path,
+                 reference_case: Case | None = None) -> ReplayLog:
+    """The replay trace: every recorded call of step 0 that has a port partner, replayed.
+    ``reference_case`` (torch) splits a weight gradient that has a use outside its modules'
+    calls (:mod:`layerdiff.replay.alone`)."""
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
-    backend = _backend(ref, port, mapping)
+    backend = _backend(ref, port, mapping, reference_case)
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
     if hasattr(backend, "output_conversions"):
         backend.output_conversions.update(_output_conversions(ref, calls, mapping, backend))
@@ -195,6 +206,8 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         while open_calls:
             writer.exit(open_calls.pop()[1])
         backend.finish(writer, _complete_modules(ref, log))
+        log.skipped.extend(getattr(backend, "set_aside", ()))
+        log.notes.extend(getattr(backend, "notes", ()))
     if not log.replayed:
         raise DiffError(f"no call of {ref.path} was replayed into {port.name}: "
                         + ("; ".join(f"{s}: {why}" for s, why in (log.failed + log.skipped)[:3])
@@ -318,7 +331,8 @@ def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:
     return complete
 
 
-def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
+def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
+             reference_case: Case | None = None):
     if isinstance(port, ExternalCase):
         if not port.layers:
             raise CaptureError(f"case {port.name} records itself and gives no per-site layers, "
@@ -337,7 +351,14 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping):
     from layerdiff.weights import load_weights
 
     load_weights(port.model, ref.path, mapping)
-    return TorchPort(port.model, ref)
+    backend = TorchPort(port.model, ref)
+    backend.watch_uses(port.model, port.call_model)
+    if reference_case is not None:
+        from layerdiff.replay.alone import ReferenceAlone
+
+        backend.reference_alone = ReferenceAlone(reference_case.model, ref, TorchPort)
+        backend.param_source = lambda name: mapping.param_source(name, {})
+    return backend
 
 
 def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:

@@ -90,7 +90,7 @@ class Session:
 
     def replay(self, *sites: str) -> Diff:
         return replay(self.reference_trace(), load_case(self.port_spec), mapping=self.mapping,
-                      sites=sites)
+                      sites=sites, reference_case=load_case(self.reference_spec))
 
     def bisect(self, on_probe: Callable | None = None) -> BisectResult:
         return bisect(self.swapper, on_probe=on_probe)

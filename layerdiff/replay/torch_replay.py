@@ -28,10 +28,14 @@ from torch import nn
 import layerdiff.rng as rng
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.modules import named_modules
+from layerdiff.capture.stage import unsupported_tensor
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.alone import CannotSplit, ReferenceAlone, as_like
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
+from layerdiff.replay.uses import outside_uses
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import (
     NotPlainData,
@@ -69,6 +73,16 @@ class TorchPort:
                 if param is not None:
                     self._holders.setdefault(id(param), []).append((name, local))
         self._grad_sums: dict[int, torch.Tensor] = {}
+        # parameter -> port modules whose own code uses it outside the calls of the modules
+        # holding it (a tied head ``x @ self.tok.weight.T`` in the root): :meth:`watch_uses`
+        self._outside: dict[int, list[str]] = {}
+        self.set_aside: list[tuple[str, str]] = []  # (weight_grad, why): not compared
+        # the reference case's modules replayed alone, to split such a recorded gradient
+        self.reference_alone: ReferenceAlone | None = None
+        # port parameter's full name -> the mapping's [[param]] source for it, if any
+        self.param_source: Callable[[str], Any] = lambda name: None
+        self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
+        self.notes: list[str] = []
         self._first_site: dict[str, str] = {}  # module -> its first replayed site
         self._port_signatures: dict[str, Signature | None] = {}
         self._ref_signatures: dict[str, Signature | None] = {}
@@ -82,6 +96,18 @@ class TorchPort:
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
 
+    def watch_uses(self, model: nn.Module, call: Callable[[], Any]) -> None:
+        """Find the parameters the port's code uses outside their own modules' calls, from
+        one forward ``call()`` of the whole ``model`` (``uses.outside_uses``): a module's
+        replay alone does not make that part of the reference's recorded gradient."""
+        try:
+            self._outside = outside_uses(model, self.modules, call, self._devices, restored)
+        except Exception as exc:  # the replay goes on; the one thing unknown is said
+            self.notes.append(f"could not look for parameters used outside their modules' "
+                              f"calls (the port's forward raised {type(exc).__name__}: {exc}); "
+                              "a weight gradient with such a use would differ from the "
+                              "reference's recorded total")
+
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: tuple[CodeRef, Callable[..., Any]] | None = None
                ) -> list[tuple[str, str]]:
@@ -90,6 +116,7 @@ class TorchPort:
         site and its function) makes the port's call from the reference's arguments."""
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
+        self._partner.setdefault(module_name, call.module)
         args_map = {} if adapter else args_map  # the adapter makes the whole call
         drop = dropped_arguments(args_map)
         values = self._inputs(call, args_map, drop)
@@ -111,8 +138,9 @@ class TorchPort:
             for tensors in (module._parameters, module._buffers):
                 for name, tensor in tensors.items():
                     if tensor is not None:
-                        writer.record(site, Role.WEIGHT, _numpy(tensor), arg=name,
-                                      pass_=Pass.FORWARD)
+                        writer.record(site, Role.WEIGHT, self._weight(call, module_name, name,
+                                                                      tensor),
+                                      arg=name, pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args} - left_out
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
@@ -123,6 +151,32 @@ class TorchPort:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
         self._backward(call, site, module_name, module, flat, leaves, writer)
         return dropped
+
+    def _weight(self, call: RecordedCall, module_name: str, name: str,
+                tensor: torch.Tensor) -> Any:
+        """A parameter or buffer as the trace records it (:meth:`_stored`)."""
+        return self._stored(tensor, schema.site_name(call.module, 0), Role.WEIGHT, name,
+                            schema.param_name(schema.site_name(module_name, 0), name))
+
+    def _stored(self, tensor: torch.Tensor, ref_site: str, role: str, name: str,
+                full: str) -> Any:
+        """A weight or weight gradient as the trace records it. A tensor of any dtype (complex
+        and bool too) is its numpy array; one whose layout has no numpy form (sparse: a
+        buffer, an ``nn.Embedding(sparse=True)``'s gradient) is made dense where the
+        reference recorded values at ``ref_site`` (``role``, ``name``), else recorded as
+        capture records it (its layout, shape and dtype: compared as those), saying so."""
+        if tensor.layout is torch.strided and not tensor.is_quantized:
+            return _numpy(tensor)
+        rows = self.ref.records(0, ref_site, role)
+        recorded = rows[rows["arg"] == name]
+        if (not recorded.empty and recorded.iloc[0]["kind"] == "tensor"
+                and tensor.layout is not torch.strided):
+            return _numpy(tensor.to_dense())
+        kind = "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
+        what = "" if role == Role.WEIGHT else "'s gradient"
+        self.notes.append(f"{full}{what} is {kind}: compared by layout, shape and dtype (all "
+                          "the trace holds of it)")
+        return unsupported_tensor(tensor)
 
     def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
         """The reference's recorded inputs of ``call`` under the port's argument names."""
@@ -238,7 +292,10 @@ class TorchPort:
             else:
                 grad = read_value(self.ref, call.grad_outputs[arg])
                 writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
-                grad = torch.from_numpy(grad).to(value.device, value.dtype)
+                # a port output that holds the reference's elements in another shape ((T, D)
+                # against (1, T, D)): the diff's rule (compare/shapes.py)
+                grad = torch.from_numpy(as_shape(grad, value.shape)).to(value.device,
+                                                                        value.dtype)
             grads.append(grad)
             # The recorded gradient is what arrived from outside the call: autograd adds the
             # layer's own later use of the output (an LSTM cell's c feeds its h). An older
@@ -290,7 +347,64 @@ class TorchPort:
             holders = [(m, n) for m, n in self._holders[key] if m in self._first_site]
             if all(module in complete for module, _ in holders):
                 module, name = holders[0]
-                writer.record(self._first_site[module], Role.WEIGHT_GRAD, _numpy(grad), arg=name)
+                outside = self._outside.get(key)
+                if outside:  # the recorded total holds a use that no replayed call makes
+                    grad = self._split(grad, holders, outside)
+                    if grad is None:
+                        continue
+                site = self._first_site[module]
+                ref_site = schema.site_name(self._partner.get(module, module), 0)
+                writer.record(site, Role.WEIGHT_GRAD, self._stored(
+                    grad, ref_site, Role.WEIGHT_GRAD, name, schema.param_name(site, name)),
+                    arg=name)
+
+    def _split(self, grad: torch.Tensor, holders: list[tuple[str, str]],
+               outside: list[str]) -> torch.Tensor | None:
+        """The port's module-alone gradient of a parameter also used at ``outside`` (port
+        modules' own code), made comparable with the reference's recorded total: plus the
+        part of that total the reference's partner modules' calls alone do not make. None,
+        set aside with its reason, where the reference case is not given or cannot split."""
+        module, name = holders[0]
+        site = self._first_site[module]
+        full = schema.param_name(site, name)
+        users = ", ".join(sorted({m for m, _ in holders}))
+        why = None
+        if self.reference_alone is None:
+            why = ("give the reference case (--reference-case) to compare what the calls "
+                   "alone make on both sides")
+        else:
+            partners = [self._partner[m] for m, _ in holders if m in self._partner]
+            source = self.param_source(full)
+            try:
+                if source is not None and (source.transforms != ("copy",) or source.parts != 1
+                                           or len(source.reference) != 1):
+                    raise CannotSplit(f"the mapping makes it from {', '.join(source.reference)}"
+                                      f" through {' then '.join(source.transforms)} "
+                                      f"({source.where}), which a split does not undo")
+                rest = self.reference_alone.outside_part(partners, name)
+                if rest.shape != tuple(grad.shape):
+                    raise CannotSplit(f"the reference's {full} gradient is {rest.shape}, the "
+                                      f"port's {tuple(grad.shape)}")
+            except CannotSplit as exc:
+                why = str(exc)
+            else:
+                if grad.layout is not torch.strided:  # a sparse gradient: added densely
+                    grad = grad.to_dense()
+                # one line: the terminal clips a note to its width
+                self.notes.append(f"{full} is also used at {', '.join(outside)}: judged on "
+                                  f"what the calls of {users} alone make, on both sides")
+                return grad + as_like(rest, grad)
+        self.set_aside.append((
+            f"{site} weight_grad {name}",
+            f"cannot judge alone: {full} is also used at {', '.join(outside)} (in that "
+            f"module's own code, outside the calls of {users}); the reference's recorded "
+            "gradient sums that use too, which the module's call alone does not make, so it "
+            f"is not compared (its outputs and input gradients are): {why}"))
+        return None
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's weight gradient summed over the calls replayed so far."""
+        return self._grad_sums.get(id(param))
 
 
 def _shared_leaves(call: RecordedCall, args_map: dict[str, str],
