@@ -181,7 +181,8 @@ def test_a_sparse_weight_gradient_is_compared_as_capture_records_it(traces):
 def test_the_shared_rule():
     assert unit_axes_apart((1, 6, 8), (6, 8)) and unit_axes_apart((6, 1, 8), (1, 6, 8))
     assert not unit_axes_apart((6, 8), (6, 8)) and not unit_axes_apart((8, 6), (6, 8))
-    assert same_elements((6, 8), (6, 8)) and not same_elements((48,), (6, 8))
+    assert same_elements((6, 8), (6, 8)) and same_elements((48,), (6, 8))  # merged axes
+    assert not same_elements((8, 6), (6, 8))  # a transpose's shape: other places
     array = np.arange(48.0).reshape(1, 6, 8)
     assert as_shape(array, (6, 8)).shape == (6, 8)
     assert as_shape(array, (8, 6)) is array  # not the same elements in the same places
