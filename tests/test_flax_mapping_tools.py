@@ -1,0 +1,122 @@
+"""map-check, map-suggest and replay through call adapters on Flax NNX ports, as on torch
+ports (issue 39 item 5): the bundled Flax MLP port's mapping checked (its untransposed kernel
+flagged), a drafted mapping that makes the faithful port pass its diff, and a torch attention
+taking an additive float mask replayed into a Flax one taking a boolean mask through a call
+adapter (tests/flax_mask_pair.py), whichever array library the adapter returns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flax")
+
+from layerdiff import load_case
+from layerdiff.capture.port import capture_port
+from layerdiff.compare import diff
+from layerdiff.flax.weights import nnx_variables
+from layerdiff.replay import replay
+from layerdiff.replay.mapcheck import SUSPICIOUS, map_check
+from reference_models.catalog import HERE
+
+MLP_REF = "reference_models.flax_mlp_reference:reference"
+MLP_PORT = "reference_models.flax_mlp:port"
+MLP_MAP = HERE / "flax_mlp.map.toml"
+MLP_UNTRANSPOSED = HERE / "flax_mlp_untransposed.map.toml"
+MASK_REF = "tests.flax_mask_pair:reference"
+MASK_MAP = Path(__file__).with_name("mask_pair.map.toml")
+
+
+@pytest.fixture(scope="module")
+def mlp_ref(reference_traces):
+    return reference_traces(MLP_REF)
+
+
+@pytest.fixture(scope="module")
+def mask_ref(reference_traces):
+    return reference_traces(MASK_REF)
+
+
+# ---- map-check
+
+def test_map_check_passes_the_bundled_flax_port_with_its_mapping(mlp_ref, run):
+    result = run("map-check", mlp_ref, MLP_PORT, "--map", MLP_MAP)
+    assert result.exit_code == 0, result.output
+    assert "PASS  12 port tensors, each with a source that fits" in result.output
+    assert "block.fc1.kernel  block.fc1.weight  transpose  ok" in result.output
+
+
+def test_map_check_flags_the_untransposed_square_kernel(mlp_ref, run, tmp_path):
+    result = run("map-check", mlp_ref, MLP_PORT, "--map", MLP_UNTRANSPOSED,
+                 "--json", tmp_path / "check.json")
+    assert result.exit_code == 1, result.output
+    entries = {e["port"]: e for e in json.loads((tmp_path / "check.json").read_text())["entries"]}
+    flagged = [name for name, e in entries.items() if e["status"] == SUSPICIOUS]
+    assert flagged == ["block.fc1.kernel"]
+    declared, transposed = entries["block.fc1.kernel"]["errors"].values()
+    assert declared > 0.1 and transposed < 1e-6
+    assert entries["block.fc2.kernel"]["status"] == "ok"   # square too, transposed as it should
+
+
+def test_map_check_leaves_the_flax_port_as_it_was(mlp_ref):
+    case = load_case(MLP_PORT)
+    before = {name: v.get_value().copy() for name, v in nnx_variables(case.model).items()}
+    map_check(mlp_ref, case, MLP_UNTRANSPOSED)
+    after = {name: v.get_value() for name, v in nnx_variables(case.model).items()}
+    assert before.keys() == after.keys()
+    assert all((before[name] == after[name]).all() for name in before)
+
+
+def test_map_check_runs_a_flax_layer_through_its_call_adapter(mask_ref):
+    check = map_check(mask_ref, load_case("tests.flax_mask_pair:port"), MASK_MAP)
+    assert check.passed, [(e.port, e.status, e.note) for e in check.failing()]
+    notes = {e.port: e.note for e in check.entries}
+    assert "transpose checked at attn.out#0" in notes["attn.out.kernel"]
+
+
+def test_a_port_the_mapping_tools_cannot_handle_is_one_sentence_and_exit_2(mlp_ref, run):
+    for command in ("map-check", "map-suggest"):
+        result = run(command, mlp_ref, "tests.tiny_cases:numpy_port")
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        assert f"{command} needs a layerdiff.Case whose model is a torch or Flax NNX " \
+               "module" in result.output
+
+
+# ---- replay through call adapters
+
+@pytest.mark.parametrize("adapter", ["mask_call", "mask_call_numpy", "mask_call_torch"])
+def test_flax_replay_through_an_adapter_passes_the_faithful_layer(mask_ref, tmp_path, adapter):
+    mapping = tmp_path / "mask.map.toml"
+    mapping.write_text(MASK_MAP.read_text().replace(":mask_call\"", f":{adapter}\""))
+    result = replay(mask_ref, load_case("tests.flax_mask_pair:port"), mapping=mapping,
+                    propagated=False)
+    assert result.passed and not result.cannot_judge, result.failed
+    local = result.local
+    attn = local[local["port_site"] == "attn#0"]
+    assert set(attn["pass"]) == {"forward", "backward"} and set(attn["verdict"]) == {"within"}
+    # the input gradient flows back to the reference's hidden_states through the adapter
+    rows = result.diff.rows
+    grads = rows[(rows["site"] == "attn#0") & (rows["role"] == "grad_input")]
+    assert list(grads["arg"]) == ["0"] and (grads["ratio"] <= 1).all()
+
+
+def test_flax_replay_through_an_adapter_names_the_planted_layer(mask_ref):
+    result = replay(mask_ref, load_case("tests.flax_mask_pair:bug_scale"), mapping=MASK_MAP,
+                    propagated=False)
+    assert not result.passed
+    local = result.local
+    errors = set(local[local["verdict"] == "LOCAL ERROR"]["port_site"])
+    assert errors == {"attn#0"}
+
+
+def test_capture_and_diff_of_the_flax_port_through_its_adapter(mask_ref, tmp_path):
+    port = capture_port(load_case("tests.flax_mask_pair:port"), tmp_path / "port.h5",
+                        weights_from=mask_ref, mapping=MASK_MAP, progress=False)
+    result = diff(mask_ref, port, mapping=MASK_MAP)
+    assert result.passed, result.summary()
+    rows = result.rows
+    mask = rows[(rows["site"] == "attn#0") & (rows["role"] == "input") & (rows["arg"] == "mask")]
+    assert len(mask) == 1 and mask["match"].iloc[0] == "adapted"  # the boolean mask the adapter made
