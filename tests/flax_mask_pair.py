@@ -3,7 +3,8 @@ a query may look, a large negative number where not: Hugging Face's layout), and
 whose attention takes a boolean one ``(B, T, T)`` (True where it may look). No renaming turns
 one into the other: the mapping names a call adapter (``mask_pair.map.toml`` beside this file).
 
-Cases: ``reference`` (torch), ``port`` (the faithful Flax port), ``bug_scale`` (the port's
+Both attentions return ``(output, weights)``, the port's weights None (Hugging Face's eager
+attention returns them; a port seldom keeps them). Cases: ``reference`` (torch), ``port`` (the faithful Flax port), ``bug_scale`` (the port's
 attention scores scaled by ``1/head_dim`` instead of ``1/sqrt(head_dim)``). Adapters: the
 JAX one the mapping names, and the same written with numpy and with torch, each returning the
 arrays of its own library.
@@ -49,8 +50,9 @@ class TorchAttention(nn.Module):
         q, k, v = self.qkv(hidden_states).split(d, dim=-1)
         q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(d // HEADS) + attention_mask
-        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
-        return self.out(y)
+        weights = scores.softmax(-1)
+        y = (weights @ v).transpose(1, 2).reshape(b, t, d)
+        return self.out(y), weights          # Hugging Face's eager attention returns both
 
 
 class TorchModel(nn.Module):
@@ -63,7 +65,7 @@ class TorchModel(nn.Module):
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] & pad[:, None, :]
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        h = x + self.attn(self.ln(x), mask[:, None])            # (B, 1, T, T) additive
+        h = x + self.attn(self.ln(x), mask[:, None])[0]         # (B, 1, T, T) additive
         return self.head(h.mean(1))
 
 
@@ -91,7 +93,7 @@ class Attention(nnx.Module):
         scores = q @ k.transpose(0, 1, 3, 2) / scale
         scores = jnp.where(mask[:, None], scores, jnp.finfo(scores.dtype).min)
         y = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        return self.out(y)
+        return self.out(y), None             # the weights are not kept
 
 
 class Model(nnx.Module):
@@ -103,7 +105,7 @@ class Model(nnx.Module):
 
     def __call__(self, x: jax.Array, pad: jax.Array) -> jax.Array:
         mask = jnp.tril(jnp.ones((T, T), dtype=bool))[None] & pad[:, None, :]   # (B, T, T)
-        h = x + self.attn(self.ln(x), mask)
+        h = x + self.attn(self.ln(x), mask)[0]
         return self.head(h.mean(1))
 
 

@@ -9,6 +9,7 @@ module takes. :mod:`layerdiff.replay.ports` chooses these or torch's from the ca
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,8 +68,8 @@ class _Watcher:
         path = self.names.get(id(module))
         if path is None:
             return original(module, *args, **kwargs)
-        return self.hook(path, type(module).__name__,
-                         lambda *a, **k: original(module, *a, **k), args, kwargs)
+        return self.hook(path, type(module).__name__, types.MethodType(original, module),
+                         args, kwargs)
 
 
 def watched_forward(case: Case, hook: Hook) -> Any:

@@ -7,14 +7,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-from torch import nn
 
 from layerdiff.mapping import Mapping
 from layerdiff.mapsuggest.calls import _Call
 from layerdiff.mapsuggest.names import _tokens
 from layerdiff.mapsuggest.pairing import _shape_text
 from layerdiff.trace import schema
-from layerdiff.weights import SHAPE_MISMATCH, port_tensors, resolve_weights
+from layerdiff.weights import SHAPE_MISMATCH
 
 
 @dataclass
@@ -33,14 +32,14 @@ class _Source:
         return (self.group or (self.port,), tuple(self.reference), self.transform, self.axis)
 
 
-def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Mapping,
+def _find_sources(port, weights: dict[str, np.ndarray], mapping: Mapping,
                   module_partner: dict[str, str], ref_order: dict[str, int],
                   module_confidence: dict[str, float], types: dict[str, str],
                   port_order: dict[str, int],
                   layouts) -> tuple[list[_Source], list[str]]:
     """Each port tensor's source: its module's partner's tensor, transposed where the shapes
     say so, else a leftover reference tensor of its shape, or several stacked."""
-    assignments = resolve_weights(model, weights, mapping)
+    assignments = port.resolve(weights, mapping)
     shapes = {name: tuple(a.shape) for name, a in weights.items()}
     used: set[str] = set()
     sources: dict[str, _Source] = {}
@@ -67,15 +66,19 @@ def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Map
     _pick_stacks(open_, shapes, free, module_partner, ref_order, sources)
     _pick_splits(open_, shapes, free, module_partner, port_order, sources, layouts)
     _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False)
-    order = list(port_tensors(model))
+    # a square weight picked under another name (Flax's kernel for torch's weight) has its
+    # layout decided as one that follows its module
+    _transpose_square(sources, shapes, types, layouts)
+    order = list(port.shapes())
     missing = [name for name, _, _ in open_ if name not in sources]
     return [sources[name] for name in order if name in sources], missing
 
 
-def _layout(call: _Call | None, shape: tuple[int, ...]) -> str | None:
+def _layout(call: _Call | None, shape: tuple[int, ...], dense) -> str | None:
     """How a dense layer keeps a 2-D weight: "out_in" (torch's Linear) or "in_out" (Hugging
-    Face's Conv1D, Flax), from its call's input and output widths, else from the class name
-    Linear; None when neither tells."""
+    Face's Conv1D, Flax), from its call's input and output widths, else from its class as its
+    framework keeps it (``dense(class name)``: torch's Linear (out, in), Flax's (in, out));
+    None when neither tells."""
     if call is None or len(shape) != 2 or call.kind != "dense":
         return None
     if call.input and call.output:
@@ -84,7 +87,7 @@ def _layout(call: _Call | None, shape: tuple[int, ...]) -> str | None:
             return "out_in"
         if shape == widths[::-1] and shape != widths:
             return "in_out"
-    return "out_in" if call.type == "Linear" else None
+    return dense(call.type)
 
 
 def _layout_text(layout: str) -> str:
@@ -117,8 +120,8 @@ def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, 
         if None not in sides:
             if sides[0] != sides[1] and source.transform == ("copy",):
                 source.transform, source.rule = ("transpose",), True
-                source.evidence = [f"square {_shape_text(shape)}: {key[0]} keeps it "
-                                   f"{_layout_text(sides[0])}, {key[1]} "
+                source.evidence = [f"square {_shape_text(shape)}: the reference's {key[0]} "
+                                   f"keeps it {_layout_text(sides[0])}, the port's {key[1]} "
                                    f"{_layout_text(sides[1])}"]
             continue
         if seen and all(seen) and source.transform == ("copy",):

@@ -140,6 +140,8 @@ class FlaxPort:
                 grad = read_value(self.ref, recorded[arg])
                 writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
                 cotangents.append(jnp.asarray(grad, dtype=value.dtype).reshape(value.shape))
+            elif value is None:  # an output returned as None (an attention's weights)
+                cotangents.append(None)
             else:
                 # no gradient came to it; an integer output takes float0's empty cotangent
                 cotangents.append(jnp.zeros_like(value) if _floating(value) else

@@ -69,10 +69,11 @@ class TorchModel:
 
         return resolve_weights(self.model, reference, mapping)
 
-    def tensor_names(self) -> list[str]:
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors a load sets (parameters, persistent buffers) and their shapes."""
         from layerdiff.weights import port_tensors
 
-        return list(port_tensors(self.model))
+        return {name: tuple(t.shape) for name, t in port_tensors(self.model).items()}
 
     def buffers(self) -> set[str]:
         return {name for name, _ in self.model.named_buffers()}
@@ -189,8 +190,8 @@ class FlaxModel:
     def resolve(self, reference: dict[str, np.ndarray], mapping: Mapping) -> list[Assignment]:
         return self._weights.resolve_nnx(self.model, reference, mapping, "the reference trace")
 
-    def tensor_names(self) -> list[str]:
-        return list(self._weights.variable_shapes(self.model))
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._weights.variable_shapes(self.model)
 
     def buffers(self) -> set[str]:
         return self._port.state_names(self.model)
