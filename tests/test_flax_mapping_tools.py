@@ -9,16 +9,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from torch import nn
 
 pytest.importorskip("flax")
+import jax
+from flax import nnx
 
-from layerdiff import load_case
+from layerdiff import Case, capture, load_case, seed_everything
 from layerdiff.capture.port import capture_port
 from layerdiff.compare import diff
-from layerdiff.flax.weights import nnx_variables
+from layerdiff.flax.weights import load_nnx_weights, nnx_variables
+from layerdiff.mapping import Mapping
+from layerdiff.mapsuggest import suggest_mapping
 from layerdiff.replay import replay
 from layerdiff.replay.mapcheck import SUSPICIOUS, map_check
+from layerdiff.trace import open_trace
 from reference_models.catalog import HERE
 
 MLP_REF = "reference_models.flax_mlp_reference:reference"
@@ -120,3 +128,79 @@ def test_capture_and_diff_of_the_flax_port_through_its_adapter(mask_ref, tmp_pat
     rows = result.rows
     mask = rows[(rows["site"] == "attn#0") & (rows["role"] == "input") & (rows["arg"] == "mask")]
     assert len(mask) == 1 and mask["match"].iloc[0] == "adapted"  # the boolean mask the adapter made
+
+
+# ---- map-suggest
+
+def test_map_suggest_drafts_the_flax_ports_mapping_and_the_faithful_port_passes_with_it(
+        mlp_ref, run, tmp_path):
+    draft = tmp_path / "draft.map.toml"
+    result = run("map-suggest", mlp_ref, MLP_PORT, "-o", draft)
+    assert result.exit_code == 0, result.output
+    text = draft.read_text()
+    assert "UNSURE" not in text
+    assert 'port = "*.kernel"\nreference = "*.weight"\ntransform = "transpose"' in text
+    assert 'port = "*.scale"\nreference = "*.weight"\n' in text
+    assert run("map-check", mlp_ref, MLP_PORT, "--map", draft).exit_code == 0
+    port_trace = tmp_path / "port.h5"
+    captured = run("capture", MLP_PORT, "-o", port_trace, "--weights-from", mlp_ref,
+                   "--map", draft)
+    assert captured.exit_code == 0, captured.output
+    diffed = run("diff", mlp_ref, port_trace, "--map", draft)
+    assert diffed.exit_code == 0 and diffed.output.startswith("PASS"), diffed.output
+
+
+def test_map_suggest_marks_the_input_that_needs_an_adapter_and_leaves_out_none_outputs(
+        mask_ref):
+    draft = suggest_mapping(mask_ref, load_case("tests.flax_mask_pair:port"))
+    text = draft.text
+    # the attention's weights (output 1): the port returns None there
+    assert '[[unmatched]]\nreference = "attn"\noutput = "1"\n' in text
+    # the boolean mask no rename makes from the additive one
+    site = next(s for s in draft.suggestions if s.kind == "site" and s.reference == ["attn"])
+    assert site.unsure and "mask bool (3,6,6)" in site.adapter
+    assert "attention_mask float32 (3,1,6,6)" in site.adapter
+    assert '# UNSURE: needs a call adapter: the port\'s Attention.__call__(x, mask)' in text
+    assert '# call = "your_module:adapter"' in text
+    assert all(len(line) <= 100 for line in text.splitlines())
+    Mapping.from_text(text, "draft.toml")   # the draft reads back as it is
+
+
+class TorchConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 5 * 5, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+class ConvNet(nnx.Module):
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.conv = nnx.Conv(3, 4, (3, 3), padding=1, rngs=rngs)
+        self.head = nnx.Linear(4 * 5 * 5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv(x.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2)  # NHWC
+        return self.head(h.reshape(h.shape[0], -1))
+
+
+def test_map_suggest_gives_a_flax_conv_kernel_its_layout_conversion(tmp_path):
+    seed_everything(0)
+    x = torch.randn(2, 3, 5, 5)
+    reference = capture(Case(model=TorchConvNet(), inputs=(x,), loss_fn=lambda y: y.sum(),
+                             name="conv-reference"), tmp_path / "conv.h5")
+    port = ConvNet()
+    draft = suggest_mapping(reference, Case(model=port, inputs=(x.numpy(),),
+                                            loss_fn=lambda y: y.sum(), name="conv-port"))
+    assert 'port = "conv.kernel"\nreference = "conv.weight"\n' \
+           'transform = "layerdiff.flax.layouts:conv_kernel"' in draft.text
+    assert draft.tensor_sources["head.kernel"] == ["head.weight"]
+    path = tmp_path / "conv.map.toml"
+    path.write_text(draft.text)
+    load_nnx_weights(port, reference, path)
+    with open_trace(reference) as ref:
+        expected = ref.read(ref.records(0, "<root>#0", "output").iloc[0])
+    np.testing.assert_allclose(np.asarray(port(x.numpy())), expected, rtol=1e-5, atol=1e-5)

@@ -41,7 +41,7 @@ from layerdiff.mapsuggest.values import (
 from layerdiff.replay.calling import CannotCall, bind_call
 from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
 from layerdiff.signature import Signature
-from layerdiff.trace.arguments import describe_value
+from layerdiff.trace.arguments import describe_value, map_argument
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.schema import Pass, Role
 from layerdiff.weights import trace_weights
@@ -94,7 +94,7 @@ class _Drafter:
             mapping, site_rules = self._site_rules(pairs, args, strays)
         sources, missing = self._sources(mapping, pairs)
         text, suggestions = self._write(pairs, site_rules, sources, missing)
-        draft = Mapping.from_text(text, "draft.toml")  # the draft must read back
+        draft = Mapping.from_text(text, "draft.toml", recorded_in=None)  # the draft must read back
         tensor_sources = self._tensor_sources(draft)
         return MapSuggestion(self.ref_path, self.port.name, text, suggestions, tensor_sources,
                              [n for n, s in tensor_sources.items() if not s])
@@ -151,7 +151,7 @@ class _Drafter:
             rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
                                     list(pair.evidence),
                                     args=_agreed_args(args.get(pair.ref.site, []))[0]))
-        mapping = Mapping.from_text(_site_text(rules), "draft.toml")
+        mapping = Mapping.from_text(_site_text(rules), "draft.toml", recorded_in=None)
         return mapping, rules
 
     # -- tensors
@@ -184,7 +184,7 @@ class _Drafter:
         rules = {s.rule_key(): s for s in sources if s.rule}
         text = _site_text([]) + "".join(_param_text(list(key[0]), s.reference, s.transform,
                                                     s.axis) for key, s in rules.items())
-        params = Mapping.from_text(text, "draft.toml")
+        params = Mapping.from_text(text, "draft.toml", recorded_in=None)
         mapping.param_rules = params.param_rules
         return mapping
 
@@ -206,6 +206,7 @@ class _Drafter:
         index = self.ref.records(step, pass_=Pass.FORWARD, kind="tensor")
         by_site = {site: rows for site, rows in index.groupby("site")}
         self._pair_by_value(pairs, values, by_site)
+        calls = []
         for pair in pairs.values():
             if pair.port.site not in values or pair.ref.site not in by_site:
                 continue
@@ -222,47 +223,60 @@ class _Drafter:
             if found:
                 decisions[pair.ref.site].append(found)
                 decisions[pair.ref.module].append(found)
-            need = self._needs_adapter(pair, ref_in, port_in, found)
+            calls.append((pair, ref_in, port_in))
+        for pair, ref_in, port_in in calls:  # with the argument renames the calls agree on
+            renames = _agreed_args(decisions.get(pair.ref.module, []))[0]
+            need = self._needs_adapter(pair, ref_in, port_in, renames)
             if need:
                 self.adapters.setdefault(pair.ref.module, (pair.port.module, need))
         return decisions
 
     def _needs_adapter(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
-                       equal: dict[str, tuple[str, int]]) -> str | None:
+                       renames: dict[str, str]) -> str | None:
         """Why the port's call of this pair cannot be made from the reference's by renaming
-        (None when it can): a port parameter nothing fills, or one that a reference argument
-        fills with another shape or kind (an additive float mask for a boolean one)."""
+        (None when it can): a port input whose shape and kind no reference argument has (an
+        additive float mask where the port takes a boolean one, a rotary table in another
+        layout), said with the reference argument that fills that parameter once renamed as
+        the draft's args rule will, or with nothing."""
         signature = pair.port.signature
         if signature is None:
             return None
-        values = [(arg, np.asarray(self.ref.read(row))) for arg, row in ref_in.items()]
-        where = f"port layer {pair.port.module}"
+        arrays = {arg: np.asarray(self.ref.read(row)) for arg, row in ref_in.items()}
+        kinds = {(value.shape, value.dtype.kind) for value in arrays.values()}
+        lacking = [(path, value) for path, value in port_in.items()
+                   if (value.shape, value.dtype.kind) not in kinds]
+        if not lacking:
+            return None
+        path, mine = lacking[0]
+        name = _parameter(path, signature)
+        gets = f"the port's {signature.describe()} gets {name} {describe_value(mine)}"
+        values, seen = [], set()
+        for arg, value in arrays.items():
+            mapped = map_argument(arg, renames)
+            if mapped not in seen:
+                seen.add(mapped)
+                values.append((mapped, value))
         try:
             bound = bind_call(values, signature, reference=self._ref_signature(pair.ref.type),
-                              where=where)
-        except CannotCall as exc:
-            return str(exc)
-        got = {_parameter(path, signature): value for path, value in port_in.items()}
-        renamed = {new: head for head, new in bound.renamed.items()}
-        agreed = {target for target, _ in equal.values()}
-        for path, value in bound.values:
-            name = _parameter(path, signature)
-            if name not in got or path in agreed or not hasattr(value, "shape"):
-                continue
-            mine = got[name]
-            if mine.shape != value.shape or mine.dtype.kind != value.dtype.kind:
-                head = path.partition(".")[0]
-                ref_head = renamed.get(head, head)
-                reference = self._ref_signature(pair.ref.type)
-                if ref_head.isdigit() and reference is not None and int(ref_head) < len(
-                        reference.positional):
-                    ref_head = reference.positional[int(ref_head)].name
-                described = (f"positional argument {ref_head}" if ref_head.isdigit()
-                             else ref_head) + path[len(head):]
-                return (f"the port's {signature.describe()} gets {name.split('.')[0]} "
-                        f"{describe_value(mine)} where the reference passes {described} "
-                        f"{describe_value(value)}, which no rename turns into it")
-        return None
+                              where=f"port layer {pair.port.module}")
+        except CannotCall:
+            bound = None
+        filled = None if bound is None else next(
+            ((head, value) for head, value in bound.values
+             if _parameter(head, signature) == name), None)
+        if filled is None:
+            return f"{gets}, which no argument of the reference's call gives"
+        head = filled[0].partition(".")[0]
+        renamed = {new: old for old, new in bound.renamed.items()}
+        ref_head = renamed.get(head, head)
+        ref_head = {new: old for old, new in renames.items()}.get(ref_head, ref_head)
+        reference = self._ref_signature(pair.ref.type)
+        if ref_head.isdigit() and reference is not None and int(ref_head) < len(
+                reference.positional):
+            ref_head = reference.positional[int(ref_head)].name
+        described = f"positional argument {ref_head}" if ref_head.isdigit() else ref_head
+        return (f"{gets} where the reference passes {described}{filled[0][len(head):]} "
+                f"{describe_value(filled[1])}, which no rename turns into it")
 
     def _ref_signature(self, type_name: str) -> Signature | None:
         signatures = self.ref.meta.get("signatures")
@@ -558,8 +572,9 @@ def _site_lines(rule: Suggestion) -> list[str]:
     lines = [f"[[{table}]]", f"reference = {_q(rule.reference[0])}", f"port = {_q(rule.port[0])}"]
     if rule.adapter:  # commented out: the draft must load as it is, and the function is the
         # user's to write: f(*args, **kwargs) -> (args, kwargs), see docs/replay.md
-        lines.append('# call = "your_module:adapter"   # write it, then uncomment this line')
-    elif rule.args:
+        lines.append('# call = "your_module:adapter"   # write it, uncomment this line'
+                     + (', drop args' if rule.args else ''))
+    if rule.args:
         lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
                                               for k, v in rule.args.items()) + " }")
     return lines

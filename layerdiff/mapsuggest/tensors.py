@@ -61,14 +61,18 @@ def _find_sources(port, weights: dict[str, np.ndarray], mapping: Mapping,
         else:
             open_.append((found.port, found.shape, found.problem))
     _transpose_square(sources, shapes, types, layouts)
+    decided = set(sources)
     free = {name for name in weights if name not in used}
-    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True)
+    conversions = port.layout_conversions()
+    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True,
+                  conversions=conversions)
     _pick_stacks(open_, shapes, free, module_partner, ref_order, sources)
     _pick_splits(open_, shapes, free, module_partner, port_order, sources, layouts)
-    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False)
+    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False,
+                  conversions=conversions)
     # a square weight picked under another name (Flax's kernel for torch's weight) has its
     # layout decided as one that follows its module
-    _transpose_square(sources, shapes, types, layouts)
+    _transpose_square(sources, shapes, types, layouts, set(sources) - decided)
     order = list(port.shapes())
     missing = [name for name, _, _ in open_ if name not in sources]
     return [sources[name] for name in order if name in sources], missing
@@ -95,7 +99,7 @@ def _layout_text(layout: str) -> str:
 
 
 def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, ...]],
-                      types: dict[str, str], layouts) -> None:
+                      types: dict[str, str], layouts, only: set[str] | None = None) -> None:
     """A square weight fits both ways round: it is transposed when every non-square weight
     of the same leaf, between modules of the same two classes, needed a transpose (Hugging
     Face's Conv1D keeps (in, out) where nn.Linear keeps (out, in))."""
@@ -112,7 +116,8 @@ def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, 
             votes[classes(source)].append(source.transform == ("transpose",))
     for source in sources.values():
         shape = shapes[source.reference[0]]
-        if len(source.reference) != 1 or len(shape) != 2 or shape[0] != shape[1]:
+        if len(source.reference) != 1 or len(shape) != 2 or shape[0] != shape[1] or (
+                only is not None and source.port not in only):
             continue
         key = classes(source)
         seen = votes.get(key, [])
@@ -154,7 +159,8 @@ def _under(anchor: str | None, names: set[str]) -> list[str]:
     return sorted(n for n in names if n.startswith(anchor + "."))
 
 
-def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: bool) -> None:
+def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: bool,
+                  conversions=()) -> None:
     for port, shape, _ in open_:
         if port in sources:
             continue
@@ -162,7 +168,10 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
         where = "under the partner module"
         if not pool:
             pool, where = sorted(free), "in the reference (nothing under the partner module)"
-        fits = [(ref, "copy") for ref in pool if shapes[ref] == shape]
+        # a layout the port's framework keeps otherwise (Flax's HWIO convolution kernels)
+        fits = [(ref, name) for name, layout in conversions for ref in pool
+                if shapes[ref] != shape and layout(shapes[ref]) == shape]
+        fits += [(ref, "copy") for ref in pool if shapes[ref] == shape]
         if len(shape) == 2 and shape[0] != shape[1]:
             fits += [(ref, "transpose") for ref in pool if shapes[ref] == shape[::-1]]
         if not fits:
@@ -175,7 +184,8 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
         ref, how = ranked[0]
         free.discard(ref)
         evidence = [f"left over {where}, shape {_shape_text(shapes[ref])}"
-                    + (" transposed" if how == "transpose" else "")]
+                    + (" transposed" if how == "transpose" else "")
+                    + (f" as {_shape_text(shape)} through {how}" if ":" in how else "")]
         if best > 0:
             evidence.append(f"name {ref.rsplit('.', 2)[-2] if '.' in ref else ref}~"
                             f"{port.rsplit('.', 1)[-1]}")

@@ -25,6 +25,8 @@ from layerdiff.trace import Trace
 from layerdiff.trace.arguments import flatten
 from layerdiff.weights import Assignment
 
+CONV_KERNEL = "layerdiff.flax.layouts:conv_kernel"
+
 # hook(module path, class name, run, args, kwargs) -> what run(*args, **kwargs) returns
 Hook = Callable[[str, str, Callable[..., Any], tuple, dict], Any]
 
@@ -126,6 +128,11 @@ class TorchModel:
         return max([torch.finfo(leaf.dtype).eps for _, leaf in torch_flatten(value, "")
                     if torch.is_tensor(leaf) and leaf.is_floating_point()], default=0.0)
 
+    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]:
+        """(conversion function, the shape it makes of a torch tensor's) for the layouts this
+        framework keeps otherwise than torch: none."""
+        return []
+
     def dense_layout(self, type_name: str) -> str | None:
         """How a dense layer of this class keeps its weight: torch's Linear (out, in)."""
         return "out_in" if type_name == "Linear" else None
@@ -219,6 +226,12 @@ class FlaxModel:
                     for _, leaf in flatten(value) if self._port.is_array(leaf)
                     and np.issubdtype(self._port.to_numpy(leaf).dtype, np.floating)],
                    default=0.0)
+
+    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]:
+        """A convolution's kernel: torch's (out, in, *spatial) as Flax's (*spatial, in, out),
+        :func:`layerdiff.flax.layouts.conv_kernel`."""
+        return [(CONV_KERNEL, lambda shape: (*shape[2:], shape[1], shape[0])
+                 if 3 <= len(shape) <= 5 else None)]
 
     def dense_layout(self, type_name: str) -> str | None:
         """nnx.Linear keeps its kernel (in, out)."""
