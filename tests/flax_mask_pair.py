@@ -4,10 +4,10 @@ whose attention takes a boolean one ``(B, T, T)`` (True where it may look). No r
 one into the other: the mapping names a call adapter (``mask_pair.map.toml`` beside this file).
 
 Both attentions return ``(output, weights)``, the port's weights None (Hugging Face's eager
-attention returns them; a port seldom keeps them). Cases: ``reference`` (torch), ``port`` (the faithful Flax port), ``bug_scale`` (the port's
-attention scores scaled by ``1/head_dim`` instead of ``1/sqrt(head_dim)``). Adapters: the
-JAX one the mapping names, and the same written with numpy and with torch, each returning the
-arrays of its own library.
+attention returns them; a port seldom keeps them). Cases: ``reference`` (torch), ``port`` (the
+faithful Flax port), ``bug_scale`` (the port's attention scores scaled by ``1/head_dim``
+instead of ``1/sqrt(head_dim)``). Adapters: the JAX one the mapping names, and the same
+written with numpy and with torch, each returning the arrays of its own library.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def test_capture_and_diff_of_the_flax_port_through_its_adapter(mask_ref, tmp_pat
     assert result.passed, result.summary()
     rows = result.rows
     mask = rows[(rows["site"] == "attn#0") & (rows["role"] == "input") & (rows["arg"] == "mask")]
-    assert len(mask) == 1 and mask["match"].iloc[0] == "adapted"  # the boolean mask the adapter made
+    # the port's boolean mask, compared with the one the adapter made
+    assert len(mask) == 1 and mask["match"].iloc[0] == "adapted"
 
 
 # ---- map-suggest

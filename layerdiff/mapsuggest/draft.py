@@ -41,8 +41,8 @@ from layerdiff.mapsuggest.values import (
 from layerdiff.replay.calling import CannotCall, bind_call
 from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
 from layerdiff.signature import Signature
-from layerdiff.trace.arguments import describe_value, map_argument
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.arguments import describe_value, map_argument
 from layerdiff.trace.schema import Pass, Role
 from layerdiff.weights import trace_weights
 

@@ -13,7 +13,8 @@ the module's calls, as the reference records them; the diff maps them through th
 A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
 exactly and is skipped, saying why, as torch replay does. A mapping's call adapter gets the
 reference's arguments as JAX arrays and may return numpy, JAX or torch arrays (see
-:class:`_AdapterCaller`). Matmuls run at full float32 precision (``MATMUL_PRECISION``), as capture runs them.
+:class:`_AdapterCaller`). Matmuls run at full float32 precision (``MATMUL_PRECISION``), as
+capture runs them.
 
 The only replay module that imports JAX; :mod:`layerdiff.replay.replay` imports it only for an
 NNX case.
