@@ -205,3 +205,24 @@ def test_map_suggest_gives_a_flax_conv_kernel_its_layout_conversion(tmp_path):
     with open_trace(reference) as ref:
         expected = ref.read(ref.records(0, "<root>#0", "output").iloc[0])
     np.testing.assert_allclose(np.asarray(port(x.numpy())), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_map_suggest_drafts_the_held_out_gpt2_flax_port_whose_diff_then_passes(
+        reference_traces, tmp_path):
+    """HF's 4-D additive mask, which the port's blocks and attentions leave None (they build
+    their causal mask themselves), is drafted as dropped, as the hand mapping drops it; the
+    Conv1D weights keep their layout (no transpose)."""
+    pytest.importorskip("transformers")
+    ref = reference_traces("tests.flax_heldout:reference")
+    case = load_case("tests.flax_heldout:port")
+    draft = suggest_mapping(ref, case)
+    text = draft.text
+    assert 'reference = "transformer.h.*.attn"\nport = "transformer.h.*.attn"\n' \
+           'args = { "attention_mask" = "" }' in text
+    assert 'args = { "2" = "" }' in text and "transpose" not in text
+    assert not draft.without_source
+    path = tmp_path / "draft.map.toml"
+    path.write_text(text)
+    port = capture_port(load_case("tests.flax_heldout:port"), tmp_path / "port.h5",
+                        weights_from=ref, mapping=path, progress=False)
+    assert diff(ref, port, mapping=path).passed

@@ -72,6 +72,8 @@ class _Drafter:
         self.port_modules = set(self.run.paths)
         # reference module -> (port module, why its call needs a call adapter)
         self.adapters: dict[str, tuple[str, str]] = {}
+        # reference module -> the argument heads the port's run leaves None -> port class
+        self.none_inputs: dict[str, dict[str, str]] = {}
         self.ref_order: dict[str, int] = {}
         for call in refs:
             self.ref_order.setdefault(call.module, call.order)
@@ -224,12 +226,59 @@ class _Drafter:
                 decisions[pair.ref.site].append(found)
                 decisions[pair.ref.module].append(found)
             calls.append((pair, ref_in, port_in))
+        modules = {pair.ref.module for pair, _, _ in calls}
+        agreed = {module: _agreed_args(decisions.get(module, []))[0] for module in modules}
+        # an argument some call (of any block alike) paired by its value is never dropped
+        voted: dict[str, set[str]] = defaultdict(set)
+        for module in modules:
+            voted[_glob(module)[0]].update(head for found in decisions.get(module, [])
+                                           for head in found)
         for pair, ref_in, port_in in calls:  # with the argument renames the calls agree on
-            renames = _agreed_args(decisions.get(pair.ref.module, []))[0]
+            renames = agreed[pair.ref.module]
+            dropped = {head: drop for head, drop in self._left_none(
+                pair, ref_in, port_in, renames).items() if head not in voted[_glob(pair.ref.module)[0]]}
+            if dropped:
+                decisions[pair.ref.site].append(dropped)
+                decisions[pair.ref.module].append(dropped)
+                for head in dropped:
+                    self.none_inputs.setdefault(pair.ref.module, {})[head] = pair.port.type
             need = self._needs_adapter(pair, ref_in, port_in, renames)
             if need:
                 self.adapters.setdefault(pair.ref.module, (pair.port.module, need))
         return decisions
+
+    def _left_none(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
+                   renames: dict[str, str]) -> dict[str, tuple[str, int]]:
+        """Reference tensor arguments bound to a port parameter that the port's own run leaves
+        None (or at its default): the port makes that itself (a causal mask), so passing the
+        reference's (a 4-D additive one under the same name) would feed it something else.
+        Drafted as dropped (``args = { attention_mask = "" }``)."""
+        signature = pair.port.signature
+        if signature is None or not ref_in:
+            return {}
+        values, seen = [], set()
+        for arg, row in ref_in.items():
+            mapped = map_argument(arg, renames)
+            if mapped not in seen and mapped.partition(".")[0] != "":
+                seen.add(mapped)
+                values.append((mapped, np.zeros(schema.parse_shape(row["shape"]), dtype=bool)))
+        try:
+            bound = bind_call(values, signature, reference=self._ref_signature(pair.ref.type))
+        except CannotCall:
+            return {}
+        given = {_parameter(path, signature).partition(".")[0] for path in port_in}
+        back = {new: old for old, new in bound.renamed.items()}
+        unrename = {new: old for old, new in renames.items()}
+        dropped = {}
+        for path, _ in bound.values:
+            head = path.partition(".")[0]
+            if _parameter(head, signature) in given:
+                continue
+            ref_head = back.get(head, head)
+            ref_head = unrename.get(ref_head, ref_head)
+            if ref_head in ref_in or any(arg.partition(".")[0] == ref_head for arg in ref_in):
+                dropped[ref_head] = ("", 2)
+        return dropped
 
     def _needs_adapter(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
                        renames: dict[str, str]) -> str | None:
@@ -376,6 +425,16 @@ class _Drafter:
         """The site rules with each call that needs an adapter marked (UNSURE, the reason, and
         a ``call =`` line to fill in); a module paired by its own name gets a rule for it."""
         rules = list(site_rules)
+        for rule in rules:
+            heads = sorted(head for head, target in rule.args.items() if target == "" and any(
+                head in found for module, found in self.none_inputs.items()
+                if _glob_pattern(rule.reference[0]).match(module)
+                or rule.reference[0].partition("#")[0] == module))
+            if heads:
+                named = ", ".join(f"positional argument {h}" if h.isdigit() else h
+                                  for h in heads)
+                rule.evidence.append(f"the port's run leaves {named} None (it makes that "
+                                     "itself): the reference's is dropped")
         for module, (port_module, why) in self.adapters.items():
             rule = next((r for r in rules if r.kind == "site"
                          and _glob_pattern(r.reference[0]).match(module)), None)
