@@ -235,8 +235,9 @@ class _Drafter:
                                            for head in found)
         for pair, ref_in, port_in in calls:  # with the argument renames the calls agree on
             renames = agreed[pair.ref.module]
+            paired = voted[_glob(pair.ref.module)[0]]
             dropped = {head: drop for head, drop in self._left_none(
-                pair, ref_in, port_in, renames).items() if head not in voted[_glob(pair.ref.module)[0]]}
+                pair, ref_in, port_in, renames).items() if head not in paired}
             if dropped:
                 decisions[pair.ref.site].append(dropped)
                 decisions[pair.ref.module].append(dropped)
