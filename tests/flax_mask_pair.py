@@ -141,3 +141,10 @@ def mask_call_torch(hidden_states, attention_mask):
     """The same with torch, returning a torch boolean tensor."""
     mask = torch.from_numpy(np.array(attention_mask))
     return (hidden_states, mask[:, 0] == 0), {}
+
+
+# ---- a conversion function that fits the shapes and loads the wrong layout (for map-check)
+
+def flip_rows(weight):
+    """torch -> torch, as every conversion: the rows reversed (a wrong head order)."""
+    return weight.flip(0)

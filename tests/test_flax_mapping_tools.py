@@ -101,7 +101,7 @@ def test_flax_replay_through_an_adapter_passes_the_faithful_layer(mask_ref, tmp_
     mapping.write_text(MASK_MAP.read_text().replace(":mask_call\"", f":{adapter}\""))
     result = replay(mask_ref, load_case("tests.flax_mask_pair:port"), mapping=mapping,
                     propagated=False)
-    assert result.passed and not result.cannot_judge, result.failed
+    assert result.passed and not result.cannot_judge, result.cannot_judge
     local = result.local
     attn = local[local["port_site"] == "attn#0"]
     assert set(attn["pass"]) == {"forward", "backward"} and set(attn["verdict"]) == {"within"}
@@ -226,3 +226,29 @@ def test_map_suggest_drafts_the_held_out_gpt2_flax_port_whose_diff_then_passes(
     port = capture_port(load_case("tests.flax_heldout:port"), tmp_path / "port.h5",
                         weights_from=ref, mapping=path, progress=False)
     assert diff(ref, port, mapping=path).passed
+
+
+def test_map_check_flags_a_conversion_that_fits_the_shapes_but_loads_the_wrong_layout(
+        mask_ref, tmp_path):
+    path = tmp_path / "flipped.map.toml"
+    path.write_text(MASK_MAP.read_text().replace(
+        'version = 1\n', 'version = 1\n\n[[param]]\nport = "attn.qkv.kernel"\n'
+        'reference = "attn.qkv.weight"\n'
+        'transform = ["tests.flax_mask_pair:flip_rows", "transpose"]\n', 1))
+    check = map_check(mask_ref, load_case("tests.flax_mask_pair:port"), path)
+    assert not check.passed
+    entry = next(e for e in check.entries if e.port == "attn.qkv.kernel")
+    assert entry.status in ("suspicious-conversion", "mismatch-around"), entry
+    assert entry.conversion["without"] < 1e-6 < entry.conversion["with"]
+
+
+def test_replay_without_the_adapter_says_what_the_layer_was_given_and_what_to_write(
+        mask_ref, tmp_path):
+    path = tmp_path / "nocall.map.toml"
+    path.write_text(MASK_MAP.read_text().replace('call = "tests.flax_mask_pair:mask_call"\n',
+                                                 ""))
+    result = replay(mask_ref, load_case("tests.flax_mask_pair:port"), mapping=path,
+                    propagated=False)
+    assert not result.passed and [site for site, _ in result.cannot_judge] == ["attn#0"]
+    reason = dict(result.cannot_judge)["attn#0"]
+    assert "1 float32 (3,1,6,6)" in reason and 'call = "your_module:adapter"' in reason
