@@ -111,15 +111,16 @@ class _PortRun:
                 out = run(*args, **kwargs)
             finally:
                 stack.pop()
-            outs = port.arrays(out)
-            arrays = [v for _, v in outs if isinstance(v, np.ndarray)]
+            outs = port.leaves(out)
+            arrays = [v for _, v in outs if port.is_array(v)]
             call.output = tuple(arrays[0].shape) if arrays else None
             call.none_outputs = [arg for arg, v in outs if v is None]
-            ins = port.arrays(args) + port.arrays(kwargs)
-            first = next((v for _, v in ins if isinstance(v, np.ndarray)), None)
+            ins = port.leaves(args) + port.leaves(kwargs)
+            first = next((v for _, v in ins if port.is_array(v)), None)
             call.input = tuple(first.shape) if first is not None else None
-            if keep_values:
-                values[site] = (_tensors(ins), _tensors(outs))
+            if keep_values:  # copied to numpy only when the values are evidence
+                values[site] = (_tensors(port.arrays(args) + port.arrays(kwargs)),
+                                _tensors(port.arrays(out)))
             return out
 
         try:

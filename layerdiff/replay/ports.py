@@ -110,6 +110,17 @@ class TorchModel:
 
         return TorchPort(self.model, ref)
 
+    def leaves(self, value: Any) -> list[tuple[str, Any]]:
+        """(path, leaf) of a call's arguments or return value, as capture flattens them."""
+        from layerdiff.capture.hooks import flatten as torch_flatten
+
+        return list(torch_flatten(value, ""))
+
+    def is_array(self, value: Any) -> bool:
+        import torch
+
+        return torch.is_tensor(value)
+
     def arrays(self, value: Any) -> list[tuple[str, Any]]:
         """(path, leaf) of a module's return value: tensors as numpy arrays, None kept."""
         import torch
@@ -216,6 +227,12 @@ class FlaxModel:
         from layerdiff.replay.flax_replay import FlaxPort
 
         return FlaxPort(self.model, ref)
+
+    def leaves(self, value: Any) -> list[tuple[str, Any]]:
+        return list(flatten(value))
+
+    def is_array(self, value: Any) -> bool:
+        return self._port.is_array(value)
 
     def arrays(self, value: Any) -> list[tuple[str, Any]]:
         return [(arg, self._port.to_numpy(leaf) if self._port.is_array(leaf) else leaf)
