@@ -157,8 +157,7 @@ class Mapping:
         return _load(ConfigFile.load(path, MappingError))
 
     @classmethod
-    def from_text(cls, text: str, name: str, *,
-                  recorded_in: str | None = "the port trace") -> Mapping:
+    def from_text(cls, text: str, name: str, *, recorded_in: str = "the port trace") -> Mapping:
         """A mapping from its text as a trace records it (``recorded_in`` names the trace);
         ``name`` says TOML or YAML.
 
@@ -166,8 +165,7 @@ class Mapping:
         (conversions, call adapters) is refused, and so are its ``reference_regex`` rules:
         Python's regular expressions backtrack, and a crafted one can take hours on one name.
         Globs are matched in linear time and stay. The user who trusts the file passes it with
-        ``--map`` (:meth:`load`), which runs its code and regular expressions; ``recorded_in``
-        None reads text layerdiff wrote itself (a drafted mapping) as trusted."""
+        ``--map`` (:meth:`load`), which runs its code and regular expressions."""
         return _load(ConfigFile.parse(Path(name), text, MappingError), recorded_in=recorded_in)
 
     @property

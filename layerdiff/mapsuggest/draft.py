@@ -96,7 +96,7 @@ class _Drafter:
             mapping, site_rules = self._site_rules(pairs, args, strays)
         sources, missing = self._sources(mapping, pairs)
         text, suggestions = self._write(pairs, site_rules, sources, missing)
-        draft = Mapping.from_text(text, "draft.toml", recorded_in=None)  # the draft must read back
+        draft = _own_text(text, "draft.toml")  # the draft must read back
         tensor_sources = self._tensor_sources(draft)
         return MapSuggestion(self.ref_path, self.port.name, text, suggestions, tensor_sources,
                              [n for n, s in tensor_sources.items() if not s])
@@ -153,7 +153,7 @@ class _Drafter:
             rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
                                     list(pair.evidence),
                                     args=_agreed_args(args.get(pair.ref.site, []))[0]))
-        mapping = Mapping.from_text(_site_text(rules), "draft.toml", recorded_in=None)
+        mapping = _own_text(_site_text(rules), "draft.toml")
         return mapping, rules
 
     # -- tensors
@@ -186,7 +186,7 @@ class _Drafter:
         rules = {s.rule_key(): s for s in sources if s.rule}
         text = _site_text([]) + "".join(_param_text(list(key[0]), s.reference, s.transform,
                                                     s.axis) for key, s in rules.items())
-        params = Mapping.from_text(text, "draft.toml", recorded_in=None)
+        params = _own_text(text, "draft.toml")
         mapping.param_rules = params.param_rules
         return mapping
 
@@ -551,6 +551,19 @@ class _Drafter:
     def _tensor_sources(self, draft: Mapping) -> dict[str, list[str]]:
         return {found.port: ([] if found.problem else list(found.source.reference))
                 for found in self.port.resolve(self.weights, draft)}
+
+
+def _own_text(text: str, name: str) -> Mapping:
+    """A mapping from text this module wrote itself, read as a file the user passes is (its
+    only code is layerdiff's own conversions: a Flax convolution kernel's layout), not as a
+    trace's recorded mapping, whose code is refused."""
+    from pathlib import Path
+
+    from layerdiff.config_file import ConfigFile
+    from layerdiff.errors import MappingError
+    from layerdiff.mapping.rules import _load
+
+    return _load(ConfigFile.parse(Path(name), text, MappingError))
 
 
 def _leaf_renames(rules: list[Suggestion], universe: set[str]) -> list[Suggestion]:
