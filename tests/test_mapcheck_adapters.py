@@ -19,6 +19,7 @@ from layerdiff import Mapping, MappingError, load_weights, open_trace
 from layerdiff.case import load_case
 from layerdiff.cli import main
 from layerdiff.replay.mapcheck import MISMATCH_AROUND, _SiteRunner, map_check
+from layerdiff.replay.ports import port_model
 from layerdiff.report.findings import render
 from layerdiff.report.findings.replay import mapcheck_verdict
 
@@ -94,7 +95,7 @@ def test_the_root_is_measured_through_its_outputs_rename(reference):
     assert check.passed
     load_weights(case.model, reference, mapping=LLAMA_MAP)
     with open_trace(reference) as ref:
-        runner = _SiteRunner(ref, case.model, Mapping.load(LLAMA_MAP))
+        runner = _SiteRunner(ref, port_model(case, "map-check"), Mapping.load(LLAMA_MAP))
         for module, site in [("<root>", "<root>#0"), ("layers.1", "model.layers.1#0")]:
             measured = runner.measure(module)
             assert measured.site == site and measured.error < measured.rounding, measured

@@ -79,13 +79,15 @@ def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mappin
     if not records.adapted:
         return found
     signatures = CallSignatures.of(ref, port)
+    # the adapter gets what the port's framework takes: JAX arrays for a Flax port's trace
+    framework = port.meta.get("framework", "torch")
     for pair in records.adapted:
         code = mapping.call_adapter(pair.reference)
         adapter = code.resolve()
         port_sig = signatures.signature("port", pair.port)
         for step in sorted(set(ref.records(site=pair.reference, role=Role.INPUT)["step"])):
             _Call(ref, port, records, tolerances, pair, int(step), code.spec, port_sig,
-                  found, baseline).compare(adapter)
+                  found, baseline, framework).compare(adapter)
     return found
 
 
@@ -94,8 +96,10 @@ class _Call:
 
     def __init__(self, ref: Trace, port: Trace, records: RecordPairing, tolerances: Tolerances,
                  pair, step: int, spec: str, port_sig: Signature | None,
-                 found: AdaptedRows, baseline: Baseline | None = None) -> None:
+                 found: AdaptedRows, baseline: Baseline | None = None,
+                 framework: str = "torch") -> None:
         self.ref, self.port, self.records, self.tolerances = ref, port, records, tolerances
+        self.framework = framework
         self.pair, self.step, self.spec, self.port_sig = pair, step, spec, port_sig
         self.found, self.baseline = found, baseline
         self.ref_index: dict[str, dict] = {}  # reference path -> its index row
@@ -145,8 +149,9 @@ class _Call:
         self._gradients(passed)
 
     def _reference_call(self, rows: pd.DataFrame) -> tuple[list[tuple[str, Any]], dict]:
-        """The reference's arguments as (path, value), tensors as torch tensors, and which
-        reference path each tensor object came from."""
+        """The reference's arguments as (path, value), tensors as torch tensors (JAX arrays
+        for a Flax port, as replay gives them), and which reference path each tensor object
+        came from."""
         import torch
 
         values: list[tuple[str, Any]] = []
@@ -155,6 +160,10 @@ class _Call:
             arg = str(row["arg"])
             if row["kind"] == "tensor":
                 tensor = torch.from_numpy(np.ascontiguousarray(self.ref.read(row)))
+                if self.framework == "flax":
+                    from layerdiff.flax.port import as_jax
+
+                    tensor = as_jax(tensor)
                 origin[id(tensor)] = arg
                 values.append((arg, tensor))
             else:
@@ -163,12 +172,7 @@ class _Call:
 
     def _row(self, value, port_row: pd.Series, seq: int, source: str | None,
              port_path: str, viewed: str | None = None) -> dict[str, Any]:
-        ref_values = value.detach().cpu()
-        ref_dtype = str(ref_values.dtype).removeprefix("torch.")
-        if ref_values.dtype.is_floating_point and ref_values.dtype not in (
-                _torch().float32, _torch().float64, _torch().float16):
-            ref_values = ref_values.float()  # numpy has no bfloat16
-        ref_values = ref_values.numpy()
+        ref_values, ref_dtype = _made_numpy(value)
         port_values = self.port.read(port_row)
         port_dtype = str(port_row["dtype"])
         arg = source if source is not None else _parameter_path(port_path, self.port_sig)
@@ -365,6 +369,23 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
     flat = values.astype(np.float64).reshape(-1)
     return {"numel": int(flat.size), "min": float(flat.min(initial=0.0)),
             "max": float(flat.max(initial=0.0)), "l2": float(np.linalg.norm(flat))}
+
+
+def _made_numpy(value: Any) -> tuple[np.ndarray, str]:
+    """What an adapter made (a torch tensor, a JAX or numpy array) as numpy, and its dtype's
+    name; bfloat16 widened to float32, which numpy stores."""
+    if hasattr(value, "detach"):
+        tensor = value.detach().cpu()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.dtype.is_floating_point and tensor.dtype not in (
+                _torch().float32, _torch().float64, _torch().float16):
+            tensor = tensor.float()  # numpy has no bfloat16
+        return tensor.numpy(), dtype
+    array = np.asarray(value)
+    dtype = str(array.dtype)
+    if dtype == "bfloat16":
+        array = array.astype(np.float32)
+    return array, dtype
 
 
 def _torch():

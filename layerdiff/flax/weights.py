@@ -53,14 +53,8 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
         reference = trace_weights(trace)
     mapping = as_mapping(mapping)
     variables = nnx_variables(model)
-    graph = ModelGraph.of(model)
-    modules = {path for path, _ in graph.modules}
-    aliases = _aliases(graph, variables)
-    shapes = {alias: tuple(variable.get_value().shape) for name, variable in variables.items()
-              for alias in aliases.get(name, [name])}
-    assignments = _one_per_variable(
-        resolve_shapes(shapes, modules, reference, mapping, world=(0, 1)), aliases,
-        str(trace_path))
+    aliases = _aliases(ModelGraph.of(model), variables)
+    assignments = resolve_nnx(model, reference, mapping, str(trace_path))
     refuse_unloadable(assignments, reference, mapping, str(trace_path))
     report = WeightsReport({found.port: found.source.reference for found in assignments
                             if found.problem != PORT_OWN},
@@ -78,6 +72,38 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
             report.cast[how] = report.cast.get(how, 0) + 1
         variable.set_value(jnp.asarray(value, dtype=target))
     return report
+
+
+def variable_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """Every name a load can set, with its shape: a tied variable under each of its names."""
+    variables = nnx_variables(model)
+    aliases = _aliases(ModelGraph.of(model), variables)
+    return {alias: tuple(variable.get_value().shape) for name, variable in variables.items()
+            for alias in aliases.get(name, [name])}
+
+
+def resolve_nnx(model: nnx.Module, reference: dict[str, np.ndarray], mapping: Mapping,
+                source: str) -> list[Assignment]:
+    """:func:`layerdiff.weights.resolve_weights` for an NNX model: one assignment per variable
+    (a tied one once, under the name the mapping sources), changing nothing. ``source`` names
+    the reference in errors."""
+    variables = nnx_variables(model)
+    graph = ModelGraph.of(model)
+    modules = {path for path, _ in graph.modules}
+    return _one_per_variable(
+        resolve_shapes(variable_shapes(model), modules, reference, mapping, world=(0, 1)),
+        _aliases(graph, variables), source)
+
+
+def set_variable(model: nnx.Module, name: str, value: np.ndarray,
+                 variables: dict[str, nnx.Variable] | None = None) -> None:
+    """Set the variable ``name`` (any of a tied variable's names) to ``value``, cast to its
+    dtype; ``variables`` (:func:`nnx_variables`) saves walking the model each time."""
+    variables = nnx_variables(model) if variables is None else variables
+    if name not in variables:
+        name = _canonical(name, _aliases(ModelGraph.of(model), variables))
+    variable = variables[name]
+    variable.set_value(jnp.asarray(np.asarray(value), dtype=variable.get_value().dtype))
 
 
 def _aliases(graph: ModelGraph, variables: dict[str, nnx.Variable]) -> dict[str, list[str]]:

@@ -4,20 +4,16 @@ case once with every module's ``forward`` wrapped."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from torch import nn
 
-from layerdiff.capture.hooks import call_arguments, flatten
-from layerdiff.capture.modules import named_modules
-from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
+from layerdiff.replay.ports import FlaxModel, TorchModel
+from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
 from layerdiff.trace.schema import CALL_ROLES, Pass, Role
-from layerdiff.weights import port_tensors
 
 
 @dataclass
@@ -33,6 +29,9 @@ class _Call:
     input: tuple[int, ...] | None = None  # the shape of its first input tensor
     nth: int = 0                     # its place among its caller's calls (0: the first)
     siblings: int = 1                # how many calls its caller makes
+    # the port's side only: its module's signature, and the outputs its run gave as None
+    signature: Signature | None = None
+    none_outputs: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -83,72 +82,55 @@ def _own_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, tupl
 
 
 class _PortRun:
-    """Runs the port case's forward once, seeing every module call (``module(...)`` and
-    ``module.forward(...)`` alike) by wrapping each module's ``forward`` for the run."""
+    """Runs the port case's forward once, seeing every module call (for torch, ``module(...)``
+    and ``module.forward(...)`` alike), through the port model's ``watch``: torch's or Flax's
+    (:mod:`layerdiff.replay.ports`)."""
 
-    def __init__(self, case: Case) -> None:
-        self.case = case
-        self.paths = {module: path for path, module in named_modules(case.model)}
+    def __init__(self, port: TorchModel | FlaxModel) -> None:
+        self.port = port
+        self.paths = port.modules()   # module path -> class name
 
     def run(self, keep_values: bool) -> tuple[list[_Call], dict[str, tuple[dict, dict]]]:
-        model = self.case.model
-        shapes = {name: tuple(t.shape) for name, t in port_tensors(model).items()}
+        port = self.port
+        shapes = {name: tuple(shape) for name, shape in port.shapes().items()}
         own = _own_tensors(shapes)
         calls: list[_Call] = []
         values: dict[str, tuple[dict, dict]] = {}
         stack: list[str] = []
         counts: Counter = Counter()
-        saved = []
 
-        def wrap(module: nn.Module, path: str):
-            inner = module.forward
-
-            def forward(*args, **kwargs):
-                site = schema.site_name(path, counts[path])
-                counts[path] += 1
-                call = _Call(site, path, counts[path] - 1, type(module).__name__,
-                             stack[-1] if stack else "", len(calls), own.get(path, {}), None)
-                calls.append(call)
-                stack.append(site)
-                try:
-                    out = inner(*args, **kwargs)
-                finally:
-                    stack.pop()
-                outs = [v for _, v in flatten(out, "") if torch.is_tensor(v)]
-                call.output = tuple(outs[0].shape) if outs else None
-                ins = [v for _, v in call_arguments(args, kwargs) if torch.is_tensor(v)]
-                call.input = tuple(ins[0].shape) if ins else None
-                if keep_values:
-                    values[site] = (_tensors(call_arguments(args, kwargs)),
-                                    _tensors(flatten(out, "")))
-                return out
-            return forward
-
-        for module, path in self.paths.items():
-            before = module.__dict__.get("forward")
+        def hook(path: str, type_name: str, run, args: tuple, kwargs: dict):
+            site = schema.site_name(path, counts[path])
+            counts[path] += 1
+            call = _Call(site, path, counts[path] - 1, type_name, stack[-1] if stack else "",
+                         len(calls), own.get(path, {}), None)
+            call.signature = Signature.of(run)
+            calls.append(call)
+            stack.append(site)
             try:
-                module.forward = wrap(module, path)
-            except (AttributeError, TypeError, RuntimeError):
-                continue  # a scripted module takes no new attributes: its calls go unseen
-            saved.append((module, before))
+                out = run(*args, **kwargs)
+            finally:
+                stack.pop()
+            outs = port.leaves(out)
+            arrays = [v for _, v in outs if port.is_array(v)]
+            call.output = tuple(arrays[0].shape) if arrays else None
+            call.none_outputs = [arg for arg, v in outs if v is None]
+            ins = port.leaves(args) + port.leaves(kwargs)
+            first = next((v for _, v in ins if port.is_array(v)), None)
+            call.input = tuple(first.shape) if first is not None else None
+            if keep_values:  # copied to numpy only when the values are evidence
+                values[site] = (_tensors(port.arrays(args) + port.arrays(kwargs)),
+                                _tensors(port.arrays(out)))
+            return out
+
         try:
-            seed_everything(self.case.seed)
-            with torch.no_grad():
-                self.case.call_model()
+            port.watch(hook)
         except Exception as exc:
-            raise CaseError(f"case {self.case.name or type(model).__name__}: its forward "
-                            f"raised {type(exc).__name__} while map-suggest watched its calls: "
-                            f"{exc}") from None
-        finally:
-            for module, before in saved:
-                if before is None:
-                    del module.forward
-                else:
-                    module.forward = before
+            raise CaseError(f"case {port.name}: its forward raised {type(exc).__name__} while "
+                            f"map-suggest watched its calls: {exc}") from None
         return _number_siblings(calls), values
 
 
 def _tensors(pairs) -> dict[str, np.ndarray]:
-    return {arg: value.detach().cpu().float().numpy() if value.is_floating_point()
-            else value.detach().cpu().numpy()
-            for arg, value in pairs if torch.is_tensor(value)}
+    return {arg: value.astype(np.float32) if np.issubdtype(value.dtype, np.floating) else value
+            for arg, value in pairs if isinstance(value, np.ndarray)}

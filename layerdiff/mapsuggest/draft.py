@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from collections import Counter, defaultdict
 
 import numpy as np
-import torch
 
 from layerdiff.case import Case
 from layerdiff.errors import CaseError, TraceError
@@ -38,19 +38,19 @@ from layerdiff.mapsuggest.values import (
     _equal_output,
     _output_error,
 )
-from layerdiff.replay.torch_replay import restored
+from layerdiff.replay.calling import CannotCall, bind_call
+from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
+from layerdiff.signature import Signature
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.arguments import describe_value, map_argument
 from layerdiff.trace.schema import Pass, Role
-from layerdiff.weights import port_tensors, resolve_weights, trace_weights
+from layerdiff.weights import trace_weights
 
 
 def suggest_mapping(ref_trace: str | os.PathLike, port_case: Case) -> MapSuggestion:
-    """Draft a mapping between the reference trace (captured with weights) and a torch port
-    case; see :mod:`layerdiff.mapsuggest`. Changes nothing in the port for good."""
-    if not isinstance(port_case, Case):
-        name = getattr(port_case, "name", "") or type(port_case).__name__
-        raise CaseError(f"case {name}: map-suggest needs a layerdiff.Case with a torch model "
-                        f"(it runs it to see its calls), got {type(port_case).__name__}")
+    """Draft a mapping between the reference trace (captured with weights) and a torch or Flax
+    NNX port case; see :mod:`layerdiff.mapsuggest`. Changes nothing in the port for good."""
+    port = port_model(port_case, "map-suggest")
     with open_trace(ref_trace) as ref:
         if ref.summary:
             raise TraceError(f"{ref.path} is a summary trace: map-suggest needs the "
@@ -58,19 +58,22 @@ def suggest_mapping(ref_trace: str | os.PathLike, port_case: Case) -> MapSuggest
                              "without --summary")
         weights = trace_weights(ref)
         refs = _reference_calls(ref, weights)
-        model = port_case.model
-        with restored([*model.parameters(), *model.buffers()]):
-            return _Drafter(ref, str(ref_trace), port_case, weights, refs).draft()
+        with port.restored():
+            return _Drafter(ref, str(ref_trace), port, weights, refs).draft()
 
 
 class _Drafter:
-    def __init__(self, ref: Trace, ref_path: str, case: Case, weights: dict[str, np.ndarray],
-                 refs: list[_Call]) -> None:
-        self.ref, self.ref_path, self.case, self.weights, self.refs = (ref, ref_path, case,
+    def __init__(self, ref: Trace, ref_path: str, port: TorchModel | FlaxModel,
+                 weights: dict[str, np.ndarray], refs: list[_Call]) -> None:
+        self.ref, self.ref_path, self.port, self.weights, self.refs = (ref, ref_path, port,
                                                                        weights, refs)
-        self.run = _PortRun(case)
+        self.run = _PortRun(port)
         self.ports, _ = self.run.run(keep_values=False)
-        self.port_modules = {path for path in self.run.paths.values()}
+        self.port_modules = set(self.run.paths)
+        # reference module -> (port module, why its call needs a call adapter)
+        self.adapters: dict[str, tuple[str, str]] = {}
+        # reference module -> the argument heads the port's run leaves None -> port class
+        self.none_inputs: dict[str, dict[str, str]] = {}
         self.ref_order: dict[str, int] = {}
         for call in refs:
             self.ref_order.setdefault(call.module, call.order)
@@ -93,10 +96,9 @@ class _Drafter:
             mapping, site_rules = self._site_rules(pairs, args, strays)
         sources, missing = self._sources(mapping, pairs)
         text, suggestions = self._write(pairs, site_rules, sources, missing)
-        draft = Mapping.from_text(text, "draft.toml")  # the draft must read back
+        draft = _own_text(text, "draft.toml")  # the draft must read back
         tensor_sources = self._tensor_sources(draft)
-        return MapSuggestion(self.ref_path, self.case.name or type(self.case.model).__name__,
-                             text, suggestions, tensor_sources,
+        return MapSuggestion(self.ref_path, self.port.name, text, suggestions, tensor_sources,
                              [n for n, s in tensor_sources.items() if not s])
 
     # -- sites
@@ -151,7 +153,7 @@ class _Drafter:
             rules.append(Suggestion("pair", [pair.ref.site], [pair.port.site], pair.confidence,
                                     list(pair.evidence),
                                     args=_agreed_args(args.get(pair.ref.site, []))[0]))
-        mapping = Mapping.from_text(_site_text(rules), "draft.toml")
+        mapping = _own_text(_site_text(rules), "draft.toml")
         return mapping, rules
 
     # -- tensors
@@ -174,16 +176,17 @@ class _Drafter:
 
         def layouts(side: str, tensor: str, shape: tuple[int, ...]) -> str | None:
             module = tensor.rpartition(".")[0] or schema.ROOT_MODULE
-            return _layout(first.get((side, module)), shape)
+            dense = _reference_layout if side == "ref" else self.port.dense_layout
+            return _layout(first.get((side, module)), shape, dense)
 
-        return _find_sources(self.case.model, self.weights, mapping, module_partner,
+        return _find_sources(self.port, self.weights, mapping, module_partner,
                              self.ref_order, confidence, types, port_order, layouts)
 
     def _param_mapping(self, mapping: Mapping, sources: list[_Source]) -> Mapping:
         rules = {s.rule_key(): s for s in sources if s.rule}
         text = _site_text([]) + "".join(_param_text(list(key[0]), s.reference, s.transform,
                                                     s.axis) for key, s in rules.items())
-        params = Mapping.from_text(text, "draft.toml")
+        params = _own_text(text, "draft.toml")
         mapping.param_rules = params.param_rules
         return mapping
 
@@ -192,14 +195,10 @@ class _Drafter:
                       sources: list[_Source]) -> dict[str, list[dict]]:
         """Loads the draft's weights, runs the port once and reads its values: pairs confirmed
         or made by equal outputs, and each call's argument decisions (by module and site)."""
-        model = self.case.model
         mapping = self._param_mapping(mapping, sources)
-        targets = port_tensors(model)
-        with torch.no_grad():
-            for found in resolve_weights(model, self.weights, mapping):
-                if not found.problem and found.value is not None:
-                    target = targets[found.port]
-                    target.copy_(torch.from_numpy(np.array(found.value)).to(target.dtype))
+        for found in self.port.resolve(self.weights, mapping):
+            if not found.problem and found.value is not None:
+                self.port.set(found.port, found.value)
         try:
             _, values = self.run.run(keep_values=True)
         except CaseError:
@@ -209,6 +208,7 @@ class _Drafter:
         index = self.ref.records(step, pass_=Pass.FORWARD, kind="tensor")
         by_site = {site: rows for site, rows in index.groupby("site")}
         self._pair_by_value(pairs, values, by_site)
+        calls = []
         for pair in pairs.values():
             if pair.port.site not in values or pair.ref.site not in by_site:
                 continue
@@ -225,7 +225,116 @@ class _Drafter:
             if found:
                 decisions[pair.ref.site].append(found)
                 decisions[pair.ref.module].append(found)
+            calls.append((pair, ref_in, port_in))
+        modules = {pair.ref.module for pair, _, _ in calls}
+        agreed = {module: _agreed_args(decisions.get(module, []))[0] for module in modules}
+        # an argument some call (of any block alike) paired by its value is never dropped
+        voted: dict[str, set[str]] = defaultdict(set)
+        for module in modules:
+            voted[_glob(module)[0]].update(head for found in decisions.get(module, [])
+                                           for head in found)
+        for pair, ref_in, port_in in calls:  # with the argument renames the calls agree on
+            renames = agreed[pair.ref.module]
+            paired = voted[_glob(pair.ref.module)[0]]
+            dropped = {head: drop for head, drop in self._left_none(
+                pair, ref_in, port_in, renames).items() if head not in paired}
+            if dropped:
+                decisions[pair.ref.site].append(dropped)
+                decisions[pair.ref.module].append(dropped)
+                for head in dropped:
+                    self.none_inputs.setdefault(pair.ref.module, {})[head] = pair.port.type
+            need = self._needs_adapter(pair, ref_in, port_in, renames)
+            if need:
+                self.adapters.setdefault(pair.ref.module, (pair.port.module, need))
         return decisions
+
+    def _left_none(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
+                   renames: dict[str, str]) -> dict[str, tuple[str, int]]:
+        """Reference tensor arguments bound to a port parameter that the port's own run leaves
+        None (or at its default): the port makes that itself (a causal mask), so passing the
+        reference's (a 4-D additive one under the same name) would feed it something else.
+        Drafted as dropped (``args = { attention_mask = "" }``)."""
+        signature = pair.port.signature
+        if signature is None or not ref_in:
+            return {}
+        values, seen = [], set()
+        for arg, row in ref_in.items():
+            mapped = map_argument(arg, renames)
+            if mapped not in seen and mapped.partition(".")[0] != "":
+                seen.add(mapped)
+                values.append((mapped, np.zeros(schema.parse_shape(row["shape"]), dtype=bool)))
+        try:
+            bound = bind_call(values, signature, reference=self._ref_signature(pair.ref.type))
+        except CannotCall:
+            return {}
+        given = {_parameter(path, signature).partition(".")[0] for path in port_in}
+        back = {new: old for old, new in bound.renamed.items()}
+        unrename = {new: old for old, new in renames.items()}
+        dropped = {}
+        for path, _ in bound.values:
+            head = path.partition(".")[0]
+            if _parameter(head, signature) in given:
+                continue
+            ref_head = back.get(head, head)
+            ref_head = unrename.get(ref_head, ref_head)
+            if ref_head in ref_in or any(arg.partition(".")[0] == ref_head for arg in ref_in):
+                dropped[ref_head] = ("", 2)
+        return dropped
+
+    def _needs_adapter(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
+                       renames: dict[str, str]) -> str | None:
+        """Why the port's call of this pair cannot be made from the reference's by renaming
+        (None when it can): a port input whose shape and kind no reference argument has (an
+        additive float mask where the port takes a boolean one, a rotary table in another
+        layout), said with the reference argument that fills that parameter once renamed as
+        the draft's args rule will, or with nothing."""
+        signature = pair.port.signature
+        if signature is None:
+            return None
+        arrays = {arg: np.asarray(self.ref.read(row)) for arg, row in ref_in.items()}
+        kinds = {(value.shape, value.dtype.kind) for value in arrays.values()}
+        lacking = [(path, value) for path, value in port_in.items()
+                   if (value.shape, value.dtype.kind) not in kinds]
+        if not lacking:
+            return None
+        path, mine = lacking[0]
+        name = _parameter(path, signature)
+        gets = f"the port's {signature.describe()} gets {name} {describe_value(mine)}"
+        values, seen = [], set()
+        for arg, value in arrays.items():
+            mapped = map_argument(arg, renames)
+            if mapped not in seen:
+                seen.add(mapped)
+                values.append((mapped, value))
+        try:
+            bound = bind_call(values, signature, reference=self._ref_signature(pair.ref.type),
+                              where=f"port layer {pair.port.module}")
+        except CannotCall:
+            bound = None
+        filled = None if bound is None else next(
+            ((head, value) for head, value in bound.values
+             if _parameter(head, signature) == name), None)
+        if filled is None:
+            return f"{gets}, which no argument of the reference's call gives"
+        head = filled[0].partition(".")[0]
+        renamed = {new: old for old, new in bound.renamed.items()}
+        ref_head = renamed.get(head, head)
+        ref_head = {new: old for old, new in renames.items()}.get(ref_head, ref_head)
+        reference = self._ref_signature(pair.ref.type)
+        if ref_head.isdigit() and reference is not None and int(ref_head) < len(
+                reference.positional):
+            ref_head = reference.positional[int(ref_head)].name
+        described = f"positional argument {ref_head}" if ref_head.isdigit() else ref_head
+        return (f"{gets} where the reference passes {described}{filled[0][len(head):]} "
+                f"{describe_value(filled[1])}, which no rename turns into it")
+
+    def _ref_signature(self, type_name: str) -> Signature | None:
+        signatures = self.ref.meta.get("signatures")
+        data = signatures.get(type_name) if isinstance(signatures, dict) else None
+        try:
+            return None if data is None else Signature.from_json(data, "signatures")
+        except Exception:  # an old or odd trace: bind without it
+            return None
 
     def _pair_by_value(self, pairs: dict[str, _Pair], values: dict, by_site: dict) -> None:
         """An unpaired reference call pairs with the unpaired port call, between the partners
@@ -272,18 +381,20 @@ class _Drafter:
             "# its first output's shape, name a~b = similar names, output equals = the port's",
             "# value with these weights loaded.",
             "version = 1", ""]
+        site_rules = self._adapter_rules(site_rules)
         suggestions = list(site_rules)
         if site_rules:
             lines.append("# ---- sites: reference module -> port module")
         for rule in site_rules:
             lines += [*_comment(rule), *_site_lines(rule), ""]
-        unmatched = self._unmatched(pairs, sources)
+        unmatched = self._unmatched(pairs, sources) + self._none_outputs(pairs)
         if unmatched:
             lines.append("# ---- calls with no partner")
         for entry in unmatched:
-            side = "reference" if entry.kind == "unmatched-reference" else "port"
+            side = "reference" if entry.kind != "unmatched-port" else "port"
             name = (entry.reference or entry.port)[0]
-            lines += [*_comment(entry)[1:], "[[unmatched]]", f"{side} = {_q(name)}",
+            record = [f"output = {_q(entry.args['output'])}"] if "output" in entry.args else []
+            lines += [*_comment(entry)[1:], "[[unmatched]]", f"{side} = {_q(name)}", *record,
                       f"why = {_q('; '.join(entry.evidence))}", ""]
         suggestions += unmatched
         params = self._param_suggestions(sources)
@@ -298,7 +409,7 @@ class _Drafter:
         ties = self._ties()
         if ties:
             lines += ["# ---- tied tensors", *ties, ""]
-        buffers = {name for name, _ in self.case.model.named_buffers()}
+        buffers = self.port.buffers()
         for name in missing:
             why = "no reference tensor of its shape is left over"
             suggestions.append(Suggestion("param", [], [name], 0.0, [why]))
@@ -310,6 +421,59 @@ class _Drafter:
                 lines.append(f"# UNSURE: nothing found for port parameter {name} ({why}): "
                              "add a [[param]] rule")
         return "\n".join(lines).rstrip() + "\n", suggestions
+
+    def _adapter_rules(self, site_rules: list[Suggestion]) -> list[Suggestion]:
+        """The site rules with each call that needs an adapter marked (UNSURE, the reason, and
+        a ``call =`` line to fill in); a module paired by its own name gets a rule for it."""
+        rules = list(site_rules)
+        for rule in rules:
+            heads = sorted(head for head, target in rule.args.items() if target == "" and any(
+                head in found for module, found in self.none_inputs.items()
+                if _glob_pattern(rule.reference[0]).match(module)
+                or rule.reference[0].partition("#")[0] == module))
+            if heads:
+                named = ", ".join(f"positional argument {h}" if h.isdigit() else h
+                                  for h in heads)
+                rule.evidence.append(f"the port's run leaves {named} None (it makes that "
+                                     "itself): the reference's is dropped")
+        for module, (port_module, why) in self.adapters.items():
+            rule = next((r for r in rules if r.kind == "site"
+                         and _glob_pattern(r.reference[0]).match(module)), None)
+            if rule is None:
+                rule = Suggestion("site", [module], [port_module], 1.0, ["the same name"])
+                rules.insert(0, rule)
+            if rule.adapter:
+                continue
+            rule.adapter = why
+            rule.confidence = min(rule.confidence, 0.3)
+            rule.evidence.append("UNSURE: needs a call adapter: " + why)
+        return rules
+
+    def _none_outputs(self, pairs: dict[str, _Pair]) -> list[Suggestion]:
+        """[[unmatched]] outputs: a reference output whose partner the port's run returned as
+        None (an attention's weights), which the diff would otherwise pair and fail."""
+        step = int(self.ref.sites["step"].min())
+        rows = self.ref.records(step, role=Role.OUTPUT, pass_=Pass.FORWARD, kind="tensor")
+        outputs = rows.groupby("site")["arg"].apply(set).to_dict()
+        found: dict[tuple[str, str], set[str]] = defaultdict(set)   # (module, arg) -> types
+        for pair in pairs.values():
+            for arg in set(pair.port.none_outputs) & outputs.get(pair.ref.site, set()):
+                found[pair.ref.module, arg].add(f"{pair.port.type}")
+        out, done = [], set()
+        modules = {c.module for c in self.refs}
+        for (module, arg), types in found.items():
+            name = module
+            glob = _glob(module)[0]
+            if glob != module and all((m, arg) in found for m in modules
+                                      if _glob_pattern(glob).match(m)):
+                name = glob
+            if (name, arg) in done:
+                continue
+            done.add((name, arg))
+            out.append(Suggestion("unmatched-output", [name], [], 0.9, [
+                f"the port's {', '.join(sorted(types))} returns None as output {arg}, where the "
+                "reference returns a tensor"], args={"output": arg}))
+        return out
 
     def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:
         taken = {p.port.site for p in pairs.values()}
@@ -348,14 +512,14 @@ class _Drafter:
 
     def _param_suggestions(self, sources: list[_Source]) -> list[Suggestion]:
         ruled = [s for s in sources if s.rule]
-        universe = set(port_tensors(self.case.model))
+        universe = set(self.port.shapes())
         out = []
         by_transform = defaultdict(list)
         for source in {s.rule_key(): s for s in ruled}.values():  # a split once
             by_transform[source.transform, source.axis].append(source)
         for (transform, axis), group in by_transform.items():
             out += self._param_group(group, transform, axis, universe)
-        return out
+        return _leaf_renames(out, universe)
 
     def _param_group(self, ruled, transform, axis, universe) -> list[Suggestion]:
         out = []
@@ -380,17 +544,70 @@ class _Drafter:
             if isinstance(shared, dict) and len(shared.get("users") or []) > 1:
                 lines.append(f"# the reference ties {', '.join(shared['users'])} (recorded once "
                              f"as {shared.get('name')}): any of these names gives it")
-        groups: dict[int, list[str]] = defaultdict(list)
-        for name, tensor in self.case.model.named_parameters(remove_duplicate=False):
-            groups[id(tensor)].append(name)
-        for names in groups.values():
-            if len(names) > 1:
-                lines.append(f"# the port ties {', '.join(names)}: loaded once, as {names[0]}")
+        for names in self.port.ties():
+            lines.append(f"# the port ties {', '.join(names)}: loaded once, as {names[0]}")
         return lines
 
     def _tensor_sources(self, draft: Mapping) -> dict[str, list[str]]:
         return {found.port: ([] if found.problem else list(found.source.reference))
-                for found in resolve_weights(self.case.model, self.weights, draft)}
+                for found in self.port.resolve(self.weights, draft)}
+
+
+def _own_text(text: str, name: str) -> Mapping:
+    """A mapping from text this module wrote itself, read as a file the user passes is (its
+    only code is layerdiff's own conversions: a Flax convolution kernel's layout), not as a
+    trace's recorded mapping, whose code is refused."""
+    from pathlib import Path
+
+    from layerdiff.config_file import ConfigFile
+    from layerdiff.errors import MappingError
+    from layerdiff.mapping.rules import _load
+
+    return _load(ConfigFile.parse(Path(name), text, MappingError))
+
+
+def _leaf_renames(rules: list[Suggestion], universe: set[str]) -> list[Suggestion]:
+    """One glob rule (``*.kernel`` <- ``*.weight``, transposed) for tensors renamed within
+    the same module the same way: a framework's own names (Flax's kernel, scale, embedding for
+    torch's weight). Only where the glob takes every port tensor of that name and nothing
+    else, and only for a rename (a tensor of the same name follows its module without one)."""
+    groups: dict[tuple, list[Suggestion]] = defaultdict(list)
+    for rule in rules:
+        if len(rule.port) != 1 or len(rule.reference) != 1 or "*" in rule.port[0]:
+            continue
+        port_module, _, port_leaf = rule.port[0].rpartition(".")
+        ref_module, _, ref_leaf = rule.reference[0].rpartition(".")
+        if port_module and port_module == ref_module and port_leaf != ref_leaf:
+            groups[port_leaf, ref_leaf, rule.transform, rule.axis].append(rule)
+    out = list(rules)
+    for (port_leaf, ref_leaf, transform, axis), members in groups.items():
+        named = {name for name in universe if name.rpartition(".")[2] == port_leaf and "." in name}
+        if len(members) < 2 or named != {rule.port[0] for rule in members}:
+            continue
+        first = out.index(members[0])
+        evidence = [f"{len(members)} tensors: each {port_leaf} is its module's {ref_leaf}"
+                    + (" transposed" if transform == ("transpose",) else "")]
+        evidence += [e for rule in members for e in rule.evidence if e.startswith("UNSURE")][:1]
+        merged = Suggestion("param", [f"*.{ref_leaf}"], [f"*.{port_leaf}"],
+                            min(rule.confidence for rule in members), evidence, transform,
+                            axis=axis)
+        out = [rule for rule in out if rule not in members]
+        out.insert(min(first, len(out)), merged)
+    return out
+
+
+def _parameter(path: str, signature: Signature) -> str:
+    """A call's argument path with its head named by the parameter it fills (``1.0`` ->
+    ``mask.0`` for ``f(x, mask)``)."""
+    head, dot, rest = path.partition(".")
+    if head.isdigit() and int(head) < len(signature.positional):
+        head = signature.positional[int(head)].name
+    return head + dot + rest
+
+
+def _reference_layout(type_name: str) -> str | None:
+    """The reference is torch: its Linear keeps its weight (out, in)."""
+    return "out_in" if type_name == "Linear" else None
 
 
 def _merged_evidence(pairs: list[_Pair]) -> list[str]:
@@ -404,7 +621,10 @@ def _comment(rule: Suggestion) -> list[str]:
     lines = [text]
     if rule.unsure:
         doubt = next((e for e in rule.evidence if e.startswith("UNSURE")), None)
-        lines.append("# " + (doubt or f"UNSURE: confidence {rule.confidence:.2f}; check it"))
+        doubt = doubt or f"UNSURE: confidence {rule.confidence:.2f}; check it"
+        # a long doubt (a call adapter's reason) wrapped to 100 columns, as the terminal's
+        lines += textwrap.wrap(doubt, 98, initial_indent="# ", subsequent_indent="#   ",
+                               break_on_hyphens=False) if len(doubt) > 98 else ["# " + doubt]
     return lines
 
 
@@ -423,6 +643,10 @@ def _site_lines(rule: Suggestion) -> list[str]:
     """A [[site]] (or [[pair]]) rule's TOML lines."""
     table = "site" if rule.kind == "site" else "pair"
     lines = [f"[[{table}]]", f"reference = {_q(rule.reference[0])}", f"port = {_q(rule.port[0])}"]
+    if rule.adapter:  # commented out: the draft must load as it is, and the function is the
+        # user's to write: f(*args, **kwargs) -> (args, kwargs), see docs/replay.md
+        lines.append('# call = "your_module:adapter"   # write it, uncomment this line'
+                     + (', drop args' if rule.args else ''))
     if rule.args:
         lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
                                               for k, v in rule.args.items()) + " }")

@@ -13,7 +13,8 @@ UNSURE_BELOW = 0.5      # a guess with less confidence than this is marked UNSUR
 class Suggestion:
     """One drafted rule: what it pairs, how sure, and the evidence."""
 
-    kind: str                  # site | pair | param | unmatched-reference | unmatched-port
+    kind: str                  # site | pair | param | unmatched-reference | unmatched-port |
+    #                            unmatched-output (args: {"output": its path})
     reference: list[str]
     port: list[str]
     confidence: float
@@ -21,6 +22,7 @@ class Suggestion:
     transform: tuple[str, ...] = ("copy",)
     args: dict[str, str] = field(default_factory=dict)
     axis: int = 0
+    adapter: str = ""          # site: why its call needs a call adapter (none when empty)
 
     @property
     def unsure(self) -> bool:
@@ -30,7 +32,7 @@ class Suggestion:
         return {"kind": self.kind, "reference": list(self.reference), "port": list(self.port),
                 "confidence": round(self.confidence, 3), "unsure": self.unsure,
                 "evidence": list(self.evidence), "transform": list(self.transform),
-                "axis": self.axis, "args": dict(self.args)}
+                "axis": self.axis, "args": dict(self.args), "adapter": self.adapter or None}
 
 
 @dataclass

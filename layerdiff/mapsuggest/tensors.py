@@ -7,14 +7,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-from torch import nn
 
 from layerdiff.mapping import Mapping
 from layerdiff.mapsuggest.calls import _Call
 from layerdiff.mapsuggest.names import _tokens
 from layerdiff.mapsuggest.pairing import _shape_text
 from layerdiff.trace import schema
-from layerdiff.weights import SHAPE_MISMATCH, port_tensors, resolve_weights
+from layerdiff.weights import SHAPE_MISMATCH
 
 
 @dataclass
@@ -33,14 +32,14 @@ class _Source:
         return (self.group or (self.port,), tuple(self.reference), self.transform, self.axis)
 
 
-def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Mapping,
+def _find_sources(port, weights: dict[str, np.ndarray], mapping: Mapping,
                   module_partner: dict[str, str], ref_order: dict[str, int],
                   module_confidence: dict[str, float], types: dict[str, str],
                   port_order: dict[str, int],
                   layouts) -> tuple[list[_Source], list[str]]:
     """Each port tensor's source: its module's partner's tensor, transposed where the shapes
     say so, else a leftover reference tensor of its shape, or several stacked."""
-    assignments = resolve_weights(model, weights, mapping)
+    assignments = port.resolve(weights, mapping)
     shapes = {name: tuple(a.shape) for name, a in weights.items()}
     used: set[str] = set()
     sources: dict[str, _Source] = {}
@@ -62,20 +61,28 @@ def _find_sources(model: nn.Module, weights: dict[str, np.ndarray], mapping: Map
         else:
             open_.append((found.port, found.shape, found.problem))
     _transpose_square(sources, shapes, types, layouts)
+    decided = set(sources)
     free = {name for name in weights if name not in used}
-    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True)
+    conversions = port.layout_conversions()
+    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=True,
+                  conversions=conversions)
     _pick_stacks(open_, shapes, free, module_partner, ref_order, sources)
     _pick_splits(open_, shapes, free, module_partner, port_order, sources, layouts)
-    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False)
-    order = list(port_tensors(model))
+    _pick_singles(open_, shapes, free, module_partner, sources, unique_only=False,
+                  conversions=conversions)
+    # a square weight picked under another name (Flax's kernel for torch's weight) has its
+    # layout decided as one that follows its module
+    _transpose_square(sources, shapes, types, layouts, set(sources) - decided)
+    order = list(port.shapes())
     missing = [name for name, _, _ in open_ if name not in sources]
     return [sources[name] for name in order if name in sources], missing
 
 
-def _layout(call: _Call | None, shape: tuple[int, ...]) -> str | None:
+def _layout(call: _Call | None, shape: tuple[int, ...], dense) -> str | None:
     """How a dense layer keeps a 2-D weight: "out_in" (torch's Linear) or "in_out" (Hugging
-    Face's Conv1D, Flax), from its call's input and output widths, else from the class name
-    Linear; None when neither tells."""
+    Face's Conv1D, Flax), from its call's input and output widths, else from its class as its
+    framework keeps it (``dense(class name)``: torch's Linear (out, in), Flax's (in, out));
+    None when neither tells."""
     if call is None or len(shape) != 2 or call.kind != "dense":
         return None
     if call.input and call.output:
@@ -84,7 +91,7 @@ def _layout(call: _Call | None, shape: tuple[int, ...]) -> str | None:
             return "out_in"
         if shape == widths[::-1] and shape != widths:
             return "in_out"
-    return "out_in" if call.type == "Linear" else None
+    return dense(call.type)
 
 
 def _layout_text(layout: str) -> str:
@@ -92,7 +99,7 @@ def _layout_text(layout: str) -> str:
 
 
 def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, ...]],
-                      types: dict[str, str], layouts) -> None:
+                      types: dict[str, str], layouts, only: set[str] | None = None) -> None:
     """A square weight fits both ways round: it is transposed when every non-square weight
     of the same leaf, between modules of the same two classes, needed a transpose (Hugging
     Face's Conv1D keeps (in, out) where nn.Linear keeps (out, in))."""
@@ -109,7 +116,8 @@ def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, 
             votes[classes(source)].append(source.transform == ("transpose",))
     for source in sources.values():
         shape = shapes[source.reference[0]]
-        if len(source.reference) != 1 or len(shape) != 2 or shape[0] != shape[1]:
+        if len(source.reference) != 1 or len(shape) != 2 or shape[0] != shape[1] or (
+                only is not None and source.port not in only):
             continue
         key = classes(source)
         seen = votes.get(key, [])
@@ -117,8 +125,8 @@ def _transpose_square(sources: dict[str, _Source], shapes: dict[str, tuple[int, 
         if None not in sides:
             if sides[0] != sides[1] and source.transform == ("copy",):
                 source.transform, source.rule = ("transpose",), True
-                source.evidence = [f"square {_shape_text(shape)}: {key[0]} keeps it "
-                                   f"{_layout_text(sides[0])}, {key[1]} "
+                source.evidence = [f"square {_shape_text(shape)}: the reference's {key[0]} "
+                                   f"keeps it {_layout_text(sides[0])}, the port's {key[1]} "
                                    f"{_layout_text(sides[1])}"]
             continue
         if seen and all(seen) and source.transform == ("copy",):
@@ -151,7 +159,8 @@ def _under(anchor: str | None, names: set[str]) -> list[str]:
     return sorted(n for n in names if n.startswith(anchor + "."))
 
 
-def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: bool) -> None:
+def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: bool,
+                  conversions=()) -> None:
     for port, shape, _ in open_:
         if port in sources:
             continue
@@ -159,7 +168,10 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
         where = "under the partner module"
         if not pool:
             pool, where = sorted(free), "in the reference (nothing under the partner module)"
-        fits = [(ref, "copy") for ref in pool if shapes[ref] == shape]
+        # a layout the port's framework keeps otherwise (Flax's HWIO convolution kernels)
+        fits = [(ref, name) for name, layout in conversions for ref in pool
+                if shapes[ref] != shape and layout(shapes[ref]) == shape]
+        fits += [(ref, "copy") for ref in pool if shapes[ref] == shape]
         if len(shape) == 2 and shape[0] != shape[1]:
             fits += [(ref, "transpose") for ref in pool if shapes[ref] == shape[::-1]]
         if not fits:
@@ -172,7 +184,8 @@ def _pick_singles(open_, shapes, free, module_partner, sources, *, unique_only: 
         ref, how = ranked[0]
         free.discard(ref)
         evidence = [f"left over {where}, shape {_shape_text(shapes[ref])}"
-                    + (" transposed" if how == "transpose" else "")]
+                    + (" transposed" if how == "transpose" else "")
+                    + (f" as {_shape_text(shape)} through {how}" if ":" in how else "")]
         if best > 0:
             evidence.append(f"name {ref.rsplit('.', 2)[-2] if '.' in ref else ref}~"
                             f"{port.rsplit('.', 1)[-1]}")

@@ -11,8 +11,10 @@ the module's calls, as the reference records them; the diff maps them through th
 ``[[param]]`` rules (``transform = "transpose"``).
 
 A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
-exactly and is skipped, saying why, as torch replay does. Call adapters make torch calls and
-are refused. Matmuls run at full float32 precision (``MATMUL_PRECISION``), as capture runs them.
+exactly and is skipped, saying why, as torch replay does. A mapping's call adapter gets the
+reference's arguments as JAX arrays and may return numpy, JAX or torch arrays (see
+:class:`_AdapterCaller`). Matmuls run at full float32 precision (``MATMUL_PRECISION``), as
+capture runs them.
 
 The only replay module that imports JAX; :mod:`layerdiff.replay.replay` imports it only for an
 NNX case.
@@ -28,13 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerdiff.errors import DiffError
 from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.intercept import intercepted
-from layerdiff.replay.calling import BoundCall, Signature, bind_call
+from layerdiff.flax.port import as_jax
+from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.calling import BoundCall, CannotCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
-from layerdiff.trace.arguments import dropped_arguments, flatten, map_argument
+from layerdiff.trace.arguments import (
+    NotPlainData,
+    dropped_arguments,
+    flatten,
+    map_argument,
+    rebuild_call,
+)
 from layerdiff.trace.schema import Pass, Role
 
 # Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
@@ -90,21 +99,16 @@ class FlaxPort:
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
         module_name = schema.split_site(site)[0]
-        if adapter is not None:
-            raise DiffError(f"port layer {module_name} is a Flax module: the mapping's call "
-                            f"adapter {adapter[0].spec!r} ({adapter[0].where}) makes a torch "
-                            "call; rename its arguments with the site's args instead")
         module = self.modules[module_name]
+        args_map = {} if adapter else args_map  # the adapter makes the whole call
         values = self._inputs(call, args_map)
-        # fitted to the module's own __call__ as torch replay fits a forward: an argument it
-        # has no parameter for (HF's cache, use_cache, position_ids) is not taken, and listed
-        bind = self._binder(call, module_name, dropped_arguments(args_map))
-        dropped = bind(values).dropped
+        caller, dropped = self._caller(call, module_name, args_map, values, adapter)
         left_out = {head for head, _ in dropped}
-        values = [(arg, value) for arg, value in values
-                  if arg.partition(".")[0] not in left_out]
-        for arg, value in values:
+        taken = [(arg, value) for arg, value in values if arg.partition(".")[0] not in left_out]
+        for arg, value in taken:
             writer.record(site, Role.INPUT, _numpy(value), arg=arg)
+        if adapter is None:  # the adapter gets every argument (None for what is not data)
+            values = taken
         own = own_variables(module)
         reached = _reached_params(module)
         if module_name not in self._weights_recorded:
@@ -118,7 +122,7 @@ class FlaxPort:
                   if _floating(variable[...])}
         called: set[tuple[Any, ...]] = set()
         pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves),
-                          lambda fresh: bind(fresh).call(), called)
+                          caller, called)
         with jax.default_matmul_precision(MATMUL_PRECISION):
             (outputs, draws), vjp = _vjp(pure, params, leaves)
         if draws:
@@ -137,6 +141,8 @@ class FlaxPort:
                 grad = read_value(self.ref, recorded[arg])
                 writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
                 cotangents.append(jnp.asarray(grad, dtype=value.dtype).reshape(value.shape))
+            elif value is None:  # an output returned as None (an attention's weights)
+                cotangents.append(None)
             else:
                 # no gradient came to it; an integer output takes float0's empty cotangent
                 cotangents.append(jnp.zeros_like(value) if _floating(value) else
@@ -155,6 +161,49 @@ class FlaxPort:
             sums = self._grad_sums.setdefault(owner, {})
             sums[name] = grad if name not in sums else sums[name] + grad
         return dropped
+
+    def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
+        """The reference's recorded inputs of ``call`` under the port's argument names, as
+        JAX arrays."""
+        return self._inputs(call, args_map)
+
+    def outputs(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
+                values: list[tuple[str, Any]], adapter: Any = None) -> Any:
+        """The port module's outputs on ``values`` (from :meth:`inputs`) with the variables
+        the model holds now, called the way its ``__call__`` takes them or through
+        ``adapter``; what ``map-check`` measures. Raises :class:`NotReplayable` for a module
+        that draws random numbers."""
+        module = self.modules[module_name]
+        caller, dropped = self._caller(call, module_name, {} if adapter else args_map, values,
+                                       adapter)
+        if adapter is None:
+            left_out = {head for head, _ in dropped}
+            values = [(arg, value) for arg, value in values
+                      if arg.partition(".")[0] not in left_out]
+        params = {tuple(path): variable[...] for path, variable in _reached_params(module).items()}
+        pure = _pure_call(module, values, set(params), {}, caller, set())
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            outputs, draws = pure(params, {})
+        if draws:
+            raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
+                                "that is on): its output cannot match the reference's")
+        return outputs
+
+    def _caller(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
+                values: list[tuple[str, Any]], adapter: Any
+                ) -> tuple[Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]],
+                           list[tuple[str, str]]]:
+        """(values -> the module's (args, kwargs), the reference arguments left out and why):
+        fitted to the module's own ``__call__`` as torch replay fits a forward (an argument it
+        has no parameter for, HF's cache or position_ids, is not taken, and listed), or made
+        by the mapping's call adapter."""
+        if adapter is None:
+            bind = self._binder(call, module_name, dropped_arguments(args_map))
+            dropped = bind(values).dropped  # refuses a call the port cannot take, before work
+            return (lambda fresh: bind(fresh).call()), dropped
+        dropped = [(arg, f"recorded as {value.type_name}, not plain data: the call adapter "
+                         "gets None") for arg, value in values if isinstance(value, NotPlainData)]
+        return _AdapterCaller(adapter, self.modules[module_name], module_name, values), dropped
 
     def _binder(self, call: RecordedCall, module_name: str,
                 drop: frozenset[str]) -> Callable[[list[tuple[str, Any]]], BoundCall]:
@@ -202,6 +251,54 @@ class FlaxPort:
                                     else None)
             values.append((port_arg, value))
         return values
+
+
+class _AdapterCaller:
+    """The reference's arguments, rebuilt as they were passed (JAX arrays; what capture kept
+    only as a repr is None), through the mapping's call adapter; what it returns (numpy, JAX
+    or torch arrays) made JAX arrays (:func:`layerdiff.flax.port.as_jax`).
+
+    Under ``jax.vjp`` the adapter gets traced arrays, so the input gradients flow through its
+    JAX operations to the reference's arguments. An adapter that needs concrete values (it
+    calls ``np.asarray`` on an argument) is run on the recorded values instead, and an
+    argument it returns unchanged is put back in the traced call: its gradient still flows,
+    what the adapter computed from the arguments gets none."""
+
+    def __init__(self, adapter: tuple[CodeRef, Callable[..., Any]], module: nnx.Module,
+                 module_name: str, values: list[tuple[str, Any]]) -> None:
+        self.ref, self.function = adapter
+        self.port = module.__call__
+        self.where = f"port layer {module_name}"
+        self.concrete = [(arg, None if isinstance(value, NotPlainData) else value)
+                         for arg, value in values]
+
+    def _adapt(self, values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+        args, kwargs = rebuild_call(values)
+        return adapted_call(self.ref, self.function, args, kwargs, self.port, where=self.where)
+
+    def __call__(self, fresh: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+        fresh = [(arg, None if isinstance(value, NotPlainData) else value)
+                 for arg, value in fresh]
+        try:
+            return as_jax(self._adapt(fresh))
+        except CannotCall as exc:
+            if not isinstance(exc.__cause__, jax.errors.JAXTypeError) or not any(
+                    isinstance(value, jax.core.Tracer) for _, value in fresh):
+                raise
+        concrete = dict(self.concrete)
+        traced = {id(concrete[arg]): value for arg, value in fresh
+                  if concrete.get(arg) is not None}
+        made = self._adapt(self.concrete)
+        return as_jax(_replace_leaves(made, lambda leaf: traced.get(id(leaf), leaf)))
+
+
+def _replace_leaves(value: Any, swap: Callable[[Any], Any]) -> Any:
+    if isinstance(value, (tuple, list)):
+        items = [_replace_leaves(item, swap) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _replace_leaves(item, swap) for key, item in value.items()}
+    return swap(value)
 
 
 def _vjp(pure: Callable[..., Any], params: dict[str, jax.Array],

@@ -21,17 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
-from layerdiff.capture.hooks import flatten
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.records import output_partners
-from layerdiff.errors import CaseError, LayerdiffError, TraceError
+from layerdiff.errors import LayerdiffError, TraceError
 from layerdiff.mapping import Mapping, ParamSource
+from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
-from layerdiff.replay.torch_replay import NotReplayable, TorchPort, restored
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.schema import Role
 from layerdiff.weights import (
@@ -41,8 +38,6 @@ from layerdiff.weights import (
     Assignment,
     as_mapping,
     combine,
-    port_tensors,
-    resolve_weights,
     trace_weights,
     unused_reference,
 )
@@ -116,13 +111,9 @@ class MapCheck:
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
               mapping: str | os.PathLike | Mapping | None = None) -> MapCheck:
-    """Check ``mapping`` between the reference trace (captured with weights) and a torch port
-    case without loading anything for good; see :class:`MapCheck`."""
-    if not isinstance(port_case, Case):
-        name = getattr(port_case, "name", "") or type(port_case).__name__
-        raise CaseError(f"case {name}: map-check needs a layerdiff.Case with a torch model "
-                        f"(it loads weights into it), got {type(port_case).__name__}; for a "
-                        "port that records itself, check the names with diff --map")
+    """Check ``mapping`` between the reference trace (captured with weights) and a torch or
+    Flax NNX port case without loading anything for good; see :class:`MapCheck`."""
+    port = port_model(port_case, "map-check")
     mapping = as_mapping(mapping)
     with open_trace(reference_trace) as ref:
         if ref.summary:
@@ -130,27 +121,24 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
                              "weights and recorded inputs; capture the reference without "
                              "--summary")
         reference = trace_weights(ref)
-        model = port_case.model
-        with restored([*model.parameters(), *model.buffers()]):
-            assignments = resolve_weights(model, reference, mapping)
-            entries = _checked_entries(ref, model, mapping, assignments, reference)
-    return MapCheck(str(reference_trace), port_case.name or type(model).__name__,
+        with port.restored():
+            assignments = port.resolve(reference, mapping)
+            entries = _checked_entries(ref, port, mapping, assignments, reference)
+    return MapCheck(str(reference_trace), port.name,
                     str(mapping.path) if mapping.path else None, entries,
                     unused_reference(reference, assignments))
 
 
 
 
-def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
+def _checked_entries(ref: Trace, port: TorchModel | FlaxModel, mapping: Mapping,
                      assignments: list[Assignment],
                      reference: dict[str, np.ndarray]) -> list[MapEntry]:
-    targets = port_tensors(model)
-    with torch.no_grad():  # the declared load, so each module runs as the port would
-        for found in assignments:
-            if not found.problem:
-                targets[found.port].copy_(_tensor(found.value, targets[found.port]))
-    runner = _SiteRunner(ref, model, mapping)
-    probe = _ConversionProbe(assignments, targets, runner, reference)
+    for found in assignments:  # the declared load, so each module runs as the port would
+        if not found.problem:
+            port.set(found.port, found.value)
+    runner = _SiteRunner(ref, port, mapping)
+    probe = _ConversionProbe(assignments, port, runner, reference)
     entries = []
     for found in assignments:
         entry = MapEntry(found.port, [] if found.problem == PORT_OWN
@@ -160,7 +148,7 @@ def _checked_entries(ref: Trace, model: nn.Module, mapping: Mapping,
         if found.problem == SHAPE_MISMATCH and _transposed_fits(found):
             entry.note += "; transposed it would fit: does the rule need a 'transpose'?"
         elif not found.problem and _transposed_fits(found):
-            _check_transpose(entry, found, targets[found.port], runner)
+            _check_transpose(entry, found, port, runner)
         if not found.problem and found.source.functions and entry.status != SUSPICIOUS:
             _check_conversion(entry, found, probe)
         elif not found.problem and not runner.pairs(_owner(found.port)):
@@ -198,7 +186,7 @@ def _first_measure(modules: list[str], measure: Any) -> tuple[Any, list[str]]:
         try:
             return measure(module), reasons
         except Exception as exc:  # not paired or not replayable here: try the next one out
-            known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+            known = _known(exc)
             reasons.append(str(exc) if known else f"port module {module} raised "
                            f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
     return None, reasons
@@ -209,7 +197,7 @@ def _transposed_fits(found: Assignment) -> bool:
     return value is not None and value.ndim == 2 and tuple(value.T.shape) == found.shape
 
 
-def _check_transpose(entry: MapEntry, found: Assignment, target: torch.Tensor,
+def _check_transpose(entry: MapEntry, found: Assignment, port: TorchModel | FlaxModel,
                      runner: _SiteRunner) -> None:
     """Flag a square matrix whose transpose reproduces the reference's output far better."""
     if np.array_equal(found.value, found.value.T):
@@ -218,15 +206,13 @@ def _check_transpose(entry: MapEntry, found: Assignment, target: torch.Tensor,
     module = found.port.rpartition(".")[0] or schema.ROOT_MODULE
     try:
         declared = runner.declared(module)
-        with torch.no_grad():
-            target.copy_(_tensor(found.value.T, target))
+        port.set(found.port, found.value.T)
         try:
             transposed = runner.measure(module)
         finally:
-            with torch.no_grad():
-                target.copy_(_tensor(found.value, target))
+            port.set(found.port, found.value)
     except Exception as exc:  # a module that cannot run on the recorded call is not checked
-        known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+        known = _known(exc)
         entry.status = NOT_CHECKED
         entry.note = "transpose not checked: " + (
             str(exc) if known else f"port module {module} raised {type(exc).__name__} on the "
@@ -248,9 +234,9 @@ class _ConversionProbe:
     built-in steps alone: a RoPE permutation of q without that of k shows nothing), against
     the reference's recorded outputs; once per module."""
 
-    def __init__(self, assignments: list[Assignment], targets: dict[str, torch.Tensor],
+    def __init__(self, assignments: list[Assignment], port: TorchModel | FlaxModel,
                  runner: _SiteRunner, reference: dict[str, np.ndarray]) -> None:
-        self.targets, self.runner = targets, runner
+        self.port, self.runner = port, runner
         self.plain: dict[str, np.ndarray] = {}   # port tensor -> its load without conversions
         self.why: dict[str, str] = {}            # port tensor -> why it has none
         self.declared = {found.port: found.value for found in assignments}
@@ -291,14 +277,12 @@ class _ConversionProbe:
         under = [name for name in self.plain
                  if module == schema.ROOT_MODULE or name.startswith(module + ".")]
         try:
-            with torch.no_grad():
-                for name in under:
-                    self.targets[name].copy_(_tensor(self.plain[name], self.targets[name]))
+            for name in under:
+                self.port.set(name, self.plain[name])
             return declared, self.runner.measure(module)
         finally:
-            with torch.no_grad():
-                for name in under:
-                    self.targets[name].copy_(_tensor(self.declared[name], self.targets[name]))
+            for name in under:
+                self.port.set(name, self.declared[name])
 
 
 def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProbe) -> None:
@@ -321,7 +305,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
         try:
             declared, plain = probe.measure(candidate)
         except Exception as exc:  # not paired or not replayable here: try the next one out
-            known = isinstance(exc, (LookupError, ValueError, NotReplayable, LayerdiffError))
+            known = _known(exc)
             reasons.append(str(exc) if known else f"port module {candidate} raised "
                            f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
             continue
@@ -382,12 +366,14 @@ def _around(module: str, levels: int) -> list[str]:
     return chain
 
 
+def _known(exc: Exception) -> bool:
+    """An error that says itself (no pair, no replay: torch's or Flax's NotReplayable)."""
+    return isinstance(exc, (LookupError, ValueError, LayerdiffError)) or (
+        type(exc).__name__ == "NotReplayable")
+
+
 def _join(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
-
-
-def _tensor(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.array(value, order="C")).to(like.device, like.dtype)
 
 
 @dataclass(frozen=True)
@@ -403,9 +389,9 @@ class _SiteRunner:
     one) and measures its outputs against the recorded ones, paired as the diff pairs them
     (the mapping's ``outputs`` renames, the same path, then a shape no other output has)."""
 
-    def __init__(self, ref: Trace, model: nn.Module, mapping: Mapping) -> None:
-        self.ref, self.mapping = ref, mapping
-        self.port = TorchPort(model, ref)
+    def __init__(self, ref: Trace, model: TorchModel | FlaxModel, mapping: Mapping) -> None:
+        self.ref, self.mapping, self.model = ref, mapping, model
+        self.port = model.replayer(ref)
         self._calls = self._paired_calls()  # an adapter that does not import: refused here
         self._inputs: dict[str, list] = {}
         self._expected: dict[str, dict[str, np.ndarray]] = {}
@@ -422,11 +408,10 @@ class _SiteRunner:
         if module not in self._inputs:  # inputs read once: each run gets clones of them
             self._inputs[module] = self.port.inputs(call, args)
         outputs = self.port.outputs(call, module, args, self._inputs[module], adapter=adapter)
-        got = {arg: value.detach().cpu().double().numpy() for arg, value in flatten(outputs, "")
-               if torch.is_tensor(value) and value.is_floating_point()
+        got = {arg: value.astype(np.float64) for arg, value in self.model.arrays(outputs)
+               if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)
                and self.mapping.why_unmatched_record("port", port_site, Role.OUTPUT, arg) is None}
-        eps = max([torch.finfo(value.dtype).eps for _, value in flatten(outputs, "")
-                   if torch.is_tensor(value) and value.is_floating_point()], default=0.0)
+        eps = self.model.eps(outputs)
         expected = self._recorded_outputs(call.site)
         partners = output_partners(
             {arg: schema.format_shape(value.shape) for arg, value in expected.items()},

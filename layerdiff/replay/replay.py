@@ -201,6 +201,9 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                                                                dropped)
             except Exception as exc:  # a port layer that raises is named; the rest goes on
                 reason = f"{type(exc).__name__}: {exc}"
+                if adapter is None and type(exc).__name__ not in ("NotReplayable",
+                                                                  "CannotCall"):
+                    reason += _adapter_hint(call, module)
                 (log.skipped if type(exc).__name__ == "NotReplayable" else log.failed).append(
                     (call.site, reason))
         while open_calls:
@@ -214,6 +217,17 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                            or "no port layer pairs with any reference site")
                         + "; check the case and the mapping (--map)")
     return log
+
+
+def _adapter_hint(call: RecordedCall, port_module: str) -> str:
+    """What a port layer that raised on the reference's arguments was given, and the call
+    adapter that would give it what it takes instead (an additive mask for a boolean one)."""
+    given = ", ".join(f"{arg} {row['dtype']} ({row['shape']})" if row["kind"] == "tensor"
+                      else f"{arg} {row['value'] or 'None'}" for arg, row in call.inputs)
+    module = schema.split_site(call.site)[0]
+    return (f" (it was given the reference's arguments {given or 'none'}; where port layer "
+            f"{port_module} takes one in another form, write a call adapter and name it on "
+            f"the mapping's [[site]] rule for {module}: call = \"your_module:adapter\")")
 
 
 def _call_adapters(calls: list[RecordedCall], mapping: Mapping

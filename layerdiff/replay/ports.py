@@ -1,0 +1,264 @@
+"""The one place the mapping tools choose a port's framework: ``port_model(case)`` gives a
+small object with what ``map-check`` and ``map-suggest`` need of a port model, whatever it is
+written in -- its module paths and classes, its tensors' names and shapes resolved through a
+mapping, a tensor set and everything put back, one module run on the reference's recorded
+call (``replayer``), its case's forward with every module call seen, and the arrays of what a
+module returned as numpy.
+
+:class:`TorchModel` serves a ``torch.nn.Module``; :class:`FlaxModel` a Flax NNX module (JAX is
+imported only when one is made). A case of neither, or an ``ExternalCase`` that records itself,
+is refused in one sentence (:class:`~layerdiff.errors.CaseError`: exit 2 on the command line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from layerdiff.case import Case, is_nnx_module, seed_everything
+from layerdiff.errors import CaseError
+from layerdiff.mapping import Mapping
+from layerdiff.trace import Trace
+from layerdiff.trace.arguments import flatten
+from layerdiff.weights import Assignment
+
+CONV_KERNEL = "layerdiff.flax.layouts:conv_kernel"
+
+# hook(module path, class name, run, args, kwargs) -> what run(*args, **kwargs) returns
+Hook = Callable[[str, str, Callable[..., Any], tuple, dict], Any]
+
+
+def port_model(case: Any, command: str) -> TorchModel | FlaxModel:
+    """The port model of ``case`` for ``command`` (named in the refusal), by its framework."""
+    if not isinstance(case, Case):
+        name = getattr(case, "name", "") or type(case).__name__
+        raise CaseError(f"case {name}: {command} needs a layerdiff.Case whose model is a torch "
+                        f"or Flax NNX module (it loads weights into it and runs it), got "
+                        f"{type(case).__name__}; for a port that records itself, check the "
+                        "names with diff --map")
+    if is_nnx_module(case.model):
+        return FlaxModel(case)
+    from torch import nn
+
+    if not isinstance(case.model, nn.Module):
+        raise CaseError(f"case {case.name or '?'}: {command} handles torch and Flax NNX ports; "
+                        f"its model is a {type(case.model).__name__}")
+    return TorchModel(case)
+
+
+class TorchModel:
+    """A torch port model (see the module's docstring)."""
+
+    framework = "torch"
+
+    def __init__(self, case: Case) -> None:
+        self.case, self.model = case, case.model
+
+    @property
+    def name(self) -> str:
+        return self.case.name or type(self.model).__name__
+
+    def modules(self) -> dict[str, str]:
+        from layerdiff.capture.modules import named_modules
+
+        return {path: type(module).__name__ for path, module in named_modules(self.model)}
+
+    def resolve(self, reference: dict[str, np.ndarray], mapping: Mapping) -> list[Assignment]:
+        from layerdiff.weights import resolve_weights
+
+        return resolve_weights(self.model, reference, mapping)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors a load sets (parameters, persistent buffers) and their shapes."""
+        from layerdiff.weights import port_tensors
+
+        return {name: tuple(t.shape) for name, t in port_tensors(self.model).items()}
+
+    def buffers(self) -> set[str]:
+        return {name for name, _ in self.model.named_buffers()}
+
+    def ties(self) -> list[list[str]]:
+        groups: dict[int, list[str]] = {}
+        for name, tensor in self.model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(tensor), []).append(name)
+        return [names for names in groups.values() if len(names) > 1]
+
+    def set(self, name: str, value: np.ndarray) -> None:
+        import torch
+
+        from layerdiff.weights import port_tensors
+
+        if not hasattr(self, "_targets"):
+            self._targets = port_tensors(self.model)
+        target = self._targets[name]
+        with torch.no_grad():
+            target.copy_(torch.from_numpy(np.array(value, order="C")).to(target.device,
+                                                                           target.dtype))
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        from layerdiff.replay.torch_replay import restored
+
+        with restored([*self.model.parameters(), *self.model.buffers()]):
+            yield
+
+    def replayer(self, ref: Trace) -> Any:
+        from layerdiff.replay.torch_replay import TorchPort
+
+        return TorchPort(self.model, ref)
+
+    def leaves(self, value: Any) -> list[tuple[str, Any]]:
+        """(path, leaf) of a call's arguments or return value, as capture flattens them."""
+        from layerdiff.capture.hooks import flatten as torch_flatten
+
+        return list(torch_flatten(value, ""))
+
+    def is_array(self, value: Any) -> bool:
+        import torch
+
+        return torch.is_tensor(value)
+
+    def arrays(self, value: Any) -> list[tuple[str, Any]]:
+        """(path, leaf) of a module's return value: tensors as numpy arrays, None kept."""
+        import torch
+
+        from layerdiff.capture.hooks import flatten as torch_flatten
+
+        return [(arg, _torch_numpy(leaf) if torch.is_tensor(leaf) else leaf)
+                for arg, leaf in torch_flatten(value, "")]
+
+    def eps(self, value: Any) -> float:
+        """The largest machine epsilon of the floating tensors in ``value``."""
+        import torch
+
+        from layerdiff.capture.hooks import flatten as torch_flatten
+
+        return max([torch.finfo(leaf.dtype).eps for _, leaf in torch_flatten(value, "")
+                    if torch.is_tensor(leaf) and leaf.is_floating_point()], default=0.0)
+
+    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]:
+        """(conversion function, the shape it makes of a torch tensor's) for the layouts this
+        framework keeps otherwise than torch: none."""
+        return []
+
+    def dense_layout(self, type_name: str) -> str | None:
+        """How a dense layer of this class keeps its weight: torch's Linear (out, in)."""
+        return "out_in" if type_name == "Linear" else None
+
+    def watch(self, hook: Hook) -> Any:
+        """The case's forward once, without gradients, every module call (``module(...)``
+        and ``module.forward(...)`` alike: each module's ``forward`` is wrapped for the run)
+        going through ``hook``."""
+        import torch
+
+        from layerdiff.capture.modules import named_modules
+
+        saved = []
+
+        def wrap(module, path):
+            inner = module.forward
+            name = type(module).__name__
+
+            def forward(*args, **kwargs):
+                return hook(path, name, inner, args, kwargs)
+            return forward
+
+        for path, module in named_modules(self.model):
+            before = module.__dict__.get("forward")
+            try:
+                module.forward = wrap(module, path)
+            except (AttributeError, TypeError, RuntimeError):
+                continue  # a scripted module takes no new attributes: its calls go unseen
+            saved.append((module, before))
+        try:
+            seed_everything(self.case.seed)
+            with torch.no_grad():
+                return self.case.call_model()
+        finally:
+            for module, before in saved:
+                if before is None:
+                    del module.forward
+                else:
+                    module.forward = before
+
+
+class FlaxModel:
+    """A Flax NNX port model (see the module's docstring); its functions are
+    :mod:`layerdiff.flax.port`'s and :mod:`layerdiff.flax.weights`'."""
+
+    framework = "flax"
+
+    def __init__(self, case: Case) -> None:
+        from layerdiff.flax import port, weights
+
+        self.case, self.model = case, case.model
+        self._port, self._weights = port, weights
+        self._variables = weights.nnx_variables(self.model)
+
+    @property
+    def name(self) -> str:
+        return self.case.name or type(self.model).__name__
+
+    def modules(self) -> dict[str, str]:
+        return self._port.module_paths(self.model)
+
+    def resolve(self, reference: dict[str, np.ndarray], mapping: Mapping) -> list[Assignment]:
+        return self._weights.resolve_nnx(self.model, reference, mapping, "the reference trace")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._weights.variable_shapes(self.model)
+
+    def buffers(self) -> set[str]:
+        return self._port.state_names(self.model)
+
+    def ties(self) -> list[list[str]]:
+        return self._port.tied_names(self.model)
+
+    def set(self, name: str, value: np.ndarray) -> None:
+        self._weights.set_variable(self.model, name, value, self._variables)
+
+    def restored(self) -> contextlib.AbstractContextManager[None]:
+        return self._port.restored(self.model)
+
+    def replayer(self, ref: Trace) -> Any:
+        from layerdiff.replay.flax_replay import FlaxPort
+
+        return FlaxPort(self.model, ref)
+
+    def leaves(self, value: Any) -> list[tuple[str, Any]]:
+        return list(flatten(value))
+
+    def is_array(self, value: Any) -> bool:
+        return self._port.is_array(value)
+
+    def arrays(self, value: Any) -> list[tuple[str, Any]]:
+        return [(arg, self._port.to_numpy(leaf) if self._port.is_array(leaf) else leaf)
+                for arg, leaf in flatten(value)]
+
+    def eps(self, value: Any) -> float:
+        return max([float(np.finfo(self._port.to_numpy(leaf).dtype).eps)
+                    for _, leaf in flatten(value) if self._port.is_array(leaf)
+                    and np.issubdtype(self._port.to_numpy(leaf).dtype, np.floating)],
+                   default=0.0)
+
+    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]:
+        """A convolution's kernel: torch's (out, in, *spatial) as Flax's (*spatial, in, out),
+        :func:`layerdiff.flax.layouts.conv_kernel`."""
+        return [(CONV_KERNEL, lambda shape: (*shape[2:], shape[1], shape[0])
+                 if 3 <= len(shape) <= 5 else None)]
+
+    def dense_layout(self, type_name: str) -> str | None:
+        """nnx.Linear keeps its kernel (in, out)."""
+        return "in_out" if type_name in ("Linear", "LinearGeneral", "Einsum") else None
+
+    def watch(self, hook: Hook) -> Any:
+        return self._port.watched_forward(self.case, hook)
+
+
+def _torch_numpy(tensor: Any) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    narrow = tensor.is_floating_point() and tensor.element_size() < 4  # numpy has no bfloat16
+    return (tensor.float() if narrow else tensor).numpy()
