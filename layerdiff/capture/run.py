@@ -74,8 +74,9 @@ def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
             observer.phase = "backward"
         if loss_scale != 1.0:
             scaled = loss * loss_scale
-            check_scaled_loss(case.name, step, float(loss.detach().double().sum()),
-                              float(scaled.detach().double().sum()),
+            # both sums in one read: one wait for the device a step, not two
+            sums = torch.stack([loss.detach().double().sum(), scaled.detach().double().sum()])
+            check_scaled_loss(case.name, step, *sums.tolist(),
                               str(scaled.dtype).removeprefix("torch."), loss_scale)
             scaled.backward()
         else:
