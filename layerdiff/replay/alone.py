@@ -7,12 +7,18 @@ are replayed the same way (their recorded inputs, their recorded output gradient
 recorded call of the step, through ``autograd.grad``), so the recorded total splits into what
 those calls make and the rest; the port's module-alone gradient plus that rest is what the
 diff compares with the total, so the comparison judges exactly what the calls make.
+
+:func:`split_outside` is the one decision for every port framework (torch's and Flax NNX's
+replay): split that total where the reference case is given and the mapping moves the tensor
+unchanged or transposed, else set the weight gradient aside as "cannot judge alone", naming
+where else it is used. Never a local error for a use the module's call does not make.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +98,72 @@ class ReferenceAlone:
             if schema.param_name(row["site"], row["arg"]) in names:
                 return read_array(self.ref, row).astype(np.float64)
         raise CannotSplit(f"the reference's trace records no gradient of {full}")
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a port's module-alone weight gradient is compared as, where its parameter is also
+    used outside the calls that make it."""
+
+    rest: np.ndarray | None  # to add to the port's gradient, in its layout; None: set aside
+    line: str                # the note to say (split), or why it is set aside
+
+
+def split_outside(full: str, users: list[str], outside: list[str], partners: list[str],
+                  shape: tuple[int, ...], reference_alone: ReferenceAlone | None,
+                  source: Any) -> Split:
+    """The decision for port parameter ``full`` (``tok.embedding``), whose gradient the calls
+    of port modules ``users`` make and whose code at ``outside`` (port module paths) also
+    uses it: ``rest``, the part of the reference's recorded total that the reference's
+    ``partners`` (the modules those calls replayed; the parameter's holder first) do not make
+    alone, in the port's ``shape``; or why it cannot be compared. ``source`` is the mapping's
+    [[param]] source of ``full`` (None: the same name at the partner)."""
+    users_text = ", ".join(users)
+    if reference_alone is None:
+        why = ("give the reference case (--reference-case) to compare what the calls alone "
+               "make on both sides")
+    else:
+        try:
+            name, to_port = _reference_name(full, source, partners)
+            rest = to_port(reference_alone.outside_part(partners, name))
+            if rest.shape != tuple(shape):
+                raise CannotSplit(f"the reference's {full} gradient is {rest.shape}, the "
+                                  f"port's {tuple(shape)}")
+        except CannotSplit as exc:
+            why = str(exc)
+        else:  # one line: the terminal clips a note to its width
+            return Split(rest, f"{full} is also used at {', '.join(outside)}: judged on what "
+                               f"the calls of {users_text} alone make, on both sides")
+    return Split(None, (
+        f"cannot judge alone: {full} is also used at {', '.join(outside)} (in that module's "
+        f"own code, outside the calls of {users_text}); the reference's recorded gradient "
+        "sums that use too, which the module's call alone does not make, so it is not "
+        f"compared (its outputs and input gradients are): {why}"))
+
+
+def _reference_name(full: str, source: Any, partners: list[str]
+                    ) -> tuple[str, Callable[[np.ndarray], np.ndarray]]:
+    """The reference parameter's name at ``partners[0]`` and how its gradient takes the
+    port's layout: the port's own name unchanged without a [[param]] rule; a rule that copies
+    or transposes one whole reference tensor, undone the same way; any other, refused."""
+    if not partners:
+        raise CannotSplit(f"no replayed call of the port's {full.rpartition('.')[0]} has a "
+                          "reference partner")
+    if source is None:
+        return full.rpartition(".")[2], lambda array: array
+    if source.transforms not in (("copy",), ("transpose",)) or source.parts != 1 or len(
+            source.reference) != 1:
+        raise CannotSplit(f"the mapping makes it from {', '.join(source.reference)} through "
+                          f"{' then '.join(source.transforms)} ({source.where}), which a split "
+                          "does not undo")
+    reference = source.reference[0]
+    prefix = "" if partners[0] == schema.ROOT_MODULE else partners[0] + "."
+    if not reference.startswith(prefix) or not reference[len(prefix):]:
+        raise CannotSplit(f"the mapping makes it from {reference} ({source.where}), which the "
+                          f"reference's {partners[0]} does not hold")
+    if source.transforms == ("transpose",):
+        return reference[len(prefix):], lambda array: array.T
+    return reference[len(prefix):], lambda array: array
 
 
 def as_like(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,13 @@ Input gradients are recorded under the reference's argument names (mapped by the
 the module's calls, as the reference records them; the diff maps them through the mapping's
 ``[[param]]`` rules (``transform = "transpose"``).
 
+A parameter the port's code also reads outside every call whose replay makes its gradient (a
+tied head ``self.tok.attend(x)`` in the root's own code, after the root called ``tok``) has a
+recorded total no replayed call makes: found by :meth:`FlaxPort.watch_uses`
+(``flax/reads.py``) and decided as torch replay decides it
+(:func:`layerdiff.replay.alone.split_outside`): split with the reference case, else set aside
+as "cannot judge alone", never a local error.
+
 A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
 exactly and is skipped, saying why, as torch replay does. A mapping's call adapter gets the
 reference's arguments as JAX arrays and may return numpy, JAX or torch arrays (see
@@ -30,10 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerdiff.flax.graph import ModelGraph
+from layerdiff.case import Case
+from layerdiff.flax.graph import ModelGraph, under_called
 from layerdiff.flax.intercept import intercepted
 from layerdiff.flax.port import as_jax
 from layerdiff.mapping.code import CodeRef
+from layerdiff.replay.alone import ReferenceAlone, split_outside
 from layerdiff.replay.calling import BoundCall, CannotCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
@@ -92,14 +101,42 @@ class FlaxPort:
         self._grad_sums: dict[str, dict[str, jax.Array]] = {}  # module -> name -> sum
         self._port_signatures: dict[str, Signature | None] = {}
         self._ref_signatures: dict[str, Signature | None] = {}
+        # (owner, name) -> port modules whose own code reads it where no replayed call makes
+        # its gradient (a tied head in the root's code): :meth:`watch_uses`
+        self._outside: dict[tuple[str, str], list[str]] = {}
+        self.set_aside: list[tuple[str, str]] = []  # (weight_grad, why): not compared
+        self.notes: list[str] = []
+        # the reference case's modules replayed alone, to split such a recorded gradient
+        self.reference_alone: ReferenceAlone | None = None
+        # port parameter's full name -> the mapping's [[param]] source for it, if any
+        self.param_source: Callable[[str], Any] = lambda name: None
+        self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
+
+    def watch_uses(self, case: Case) -> None:
+        """Find the parameters the port's code reads outside every call whose replay makes
+        their gradient, from one forward of the case (``flax/reads.py``): replay does not
+        make that part of the reference's recorded gradient."""
+        from layerdiff.flax.reads import outside_reads
+
+        try:
+            found = outside_reads(case)
+        except Exception as exc:  # the replay goes on; the one thing unknown is said
+            self.notes.append(f"could not look for parameters used outside their modules' "
+                              f"calls (the port's forward raised {type(exc).__name__}: {exc}); "
+                              "a weight gradient with such a use would differ from the "
+                              "reference's recorded total")
+            return
+        self._outside = {self._owner[key]: sites for key, sites in found.items()
+                         if key in self._owner}
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
+        self._partner.setdefault(module_name, call.module)
         args_map = {} if adapter else args_map  # the adapter makes the whole call
         values = self._inputs(call, args_map)
         caller, dropped = self._caller(call, module_name, args_map, values, adapter)
@@ -154,7 +191,7 @@ class FlaxPort:
         self._first_site.setdefault(module_name, site)
         for path, grad in param_grads.items():
             # a variable reached through a child this call called is that child's to sum
-            if any(path[:depth] in called for depth in range(1, len(path))):
+            if under_called(path, called):
                 continue
             owner, name = self._owner[id(reached[path])]
             self._contributors.setdefault((owner, name), set()).add(module_name)
@@ -230,10 +267,32 @@ class FlaxPort:
         for module_name, sums in self._grad_sums.items():
             if module_name in complete and module_name in self._first_site:
                 for name, grad in sums.items():
-                    if not self._contributors[(module_name, name)] <= complete:
+                    users = self._contributors[(module_name, name)]
+                    if not users <= complete:
                         continue
+                    outside = self._outside.get((module_name, name))
+                    if outside:  # the recorded total holds a use that no replayed call makes
+                        grad = self._split(grad, module_name, name, users, outside)
+                        if grad is None:
+                            continue
                     writer.record(self._first_site[module_name], Role.WEIGHT_GRAD,
                                   _numpy(grad), arg=name)
+
+    def _split(self, grad: jax.Array, owner: str, name: str, users: set[str],
+               outside: list[str]) -> jax.Array | None:
+        """The summed gradient made comparable with the reference's recorded total, or None,
+        set aside with its reason (:func:`layerdiff.replay.alone.split_outside`)."""
+        site = self._first_site[owner]
+        full = schema.param_name(site, name)
+        holders = [owner, *sorted(users - {owner})]
+        split = split_outside(full, sorted(users), outside,
+                              [self._partner[m] for m in holders if m in self._partner],
+                              tuple(grad.shape), self.reference_alone, self.param_source(full))
+        if split.rest is None:
+            self.set_aside.append((f"{site} weight_grad {name}", split.line))
+            return None
+        self.notes.append(split.line)
+        return grad + jnp.asarray(split.rest, dtype=grad.dtype)
 
     def _inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
         """The reference's recorded inputs under the port's argument names; an argument the

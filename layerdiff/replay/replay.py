@@ -169,7 +169,7 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                  reference_case: Case | None = None) -> ReplayLog:
     """The replay trace: every recorded call of step 0 that has a port partner, replayed.
     ``reference_case`` (torch) splits a weight gradient that has a use outside its modules'
-    calls (:mod:`layerdiff.replay.alone`)."""
+    calls (:mod:`layerdiff.replay.alone`), for a torch or a Flax port."""
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
     backend = _backend(ref, port, mapping, reference_case)
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
@@ -360,15 +360,25 @@ def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         from layerdiff.replay.flax_replay import FlaxPort
 
         load_nnx_weights(port.model, ref.path, mapping)
-        return FlaxPort(port.model, ref)
+        backend = FlaxPort(port.model, ref)
+        backend.watch_uses(port)
+        return _split_with(backend, ref, mapping, reference_case)
     from layerdiff.replay.torch_replay import TorchPort
     from layerdiff.weights import load_weights
 
     load_weights(port.model, ref.path, mapping)
     backend = TorchPort(port.model, ref)
     backend.watch_uses(port.model, port.call_model)
+    return _split_with(backend, ref, mapping, reference_case)
+
+
+def _split_with(backend, ref: Trace, mapping: Mapping, reference_case: Case | None):
+    """``backend`` (a torch or Flax port) given the reference case's modules replayed alone,
+    to split a weight gradient that has a use outside its modules' calls
+    (:mod:`layerdiff.replay.alone`); the reference is torch whatever the port's framework."""
     if reference_case is not None:
         from layerdiff.replay.alone import ReferenceAlone
+        from layerdiff.replay.torch_replay import TorchPort
 
         backend.reference_alone = ReferenceAlone(reference_case.model, ref, TorchPort)
         backend.param_source = lambda name: mapping.param_source(name, {})

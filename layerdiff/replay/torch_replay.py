@@ -32,7 +32,7 @@ from layerdiff.capture.stage import unsupported_tensor
 from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
-from layerdiff.replay.alone import CannotSplit, ReferenceAlone, as_like
+from layerdiff.replay.alone import ReferenceAlone, as_like, split_outside
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
 from layerdiff.replay.recorded import RecordedCall, read_array, read_value
 from layerdiff.replay.uses import outside_uses
@@ -363,44 +363,21 @@ class TorchPort:
         """The port's module-alone gradient of a parameter also used at ``outside`` (port
         modules' own code), made comparable with the reference's recorded total: plus the
         part of that total the reference's partner modules' calls alone do not make. None,
-        set aside with its reason, where the reference case is not given or cannot split."""
+        set aside with its reason, where the reference case is not given or cannot split
+        (:func:`layerdiff.replay.alone.split_outside`, the decision Flax replay shares)."""
         module, name = holders[0]
         site = self._first_site[module]
         full = schema.param_name(site, name)
-        users = ", ".join(sorted({m for m, _ in holders}))
-        why = None
-        if self.reference_alone is None:
-            why = ("give the reference case (--reference-case) to compare what the calls "
-                   "alone make on both sides")
-        else:
-            partners = [self._partner[m] for m, _ in holders if m in self._partner]
-            source = self.param_source(full)
-            try:
-                if source is not None and (source.transforms != ("copy",) or source.parts != 1
-                                           or len(source.reference) != 1):
-                    raise CannotSplit(f"the mapping makes it from {', '.join(source.reference)}"
-                                      f" through {' then '.join(source.transforms)} "
-                                      f"({source.where}), which a split does not undo")
-                rest = self.reference_alone.outside_part(partners, name)
-                if rest.shape != tuple(grad.shape):
-                    raise CannotSplit(f"the reference's {full} gradient is {rest.shape}, the "
-                                      f"port's {tuple(grad.shape)}")
-            except CannotSplit as exc:
-                why = str(exc)
-            else:
-                if grad.layout is not torch.strided:  # a sparse gradient: added densely
-                    grad = grad.to_dense()
-                # one line: the terminal clips a note to its width
-                self.notes.append(f"{full} is also used at {', '.join(outside)}: judged on "
-                                  f"what the calls of {users} alone make, on both sides")
-                return grad + as_like(rest, grad)
-        self.set_aside.append((
-            f"{site} weight_grad {name}",
-            f"cannot judge alone: {full} is also used at {', '.join(outside)} (in that "
-            f"module's own code, outside the calls of {users}); the reference's recorded "
-            "gradient sums that use too, which the module's call alone does not make, so it "
-            f"is not compared (its outputs and input gradients are): {why}"))
-        return None
+        split = split_outside(full, sorted({m for m, _ in holders}), outside,
+                              [self._partner[m] for m, _ in holders if m in self._partner],
+                              tuple(grad.shape), self.reference_alone, self.param_source(full))
+        if split.rest is None:
+            self.set_aside.append((f"{site} weight_grad {name}", split.line))
+            return None
+        if grad.layout is not torch.strided:  # a sparse gradient: added densely
+            grad = grad.to_dense()
+        self.notes.append(split.line)
+        return grad + as_like(split.rest, grad)
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """A parameter's weight gradient summed over the calls replayed so far."""
