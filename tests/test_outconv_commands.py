@@ -135,3 +135,49 @@ def test_a_bfloat16_attention_bug_is_named_at_the_attention_backward(folder):
     assert (origin.port_site, origin.pass_) == ("layers.1.attention#0", "backward"), \
         describe_origin(origin)
     assert "self_attn.q_proj#0" in origin.reason and "own backward code" in origin.reason
+
+
+# ---------------------------------------------------------------- experts: a weighting function
+
+def test_experts_swapped_in_return_the_weighted_sum_and_a_bug_in_one_breaks_it(tmp_path):
+    """The port's experts return (routing weights, unweighted outputs); swapped into the
+    reference's MoE block, whose code takes their weighted sum, they go through the rule's
+    function, gradient included (the weight gradient of the experts is compared)."""
+    from tests import test_output_layouts as moe
+
+    mapping = tmp_path / "moe.map.toml"
+    mapping.write_text(moe.MOE_MAP, encoding="utf-8")
+    outcomes = {}
+    for experts in (moe.PortExperts, moe.BuggyPortExperts):
+        swapper = Swapper(lambda: moe._moe_case(moe.ReferenceExperts),
+                          lambda e=experts: moe._moe_case(e), mapping)
+        result = swapper.run(["moe.experts"])
+        outcomes[experts.__name__] = result.outcome
+        assert any(row.what.startswith("weight_grad moe.experts.w (port moe.experts.w)")
+                   for row in result.rows), [row.what for row in result.rows]
+    assert outcomes == {"PortExperts": SwapOutcome.WITHIN,
+                        "BuggyPortExperts": SwapOutcome.BREAKS}, outcomes
+
+
+def test_map_check_measures_the_experts_through_their_output_conversion(tmp_path):
+    from layerdiff import capture
+    from tests import test_output_layouts as moe
+
+    mapping = tmp_path / "moe.map.toml"
+    mapping.write_text(moe.MOE_MAP, encoding="utf-8")
+    reference = capture(moe._moe_case(moe.ReferenceExperts), tmp_path / "ref.h5")
+    check = map_check(reference, moe._moe_case(moe.PortExperts), mapping)
+    entry = {e.port: e for e in check.entries}["moe.experts.w"]
+    assert check.passed and entry.status == "ok", entry.note
+    assert "at moe.experts#0 its outputs through output conversion" in entry.note
+    wrong = tmp_path / "wrong.map.toml"  # the unweighted mean: shapes fit, numbers do not
+    wrong.write_text(moe.MOE_MAP.replace(
+        'function = "tests.test_output_layouts:weighted_sum"',
+        f'function = "{__name__}:unweighted_mean"'), encoding="utf-8")
+    check = map_check(reference, moe._moe_case(moe.PortExperts), wrong)
+    assert [(e.port, e.status) for e in check.failing()] == [
+        ("moe.experts.w", SUSPICIOUS_CONVERSION)], [e.note for e in check.failing()]
+
+
+def unweighted_mean(weights, outputs):
+    return outputs.mean(1)
