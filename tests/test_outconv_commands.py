@@ -105,7 +105,6 @@ def test_map_check_fails_a_wrong_output_conversion(folder, tmp_path):
     assert "model.layers.0.self_attn.v_proj#0" in entry.note and "doubled" in entry.note
 
 
-@pytest.mark.slow
 def test_bisect_names_the_attention_not_the_qk_projections():
     """Before swap converted their outputs, every probe holding a q/k projection broke the
     reference, and bisect named all four projections for the attention bug."""
