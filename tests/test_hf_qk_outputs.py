@@ -3,8 +3,7 @@
 
 Hugging Face's Llama keeps each head's q/k rows in rotate-half order, the Meta-style port
 (``reference_models/llama_port.py``) interleaved; ``hf_llama.map.toml`` converts the weights with
-``hf_to_meta_qk`` and declares the projection sites unpaired, since their outputs come out in
-the two orders. Here the same mapping pairs them instead (``[[site]]`` rules, no
+``hf_to_meta_qk`` and pairs the projection sites like any other (``[[site]]`` rules, no
 ``[[unmatched]]``): the faithful port passes, with the q/k outputs and their gradients compared
 through the inverse permutation, and the attention bugs are still named at the attention.
 Tiny random config, no downloads; skipped without transformers.
@@ -12,7 +11,6 @@ Tiny random config, no downloads; skipped without transformers.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -39,28 +37,21 @@ PASSING = {Verdict.WITHIN, Verdict.IDENTICAL}
 QK = "reference_models.hf_llama_convert:hf_to_meta_qk"
 
 
-def paired_mapping(folder: Path) -> Path:
-    """hf_llama.map.toml with the q/k projections paired by [[site]] rules instead of declared
-    unmatched."""
-    text = LLAMA_MAP.read_text(encoding="utf-8")
-    text, dropped = re.subn(r'\[\[unmatched\]\]\n(reference = "model\.layers\.\*\.self_attn\.'
-                            r'[qk]_proj"|port = "layers\.\*\.attention\.w\[qk\]")\nwhy = "[^"]*"\n',
-                            "", text)
-    assert dropped == 3
-    text = text.replace('[[site]]\nreference = "model.layers.*.self_attn.v_proj"', (
-        '[[site]]\nreference = "model.layers.*.self_attn.q_proj"\nport = "layers.*.attention.wq"'
-        '\n\n[[site]]\nreference = "model.layers.*.self_attn.k_proj"\n'
-        'port = "layers.*.attention.wk"\n\n'
-        '[[site]]\nreference = "model.layers.*.self_attn.v_proj"'))
-    path = folder / "hf_llama_paired.map.toml"
-    path.write_text(text, encoding="utf-8")
-    return path
+def test_the_bundled_mapping_pairs_the_qk_projections():
+    """hf_llama.map.toml pairs q/k by [[site]] rules; nothing declares them unpaired."""
+    from layerdiff.mapping import Mapping
+
+    mapping = Mapping.load(LLAMA_MAP)
+    for site in ("model.layers.0.self_attn.q_proj#0", "model.layers.1.self_attn.k_proj#0"):
+        assert mapping.why_unmatched("reference", site) is None
+    for site in ("layers.0.attention.wq#0", "layers.1.attention.wk#0"):
+        assert mapping.why_unmatched("port", site) is None
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_qk")
-    mapping = paired_mapping(folder)
+    mapping = LLAMA_MAP
 
     def capture(spec: str, *extra) -> Path:
         path = folder / f"{spec.rpartition(':')[2]}.h5"

@@ -70,13 +70,29 @@ def test_the_right_conversion_is_checked_at_the_attention_through_its_adapter(re
     assert "4 conversions checked" in " ".join(mapcheck_verdict(check).split())
 
 
-@pytest.mark.parametrize("transform", [f"{__name__}:flipped_rows", "copy"])
-def test_a_wrong_or_missing_conversion_fails_at_each_qk_tensor(reference, tmp_path, transform):
-    """A flip, or no conversion while the q/k sites are declared without partner: the shapes
-    fit, nothing checks the projections themselves, and the attention around them is off."""
-    check = map_check(reference, load_case(PORT),
-                      _mapping(tmp_path, f'transform = "{CONVERSION}"',
-                               f'transform = "{transform}"'))
+UNPAIRED_QK = """
+[[unmatched]]
+reference = "model.layers.*.self_attn.[qk]_proj"
+why = "checked at the attention"
+
+[[unmatched]]
+port = "layers.*.attention.w[qk]"
+why = "checked at the attention"
+"""
+
+
+@pytest.mark.parametrize(("transform", "unpaired"), [(f"{__name__}:flipped_rows", False),
+                                                     ("copy", True)])
+def test_a_wrong_or_missing_conversion_fails_at_each_qk_tensor(reference, tmp_path, transform,
+                                                              unpaired):
+    """A flip with the q/k sites paired (their outputs compared through the inverse of the
+    flip, derived from it: that undoes any row order, so the projections say nothing of it and
+    the attention around them decides), or no conversion while the q/k sites are declared
+    without partner: the shapes fit, and the attention around them is off."""
+    path = _mapping(tmp_path, f'transform = "{CONVERSION}"', f'transform = "{transform}"')
+    if unpaired:
+        path.write_text(path.read_text() + UNPAIRED_QK)
+    check = map_check(reference, load_case(PORT), path)
     assert not check.passed
     entries = _entries(check)
     assert {name for name, e in entries.items() if e.status == MISMATCH_AROUND} == set(QK), \

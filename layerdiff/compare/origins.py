@@ -505,12 +505,16 @@ def _root_output_feeds_loss(sites: dict[str, _Site]) -> None:
 
 def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
                         parents: dict[str, str]) -> None:
-    """A container whose own result has no record (no ``grad_input`` where its inputs need no
-    gradient, no ``output`` where it was not captured) still shows its own code's fault in
-    what that code hands its children: a child's ``input`` (forward) or ``grad_output``
-    (backward) that is off while what came into the container before it (its inputs and
-    weights, or the gradient at its outputs, and its children's results recorded earlier)
-    agrees. Those child records then count as the container's result."""
+    """A container's own code makes more than its result: it also makes what it hands its
+    children, a child's ``input`` (forward) or ``grad_output`` (backward: the gradient an
+    attention's softmax and rotary backward send its q/k projections). Such a record that is
+    off while what came into the container before it (its inputs and weights, or the gradient
+    at its outputs, and its children's results recorded earlier) agrees was made wrong by the
+    container's own code, whatever its result record says: there is none (no ``grad_input``
+    where its inputs need no gradient, no ``output`` where it was not captured), or it is
+    within (a bfloat16 baseline allows the sum of q/k/v's input gradients more than each
+    part). Those child records then count as the container's result; without this the child's
+    record is out with its incoming gradient as its only cause, and nothing is named."""
     children: dict[str, list[_Site]] = {}
     for site in sites.values():
         if parents.get(site.name) in sites:
@@ -520,8 +524,8 @@ def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
         for result, handed, came, returned in (
                 (Role.OUTPUT, Role.INPUT, (Role.INPUT, Role.WEIGHT), Role.OUTPUT),
                 (Role.GRAD_INPUT, Role.GRAD_OUTPUT, (Role.GRAD_OUTPUT,), Role.GRAD_INPUT)):
-            if site.rows.get(result) or site.is_bad(*came):
-                continue
+            if site.is_bad(result, *came):
+                continue  # a result already out makes the container a candidate as it is
             if result == Role.GRAD_INPUT and any(  # a backward inherits its forward's error
                     s.is_bad(*FORWARD_ROLES) for s in [site, *inside]):
                 continue
@@ -533,7 +537,7 @@ def _unrecorded_results(rows: pd.DataFrame, sites: dict[str, _Site],
                    for p in child.bad.get(returned, [])):
                 continue  # a child's own result came first: the fault may be that child's
             site.bad[result] = bad
-            site.rows[result] = bad
+            site.rows[result] = [*site.rows.get(result, []), *bad]
             site.handed = sorted({rows.at[p, Column.SITE] for p in bad})
 
 

@@ -322,14 +322,116 @@ class DerivedPermutation:
         inverse = torch.tensor(self.inverse, dtype=torch.long)
 
         def unpermute(output):
-            return output.index_select(-1, inverse)
+            return output.index_select(-1, inverse.to(output.device))
 
         return unpermute
+
+    def resolve_inverse(self):
+        """The other way: the reference's output in the port's order (a reference layer
+        swapped into the port)."""
+        import torch
+
+        forward = torch.tensor(np.argsort(np.asarray(self.inverse)), dtype=torch.long)
+
+        def permute(output):
+            return output.index_select(-1, forward.to(output.device))
+
+        return permute
 
     def describe(self) -> str:
         return (f"the inverse of the row permutation {self.spec} makes of "
                 f"{', '.join(self.params)} (derived: a layer whose weight rows are permuted "
                 "gives its output features in that order)")
+
+
+class SiteConversions:
+    """The output conversion of each site pair, declared or derived: the one place the diff,
+    replay, swap and map-check find it, so all four compare a site's outputs the same way.
+
+    ``ref_shapes``: the reference's weights' shapes by full name (text as a trace's index has
+    them, or tuples). :meth:`find` gives the rule's ``output_transform``, else the row
+    permutation the mapping's conversion of the port layer's own parameters makes
+    (:func:`derive_permutation`; only for a mapping whose ``[[param]]`` rules name a function).
+    Functions are imported once each (:meth:`function`)."""
+
+    def __init__(self, mapping: Any, ref_shapes: dict[str, Any]) -> None:
+        from layerdiff.mapping import is_code
+
+        self.mapping, self.ref_shapes = mapping, ref_shapes
+        self.derives = any(is_code(step) for rule in mapping.param_rules
+                           for step in rule.transforms)
+        self._seen: dict = {}
+        self._functions: dict[Any, Any] = {}
+
+    def find(self, ref_site: str, port_module: str, params: dict[str, tuple[int, ...]],
+             features: int | None) -> Any:
+        """The conversion of reference site ``ref_site`` paired with ``port_module``, whose own
+        parameters and buffers are ``params`` (full name -> shape) and whose output ``0`` has
+        ``features`` elements on its last axis (None: unknown, nothing derived); None where
+        its outputs compare as they are."""
+        from layerdiff.trace.schema import split_site
+
+        declared = self.mapping.output_conversion(ref_site)
+        if declared is not None or not self.derives or not params or not features:
+            return declared
+        return derive_permutation(params, self.ref_shapes, self.mapping,
+                                  {port_module: split_site(ref_site)[0]}, features, self._seen)
+
+    def function(self, conversion: Any) -> Any:
+        """``conversion``'s function, imported once."""
+        if conversion not in self._functions:
+            self._functions[conversion] = conversion.resolve()
+        return self._functions[conversion]
+
+
+class CannotConvert(Exception):
+    """An output conversion that cannot be applied to what a layer returned (an output it
+    takes is missing, or the function raised): one line, said as "cannot judge"."""
+
+
+def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any]],
+                    where: str) -> list[tuple[str, Any]]:
+    """A layer's outputs (argument path, value) in the reference's layout: the outputs the
+    conversion takes replaced by what ``function`` makes of them, at the output it gives;
+    differentiable where the function is (torch operations), so gradients arriving at the
+    result flow back to the layer's outputs through it. Raises :class:`CannotConvert`."""
+    import torch
+
+    values = dict(outputs)
+    missing = [take for take in conversion.takes if take not in values]
+    if missing:
+        raise CannotConvert(
+            f"{conversion.describe()} ({conversion.where}) takes the output(s) "
+            f"{', '.join(repr(m) for m in missing)} that {where} does not return (it returns "
+            f"{', '.join(repr(a) for a in values) or 'nothing'})")
+    try:
+        made = function(*(values[take] for take in conversion.takes))
+    except Exception as exc:  # the user's code: say where, never a traceback
+        raise CannotConvert(f"{conversion.describe()} ({conversion.where}) raised on the "
+                            f"outputs of {where}: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not torch.is_tensor(made):
+        raise CannotConvert(f"{conversion.describe()} ({conversion.where}) returned a "
+                            f"{type(made).__name__} for {where}, not one tensor")
+    # the result stands where the first output it takes stood; the others keep their places
+    found, placed = [], False
+    for arg, value in outputs:
+        if arg in conversion.takes:
+            if not placed:
+                found.append((conversion.gives, made))
+                placed = True
+        elif arg != conversion.gives:
+            found.append((arg, value))
+    return found
+
+
+def weight_shapes(trace: Trace) -> dict[str, str]:
+    """The reference's weights' shapes by full name, as its index has them."""
+    from layerdiff.trace.schema import param_name
+
+    weights = trace.index[trace.index["role"] == Role.WEIGHT]
+    return {param_name(site, arg): shape for site, arg, shape in zip(
+        weights["site"], weights["arg"], weights["shape"], strict=True)}
 
 
 def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
@@ -343,9 +445,7 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
     features as the weight has rows."""
     from layerdiff.trace.schema import param_name, split_site
 
-    ref_weights = ref.index[ref.index["role"] == Role.WEIGHT]
-    ref_shape = {param_name(site, arg): shape for site, arg, shape in zip(
-        ref_weights["site"], ref_weights["arg"], ref_weights["shape"], strict=True)}
+    conversions = SiteConversions(mapping, weight_shapes(ref))
     port_weights = port.index[port.index["role"] == Role.WEIGHT]
     by_site: dict[str, dict[str, str]] = {}
     for site, arg, shape in zip(port_weights["site"], port_weights["arg"],
@@ -355,17 +455,15 @@ def derived_conversions(ref: Trace, port: Trace, sites: Any, mapping: Any,
                               & (port.index["arg"] == "0") & (port.index["kind"] == "tensor")]
     output_shape = dict(zip(port_outputs["site"], port_outputs["shape"], strict=True))
     found: dict[str, DerivedPermutation] = {}
-    seen: dict[tuple, tuple[int, ...] | None] = {}  # one run per chain and shapes, not per layer
     for pair in sites.pairs:
         params = by_site.get(pair.port)
         if pair.reference in given or not params or pair.port not in output_shape:
             continue
-        port_module, ref_module = split_site(pair.port)[0], split_site(pair.reference)[0]
-        derived = derive_permutation(
+        derived = conversions.find(
+            pair.reference, split_site(pair.port)[0],
             {param_name(pair.port, arg): _shape(shape) for arg, shape in params.items()},
-            ref_shape, mapping, {port_module: ref_module},
-            (_shape(output_shape[pair.port]) or (0,))[-1], seen)
-        if derived is not None:
+            (_shape(output_shape[pair.port]) or (0,))[-1])
+        if isinstance(derived, DerivedPermutation):
             found[pair.reference] = derived
     return found
 

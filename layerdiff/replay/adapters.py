@@ -203,7 +203,8 @@ class LayerAdapter(StandIn):
                  caller: Signature | None = None, expected: Any = None,
                  inverse: bool = False,
                  call: tuple[CodeRef, Any] | None = None,
-                 replaced: nn.Module | None = None) -> None:
+                 replaced: nn.Module | None = None,
+                 output: tuple[Any, Any] | None = None) -> None:
         super().__init__()
         self.wrapped = layer
         self._args_map = {k: v for k, v in args_map.items() if v != ""}
@@ -213,6 +214,9 @@ class LayerAdapter(StandIn):
         self._caller = caller
         self._expected = expected
         self._call = call
+        # (the site's output conversion, the function that brings the layer's outputs into the
+        # caller's layout): compare/outconv.py, the one the diff compares them through
+        self._output = output
         self._dropped: list[tuple[str, str]] = []  # what the last call left out, and why
         self._stand_in(name, replaced)
 
@@ -292,6 +296,7 @@ class LayerAdapter(StandIn):
         attention also returns its weights, which its block does not use unless asked): said
         in ``dropped``, and a caller that does use them fails the run, which the swap then
         cannot judge, saying which output was None."""
+        outputs = self._converted(outputs)
         expected = self._expected
         if expected is None or skeleton(outputs) == expected:
             return outputs
@@ -307,6 +312,25 @@ class LayerAdapter(StandIn):
                                               > 1 else f"output {len(tensors)}",
                                               NOT_RETURNED)]
         return _fill(expected, tensors + [None] * (wanted - len(tensors)))
+
+
+    def _converted(self, outputs: Any) -> Any:
+        """The layer's outputs through the site's output conversion (a q/k projection's rows
+        put back in the caller's order, experts' outputs into their weighted sum): in the
+        graph, so the gradient the caller sends flows back through it. One that cannot be
+        applied (an output it takes is not returned) is a LayerCallError: cannot judge."""
+        if self._output is None:
+            return outputs
+        from layerdiff.compare.outconv import CannotConvert, convert_outputs
+
+        conversion, function = self._output
+        try:
+            made = convert_outputs(conversion, function, list(flatten(outputs, "")),
+                                   f"the layer swapped in at {self._host_name}")
+        except CannotConvert as exc:
+            raise LayerCallError(self._host_name, str(exc)) from exc
+        values = [value for _, value in made]
+        return values[0] if len(values) == 1 else tuple(values)
 
 
 NOT_RETURNED = "the port layer does not return it: None"

@@ -153,6 +153,8 @@ def _checked_entries(ref: Trace, port: TorchModel | FlaxModel, mapping: Mapping,
             _check_conversion(entry, found, probe)
         elif not found.problem and not runner.pairs(_owner(found.port)):
             _check_around(entry, found, runner)
+        if not found.problem and entry.status in (OK, NOT_CHECKED):
+            _check_output_conversion(entry, found, runner)
         entries.append(entry)
     return entries
 
@@ -176,6 +178,31 @@ def _check_around(entry: MapEntry, found: Assignment, runner: _SiteRunner) -> No
         f"module around it, the declared load gives relative error {measured.error:.1e} "
         f"(rounding is below {measured.rounding:.0e}): check its rule (does it need a "
         "conversion?), or whether the port computes something else there"))
+
+
+def _check_output_conversion(entry: MapEntry, found: Assignment, runner: _SiteRunner) -> None:
+    """A tensor of a module whose outputs the mapping's ``output_transform`` converts: the
+    module, loaded as declared, must reproduce the reference's output through it (as the diff
+    will compare it); else the function or the tensor's rule is wrong."""
+    module = _owner(found.port)
+    if not runner.pairs(module) or runner.declared_conversion(module) is None:
+        return
+    try:
+        measured = runner.declared(module)
+    except Exception as exc:  # cannot run here: said, not failed
+        _not_checked(entry, str(exc) if _known(exc) else f"port module {module} raised "
+                     f"{type(exc).__name__} on the reference's recorded inputs: {exc}")
+        return
+    said = (f"at {measured.site} its outputs through "
+            f"{runner.declared_conversion(module).describe()} give relative error "
+            f"{measured.error:.1e} against the reference's")
+    if measured.error <= BETTER * measured.rounding:
+        entry.note = _join(entry.note, said)
+        return
+    entry.status = SUSPICIOUS_CONVERSION
+    entry.note = _join(entry.note, f"{said} (rounding is below {measured.rounding:.0e}): check "
+                       "the output_transform function and this tensor's rule, or whether the "
+                       "port computes something else there")
 
 
 def _first_measure(modules: list[str], measure: Any) -> tuple[Any, list[str]]:
@@ -304,6 +331,8 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
     for candidate in _around(module, LEVELS):
         try:
             declared, plain = probe.measure(candidate)
+            if probe.runner.derived_from(candidate, found.port):
+                continue  # compared through the inverse of this very conversion: says nothing
         except Exception as exc:  # not paired or not replayable here: try the next one out
             known = _known(exc)
             reasons.append(str(exc) if known else f"port module {candidate} raised "
@@ -396,6 +425,8 @@ class _SiteRunner:
         self._inputs: dict[str, list] = {}
         self._expected: dict[str, dict[str, np.ndarray]] = {}
         self._declared: dict[str, _Measure] = {}
+        self._conversions: Any = None  # SiteConversions, made on first use (imports torch)
+        self._found: dict[str, Any] = {}  # port module -> its output conversion, as measured
 
     def declared(self, module: str) -> _Measure:
         """The measure with the declared load, taken once per module."""
@@ -408,7 +439,8 @@ class _SiteRunner:
         if module not in self._inputs:  # inputs read once: each run gets clones of them
             self._inputs[module] = self.port.inputs(call, args)
         outputs = self.port.outputs(call, module, args, self._inputs[module], adapter=adapter)
-        got = {arg: value.astype(np.float64) for arg, value in self.model.arrays(outputs)
+        got = {arg: value.astype(np.float64) for arg, value in self._converted(
+                   call.site, module, self.model.arrays(outputs))
                if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)
                and self.mapping.why_unmatched_record("port", port_site, Role.OUTPUT, arg) is None}
         eps = self.model.eps(outputs)
@@ -437,6 +469,56 @@ class _SiteRunner:
                              "{ ... } on the site's rule")
         return _Measure(call.site, float(np.sqrt(gap / max(norm, np.finfo(float).tiny))),
                         ROUNDING_ULPS * eps)
+
+    def conversion(self, site: str, module: str, features: int | None) -> Any:
+        """The output conversion of reference ``site`` paired with port ``module``, declared
+        or derived, as the diff finds it (compare/outconv.py)."""
+        if self._conversions is None:
+            from layerdiff.compare.outconv import SiteConversions, weight_shapes
+
+            self._conversions = SiteConversions(self.mapping, weight_shapes(self.ref))
+            self._shapes = self.model.shapes()
+        prefix = "" if module == schema.ROOT_MODULE else module + "."
+        params = {name: shape for name, shape in self._shapes.items()
+                  if name.startswith(prefix) and "." not in name[len(prefix):]}
+        return self._conversions.find(site, module, params, features)
+
+    def declared_conversion(self, module: str) -> Any:
+        """The mapping's ``output_transform`` at the site paired with port ``module``."""
+        return self.mapping.output_conversion(self._call_for(module)[0].site)
+
+    def derived_from(self, module: str, tensor: str) -> bool:
+        """Whether ``module``'s outputs are compared through a permutation derived from
+        ``tensor``'s own conversion: there the conversion is undone by itself and cannot be
+        judged (a wrong row order is undone as exactly as the right one)."""
+        from layerdiff.compare.outconv import DerivedPermutation
+
+        found = self._found.get(module)
+        return isinstance(found, DerivedPermutation) and tensor in found.params
+
+    def _converted(self, site: str, module: str, arrays: list[tuple[str, Any]]
+                   ) -> list[tuple[str, Any]]:
+        """The port module's outputs in the reference's layout, through the site's output
+        conversion (the diff's); one that cannot be applied is a ValueError: cannot judge."""
+        first = dict(arrays).get("0")
+        conversion = self.conversion(site, module, first.shape[-1] if isinstance(
+            first, np.ndarray) and first.ndim else None)
+        self._found[module] = conversion
+        if conversion is None:
+            return arrays
+        import torch
+
+        from layerdiff.compare.outconv import CannotConvert, convert_outputs
+
+        values = [(arg, torch.from_numpy(np.ascontiguousarray(value))
+                   if isinstance(value, np.ndarray) else value) for arg, value in arrays]
+        try:
+            made = convert_outputs(conversion, self._conversions.function(conversion), values,
+                                   f"port module {module}")
+        except CannotConvert as exc:
+            raise ValueError(f"cannot judge {site}: {exc}") from None
+        return [(arg, value.detach().numpy() if torch.is_tensor(value) else value)
+                for arg, value in made]
 
     def _paired_calls(self) -> dict[str, tuple[RecordedCall, str, dict[str, str], Any]]:
         """Port module -> the first recorded call whose site pairs with it, the port site, its

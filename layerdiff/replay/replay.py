@@ -247,45 +247,32 @@ def _call_adapters(calls: list[RecordedCall], mapping: Mapping
 
 def _output_conversions(ref: Trace, calls: list[RecordedCall], mapping: Mapping,
                         backend: Any) -> dict[str, tuple[Any, Any]]:
-    """Reference site -> (its output conversion, the function) for a torch port: the
-    mapping's ``output_transform``, else the row permutation the diff derives from the
-    conversion of the layer's weights (compare/outconv.py), so a replayed layer is fed the
-    reference's output gradient in its own layout."""
-    from layerdiff.mapping import is_code
+    """Reference site -> (its output conversion, the function) for a torch port, as the diff
+    finds it (compare/outconv.py ``SiteConversions``: the mapping's ``output_transform``, else
+    the row permutation its conversion of the layer's weights makes), so a replayed layer is
+    fed the reference's output gradient in its own layout."""
+    from layerdiff.compare.outconv import SiteConversions, weight_shapes
 
-    derive = any(is_code(step) for rule in mapping.param_rules for step in rule.transforms)
-    ref_shapes: dict[str, str] = {}
-    outputs: dict[str, str] = {}
-    if derive:
-        index = ref.index
-        weights = index[index["role"] == Role.WEIGHT]
-        ref_shapes = {schema.param_name(site, arg): shape for site, arg, shape in zip(
-            weights["site"], weights["arg"], weights["shape"], strict=True)}
-        firsts = index[(index["role"] == Role.OUTPUT) & (index["kind"] == "tensor")]
-        outputs = {(site, str(arg)): shape for site, arg, shape in zip(
-            firsts["site"], firsts["arg"], firsts["shape"], strict=True)}
+    conversions = SiteConversions(mapping, weight_shapes(ref) if mapping.param_rules else {})
+    index = ref.index
+    firsts = index[(index["role"] == Role.OUTPUT) & (index["kind"] == "tensor")
+                   & (index["arg"] == "0")]
+    outputs = dict(zip(firsts["site"], firsts["shape"], strict=True))
     found: dict[str, tuple[Any, Any]] = {}
-    seen: dict = {}
     for call in calls:
-        conversion = mapping.output_conversion(call.site)
-        if conversion is None and derive:
-            target = port_site_for(call.site, mapping, backend.modules)
-            shape = outputs.get((call.site, "0"))
-            if target is None or not shape:
-                continue
-            from layerdiff.compare.outconv import derive_permutation
-
-            module_name = schema.split_site(target[0])[0]
-            module = backend.modules[module_name]
-            params = {f"{module_name}.{name}" if module_name else name: tuple(tensor.shape)
-                      for held in (module._parameters, module._buffers)
-                      for name, tensor in held.items() if tensor is not None}
-            conversion = derive_permutation(
-                params, ref_shapes, mapping,
-                {module_name: schema.split_site(call.site)[0]},
-                schema.parse_shape(shape)[-1] if schema.parse_shape(shape) else 0, seen)
+        target = port_site_for(call.site, mapping, backend.modules)
+        if target is None:
+            continue
+        module_name = schema.split_site(target[0])[0]
+        module = backend.modules[module_name]
+        params = {f"{module_name}.{name}" if module_name else name: tuple(tensor.shape)
+                  for held in (module._parameters, module._buffers)
+                  for name, tensor in held.items() if tensor is not None}
+        shape = schema.parse_shape(outputs[call.site]) if outputs.get(call.site) else ()
+        conversion = conversions.find(call.site, module_name, params,
+                                      shape[-1] if shape else None)
         if conversion is not None:
-            found[call.site] = (conversion, conversion.resolve())
+            found[call.site] = (conversion, conversions.function(conversion))
     return found
 
 

@@ -44,6 +44,7 @@ from layerdiff.case import ExternalCase, is_nnx_module
 from layerdiff.compare import judge
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.matching import port_site_for
+from layerdiff.compare.outconv import DerivedPermutation, SiteConversions
 from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, ParamSource
@@ -209,19 +210,24 @@ class Swapper:
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
-        self.order, self.reference_outputs = _observe(self.make_reference())
+        self.order, self.reference_outputs, _ = _observe(self.make_reference())
         self.port_order, self.port_outputs = list(self.port_modules), {}
+        self._port_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         if not isinstance(probe_port, ExternalCase):
             # a port that cannot run whole may still swap layer by layer: then every module
             # counts as called
             with contextlib.suppress(Exception):
-                self.port_order, self.port_outputs = _observe(self.make_port())
+                self.port_order, self.port_outputs, self._port_shapes = _observe(
+                    self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
         # reference module -> (call adapter, its function), imported now: a name that does not
         # import is bad input, refused before any run
         self.calls = self._call_adapters()
         self._runs: dict[int, tuple[Any, Any]] = {}
         self._reference_state = state_arrays(probe_ref.model)  # the weights swapped layers get
+        # each site's output conversion, declared or derived, as the diff compares it
+        self._conversions = SiteConversions(self.mapping, {
+            name: tuple(value.shape) for name, value in self._reference_state.items()})
 
     def _pairs(self) -> dict[str, tuple[str, dict[str, str]]]:
         """Reference module -> (port module, argument map), by the diff's own name matching
@@ -375,7 +381,9 @@ class Swapper:
                 layer = LayerAdapter(port_module, get_module(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
                                      expected=self.port_outputs.get(port_module), inverse=True,
-                                     replaced=replaced)
+                                     replaced=replaced,
+                                     output=self._output_conversion(module, replaced,
+                                                                    inverse=True))
                 _replace(host.model, port_module, layer)
             adapters.append((module, layer))
         return host, adapters
@@ -399,10 +407,40 @@ class Swapper:
                                      "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map,
                                  replaced=replaced)
-        return LayerAdapter(ref_module, get_module(donor.model, port_module), args_map,
+        layer = get_module(donor.model, port_module)
+        return LayerAdapter(ref_module, layer, args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
-                            call=self.calls.get(ref_module), replaced=replaced)
+                            call=self.calls.get(ref_module), replaced=replaced,
+                            output=self._output_conversion(ref_module, layer))
+
+    def _output_conversion(self, ref_module: str, port_layer: nn.Module, *,
+                           inverse: bool = False) -> tuple[Any, Any] | None:
+        """The site's output conversion (compare/outconv.py ``SiteConversions``, as the diff
+        finds it) and the function that puts the port layer's outputs in the reference's
+        layout; ``inverse``: the reference layer's outputs in the port's (a reference layer
+        swapped into the port), which only a derived row permutation has (a declared
+        ``output_transform`` is one way): a LayerCallError says so."""
+        port_module = self.pairs[ref_module][0]
+        prefix = "" if port_module == schema.ROOT_MODULE else port_module + "."
+        params = {prefix + name: tuple(tensor.shape)
+                  for held in (port_layer._parameters, port_layer._buffers)
+                  for name, tensor in held.items() if tensor is not None}
+        shape = self._port_shapes.get(port_module, {}).get("0")
+        site = next((s for s in self.mapping.pairs if schema.split_site(s)[0] == ref_module),
+                    schema.site_name(ref_module, 0))
+        conversion = self._conversions.find(site, port_module, params,
+                                            shape[-1] if shape else None)
+        if conversion is None:
+            return None
+        if not inverse:
+            return conversion, self._conversions.function(conversion)
+        if not isinstance(conversion, DerivedPermutation):
+            raise LayerCallError(port_module, f"the mapping's {conversion.describe()} "
+                                 f"({conversion.where}) turns the port's outputs into the "
+                                 "reference's; its inverse, to put the reference layer's "
+                                 "outputs in the port's layout, is not written")
+        return conversion, conversion.resolve_inverse()
 
     def _compare(self, what: str, key: tuple[int, str, str, str], expected: torch.Tensor,
                  got: torch.Tensor, *, judged: bool = True) -> SwapRow:
@@ -545,22 +583,26 @@ def swap(reference: Any, port: Any, sites: Sequence[str], *,
                    baseline=baseline).run(sites, steps=steps, into=into)
 
 
-def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
-    """One forward pass of ``case``: its modules in the order of their first call, and the
-    structure of what each returned (tensors as placeholders)."""
+def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, dict[str, tuple]]]:
+    """One forward pass of ``case``: its modules in the order of their first call, the
+    structure of what each returned (tensors as placeholders), and its tensor outputs'
+    shapes by argument path."""
     order: dict[str, None] = {}
     outputs: dict[str, Any] = {}
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
 
     def before(name: str, _module: nn.Module, _args: tuple, _kwargs: dict) -> None:
         order.setdefault(name)
 
     def after(name: str, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
         outputs.setdefault(name, skeleton(out))
+        shapes.setdefault(name, {arg: tuple(value.shape) for arg, value in flatten(out, "")
+                                 if torch.is_tensor(value)})
 
     # a module called as child.forward(...) (llama2.c) is called too
     with hook_every_call(case.model, before, after, direct_calls=True), torch.no_grad():
         case.call_model()
-    return list(order), outputs
+    return list(order), outputs, shapes
 
 
 def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
