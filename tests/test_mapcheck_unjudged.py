@@ -159,3 +159,42 @@ def test_argument_pairing_and_the_diff_share_the_shape_rule(ref_shape, port_shap
     assert paired is same is same_elements(ref_shape, port_shape)
     values = torch.arange(int(torch.tensor(ref_shape).prod())).reshape(ref_shape).numpy()
     assert (as_shape(values, port_shape).shape == port_shape) is same
+
+
+class Mix(nn.Module):
+    """A square weight applied by the module's own code; the reference returns (1, T, D), the
+    port (T, D): the same elements in the same order."""
+
+    def __init__(self, batched: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.batched = batched
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w.T
+        return y.unsqueeze(0) if self.batched else y
+
+
+class Mixer(nn.Module):
+    def __init__(self, batched: bool) -> None:
+        super().__init__()
+        self.mix = Mix(batched)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x).reshape(x.shape).sum()
+
+
+def test_map_check_measures_an_output_apart_by_an_axis_of_size_1(tmp_path):
+    """The transpose check compares a module's output with the recorded one by the diff's rule:
+    (T, D) against (1, T, D) is measured (it was refused as 'nothing can be measured')."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+
+    def case(model):
+        return Case(model=model, inputs=(x,), loss_fn=lambda out: out, seed=0)
+
+    seed_everything(0)
+    reference = capture(case(Mixer(batched=True)), tmp_path / "ref.h5", progress=False)
+    check = map_check(reference, case(Mixer(batched=False)), sites=False)
+    entry = next(e for e in check.entries if e.port == "mix.w")
+    assert entry.status == "ok" and entry.errors is not None and entry.errors[0] < 1e-6
+    assert "transpose checked at mix#0" in entry.note

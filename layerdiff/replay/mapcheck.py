@@ -34,6 +34,7 @@ from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.records import output_partners
 from layerdiff.compare.result import Unjudgeable
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import LayerdiffError, TraceError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
@@ -462,11 +463,12 @@ class _SiteRunner:
         for arg, port_arg in partners.items():
             if port_arg not in got:
                 continue
-            if got[port_arg].shape != expected[arg].shape:
+            value = as_shape(got[port_arg], expected[arg].shape)  # the diff's shape rule
+            if value.shape != expected[arg].shape:
                 raise ValueError(f"port site {port_site} gives output {port_arg or '0'} of shape "
                                  f"{got[port_arg].shape}, the reference's {call.site} output "
                                  f"{arg} {expected[arg].shape}, so nothing can be measured there")
-            gap += float(np.sum((got[port_arg] - expected[arg]) ** 2))
+            gap += float(np.sum((value - expected[arg]) ** 2))
             norm += float(np.sum(expected[arg] ** 2))
             compared += 1
         if not compared:
