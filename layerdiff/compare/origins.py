@@ -241,12 +241,13 @@ def _port_only(sites: dict[str, _Site], step: int,
             lone.setdefault((site, port_site), []).append((arg, name))
     for (site, port_site), inputs in lone.items():
         sites[site].missing.add(Role.INPUT)
-        sites[site].why_missing.append(_port_only_input(port_site, inputs))
+        sites[site].why_missing.append(_port_only_input(site, port_site, inputs))
 
 
-def _port_only_input(port_site: str, inputs: list[tuple[str, str]]) -> str:
+def _port_only_input(site: str, port_site: str, inputs: list[tuple[str, str]]) -> str:
     """What a port input without partner keeps from judging, the right way round (the port has
-    it, the reference does not), and the two rules that end it."""
+    it, the reference does not), and the two rules that end it: an adapter on the site's
+    [[site]] rule (named by the reference's module), or a declaration on the port's module."""
     one = len(inputs) == 1
     module = schema.split_site(port_site)[0]
     names = ", ".join(repr(name) for _, name in inputs)
@@ -255,7 +256,8 @@ def _port_only_input(port_site: str, inputs: list[tuple[str, str]]) -> str:
     return (f"the port's {'input' if one else 'inputs'} {names} at {port_site} "
             f"{'has' if one else 'have'} no partner in the reference: write a call adapter "
             f"that makes {'it' if one else 'them'} from the reference's arguments (call = "
-            f"\"pkg.module:function\" on a [[site]] rule for {module}; see docs/diff.md), or, "
+            f"\"pkg.module:function\" on a [[site]] rule for {schema.split_site(site)[0]}; see "
+            f"docs/diff.md), or, "
             f"where the port makes {'it' if one else 'them'} from nothing the reference passes, "
             f"declare {'it' if one else 'each'} the port's own ({declare})")
 
