@@ -20,7 +20,7 @@ from layerdiff.replay.mapcheck import map_check
 from layerdiff.report.findings import render
 from layerdiff.signature import Parameter, Signature
 from tests import real_pairs_cases as cases
-from tests.test_cannot_judge import TwoBranches, _case
+from tests.test_cannot_judge import Branch, TwoBranches, _case
 from tests.test_real_pairs_diff import ADAPTERS
 
 ATTN0 = "layers.0.attn#0"
@@ -97,6 +97,34 @@ def test_a_mask_only_the_port_passes_is_listed(tmp_path):
     assert check and [site.site for site in check.cannot_judge] == ["a#0"]
     assert "'mask'" in check.cannot_judge[0].why[0]
     assert '[[unmatched]] port = "a" input = "1"' in check.cannot_judge[0].why[0]
+
+
+class ExplicitNone(nn.Module):
+    """The reference passes ``mask=None`` by name, the port a tensor there."""
+
+    def __init__(self, port: bool = False, a_scale: float = 1.0) -> None:
+        super().__init__()
+        self.a, self.b = Branch(a_scale), Branch()
+        self.port = port
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x, mask=torch.ones(8) if self.port else None) + self.b(x)
+
+
+def test_a_tensor_where_the_reference_passes_none_is_the_ports_own_input(tmp_path):
+    """It was compared with the None ('out'), so the branch's output read as propagated and the
+    diff named the root, confidently; now it is the port's input without partner: the diff's
+    headline is the branch that cannot be judged, and map-check lists it on the faithful port."""
+    seed_everything(0)
+    reference = capture(_case(ExplicitNone()), tmp_path / "ref.h5", progress=False)
+    port = ExplicitNone(port=True, a_scale=2.0)
+    load_weights(port, reference)
+    result = diff(reference, capture(_case(port), tmp_path / "port.h5", progress=False))
+    assert result.cannot_judge_first is not None and result.cannot_judge_first.site == "a#0"
+    assert result.origins == []
+    check = map_check(reference, _case(ExplicitNone(port=True)))
+    assert check and [site.site for site in check.cannot_judge] == ["a#0"]
+    assert '[[unmatched]] port = "a" input = "mask"' in check.cannot_judge[0].why[0]
 
 
 class Attention(nn.Module):

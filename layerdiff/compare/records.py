@@ -169,8 +169,11 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue
         port_pos = None if port_arg is None else port_keys.get((step, pair.port, role,
                                                                  port_arg))
-        if port_pos is None and role == Role.INPUT and value == "null":
-            continue  # a None the reference passed and the port does not take carries nothing
+        if role == Role.INPUT and value == "null" and (
+                port_pos is None or port_index["kind"].iat[port_pos] == "tensor"):
+            # a None the reference passed carries nothing; a tensor the port passes there (a
+            # cross-attention's mask) is the port's own input, unpaired (port_missing below)
+            continue
         none_in_port = (port_pos is not None and role == Role.OUTPUT and kind == "tensor"
                         and port_index["kind"].iat[port_pos] != "tensor")
         if none_in_port:  # a None (an attention's weights it does not return): no partner
