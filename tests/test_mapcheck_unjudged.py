@@ -18,6 +18,7 @@ from layerdiff.compare.arguments import pair_arguments
 from layerdiff.compare.shapes import as_shape, same_elements
 from layerdiff.replay.mapcheck import map_check
 from layerdiff.report.findings import render
+from layerdiff.report.terminal import format_diff
 from layerdiff.signature import Parameter, Signature
 from tests import real_pairs_cases as cases
 from tests.test_cannot_judge import Branch, TwoBranches, _case
@@ -97,6 +98,13 @@ def test_a_mask_only_the_port_passes_is_listed(tmp_path):
     assert check and [site.site for site in check.cannot_judge] == ["a#0"]
     assert "'mask'" in check.cannot_judge[0].why[0]
     assert '[[unmatched]] port = "a" input = "1"' in check.cannot_judge[0].why[0]
+    # the diff of the faithful port passes and says the same, its rule behind --verbose
+    port = TwoBranches(port=True)
+    load_weights(port, reference)
+    result = diff(reference, capture(_case(port), tmp_path / "port.h5", progress=False))
+    assert result and [site.site for site in result.cannot_judge] == ["a#0"]
+    assert "unjudged  1 paired site(s) whose own code cannot be judged" in format_diff(result)
+    assert '[[unmatched]] port = "a" input = "1"' in format_diff(result, verbose=True)
 
 
 class ExplicitNone(nn.Module):
