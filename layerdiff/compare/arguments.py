@@ -31,8 +31,10 @@ from typing import Any
 
 import pandas as pd
 
+from layerdiff.compare.shapes import same_elements
 from layerdiff.errors import DiffError
 from layerdiff.signature import Parameter, Signature
+from layerdiff.trace import schema
 
 
 @dataclass
@@ -186,21 +188,24 @@ def _has_room(head: str, port: Signature) -> bool:
 
 
 def _alike(ref: Leaves, port: Leaves | None) -> bool:
-    """The same leaves, and tensors where tensors are, of the same shapes (a port that did not
-    record the argument: nothing to tell them apart by)."""
+    """The same leaves, and tensors where tensors are, holding the same elements in the same
+    order (the diff's shape rule, :mod:`layerdiff.compare.shapes`: position ids (1, T) and (T),
+    heads (B, T, N*H) and (B, T, N, H)); a port that did not record the argument has nothing to
+    tell them apart by."""
     if port is None:
         return True
     if set(ref) != set(port):
         return False
-    return all(_unit_free(ref[k]) == _unit_free(port[k])
+    return all(_same_tensor(ref[k], port[k])
                or not (ref[k].startswith(_TENSOR) or port[k].startswith(_TENSOR)) for k in ref)
 
 
-def _unit_free(leaf_text: str) -> str:
-    """A tensor leaf without its axes of size 1 (position ids (1, T) and (T) are alike)."""
-    if not leaf_text.startswith(_TENSOR):
-        return leaf_text
-    return ",".join(n for n in leaf_text[len(_TENSOR):].split(",") if n != "1")
+def _same_tensor(ref_leaf: str, port_leaf: str) -> bool:
+    """Whether two tensor leaves could hold the same tensor by their shapes (the diff's rule)."""
+    if not (ref_leaf.startswith(_TENSOR) and port_leaf.startswith(_TENSOR)):
+        return False
+    return same_elements(schema.parse_shape(ref_leaf[len(_TENSOR):]),
+                         schema.parse_shape(port_leaf[len(_TENSOR):]))
 
 
 _TENSOR = "tensor "

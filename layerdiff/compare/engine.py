@@ -34,7 +34,7 @@ from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import UNCHANGED, Verdict
 from layerdiff.compare.matching import explain_op_pairings, match_sites, op_pairings
 from layerdiff.compare.metrics import PairMetrics, Scratch
-from layerdiff.compare.origins import find_origins, first_unjudged
+from layerdiff.compare.origins import find_origins, first_unjudged, unjudgeable_sites
 from layerdiff.compare.pair import ConvertedPair, PairReader, RowKey
 from layerdiff.compare.rank_parts import (
     attach_ranks,
@@ -234,7 +234,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        diff_options(mapping, tolerances)),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
-                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
+                  unjudgeable_sites(rows, ref_index, dropped=records.excused,
+                                    port_missing=records.port_missing))
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:

@@ -131,19 +131,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     norms: dict[int, float] = {}
     if ref_index is not None:
         _find_missing(sites, rows, ref_index, step, dropped or set())
-    lone: dict[tuple[str, str], list[str]] = {}
-    for missing_step, site, port_site, _, name in port_missing or []:
-        if missing_step == step and site in sites:
-            lone.setdefault((site, port_site), []).append(name)
-    for (site, port_site), names in lone.items():
-        sites[site].missing.add(Role.INPUT)
-        sites[site].why_missing.append(
-            f"the port's {'input' if len(names) == 1 else 'inputs'} "
-            f"{', '.join(repr(n) for n in names)} at {port_site} "
-            f"{'has' if len(names) == 1 else 'have'} no partner in the reference: write a call "
-            f"adapter that makes {'it' if len(names) == 1 else 'them'} from the reference's "
-            f"arguments (call = \"pkg.module:function\" on the mapping's [[site]] rule for "
-            f"{schema.split_site(site)[0]}; see docs/diff.md)")
+    _port_only(sites, step, port_missing or [])
     if ref_index is not None:
         norms = _norms(rows, in_step, ref_index, extra_norms or {})
     parents = _parents(ref_sites, step)
@@ -207,6 +195,71 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     _mark_unjudged(rows, unjudged, blocked)
     _mark(rows, origins, sites, step, failing)
     return origins, step
+
+
+def unjudgeable_sites(rows: pd.DataFrame, ref_index: pd.DataFrame, *,
+                      dropped: set[tuple[int, str, str, str]],
+                      port_missing: list[tuple[int, str, str, str, str]],
+                      step: int | None = None) -> list[R.Unjudgeable]:
+    """Every paired site of ``step`` (default: the first) whose own code cannot be judged,
+    whatever its records hold, with why and the rule or adapter to write: an input or an
+    incoming gradient without partner, an output a gradient arrives at without partner, a
+    port input that nothing in the reference pairs with. The same notes :func:`find_origins`
+    gives a failing site as its "cannot judge" cause, so that ``map-check`` can say them before
+    any record fails. Arguments as :func:`find_origins`'s."""
+    if rows.empty:
+        return []
+    step = int(rows[Column.STEP].min()) if step is None else step
+    in_step = rows.index[rows[Column.STEP] == step]
+    sites = _collect(rows, in_step)
+    _find_missing(sites, rows, ref_index, step, dropped)
+    _port_only(sites, step, port_missing)
+    # a site the mapping leaves unpaired may still have its weights compared (through a
+    # [[param]] rule): it is listed as unmatched, not as a pair that cannot be judged
+    frame = rows.loc[in_step]
+    paired = set(frame.loc[~frame[Column.ROLE].isin(PARAM_ROLES), Column.SITE])
+    found = []
+    for site in sorted(sites.values(), key=lambda s: s.order):
+        if not site.missing or site.name not in paired:
+            continue
+        passes = [pass_ for pass_, roles in ((Pass.FORWARD, (Role.INPUT,)),
+                                             (Pass.BACKWARD, (Role.INPUT, Role.GRAD_OUTPUT)))
+                  if site.lacks(*roles)]
+        found.append(R.Unjudgeable(step, site.name, site.port_name, sorted(site.missing),
+                                   passes, list(dict.fromkeys(site.why_missing))))
+    return found
+
+
+def _port_only(sites: dict[str, _Site], step: int,
+               port_missing: list[tuple[int, str, str, str, str]]) -> None:
+    """Note the port's inputs that nothing in the reference pairs with: their site cannot be
+    judged until a call adapter makes them from the reference's arguments, or the mapping
+    declares them the port's own."""
+    lone: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for missing_step, site, port_site, arg, name in port_missing:
+        if missing_step == step and site in sites:
+            lone.setdefault((site, port_site), []).append((arg, name))
+    for (site, port_site), inputs in lone.items():
+        sites[site].missing.add(Role.INPUT)
+        sites[site].why_missing.append(_port_only_input(site, port_site, inputs))
+
+
+def _port_only_input(site: str, port_site: str, inputs: list[tuple[str, str]]) -> str:
+    """What a port input without partner keeps from judging, the right way round (the port has
+    it, the reference does not), and the two rules that end it: an adapter on the site's
+    [[site]] rule (named by the reference's module), or a declaration on the port's module."""
+    one = len(inputs) == 1
+    module = schema.split_site(port_site)[0]
+    names = ", ".join(repr(name) for _, name in inputs)
+    declare = "; ".join(f'[[unmatched]] port = "{module}" input = "{arg}"'
+                        for arg, _ in inputs)
+    return (f"the port's {'input' if one else 'inputs'} {names} at {port_site} "
+            f"{'has' if one else 'have'} no partner in the reference: write a call adapter "
+            f"that makes {'it' if one else 'them'} from the reference's arguments (call = "
+            f"\"pkg.module:function\" on a [[site]] rule for {schema.split_site(site)[0]}; see "
+            f"docs/diff.md), or, "
+            f"where the port makes {'it' if one else 'them'} from nothing the reference passes, "
+            f"declare {'it' if one else 'each'} the port's own ({declare})")
 
 
 def first_unjudged(rows: pd.DataFrame, ref_sites: pd.DataFrame, origins: list[R.Origin],

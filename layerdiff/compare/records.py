@@ -169,14 +169,28 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue
         port_pos = None if port_arg is None else port_keys.get((step, pair.port, role,
                                                                  port_arg))
-        if port_pos is None and role == Role.INPUT and value == "null":
-            continue  # a None the reference passed and the port does not take carries nothing
+        if role == Role.INPUT and value == "null" and (
+                port_pos is None or port_index["kind"].iat[port_pos] == "tensor"):
+            # a None the reference passed carries nothing; a tensor the port passes there (a
+            # cross-attention's mask) is the port's own input, unpaired (port_missing below)
+            continue
+        none_in_port = (port_pos is not None and role == Role.OUTPUT and kind == "tensor"
+                        and port_index["kind"].iat[port_pos] != "tensor")
+        if none_in_port:  # a None (an attention's weights it does not return): no partner
+            port_pos, port_arg = None, None
+        elif (port_pos is not None and role == Role.OUTPUT and value == "null"
+              and port_index["kind"].iat[port_pos] == "tensor"):
+            continue  # a None the reference returns carries nothing: the port's is unpaired
         if port_pos is None:
             shown = port_arg if port_arg is not None else arg
             reason = f"the port recorded no {role} '{shown}' at {pair.port}"
             if not inputs and port_arg is None:
                 reason = (f"{pair.port} has no output that pairs with it (name it with "
                           "outputs = { ... } on the site's rule, or declare it [[unmatched]])")
+                if none_in_port:
+                    reason = (f"{pair.port} returns None there: declare it [[unmatched]] "
+                              f"reference = \"{schema.split_site(site)[0]}\" output = "
+                              f"\"{arg}\", or name its partner with outputs = {{ ... }}")
                 # An output without partner that no gradient arrives at from outside the call
                 # (eager attention's weights) never blocks its site. One that a gradient
                 # arrives at does: what its users received cannot be judged. The model's own
@@ -217,6 +231,8 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
             continue
         if role in (Role.OUTPUT, Role.GRAD_OUTPUT) and _under(arg, taken.get(site, ())):
             continue  # an output conversion takes it (outconv.py)
+        if role == Role.OUTPUT and kind != "tensor" and port_index["value"].iat[pos] == "null":
+            continue  # a None the port returns carries nothing
         declared = mapping.why_unmatched_record("port", site, role, arg)
         if declared is not None:
             result.declared.append(("port", int(step), site, role, arg, declared))

@@ -137,6 +137,24 @@ class Unjudged:
         return data
 
 
+@dataclass
+class Unjudgeable:
+    """A paired site whose own code cannot be judged whatever its records hold, found before
+    anything fails (``Diff.cannot_judge``, ``map-check``): an input, an incoming gradient or an
+    output a gradient arrives at has no partner, or the port takes an input the reference has
+    no partner for."""
+
+    step: int
+    site: str                   # reference's name
+    port_site: str
+    roles: list[str]            # the roles without partner: input, output, grad_output
+    passes: list[str]           # the passes its own code cannot be judged in
+    why: list[str]              # per record without partner: what, and the rule to write
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class DiffMeta(TypedDict, total=False):
     """What a diff says besides its rows (``Diff.meta``; in the JSON as ``meta``)."""
 
@@ -174,6 +192,8 @@ class Diff:
     # the first failing record, when a site that cannot be judged holds it (every origin is
     # then hedged)
     cannot_judge_first: Unjudged | None = None
+    # every paired site of the first step whose own code cannot be judged, failing or not
+    cannot_judge: list[Unjudgeable] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -210,6 +230,7 @@ class Diff:
             "origin": self.origin.as_json() if self.origin else None,
             "cannot_judge_first": (self.cannot_judge_first.as_json()
                                    if self.cannot_judge_first else None),
+            "cannot_judge": [site.as_json() for site in self.cannot_judge],
             "origins": [origin.as_json() for origin in self.origins],
             "unmatched": _records(self.unmatched),
             "not_taken": _records(self.not_taken),

@@ -11,12 +11,20 @@ chain with a conversion function is applied as the load applies it (shapes check
 reported with the function's source digest, and checked the same way: the module that owns
 the tensor, or the nearest paired module around it, runs with and without the conversion.
 
+Last, the port's case runs once (one step, statistics only, into a temporary trace) with the
+declared load, and the diff's own pairing lists every paired site whose own code cannot be
+judged, whatever a later capture holds: an input or an output without partner, a port input
+the reference has none for. Each comes with the rule or adapter to write (the same sentences
+the diff gives a failing site); they do not fail the check, since a faithful port may have
+them, but no declaration need wait for a bug to show them.
+
 The port model is left as it was: its tensors are put back after the dry run.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +33,8 @@ import numpy as np
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.records import output_partners
+from layerdiff.compare.result import Unjudgeable
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import LayerdiffError, TraceError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
@@ -87,6 +97,10 @@ class MapCheck:
     mapping: str | None
     entries: list[MapEntry] = field(default_factory=list)
     unused_reference: list[str] = field(default_factory=list)
+    # paired sites whose own code a diff cannot judge (not a failure: the rule to write)
+    cannot_judge: list[Unjudgeable] = field(default_factory=list)
+    # why the port's run that finds them did not run or pair ("" when it did)
+    sites_unchecked: str = ""
 
     @property
     def passed(self) -> bool:
@@ -106,13 +120,18 @@ class MapCheck:
         return {"verdict": "pass" if self.passed else "fail", "reference": self.reference,
                 "port": self.port, "mapping": self.mapping,
                 "entries": [entry.as_json() for entry in self.entries],
-                "unused_reference": list(self.unused_reference)}
+                "unused_reference": list(self.unused_reference),
+                "cannot_judge": [site.as_json() for site in self.cannot_judge],
+                "sites_unchecked": self.sites_unchecked}
 
 
 def map_check(reference_trace: str | os.PathLike, port_case: Case,
-              mapping: str | os.PathLike | Mapping | None = None) -> MapCheck:
+              mapping: str | os.PathLike | Mapping | None = None, *,
+              sites: bool = True) -> MapCheck:
     """Check ``mapping`` between the reference trace (captured with weights) and a torch or
-    Flax NNX port case without loading anything for good; see :class:`MapCheck`."""
+    Flax NNX port case without loading anything for good; see :class:`MapCheck`. ``sites``:
+    also run the port's case once to list the sites a diff could not judge (``cannot_judge``);
+    without, ``sites_unchecked`` says so."""
     port = port_model(port_case, "map-check")
     mapping = as_mapping(mapping)
     with open_trace(reference_trace) as ref:
@@ -124,9 +143,31 @@ def map_check(reference_trace: str | os.PathLike, port_case: Case,
         with port.restored():
             assignments = port.resolve(reference, mapping)
             entries = _checked_entries(ref, port, mapping, assignments, reference)
+            unjudged, unchecked = (_unjudgeable(ref, port_case, mapping) if sites else
+                                   ([], "not asked for"))
     return MapCheck(str(reference_trace), port.name,
                     str(mapping.path) if mapping.path else None, entries,
-                    unused_reference(reference, assignments))
+                    unused_reference(reference, assignments), unjudged, unchecked)
+
+
+def _unjudgeable(ref: Trace, case: Case, mapping: Mapping) -> tuple[list[Unjudgeable], str]:
+    """The paired sites whose own code a diff of this port could not judge, by the diff's own
+    pairing and rule (:func:`layerdiff.compare.origins.unjudgeable_sites`): the port's case
+    runs one step with the declared load (the caller's), recorded as statistics only into a
+    temporary trace, and is diffed with the reference. What pairs does not depend on the
+    values, so a load with problems (listed in the table) still tells. Returns the sites, or
+    none and why the run or the diff could not tell (one sentence)."""
+    from layerdiff.capture import capture
+    from layerdiff.compare.engine import diff
+
+    with tempfile.TemporaryDirectory(prefix="layerdiff-map-check-") as folder:
+        try:
+            port_trace = capture(case, os.path.join(folder, "port.h5"), steps=1, summary=True,
+                                 progress=False)
+            return diff(ref, port_trace, mapping=mapping).cannot_judge, ""
+        except LayerdiffError as exc:  # the run or the pairing refused: said, not fatal here
+            said = str(exc).replace(os.path.join(folder, "port.h5"), "the port's run")
+            return [], f"the port's run to find them stopped: {said}"
 
 
 
@@ -454,11 +495,12 @@ class _SiteRunner:
         for arg, port_arg in partners.items():
             if port_arg not in got:
                 continue
-            if got[port_arg].shape != expected[arg].shape:
+            value = as_shape(got[port_arg], expected[arg].shape)  # the diff's shape rule
+            if value.shape != expected[arg].shape:
                 raise ValueError(f"port site {port_site} gives output {port_arg or '0'} of shape "
                                  f"{got[port_arg].shape}, the reference's {call.site} output "
                                  f"{arg} {expected[arg].shape}, so nothing can be measured there")
-            gap += float(np.sum((got[port_arg] - expected[arg]) ** 2))
+            gap += float(np.sum((value - expected[arg]) ** 2))
             norm += float(np.sum(expected[arg] ** 2))
             compared += 1
         if not compared:

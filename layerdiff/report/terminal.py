@@ -44,6 +44,11 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
         if not diff.not_taken.empty:
             lines += ["", "not taken by the port (left out of the input check):",
                       _format_not_taken(diff.not_taken, width)]
+        if diff.cannot_judge:
+            lines += ["", "paired sites whose own code cannot be judged, and the rule to write:"]
+            for site in diff.cannot_judge:
+                lines += textwrap.wrap(f"{site.site}: {'; '.join(site.why)}", width,
+                                       initial_indent="  ", subsequent_indent="    ")
     elif not diff.passed:
         failing = failing_sites(diff.rows)
         shown = failing.head(MAX_SITES)
@@ -221,6 +226,13 @@ def _summary(diff: Diff, width: int) -> list[str]:
         names = ", ".join(unjudged[Column.SITE].head(6)) + (" ..." if len(unjudged) > 6 else "")
         lines += textwrap.wrap(f"cannot judge {len(unjudged)} failing site(s) where an input or "
                                f"incoming gradient has no partner: {names}",
+                               width, subsequent_indent=" " * 10)
+    elif diff.cannot_judge:  # none fails, but a bug there would show only as 'cannot judge'
+        sites = [site.site for site in diff.cannot_judge]
+        names = ", ".join(sites[:6]) + (" ..." if len(sites) > 6 else "")
+        lines += textwrap.wrap(f"unjudged  {len(sites)} paired site(s) whose own code cannot be "
+                               f"judged, whatever they compute: {names} (--verbose, or "
+                               "map-check, gives the rule to write for each)",
                                width, subsequent_indent=" " * 10)
     if len(diff.origins) > 1:
         lines.append(f"origins   {len(diff.origins)}:")

@@ -32,7 +32,28 @@ def mapcheck_text(check: MapCheck, width: int = WIDTH) -> str:
                             "parameter the reference's layer does not (an extra bias or weight: "
                             "look at the port's code there), or a buffer it makes itself "
                             "(declare it with [[unmatched]] port = ...)", width)]
+    lines += _unjudgeable(check, width)
     return "\n".join([*lines, "", mapcheck_verdict(check)])
+
+
+def _unjudgeable(check: MapCheck, width: int) -> list[str]:
+    """The paired sites whose own code a diff could not judge, each with what has no partner
+    and the rule or adapter to write; or why the port's run that finds them did not tell."""
+    if check.sites_unchecked and check.sites_unchecked != "not asked for":
+        return ["", *wrap(f"sites a diff could not judge: not listed; {check.sites_unchecked}",
+                          width)]
+    if not check.cannot_judge:
+        return []
+    lines = ["", *wrap(f"sites a diff cannot judge, whatever the port computes "
+                       f"({len(check.cannot_judge)}; not a failure, but a bug there would "
+                       "show only as 'cannot judge'): write the rule or adapter named", width)]
+    for site in check.cannot_judge:
+        port = "" if site.port_site == site.site else f" (port {site.port_site})"
+        passes = " and ".join(site.passes) or "an output not compared"
+        lines += wrap(f"{site.site}{port}: {passes}", width, "  ", "    ")
+        for why in site.why:
+            lines += wrap(why, width, "    ", "      ")
+    return lines
 
 
 def mapcheck_verdict(check: MapCheck) -> str:
@@ -49,6 +70,7 @@ def mapcheck_verdict(check: MapCheck) -> str:
             text += f"; {converted} conversions checked"
         if check.count(PORT_OWN):
             text += f"; {check.count(PORT_OWN)} more kept as the port's own"
+        text += _sites_said(check)
         return "\n      ".join(wrap(text, WIDTH - 6, "", ""))  # under the text after PASS
     problems = [f"{check.count(status)} {label}" for status, label in (
         (NO_SOURCE, "without a source"), (SHAPE_MISMATCH, "with a shape that does not fit"),
@@ -64,8 +86,17 @@ def mapcheck_verdict(check: MapCheck) -> str:
         # a port tensor nothing gives: the mapping may miss a rule, or the port may hold a
         # parameter the reference has not (an extra bias or weight); its note says which
         advice += ", or the port"
-    return clip(f"FAIL  of {len(check.entries)} port tensors: {', '.join(problems)}; "
+    text = clip(f"FAIL  of {len(check.entries)} port tensors: {', '.join(problems)}; "
                 + advice, WIDTH)
+    said = _sites_said(check)
+    return text if not said else "\n      ".join([text, *wrap(said[2:], WIDTH - 6, "", "")])
+
+
+def _sites_said(check: MapCheck) -> str:
+    """'; 2 sites a diff cannot judge (listed above)' when there are some."""
+    count = len(check.cannot_judge)
+    return (f"; {count} site{'s' if count != 1 else ''} a diff cannot judge (listed above)"
+            if count else "")
 
 
 def _table(entries: list[MapEntry], width: int) -> list[str]:
