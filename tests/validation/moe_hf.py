@@ -32,7 +32,7 @@ def mixtral():
     seed_everything(SEED)
     model = MixtralForCausalLM(config)
     with torch.no_grad():  # a trained model's scale: fan-in scaled matrices, norms near 1
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
             else:
