@@ -174,6 +174,10 @@ class Diff:
     # the first failing record, when a site that cannot be judged holds it (every origin is
     # then hedged)
     cannot_judge_first: Unjudged | None = None
+    # what the origins were judged with besides the rows (find_origins' dropped, port_missing
+    # and extra_norms): a caller that re-judges the rows (diverge's golden band) passes them
+    # on, or a site whose dropped argument has no partner could no longer be judged
+    judging: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:
