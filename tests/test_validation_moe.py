@@ -88,6 +88,19 @@ def test_each_planted_bug_is_named_at_its_site_and_pass(traces, bug, site, pass_
             result.origin.hint
 
 
+def test_experts_whose_output_shape_no_rule_relates_say_so_not_not_finite(traces, tmp_path):
+    """Without the output conversion, (20, 32) against (20, 2, 32) is not compared: the
+    headline says the shapes differ (it said 'not finite ... worst element [nan]')."""
+    reference, port = traces
+    bare = tmp_path / "bare.map.toml"
+    bare.write_text("".join(line for line in MAP.read_text(encoding="utf-8").splitlines(True)
+                            if not line.startswith("output_transform")), encoding="utf-8")
+    result = diff(reference, port("port"), mapping=bare)
+    assert result.origin.site == EXPERTS0
+    assert describe_origin(result.origin).endswith(
+        "shapes differ (reference (20,32), port (20,2,32))"), describe_origin(result.origin)
+
+
 def test_replay_names_the_expert_bug_at_the_experts(traces):
     reference, _ = traces
     result = replay(reference, cases.port_bug_expert(), mapping=MAP)
