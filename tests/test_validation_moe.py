@@ -141,3 +141,18 @@ def test_a_malformed_reference_inputs_is_refused_with_its_line(value):
             f'{{ function = "a.b:f", reference_inputs = {value} }}\n')
     with pytest.raises(MappingError, match=r"reference_inputs.*line|line.*reference_inputs"):
         Mapping.from_text(text, "bad.map.toml", recorded_in="")
+
+
+def test_a_site_rule_that_an_unmatched_glob_overrides_everywhere_is_a_warning():
+    """'self_attn.*_proj' declared unmatched (meant for the fused q, k, v) also matches o_proj,
+    whose [[site]] rule then pairs nothing: the diff compared o_proj's weights only, silently,
+    and map-check said 'a [[site]] rule would pair it'."""
+    text = ('version = 1\n\n[[site]]\nreference = "m.layers.*.attn.o_proj"\nport = "l.*.wo"\n\n'
+            '[[site]]\nreference = "m.layers.*.attn"\nport = "l.*.attention"\n\n'
+            '[[unmatched]]\nreference = "m.layers.*.attn.*_proj"\nwhy = "fused"\n')
+    mapping = Mapping.from_text(text, "m.toml", recorded_in="")
+    modules = ["m.layers.0.attn", "m.layers.0.attn.q_proj", "m.layers.0.attn.o_proj"]
+    warnings = mapping.unused_site_rules(modules)
+    assert len(warnings) == 1 and warnings[0].startswith("m.toml site rule 1 (line 3) pairs "
+                                                         "nothing"), warnings
+    assert "m.layers.0.attn.o_proj" in warnings[0]

@@ -302,10 +302,21 @@ class Mapping:
         ``ref_modules``: a typo would otherwise leave its sites unpaired, silently."""
         modules = list(ref_modules)
         name = self.path.name if self.path else "mapping"
-        return [f"{name} site rule {number} (line {rule.line}) matched no reference module "
-                f"(reference {rule.reference.text!r}): check its pattern"
-                for number, rule in enumerate(self.site_rules, start=1)
-                if not any(rule.reference.match(module) is not None for module in modules)]
+        found = []
+        for number, rule in enumerate(self.site_rules, start=1):
+            matched = [module for module in modules if rule.reference.match(module) is not None]
+            if not matched:
+                found.append(f"{name} site rule {number} (line {rule.line}) matched no "
+                             f"reference module (reference {rule.reference.text!r}): check its "
+                             "pattern")
+            elif all(self.why_unmatched("reference", module) is not None for module in matched):
+                # an [[unmatched]] glob wins over the rule: its sites go unpaired, silently
+                found.append(f"{name} site rule {number} (line {rule.line}) pairs nothing: "
+                             f"every reference module it matches ({matched[0]}"
+                             f"{', ...' if len(matched) > 1 else ''}) is also declared "
+                             "[[unmatched]], which wins; narrow the [[unmatched]] glob or drop "
+                             "the rule")
+        return found
 
     def why_unmatched(self, side: str, site: str) -> str | None:
         """The file's reason when it declares ``site`` (module#call) to have no partner."""
