@@ -156,3 +156,15 @@ def test_a_site_rule_that_an_unmatched_glob_overrides_everywhere_is_a_warning():
     assert len(warnings) == 1 and warnings[0].startswith("m.toml site rule 1 (line 3) pairs "
                                                          "nothing"), warnings
     assert "m.layers.0.attn.o_proj" in warnings[0]
+
+
+def test_diverge_keeps_the_data_an_output_conversion_takes():
+    """The experts' output conversion needs the port's outputs and the reference's inputs as
+    tensors: statistics alone listed them 'not compared' at every step of diverge's scan."""
+    from layerdiff.debug.diverge import data_needed
+
+    plan = data_needed(cases.reference(), cases.port(), MAP)
+    assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= plan.reference
+    assert {"layers.0.block_sparse_moe.cond_ffn", "layers.1.block_sparse_moe.cond_ffn"} <= \
+        plan.port
+    assert "output conversion tests.validation.moe_cases:weighted_sum" in plan.note
