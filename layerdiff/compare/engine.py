@@ -233,10 +233,13 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "full_commands": full_commands(ref, port, origins, first_step,
                                        diff_options(mapping, tolerances)),
     }
+    judging = {"dropped": records.excused, "port_missing": records.port_missing,
+               "extra_norms": records.norms}
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
                   unjudgeable_sites(rows, ref_index, dropped=records.excused,
-                                    port_missing=records.port_missing))
+                                    port_missing=records.port_missing),
+                  judging=judging)
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:

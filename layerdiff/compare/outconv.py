@@ -102,7 +102,9 @@ def _has_data(ref: Trace, port: Trace, item: Conversion) -> bool:
     ref_row = _by_arg(ref, item.step, item.pair.reference, Role.OUTPUT).get(
         item.conversion.gives)
     port_rows = _by_arg(port, item.step, item.pair.port, Role.OUTPUT)
-    rows = [ref_row, *(port_rows.get(take) for take in item.conversion.takes)]
+    ref_inputs = _by_arg(ref, item.step, item.pair.reference, Role.INPUT)
+    rows = [ref_row, *(port_rows.get(take) for take in item.conversion.takes),
+            *(ref_inputs.get(path) for path in _reference_inputs(item.conversion))]
     return all(row is None or row["kind"] != "tensor" or int(row["segment"]) >= 0
                for row in rows)
 
@@ -161,18 +163,22 @@ def converted_outputs(ref: Trace, port: Trace, item: Conversion) -> list[Made]:
                            f"{pair.port} (step {step}; it recorded "
                            f"{', '.join(repr(a) for a in port_outputs) or 'none'}); fix takes")
     values = [_value(port, port_outputs[take]) for take in conversion.takes]
+    values += _reference_values(ref, step, pair, conversion)
     function = conversion.resolve()
     made_forward = _call(function, values, conversion, pair, step)
     ref_row = ref_outputs[gives]
     first = int(port_outputs[conversion.takes[0]].name)
     taken = ", ".join(repr(t) for t in conversion.takes)
+    if _reference_inputs(conversion):
+        taken += " with the reference's input(s) " + ", ".join(
+            repr(t) for t in _reference_inputs(conversion))
     found = [Made(step, Role.OUTPUT, gives, int(ref_row.name), first,
                   ref.read(ref_row), _numpy(made_forward),
                   f"{conversion.describe()} applied to the port's output(s) {taken}, compared "
                   f"with the reference's output {gives!r}")]
     ref_grads = _by_arg(ref, step, pair.reference, Role.GRAD_OUTPUT)
     port_grads = _by_arg(port, step, pair.port, Role.GRAD_OUTPUT)
-    floats = [i for i, v in enumerate(values)
+    floats = [i for i, v in enumerate(values[:len(conversion.takes)])
               if torch.is_tensor(v) and v.is_floating_point()
               and conversion.takes[i] in port_grads]
     if gives not in ref_grads or not floats:
@@ -193,6 +199,28 @@ def converted_outputs(ref: Trace, port: Trace, item: Conversion) -> list[Made]:
                           f"{conversion.describe()} (its vector-Jacobian product at the port's "
                           "outputs)"))
     return found
+
+
+def _reference_inputs(conversion: Any) -> tuple[str, ...]:
+    return tuple(getattr(conversion, "reference_inputs", ()))
+
+
+def _reference_values(ref: Trace, step: int, pair: Any, conversion: Any) -> list:
+    """The reference site's recorded inputs the function takes after the port's outputs
+    (``reference_inputs``): held constant, so the gradients are pulled back to the port's
+    outputs alone."""
+    paths = _reference_inputs(conversion)
+    if not paths:
+        return []
+    inputs = _by_arg(ref, step, pair.reference, Role.INPUT)
+    missing = [path for path in paths if path not in inputs]
+    if missing:
+        raise MappingError(f"output conversion {conversion.spec} on {pair.reference}: the "
+                           f"reference recorded no input {', '.join(repr(m) for m in missing)} "
+                           f"(step {step}; it recorded "
+                           f"{', '.join(repr(a) for a in inputs) or 'none'}); fix "
+                           "reference_inputs")
+    return [_value(ref, inputs[path]) for path in paths]
 
 
 def _by_arg(trace: Trace, step: int, site: str, role: str) -> dict[str, pd.Series]:
@@ -261,18 +289,21 @@ def _pull_back(function, values: list, floats: list[int], grad: np.ndarray, conv
 
 
 def pull_back(conversion: Any, function: Any, outputs: list, grad: np.ndarray,
-              where: str) -> list:
+              where: str, reference_inputs: list = ()) -> list:
     """The gradients arriving at the port outputs ``outputs`` (those ``conversion`` takes, as
     torch tensors or plain values) when ``grad`` arrives at the reference's output it gives:
     ``J_f^T grad`` at ``outputs`` (float64), None for an output that is no floating-point
-    tensor. What replay feeds a port layer in place of the reference's gradient."""
+    tensor. ``reference_inputs`` (the reference site's inputs the conversion also takes) are
+    held constant. What replay feeds a port layer in place of the reference's gradient."""
     import torch
 
     floats = [i for i, v in enumerate(outputs) if torch.is_tensor(v) and v.is_floating_point()]
     found: list = [None] * len(outputs)
     if not floats:
         return found
-    values = [v.detach().cpu() if torch.is_tensor(v) else v for v in outputs]
+    constants = [torch.from_numpy(np.asarray(v)) if isinstance(v, np.ndarray) else v
+                 for v in reference_inputs]
+    values = [v.detach().cpu() if torch.is_tensor(v) else v for v in [*outputs, *constants]]
     pulled = _pull_back(function, values, floats, grad, conversion, _Named(where), 0)
     for i, value in zip(floats, pulled, strict=True):
         found[i] = value
@@ -390,11 +421,16 @@ class CannotConvert(Exception):
 
 
 def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any]],
-                    where: str) -> list[tuple[str, Any]]:
+                    where: str, reference_inputs: dict[str, Any] | None = None
+                    ) -> list[tuple[str, Any]]:
     """A layer's outputs (argument path, value) in the reference's layout: the outputs the
     conversion takes replaced by what ``function`` makes of them, at the output it gives;
     differentiable where the function is (torch operations), so gradients arriving at the
-    result flow back to the layer's outputs through it. Raises :class:`CannotConvert`."""
+    result flow back to the layer's outputs through it. ``reference_inputs`` are the reference
+    site's inputs at this call (path -> value), of which the conversion's ``reference_inputs``
+    are passed after the outputs; a live tensor keeps its graph, so in a swap the gradient
+    reaches them as it reaches the reference layer's input (the routing weights' router).
+    Raises :class:`CannotConvert`."""
     import torch
 
     values = dict(outputs)
@@ -404,8 +440,15 @@ def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any
             f"{conversion.describe()} ({conversion.where}) takes the output(s) "
             f"{', '.join(repr(m) for m in missing)} that {where} does not return (it returns "
             f"{', '.join(repr(a) for a in values) or 'nothing'})")
+    given = reference_inputs or {}
+    absent = [path for path in _reference_inputs(conversion) if path not in given]
+    if absent:
+        raise CannotConvert(
+            f"{conversion.describe()} ({conversion.where}) takes the reference's input(s) "
+            f"{', '.join(repr(a) for a in absent)}, which the call at {where} does not have")
+    constants = [_as_tensor(given[path]) for path in _reference_inputs(conversion)]
     try:
-        made = function(*(values[take] for take in conversion.takes))
+        made = function(*(values[take] for take in conversion.takes), *constants)
     except Exception as exc:  # the user's code: say where, never a traceback
         raise CannotConvert(f"{conversion.describe()} ({conversion.where}) raised on the "
                             f"outputs of {where}: {type(exc).__name__}: "
@@ -423,6 +466,15 @@ def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any
         elif arg != conversion.gives:
             found.append((arg, value))
     return found
+
+
+def _as_tensor(value: Any) -> Any:
+    """A recorded array as a tensor; anything else as it is."""
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value
 
 
 def weight_shapes(trace: Trace) -> dict[str, str]:

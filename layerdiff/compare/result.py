@@ -194,6 +194,10 @@ class Diff:
     cannot_judge_first: Unjudged | None = None
     # every paired site of the first step whose own code cannot be judged, failing or not
     cannot_judge: list[Unjudgeable] = field(default_factory=list)
+    # what the origins were judged with besides the rows (find_origins' dropped, port_missing
+    # and extra_norms): a caller that re-judges the rows (diverge's golden band) passes them
+    # on, or a site whose dropped argument has no partner could no longer be judged
+    judging: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:

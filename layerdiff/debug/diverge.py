@@ -342,6 +342,19 @@ def data_needed(reference: Case, port: Case | ExternalCase,
         ref_keep.add(schema.split_site(ref_site)[0])
         port_keep.add(schema.split_site(rules.pairs[ref_site])[0])
         adapted.add(code.spec)
+    outputs = set()  # output conversions: a function of the port's outputs (and the
+    for path in ref_paths:  # reference's inputs) cannot be applied to statistics
+        rule = rules.site_rule(path)
+        if rule is not None and rule.output_transform is not None:
+            ref_keep.add(path)
+            outputs.add(rule.output_transform.spec)
+            renamed = rules.rename(path)
+            if renamed is not None:
+                port_keep.add(renamed[0])
+    for ref_site, conversion in rules.pair_output_transforms.items():
+        ref_keep.add(schema.split_site(ref_site)[0])
+        port_keep.add(schema.split_site(rules.pairs[ref_site])[0])
+        outputs.add(conversion.spec)
     if port_paths is not None:  # [[param]] rules whose chain names a function
         partner = rules.module_partners(port_paths, ref_paths)
         for name in port_tensors(port.model):
@@ -358,7 +371,10 @@ def data_needed(reference: Case, port: Case | ExternalCase,
             if adapted else []) + (
         [f"the parameters conversion{'s' if len(converted) > 1 else ''} "
          f"{', '.join(sorted(converted))} make{'' if len(converted) > 1 else 's'}"]
-        if converted else [])
+        if converted else []) + (
+        [f"the outputs output conversion{'s' if len(outputs) > 1 else ''} "
+         f"{', '.join(sorted(outputs))} take{'' if len(outputs) > 1 else 's'}"]
+        if outputs else [])
     if not ref_keep and not port_keep:
         return DataPlan()
     plan = DataPlan(frozenset(ref_keep),
@@ -521,13 +537,14 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
             rows.at[position, column] = other.at[position, column]
     rows[Column.STATUS], rows[Column.CAUSE] = "", ""
     with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
-        origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index)
+        origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index,
+                                      **banded.judging)
         attach_hints(origins, PairReader(ref_trace, port_trace, banded.pairs))
     meta = dict(banded.meta)
     meta["judged"] = ("each record by the looser of its per-dtype tolerance and the golden "
                       "band (4x the float64 run's error)")
     return Diff(banded.reference, banded.port, rows, origins, banded.unmatched, first, meta,
-                pairs=banded.pairs)
+                pairs=banded.pairs, judging=banded.judging)
 
 
 # ---- reading the results

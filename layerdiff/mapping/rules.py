@@ -103,6 +103,10 @@ class OutputConversion:
     code: CodeRef
     takes: tuple[str, ...] = ("0",)
     gives: str = "0"
+    # the reference site's recorded inputs the function also takes, after the port's outputs:
+    # what the port's layer never returns but the weighted sum needs (a gpt-fast experts
+    # block returns each chosen expert's output; the routing weights are an input of HF's)
+    reference_inputs: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
@@ -298,10 +302,21 @@ class Mapping:
         ``ref_modules``: a typo would otherwise leave its sites unpaired, silently."""
         modules = list(ref_modules)
         name = self.path.name if self.path else "mapping"
-        return [f"{name} site rule {number} (line {rule.line}) matched no reference module "
-                f"(reference {rule.reference.text!r}): check its pattern"
-                for number, rule in enumerate(self.site_rules, start=1)
-                if not any(rule.reference.match(module) is not None for module in modules)]
+        found = []
+        for number, rule in enumerate(self.site_rules, start=1):
+            matched = [module for module in modules if rule.reference.match(module) is not None]
+            if not matched:
+                found.append(f"{name} site rule {number} (line {rule.line}) matched no "
+                             f"reference module (reference {rule.reference.text!r}): check its "
+                             "pattern")
+            elif all(self.why_unmatched("reference", module) is not None for module in matched):
+                # an [[unmatched]] glob wins over the rule: its sites go unpaired, silently
+                found.append(f"{name} site rule {number} (line {rule.line}) pairs nothing: "
+                             f"every reference module it matches ({matched[0]}"
+                             f"{', ...' if len(matched) > 1 else ''}) is also declared "
+                             "[[unmatched]], which wins; narrow the [[unmatched]] glob or drop "
+                             "the rule")
+        return found
 
     def why_unmatched(self, side: str, site: str) -> str | None:
         """The file's reason when it declares ``site`` (module#call) to have no partner."""
@@ -569,8 +584,8 @@ def _output_transform(config: ConfigFile, entry: dict, where: str,
              "table { function = \"package.module:function\", takes = [\"0\", \"1\"], "
              "gives = \"0\" }")
     table = value if isinstance(value, dict) else {"function": value}
-    config.check_keys(table, {"function", "takes", "gives"}, f"{where}'s output_transform",
-                      line)
+    config.check_keys(table, {"function", "takes", "gives", "reference_inputs"},
+                      f"{where}'s output_transform", line)
     spec = table.get("function")
     if not isinstance(spec, str) or not is_code(spec):
         config.fail(f"{where}: {usage}, got {value!r}", line)
@@ -588,9 +603,16 @@ def _output_transform(config: ConfigFile, entry: dict, where: str,
         config.fail(f"{where}: output_transform's takes must be a list of the port's output "
                     "paths (each once, e.g. takes = [\"0\", \"1\"]) and gives one reference "
                     f"output path, got {value!r}", line)
+    extra = table.get("reference_inputs", [])
+    extra = [extra] if isinstance(extra, (str, int)) and not isinstance(extra, bool) else extra
+    inputs = [path(item) for item in extra] if isinstance(extra, list) else [None]
+    if None in inputs or len(set(inputs)) != len(inputs):
+        config.fail(f"{where}: output_transform's reference_inputs must be a list of the "
+                    "reference site's input paths (each once, e.g. reference_inputs = [\"2\"]), "
+                    f"got {value!r}", line)
     return OutputConversion(
         CodeRef(spec, f"{config.path} line {line}" if line is not None else str(config.path)),
-        tuple(paths), gives)
+        tuple(paths), gives, tuple(inputs))
 
 
 def _string(config: ConfigFile, entry: dict, key: str, where: str, line: int | None) -> str:

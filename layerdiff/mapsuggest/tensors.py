@@ -246,31 +246,60 @@ def _pick_splits(open_, shapes, free, module_partner, port_order, sources, layou
             groups[anchor, port.rsplit(".", 1)[-1]].append((port, shape))
     for (anchor, leaf), members in groups.items():
         members.sort(key=lambda m: port_order.get(m[0].rpartition(".")[0], 1 << 30))
-        for ref in _under(anchor, free):
-            if _leaf_kind(ref.rsplit(".", 1)[-1]) != _leaf_kind(leaf):
-                continue
-            left = [m for m in members if m[0] not in sources]
-            sides = (layouts("ref", ref, shapes[ref]),
-                     layouts("port", left[0][0], left[0][1]) if left else None)
-            want = None if None in sides else sides[0] != sides[1]
-            found = _split_of(shapes[ref], left, want)
-            if found is None:
-                continue
-            run, chain, axis, other = found
-            free.discard(ref)
-            names = tuple(port for port, _ in run)
-            evidence = [f"{_shape_text(shapes[ref])}{' transposed' if 'transpose' in chain else ''}"
-                        f" is {len(run)} equal parts along axis {axis}: "
-                        + ", ".join(n.rsplit(".", 2)[-2] for n in names) + ", in call order"]
-            if want is not None:
-                evidence.append(f"the reference keeps it {_layout_text(sides[0])}, the "
-                                f"port {_layout_text(sides[1])}")
-            elif other:
-                evidence.append("UNSURE: the parts fit with and without a transpose, and "
-                                "nothing says which layout each side keeps")
-            for port in names:
-                sources[port] = _Source(port, [ref], chain, 0.3 if other and want is None
-                                        else 0.6, list(evidence), True, names, axis)
+        _split_group(anchor, leaf, members, "in call order", shapes, free, sources, layouts)
+    # several tensors of one shape under one port module, with names of their own (stacked
+    # experts' w1 and w3 against HF's gate_up_proj): in the order the module holds them
+    held: dict[tuple, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for port, shape, _ in open_:
+        if port not in sources and shape:
+            held[_anchor(port, module_partner), port.rpartition(".")[0], shape].append(
+                (port, shape))
+    for (anchor, _, _), members in held.items():
+        if len(members) > 1:
+            _split_group(anchor, members[0][0].rsplit(".", 1)[-1], members,
+                         "in the order the port's module holds them", shapes, free, sources,
+                         layouts, unsure="which part is which is only the order the port's "
+                         "module holds them in; check it against the reference's code")
+
+
+def _split_group(anchor, leaf, members, order: str, shapes, free, sources, layouts,
+                 unsure: str = "") -> None:
+    """One group of port tensors against each leftover reference tensor under ``anchor``;
+    ``unsure`` marks every rule it writes (the order of the parts is a guess)."""
+    for ref in _under(anchor, free):
+        if _leaf_kind(ref.rsplit(".", 1)[-1]) != _leaf_kind(leaf):
+            continue
+        left = [m for m in members if m[0] not in sources]
+        sides = (layouts("ref", ref, shapes[ref]),
+                 layouts("port", left[0][0], left[0][1]) if left else None)
+        want = None if None in sides else sides[0] != sides[1]
+        found = _split_of(shapes[ref], left, want)
+        if found is None:
+            continue
+        run, chain, axis, other = found
+        free.discard(ref)
+        names = tuple(port for port, _ in run)
+        evidence = [f"{_shape_text(shapes[ref])}{' transposed' if 'transpose' in chain else ''}"
+                    f" is {len(run)} equal parts along axis {axis}: "
+                    + ", ".join(_part_name(n, names) for n in names) + f", {order}"]
+        if want is not None:
+            evidence.append(f"the reference keeps it {_layout_text(sides[0])}, the "
+                            f"port {_layout_text(sides[1])}")
+        elif other:
+            evidence.append("UNSURE: the parts fit with and without a transpose, and "
+                            "nothing says which layout each side keeps")
+        if unsure:
+            evidence.append(f"UNSURE: {unsure}")
+        low = unsure or (other and want is None)
+        for port in names:
+            sources[port] = _Source(port, [ref], chain, 0.3 if low else 0.6, list(evidence),
+                                    True, names, axis)
+
+
+def _part_name(name: str, names: tuple[str, ...]) -> str:
+    """A part's module name, or its own name where the parts share one module."""
+    modules = {n.rpartition(".")[0] for n in names}
+    return name.rsplit(".", 1)[-1] if len(modules) == 1 else name.rsplit(".", 2)[-2]
 
 
 def _split_of(shape: tuple[int, ...], members: list[tuple[str, tuple[int, ...]]],

@@ -218,6 +218,7 @@ class LayerAdapter(StandIn):
         # caller's layout): compare/outconv.py, the one the diff compares them through
         self._output = output
         self._dropped: list[tuple[str, str]] = []  # what the last call left out, and why
+        self._caller_values: dict[str, Any] | None = None
         self._stand_in(name, replaced)
 
     @property
@@ -234,6 +235,10 @@ class LayerAdapter(StandIn):
         return self._modules.get("wrapped")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the caller's arguments by path, for an output conversion that also takes some of
+        # them (the routing weights a reference passes its experts)
+        self._caller_values = (dict(call_arguments(args, kwargs)) if self._output is not None
+                               and getattr(self._output[0], "reference_inputs", ()) else None)
         if self._call is not None:
             return self._adapted(args, kwargs)
         values = (_inverse_arguments(args, kwargs, self._args_map) if self._inverse
@@ -326,7 +331,8 @@ class LayerAdapter(StandIn):
         conversion, function = self._output
         try:
             made = convert_outputs(conversion, function, list(flatten(outputs, "")),
-                                   f"the layer swapped in at {self._host_name}")
+                                   f"the layer swapped in at {self._host_name}",
+                                   self._caller_values)
         except CannotConvert as exc:
             raise LayerCallError(self._host_name, str(exc)) from exc
         values = [value for _, value in made]

@@ -481,7 +481,7 @@ class _SiteRunner:
             self._inputs[module] = self.port.inputs(call, args)
         outputs = self.port.outputs(call, module, args, self._inputs[module], adapter=adapter)
         got = {arg: value.astype(np.float64) for arg, value in self._converted(
-                   call.site, module, self.model.arrays(outputs))
+                   call, module, self.model.arrays(outputs))
                if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating)
                and self.mapping.why_unmatched_record("port", port_site, Role.OUTPUT, arg) is None}
         eps = self.model.eps(outputs)
@@ -538,10 +538,12 @@ class _SiteRunner:
         found = self._found.get(module)
         return isinstance(found, DerivedPermutation) and tensor in found.params
 
-    def _converted(self, site: str, module: str, arrays: list[tuple[str, Any]]
+    def _converted(self, call: RecordedCall, module: str, arrays: list[tuple[str, Any]]
                    ) -> list[tuple[str, Any]]:
         """The port module's outputs in the reference's layout, through the site's output
-        conversion (the diff's); one that cannot be applied is a ValueError: cannot judge."""
+        conversion (the diff's, with the reference's recorded inputs it takes); one that
+        cannot be applied is a ValueError: cannot judge."""
+        site = call.site
         first = dict(arrays).get("0")
         conversion = self.conversion(site, module, first.shape[-1] if isinstance(
             first, np.ndarray) and first.ndim else None)
@@ -555,8 +557,11 @@ class _SiteRunner:
         values = [(arg, torch.from_numpy(np.ascontiguousarray(value))
                    if isinstance(value, np.ndarray) else value) for arg, value in arrays]
         try:
+            wanted = set(getattr(conversion, "reference_inputs", ()))
             made = convert_outputs(conversion, self._conversions.function(conversion), values,
-                                   f"port module {module}")
+                                   f"port module {module}",
+                                   {path: read_array(self.ref, row) for path, row in call.inputs
+                                    if path in wanted})
         except CannotConvert as exc:
             raise ValueError(f"cannot judge {site}: {exc}") from None
         return [(arg, value.detach().numpy() if torch.is_tensor(value) else value)

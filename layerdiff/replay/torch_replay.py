@@ -334,8 +334,12 @@ class TorchPort:
             return {}, taken
         from layerdiff.compare.outconv import pull_back
 
+        inputs = dict(call.inputs)
+        constants = [read_value(self.ref, inputs[path])
+                     for path in getattr(conv, "reference_inputs", ()) if path in inputs]
         pulled = pull_back(conv, function, [values[t] for t in conv.takes],
-                           read_value(self.ref, call.grad_outputs[conv.gives]), where=site)
+                           read_value(self.ref, call.grad_outputs[conv.gives]), where=site,
+                           reference_inputs=constants)
         return {take: grad for take, grad in zip(conv.takes, pulled, strict=True)
                 if grad is not None}, taken
 

@@ -10,7 +10,7 @@ import pandas as pd
 from layerdiff.compare.judge import Status, Verdict
 from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
-from layerdiff.report.findings.diff import describe_origin
+from layerdiff.report.findings.diff import describe_origin, shapes_differ
 from layerdiff.report.text import WIDTH, clip, clip_middle, number, ranges
 from layerdiff.trace import schema
 from layerdiff.trace.printable import printable
@@ -146,10 +146,15 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
     in_port = [] if origin.port_site in ("", origin.site) else [
         f"in the port: {origin.port_site}" + (
             "" if origin.port_arg == origin.arg else f", argument '{origin.port_arg}'")]
+    tolerance = (f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
+                 f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
+                 f"{number((m.get('frac_out') or 0) * 100, 3)}% of elements out")
+    if shapes_differ(origin):
+        tolerance = (f"not compared element by element: {shapes_differ(origin)} and no rule "
+                     "relates them; for an output, name an output conversion (output_transform "
+                     "on the site's rule, docs/mapping.md), for an input a call adapter")
     lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *hint_lines(origin),
-             f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
-             f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
-             f"{number((m.get('frac_out') or 0) * 100, 3)}% of elements out"]
+             tolerance]
     batch = m.get("batch_ratio")
     if batch:
         out = [i for i, r in enumerate(batch) if r is not None and r > 1]

@@ -183,6 +183,8 @@ def positions(judge: Judge, site: Site) -> Hint | None:
         if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
             continue
         within = np.flatnonzero(~bad)
+        if _all_zero(judge, axis, within):
+            continue  # zero on both sides (a gradient that never reaches them): no boundary
         if within.tolist() == [0]:
             # not a mask's boundary; a rotary frequency when the error grows with position,
             # else nothing (a causal softmax is exact at position 0 whatever its scores)
@@ -191,6 +193,15 @@ def positions(judge: Judge, site: Site) -> Hint | None:
                     f"{_ranges(where)} of axis {axis} (of {bad.size}), whole; positions "
                     f"{_ranges(within)} within tolerance")
     return None
+
+
+def _all_zero(judge: Judge, axis: int, positions: np.ndarray) -> bool:
+    """Whether both sides are exactly zero at every one of ``positions`` of ``axis``: a loss
+    that leaves the last position without a target sends it no gradient, so it is "within"
+    whatever the code computes, and says nothing of where a mask's boundary is."""
+    ref = np.take(judge.ref, positions, axis=axis)
+    port = np.take(judge.port, positions, axis=axis)
+    return bool(positions.size) and not np.any(ref) and not np.any(port)
 
 
 MIN_ROTATED = 4        # positions: fewer and "only position 0 exact" is no pattern

@@ -21,12 +21,26 @@ def describe_origin(origin: Origin, *, port_name: bool = True) -> str:
         f"{origin.site} (port {origin.port_site})")
     ratio = origin.metrics.get("ratio")
     size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
-            and np.isfinite(ratio) else ": not finite" if ratio is not None else "")
+            and np.isfinite(ratio) else f": {shapes_differ(origin)}" if shapes_differ(origin)
+            else ": not finite" if ratio is not None else "")
     arg = "" if origin.arg == "0" else f" '{origin.arg}'"
     ranks = "" if not origin.ranks else (
         f", rank {origin.ranks[0]}'s part" if len(origin.ranks) == 1
         else f", ranks {', '.join(map(str, origin.ranks))}' parts")
     return f"{where}, {origin.pass_} {origin.role}{arg}, step {origin.step}{ranks}{size}"
+
+
+def shapes_differ(origin: Origin) -> str:
+    """'shapes differ (reference (20,32), port (20,2,32))' for an origin whose record was not
+    compared element by element because its shapes differ and no rule relates them (its ratio
+    is infinite, its errors NaN: not a value that is not finite); else ''."""
+    note = str(origin.metrics.get("note") or "")
+    if not note.startswith(SHAPES_DIFFER):
+        return ""
+    return "shapes differ (" + note[len(SHAPES_DIFFER):].split(";")[0].strip() + ")"
+
+
+SHAPES_DIFFER = "shapes differ:"  # compare/engine.py's note on a shape-mismatch row
 
 
 def notebook_html(diff: Diff) -> str:
