@@ -209,13 +209,14 @@ class Swapper:
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
-        self.order, self.reference_outputs = _observe(self.make_reference())
-        self.port_order, self.port_outputs = list(self.port_modules), {}
+        self.order, self.reference_outputs, self.reference_sizes = _observe(
+            self.make_reference())
+        self.port_order, self.port_outputs, self.port_sizes = list(self.port_modules), {}, {}
         if not isinstance(probe_port, ExternalCase):
             # a port that cannot run whole may still swap layer by layer: then every module
             # counts as called
             with contextlib.suppress(Exception):
-                self.port_order, self.port_outputs = _observe(self.make_port())
+                self.port_order, self.port_outputs, self.port_sizes = _observe(self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
         # reference module -> (call adapter, its function), imported now: a name that does not
         # import is bad input, refused before any run
@@ -374,7 +375,8 @@ class Swapper:
                 replaced = get_module(host.model, port_module)
                 layer = LayerAdapter(port_module, get_module(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
-                                     expected=self.port_outputs.get(port_module), inverse=True,
+                                     expected=self.port_outputs.get(port_module),
+                                     sizes=self.port_sizes.get(port_module), inverse=True,
                                      replaced=replaced)
                 _replace(host.model, port_module, layer)
             adapters.append((module, layer))
@@ -402,6 +404,7 @@ class Swapper:
         return LayerAdapter(ref_module, get_module(donor.model, port_module), args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
+                            sizes=self.reference_sizes.get(ref_module),
                             call=self.calls.get(ref_module), replaced=replaced)
 
     def _compare(self, what: str, key: tuple[int, str, str, str], expected: torch.Tensor,
@@ -545,22 +548,27 @@ def swap(reference: Any, port: Any, sites: Sequence[str], *,
                    baseline=baseline).run(sites, steps=steps, into=into)
 
 
-def _observe(case: Any) -> tuple[list[str], dict[str, Any]]:
-    """One forward pass of ``case``: its modules in the order of their first call, and the
-    structure of what each returned (tensors as placeholders)."""
+def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, set[tuple[int, ...]]]]:
+    """One forward pass of ``case``: its modules in the order of their first call, the
+    structure of what each returned (tensors as placeholders), and the shapes its first output
+    tensor had over its calls."""
     order: dict[str, None] = {}
     outputs: dict[str, Any] = {}
+    sizes: dict[str, set[tuple[int, ...]]] = {}
 
     def before(name: str, _module: nn.Module, _args: tuple, _kwargs: dict) -> None:
         order.setdefault(name)
 
     def after(name: str, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
         outputs.setdefault(name, skeleton(out))
+        first = next((v for _, v in flatten(out, "") if torch.is_tensor(v)), None)
+        if first is not None:
+            sizes.setdefault(name, set()).add(tuple(first.shape))
 
     # a module called as child.forward(...) (llama2.c) is called too
     with hook_every_call(case.model, before, after, direct_calls=True), torch.no_grad():
         case.call_model()
-    return list(order), outputs
+    return list(order), outputs, sizes
 
 
 def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
