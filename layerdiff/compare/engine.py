@@ -234,7 +234,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                        diff_options(mapping, tolerances)),
     }
     return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
-                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged)
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
+                  judging={"dropped": records.excused, "port_missing": records.port_missing,
+                           "extra_norms": records.norms})
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:

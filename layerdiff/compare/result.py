@@ -174,6 +174,10 @@ class Diff:
     # the first failing record, when a site that cannot be judged holds it (every origin is
     # then hedged)
     cannot_judge_first: Unjudged | None = None
+    # what find_origins was given besides the rows (records excused from judging, port inputs
+    # with no partner, norms of what call adapters made): a caller that re-judges the rows
+    # with other tolerances (diverge's golden band) finds origins by the same rule; not JSON
+    judging: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:

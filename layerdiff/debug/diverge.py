@@ -521,13 +521,16 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
             rows.at[position, column] = other.at[position, column]
     rows[Column.STATUS], rows[Column.CAUSE] = "", ""
     with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
-        origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index)
+        # the same rule as the diff's: records it excuses (arguments the port does not take,
+        # declared unmatched records) do not keep their site from being judged
+        origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index,
+                                      **banded.judging)
         attach_hints(origins, PairReader(ref_trace, port_trace, banded.pairs))
     meta = dict(banded.meta)
     meta["judged"] = ("each record by the looser of its per-dtype tolerance and the golden "
                       "band (4x the float64 run's error)")
     return Diff(banded.reference, banded.port, rows, origins, banded.unmatched, first, meta,
-                pairs=banded.pairs)
+                pairs=banded.pairs, judging=banded.judging)
 
 
 # ---- reading the results
