@@ -36,6 +36,7 @@ from layerdiff.mapsuggest.values import (
     _agreed_args,
     _argument_map,
     _equal_output,
+    _other_outputs,
     _output_error,
 )
 from layerdiff.replay.calling import CannotCall, bind_call
@@ -220,6 +221,7 @@ class _Drafter:
                     e.startswith("output equals") for e in pair.evidence):
                 pair.confidence = max(pair.confidence, 0.95)
                 pair.evidence.insert(0, _equal_output(error))
+            pair.port.other_outputs = _other_outputs(self.ref, ref_out, port_out)
             ref_in = {r["arg"]: r for _, r in rows[rows["role"] == Role.INPUT].iterrows()}
             found = _argument_map(self.ref, ref_in, port_in)
             if found:
@@ -451,13 +453,19 @@ class _Drafter:
 
     def _none_outputs(self, pairs: dict[str, _Pair]) -> list[Suggestion]:
         """[[unmatched]] outputs: a reference output whose partner the port's run returned as
-        None (an attention's weights), which the diff would otherwise pair and fail."""
+        None (an attention's weights), or as another quantity while the first output equals
+        the reference's (OpenAI's attention returns its scores before the softmax where Hugging
+        Face's returns the weights), which the diff would otherwise pair and fail."""
         step = int(self.ref.sites["step"].min())
         rows = self.ref.records(step, role=Role.OUTPUT, pass_=Pass.FORWARD, kind="tensor")
         outputs = rows.groupby("site")["arg"].apply(set).to_dict()
         found: dict[tuple[str, str], set[str]] = defaultdict(set)   # (module, arg) -> types
+        other: dict[tuple[str, str], list[float]] = defaultdict(list)  # -> relative errors
         for pair in pairs.values():
             for arg in set(pair.port.none_outputs) & outputs.get(pair.ref.site, set()):
+                found[pair.ref.module, arg].add(f"{pair.port.type}")
+            for arg in set(pair.port.other_outputs) & outputs.get(pair.ref.site, set()):
+                other[pair.ref.module, arg].append(pair.port.other_outputs[arg])
                 found[pair.ref.module, arg].add(f"{pair.port.type}")
         out, done = [], set()
         modules = {c.module for c in self.refs}
@@ -470,9 +478,14 @@ class _Drafter:
             if (name, arg) in done:
                 continue
             done.add((name, arg))
-            out.append(Suggestion("unmatched-output", [name], [], 0.9, [
-                f"the port's {', '.join(sorted(types))} returns None as output {arg}, where the "
-                "reference returns a tensor"], args={"output": arg}))
+            why = (f"the port's {', '.join(sorted(types))} returns None as output {arg}, where "
+                   "the reference returns a tensor")
+            if (module, arg) in other:
+                why = (f"the port's {', '.join(sorted(types))} returns another quantity as "
+                       f"output {arg} (relative error {min(other[module, arg]):.1e} with these "
+                       "weights) while its output 0 equals the reference's")
+            out.append(Suggestion("unmatched-output", [name], [], 0.9, [why],
+                                  args={"output": arg}))
         return out
 
     def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:

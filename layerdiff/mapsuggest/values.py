@@ -28,6 +28,28 @@ def _output_error(ref: Trace, ref_out: dict, port_out: dict[str, np.ndarray]) ->
     return float(np.sqrt(gap / norm))
 
 
+OTHER_QUANTITY = 0.5    # an output this far from the reference's is another quantity
+
+
+def _other_outputs(ref: Trace, ref_out: dict, port_out: dict[str, np.ndarray]
+                   ) -> dict[str, float]:
+    """Outputs other than the first (arg -> relative error) that are another quantity than the
+    reference's of the same path and shape, where the first output equals the reference's: the
+    port computes the same thing with its inputs and weights, so the difference is what the
+    output is (scores before a softmax against its weights), not an error upstream."""
+    first = _output_error(ref, {a: r for a, r in ref_out.items() if a == "0"}, port_out)
+    if first is None or first > VALUE_RTOL:
+        return {}
+    found = {}
+    for arg, row in ref_out.items():
+        if arg == "0":
+            continue
+        error = _output_error(ref, {arg: row}, port_out)
+        if error is not None and error > OTHER_QUANTITY:
+            found[arg] = error
+    return found
+
+
 def _equal_output(error: float) -> str:
     """Said by its power of ten, so that the blocks of a glob rule say it alike."""
     bound = 10.0 ** math.ceil(math.log10(max(error, 1e-12)))
