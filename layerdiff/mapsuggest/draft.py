@@ -35,6 +35,7 @@ from layerdiff.mapsuggest.values import (
     VALUE_RTOL,
     _agreed_args,
     _argument_map,
+    _equal,
     _equal_output,
     _other_outputs,
     _output_error,
@@ -223,7 +224,7 @@ class _Drafter:
                 pair.evidence.insert(0, _equal_output(error))
             pair.port.other_outputs = _other_outputs(self.ref, ref_out, port_out)
             ref_in = {r["arg"]: r for _, r in rows[rows["role"] == Role.INPUT].iterrows()}
-            found = _argument_map(self.ref, ref_in, port_in)
+            found = _argument_map(self.ref, ref_in, port_in, upstream=bool(pair.ref.parent))
             if found:
                 decisions[pair.ref.site].append(found)
                 decisions[pair.ref.module].append(found)
@@ -245,7 +246,8 @@ class _Drafter:
                 decisions[pair.ref.module].append(dropped)
                 for head in dropped:
                     self.none_inputs.setdefault(pair.ref.module, {})[head] = pair.port.type
-            need = self._needs_adapter(pair, ref_in, port_in, renames)
+            need = self._needs_adapter(pair, ref_in, port_in, renames,
+                                       by_value=not pair.ref.parent)
             if need:
                 self.adapters.setdefault(pair.ref.module, (pair.port.module, need))
         return decisions
@@ -284,19 +286,22 @@ class _Drafter:
         return dropped
 
     def _needs_adapter(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
-                       renames: dict[str, str]) -> str | None:
+                       renames: dict[str, str], *, by_value: bool = False) -> str | None:
         """Why the port's call of this pair cannot be made from the reference's by renaming
         (None when it can): a port input whose shape and kind no reference argument has (an
         additive float mask where the port takes a boolean one, a rotary table in another
         layout), said with the reference argument that fills that parameter once renamed as
-        the draft's args rule will, or with nothing."""
+        the draft's args rule will, or with nothing. ``by_value`` (the root, whose arguments
+        nothing upstream computes): also a port input whose value no reference argument has
+        (the port's tokens, HF's labels shifted right)."""
         signature = pair.port.signature
         if signature is None:
             return None
         arrays = {arg: np.asarray(self.ref.read(row)) for arg, row in ref_in.items()}
         kinds = {(value.shape, value.dtype.kind) for value in arrays.values()}
         lacking = [(path, value) for path, value in port_in.items()
-                   if (value.shape, value.dtype.kind) not in kinds]
+                   if (value.shape, value.dtype.kind) not in kinds or (by_value and not any(
+                       _equal(given, value) for given in arrays.values()))]
         if not lacking:
             return None
         path, mine = lacking[0]

@@ -56,12 +56,15 @@ def _equal_output(error: float) -> str:
     return f"output equals the reference's (relative error <= {bound:.0e})"
 
 
-def _argument_map(ref: Trace, ref_in: dict,
-                  port_in: dict[str, np.ndarray]) -> dict[str, tuple[str, int]]:
+def _argument_map(ref: Trace, ref_in: dict, port_in: dict[str, np.ndarray], *,
+                  upstream: bool = True) -> dict[str, tuple[str, int]]:
     """Reference argument -> (port argument, weight) for the top-level arguments this call
     decides: by equal value (weight 2), else, once some value agreed, by the one remaining
     port argument of the same shape and dtype (weight 1). Arguments it cannot decide (a port
-    that computes something else upstream) are left out."""
+    that computes something else upstream) are left out. Without ``upstream`` (the root: its
+    arguments are the case's data, which nothing computes) only equal values decide: Hugging
+    Face's ``labels`` are not the port's ``tokens`` (the labels shifted right) for sharing a
+    shape."""
     names = [a for a in ref_in if "." not in a]
     port_names = [a for a in port_in if "." not in a]
     decided: dict[str, tuple[str, int]] = {}
@@ -72,6 +75,8 @@ def _argument_map(ref: Trace, ref_in: dict,
             decided[name] = (name if name in equal else equal[0], 2)
     if not decided:
         return {}
+    if not upstream:
+        return decided
     claimed = {target for target, _ in decided.values()}
     for name in names:
         if name in decided:
