@@ -537,6 +537,8 @@ def _diff(traces: dict[str, Path], reference: str, port: str, golden: str,
             rows.at[position, column] = other.at[position, column]
     rows[Column.STATUS], rows[Column.CAUSE] = "", ""
     with open_trace(traces[reference]) as ref_trace, open_trace(traces[port]) as port_trace:
+        # the same rule as the diff's: records it excuses (arguments the port does not take,
+        # declared unmatched records) do not keep their site from being judged
         origins, first = find_origins(rows, ref_trace.sites, ref_index=ref_trace.index,
                                       **banded.judging)
         attach_hints(origins, PairReader(ref_trace, port_trace, banded.pairs))

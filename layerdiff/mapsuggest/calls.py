@@ -32,6 +32,9 @@ class _Call:
     # the port's side only: its module's signature, and the outputs its run gave as None
     signature: Signature | None = None
     none_outputs: list[str] = field(default_factory=list)
+    # outputs other than the first that the value run shows to be another quantity than the
+    # reference's (arg -> relative error) while the first output equals it
+    other_outputs: dict[str, float] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:

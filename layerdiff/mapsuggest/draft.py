@@ -35,7 +35,9 @@ from layerdiff.mapsuggest.values import (
     VALUE_RTOL,
     _agreed_args,
     _argument_map,
+    _equal,
     _equal_output,
+    _other_outputs,
     _output_error,
 )
 from layerdiff.replay.calling import CannotCall, bind_call
@@ -220,8 +222,9 @@ class _Drafter:
                     e.startswith("output equals") for e in pair.evidence):
                 pair.confidence = max(pair.confidence, 0.95)
                 pair.evidence.insert(0, _equal_output(error))
+            pair.port.other_outputs = _other_outputs(self.ref, ref_out, port_out)
             ref_in = {r["arg"]: r for _, r in rows[rows["role"] == Role.INPUT].iterrows()}
-            found = _argument_map(self.ref, ref_in, port_in)
+            found = _argument_map(self.ref, ref_in, port_in, upstream=bool(pair.ref.parent))
             if found:
                 decisions[pair.ref.site].append(found)
                 decisions[pair.ref.module].append(found)
@@ -243,7 +246,8 @@ class _Drafter:
                 decisions[pair.ref.module].append(dropped)
                 for head in dropped:
                     self.none_inputs.setdefault(pair.ref.module, {})[head] = pair.port.type
-            need = self._needs_adapter(pair, ref_in, port_in, renames)
+            need = self._needs_adapter(pair, ref_in, port_in, renames,
+                                       by_value=not pair.ref.parent)
             if need:
                 self.adapters.setdefault(pair.ref.module, (pair.port.module, need))
         return decisions
@@ -282,19 +286,22 @@ class _Drafter:
         return dropped
 
     def _needs_adapter(self, pair: _Pair, ref_in: dict, port_in: dict[str, np.ndarray],
-                       renames: dict[str, str]) -> str | None:
+                       renames: dict[str, str], *, by_value: bool = False) -> str | None:
         """Why the port's call of this pair cannot be made from the reference's by renaming
         (None when it can): a port input whose shape and kind no reference argument has (an
         additive float mask where the port takes a boolean one, a rotary table in another
         layout), said with the reference argument that fills that parameter once renamed as
-        the draft's args rule will, or with nothing."""
+        the draft's args rule will, or with nothing. ``by_value`` (the root, whose arguments
+        nothing upstream computes): also a port input whose value no reference argument has
+        (the port's tokens, HF's labels shifted right)."""
         signature = pair.port.signature
         if signature is None:
             return None
         arrays = {arg: np.asarray(self.ref.read(row)) for arg, row in ref_in.items()}
         kinds = {(value.shape, value.dtype.kind) for value in arrays.values()}
         lacking = [(path, value) for path, value in port_in.items()
-                   if (value.shape, value.dtype.kind) not in kinds]
+                   if (value.shape, value.dtype.kind) not in kinds or (by_value and not any(
+                       _equal(given, value) for given in arrays.values()))]
         if not lacking:
             return None
         path, mine = lacking[0]
@@ -451,13 +458,19 @@ class _Drafter:
 
     def _none_outputs(self, pairs: dict[str, _Pair]) -> list[Suggestion]:
         """[[unmatched]] outputs: a reference output whose partner the port's run returned as
-        None (an attention's weights), which the diff would otherwise pair and fail."""
+        None (an attention's weights), or as another quantity while the first output equals
+        the reference's (OpenAI's attention returns its scores before the softmax where Hugging
+        Face's returns the weights), which the diff would otherwise pair and fail."""
         step = int(self.ref.sites["step"].min())
         rows = self.ref.records(step, role=Role.OUTPUT, pass_=Pass.FORWARD, kind="tensor")
         outputs = rows.groupby("site")["arg"].apply(set).to_dict()
         found: dict[tuple[str, str], set[str]] = defaultdict(set)   # (module, arg) -> types
+        other: dict[tuple[str, str], list[float]] = defaultdict(list)  # -> relative errors
         for pair in pairs.values():
             for arg in set(pair.port.none_outputs) & outputs.get(pair.ref.site, set()):
+                found[pair.ref.module, arg].add(f"{pair.port.type}")
+            for arg in set(pair.port.other_outputs) & outputs.get(pair.ref.site, set()):
+                other[pair.ref.module, arg].append(pair.port.other_outputs[arg])
                 found[pair.ref.module, arg].add(f"{pair.port.type}")
         out, done = [], set()
         modules = {c.module for c in self.refs}
@@ -470,9 +483,14 @@ class _Drafter:
             if (name, arg) in done:
                 continue
             done.add((name, arg))
-            out.append(Suggestion("unmatched-output", [name], [], 0.9, [
-                f"the port's {', '.join(sorted(types))} returns None as output {arg}, where the "
-                "reference returns a tensor"], args={"output": arg}))
+            why = (f"the port's {', '.join(sorted(types))} returns None as output {arg}, where "
+                   "the reference returns a tensor")
+            if (module, arg) in other:
+                why = (f"the port's {', '.join(sorted(types))} returns another quantity as "
+                       f"output {arg} (relative error {min(other[module, arg]):.1e} with these "
+                       "weights) while its output 0 equals the reference's")
+            out.append(Suggestion("unmatched-output", [name], [], 0.9, [why],
+                                  args={"output": arg}))
         return out
 
     def _unmatched(self, pairs: dict[str, _Pair], sources: list[_Source]) -> list[Suggestion]:

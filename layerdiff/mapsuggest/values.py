@@ -28,18 +28,43 @@ def _output_error(ref: Trace, ref_out: dict, port_out: dict[str, np.ndarray]) ->
     return float(np.sqrt(gap / norm))
 
 
+OTHER_QUANTITY = 0.5    # an output this far from the reference's is another quantity
+
+
+def _other_outputs(ref: Trace, ref_out: dict, port_out: dict[str, np.ndarray]
+                   ) -> dict[str, float]:
+    """Outputs other than the first (arg -> relative error) that are another quantity than the
+    reference's of the same path and shape, where the first output equals the reference's: the
+    port computes the same thing with its inputs and weights, so the difference is what the
+    output is (scores before a softmax against its weights), not an error upstream."""
+    first = _output_error(ref, {a: r for a, r in ref_out.items() if a == "0"}, port_out)
+    if first is None or first > VALUE_RTOL:
+        return {}
+    found = {}
+    for arg, row in ref_out.items():
+        if arg == "0":
+            continue
+        error = _output_error(ref, {arg: row}, port_out)
+        if error is not None and error > OTHER_QUANTITY:
+            found[arg] = error
+    return found
+
+
 def _equal_output(error: float) -> str:
     """Said by its power of ten, so that the blocks of a glob rule say it alike."""
     bound = 10.0 ** math.ceil(math.log10(max(error, 1e-12)))
     return f"output equals the reference's (relative error <= {bound:.0e})"
 
 
-def _argument_map(ref: Trace, ref_in: dict,
-                  port_in: dict[str, np.ndarray]) -> dict[str, tuple[str, int]]:
+def _argument_map(ref: Trace, ref_in: dict, port_in: dict[str, np.ndarray], *,
+                  upstream: bool = True) -> dict[str, tuple[str, int]]:
     """Reference argument -> (port argument, weight) for the top-level arguments this call
     decides: by equal value (weight 2), else, once some value agreed, by the one remaining
     port argument of the same shape and dtype (weight 1). Arguments it cannot decide (a port
-    that computes something else upstream) are left out."""
+    that computes something else upstream) are left out. Without ``upstream`` (the root: its
+    arguments are the case's data, which nothing computes) only equal values decide: Hugging
+    Face's ``labels`` are not the port's ``tokens`` (the labels shifted right) for sharing a
+    shape."""
     names = [a for a in ref_in if "." not in a]
     port_names = [a for a in port_in if "." not in a]
     decided: dict[str, tuple[str, int]] = {}
@@ -50,6 +75,8 @@ def _argument_map(ref: Trace, ref_in: dict,
             decided[name] = (name if name in equal else equal[0], 2)
     if not decided:
         return {}
+    if not upstream:
+        return decided
     claimed = {target for target, _ in decided.values()}
     for name in names:
         if name in decided:

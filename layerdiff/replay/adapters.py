@@ -21,6 +21,7 @@ the layer: the swap cannot judge it, and says so in one sentence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,13 +196,14 @@ class LayerAdapter(StandIn):
     ``args_map`` renames the caller's arguments (reference argument -> port argument; with
     ``inverse``, a port caller's arguments for a reference layer: one port argument may feed
     several reference ones, attn(x) -> attn(x, x, x)). ``caller`` is the replaced layer's
-    signature, ``expected`` its output skeleton (None: return what the layer returns).
+    signature, ``expected`` its output skeleton (None: return what the layer returns), ``sizes``
+    the shapes its first output tensor had (None: not known).
     ``call`` (the mapping's call adapter and its function) makes the layer's call instead of
     ``args_map``."""
 
     def __init__(self, name: str, layer: nn.Module, args_map: dict[str, str], *,
                  caller: Signature | None = None, expected: Any = None,
-                 inverse: bool = False,
+                 sizes: set[tuple[int, ...]] | None = None, inverse: bool = False,
                  call: tuple[CodeRef, Any] | None = None,
                  replaced: nn.Module | None = None,
                  output: tuple[Any, Any] | None = None) -> None:
@@ -213,6 +215,7 @@ class LayerAdapter(StandIn):
         self._signature = Signature.of(layer.forward)
         self._caller = caller
         self._expected = expected
+        self._sizes = sizes
         self._call = call
         # (the site's output conversion, the function that brings the layer's outputs into the
         # caller's layout): compare/outconv.py, the one the diff compares them through
@@ -303,9 +306,10 @@ class LayerAdapter(StandIn):
         cannot judge, saying which output was None."""
         outputs = self._converted(outputs)
         expected = self._expected
+        tensors = [v for _, v in flatten(outputs, "") if torch.is_tensor(v)]
+        self._check_size(tensors[0] if tensors else None)
         if expected is None or skeleton(outputs) == expected:
             return outputs
-        tensors = [v for _, v in flatten(outputs, "") if torch.is_tensor(v)]
         wanted = _count(expected)
         if len(tensors) > wanted or not tensors:
             raise LayerCallError(self._host_name, f"{self._describe()} returns {len(tensors)} "
@@ -337,6 +341,21 @@ class LayerAdapter(StandIn):
             raise LayerCallError(self._host_name, str(exc)) from exc
         values = [value for _, value in made]
         return values[0] if len(values) == 1 else tuple(values)
+
+    def _check_size(self, first: torch.Tensor | None) -> None:
+        """A first output with another number of elements than the replaced layer's is another
+        quantity (a decoder that ends in its tied head returns logits where the replaced one
+        returned hidden states): the caller's code would raise on it, or broadcast it into a
+        wrong answer taken for a break, so the layer cannot stand in there."""
+        if first is None or not self._sizes:
+            return
+        if any(math.prod(shape) == first.numel() for shape in self._sizes):
+            return
+        theirs = " or ".join(str(shape) for shape in sorted(self._sizes))
+        raise LayerCallError(self._host_name, f"{self._describe()} returns a first output of "
+                             f"shape {tuple(first.shape)} where the layer it replaces returns "
+                             f"{theirs}: another quantity, so it cannot stand in for that "
+                             "layer; swap the layer around it instead")
 
 
 NOT_RETURNED = "the port layer does not return it: None"

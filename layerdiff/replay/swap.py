@@ -210,15 +210,16 @@ class Swapper:
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
-        self.order, self.reference_outputs, _ = _observe(self.make_reference())
-        self.port_order, self.port_outputs = list(self.port_modules), {}
+        self.order, self.reference_outputs, _, self.reference_sizes = _observe(
+            self.make_reference())
+        self.port_order, self.port_outputs, self.port_sizes = list(self.port_modules), {}, {}
         self._port_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         if not isinstance(probe_port, ExternalCase):
             # a port that cannot run whole may still swap layer by layer: then every module
             # counts as called
             with contextlib.suppress(Exception):
-                self.port_order, self.port_outputs, self._port_shapes = _observe(
-                    self.make_port())
+                (self.port_order, self.port_outputs, self._port_shapes,
+                 self.port_sizes) = _observe(self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
         # reference module -> (call adapter, its function), imported now: a name that does not
         # import is bad input, refused before any run
@@ -380,7 +381,8 @@ class Swapper:
                 replaced = get_module(host.model, port_module)
                 layer = LayerAdapter(port_module, get_module(donor.model, module), args_map,
                                      caller=Signature.of(replaced.forward),
-                                     expected=self.port_outputs.get(port_module), inverse=True,
+                                     expected=self.port_outputs.get(port_module),
+                                     sizes=self.port_sizes.get(port_module), inverse=True,
                                      replaced=replaced,
                                      output=self._output_conversion(module, replaced,
                                                                     inverse=True))
@@ -411,6 +413,7 @@ class Swapper:
         return LayerAdapter(ref_module, layer, args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
+                            sizes=self.reference_sizes.get(ref_module),
                             call=self.calls.get(ref_module), replaced=replaced,
                             output=self._output_conversion(ref_module, layer))
 
@@ -583,13 +586,15 @@ def swap(reference: Any, port: Any, sites: Sequence[str], *,
                    baseline=baseline).run(sites, steps=steps, into=into)
 
 
-def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, dict[str, tuple]]]:
+def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, dict[str, tuple]],
+                                 dict[str, set[tuple[int, ...]]]]:
     """One forward pass of ``case``: its modules in the order of their first call, the
-    structure of what each returned (tensors as placeholders), and its tensor outputs'
-    shapes by argument path."""
+    structure of what each returned (tensors as placeholders), its tensor outputs' shapes by
+    argument path (first call), and the shapes its first output tensor had over its calls."""
     order: dict[str, None] = {}
     outputs: dict[str, Any] = {}
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    sizes: dict[str, set[tuple[int, ...]]] = {}
 
     def before(name: str, _module: nn.Module, _args: tuple, _kwargs: dict) -> None:
         order.setdefault(name)
@@ -598,11 +603,14 @@ def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, dict[str, 
         outputs.setdefault(name, skeleton(out))
         shapes.setdefault(name, {arg: tuple(value.shape) for arg, value in flatten(out, "")
                                  if torch.is_tensor(value)})
+        first = next((v for _, v in flatten(out, "") if torch.is_tensor(v)), None)
+        if first is not None:
+            sizes.setdefault(name, set()).add(tuple(first.shape))
 
     # a module called as child.forward(...) (llama2.c) is called too
     with hook_every_call(case.model, before, after, direct_calls=True), torch.no_grad():
         case.call_model()
-    return list(order), outputs, shapes
+    return list(order), outputs, shapes, sizes
 
 
 def _blamed(exc: BaseException) -> tuple[str, str, bool] | None:
