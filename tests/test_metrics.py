@@ -282,3 +282,18 @@ def test_mean_abs_rms_max_abs_max_rel_on_a_known_example():
     assert (result["out"], result["frac_out"], result["worst_index"]) == (1, 0.25, "2")
     cosine = np.dot(ref, port) / (np.linalg.norm(ref) * np.linalg.norm(port))
     assert result["cosine"] == pytest.approx(cosine, rel=1e-6)
+
+
+def test_values_near_the_largest_float_give_no_warning_and_no_cosine():
+    """An additive mask of float64's finfo.min against float32's (a float64 golden run against
+    a float32 one): the sums overflow, which is said as no cosine, never as a numpy warning;
+    the verdict ratio is still the elementwise one."""
+    ref = np.array([np.finfo(np.float64).min, 1.0, 2.0])
+    port = np.array([np.finfo(np.float32).min, 1.0, 2.0])
+    metrics = PairMetrics(*F32, ref.size, 0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        metrics.update(ref, port, 0)
+        result = metrics.result(ref.shape)
+    assert math.isnan(result["cosine"])
+    assert result["ratio"] > 1 and result["worst_index"] == "0"

@@ -197,15 +197,18 @@ class PairMetrics:
         self.out += int(np.count_nonzero(ratio > 1.0))
         self.max_abs = max(self.max_abs, float(diff.max()))
         self.max_rel = max(self.max_rel, float(np.nanmax(rel)))
-        self.sum_abs += float(diff.sum())
-        # einsum, not BLAS dot: BLAS threads fight the reader thread for 2 cores (8 ms a MiB)
-        self.sum_sq += float(np.einsum("i,i->", diff, diff))
         if not all_finite:
             keep = np.isfinite(a) & np.isfinite(b)
             a, b = a[keep], b[keep]
-        self.dot += float(np.einsum("i,i->", a.conj(), b).real)
-        self.ref_sq += float(np.einsum("i,i->", a.conj(), a).real)
-        self.port_sq += float(np.einsum("i,i->", b.conj(), b).real)
+        # sums of values near float64's largest (an additive mask of finfo.min in a float64
+        # run) overflow to inf: that is their sum, and the cosine then says it cannot be had
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.sum_abs += float(diff.sum())
+            # einsum, not BLAS dot: BLAS threads fight the reader thread for 2 cores (8 ms a MiB)
+            self.sum_sq += float(np.einsum("i,i->", diff, diff))
+            self.dot += float(np.einsum("i,i->", a.conj(), b).real)
+            self.ref_sq += float(np.einsum("i,i->", a.conj(), a).real)
+            self.port_sq += float(np.einsum("i,i->", b.conj(), b).real)
         if self.ulp_scale is not None and ref.dtype.kind == "f" and ref.dtype == port.dtype:
             ulp = np.abs(ordered_bits(ref).astype(np.int64) - ordered_bits(port))
             if not all_finite:
@@ -232,8 +235,13 @@ class PairMetrics:
     def result(self, shape: tuple[int, ...]) -> dict[str, Any]:
         """The row's metric columns."""
         count = max(self.numel, 1)
-        norms = np.sqrt(self.ref_sq * self.port_sq)
-        cosine = self.dot / norms if norms > 0 else (1.0 if self.ref_sq == self.port_sq else 0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.sqrt(self.ref_sq * self.port_sq)
+        if not (np.isfinite(norms) and np.isfinite(self.dot)):
+            cosine = np.nan  # the sums overflowed: no cosine to give
+        else:
+            cosine = self.dot / norms if norms > 0 else (
+                1.0 if self.ref_sq == self.port_sq else 0.0)
         return {
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
