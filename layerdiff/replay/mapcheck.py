@@ -25,6 +25,7 @@ import numpy as np
 from layerdiff.case import Case
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.records import output_partners
+from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import LayerdiffError, TraceError
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
@@ -294,7 +295,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
     where only the load without it is (and its own error is above rounding)."""
     names = ", ".join(found.source.functions)
     if found.port not in probe.plain:
-        _not_checked(entry, f"conversion {names} not checked: {probe.why[found.port]}")
+        _check_declared_only(entry, found, probe.runner, names, probe.why[found.port])
         return
     if np.array_equal(probe.plain[found.port], found.value):
         entry.note = _join(entry.note, f"conversion {names} changes nothing in this tensor")
@@ -349,6 +350,33 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
     _not_checked(entry, f"conversion {names} not checked: no paired module around "
                  f"{found.port} tells the loads with and without it apart"
                  + (f" ({reasons[-1]})" if reasons else ""))
+
+
+def _check_declared_only(entry: MapEntry, found: Assignment, runner: _SiteRunner,
+                         names: str, why: str) -> None:
+    """A conversion with no load without it to weigh against (the chain's built-in steps
+    alone do not fit the port's shape: a (N*H, D) q weight into a (N, D, H) kernel): the
+    declared load alone runs at the nearest paired module around the tensor, innermost first.
+    It holds where that module's recorded output is reproduced; a conversion that fits the
+    shape but puts the elements in the wrong places does not reproduce it."""
+    measured, reasons = _first_measure(_around(_owner(found.port), LEVELS), runner.declared)
+    if measured is None:
+        _not_checked(entry, f"conversion {names} not checked: {why}"
+                     + (f"; and no paired module around it could be run ({reasons[-1]})"
+                        if reasons else ""))
+        return
+    errors = (f"relative error {measured.error:.1e} with the conversion (rounding is below "
+              f"{measured.rounding:.0e}; {why}, so there is no load without it to compare)")
+    if measured.error <= BETTER * measured.rounding:
+        entry.note = _join(entry.note, f"conversion {names} checked at {measured.site}: the "
+                           f"declared load reproduces the reference's output, {errors}")
+        return
+    entry.status = MISMATCH_AROUND
+    entry.note = _join(entry.note, f"conversion {names} not confirmed: at {measured.site}, the "
+                       f"nearest paired module around it, the declared load does not reproduce "
+                       f"the reference's output, {errors}: check the function (a reshape "
+                       "where the layout needs a transpose loads every element, in the wrong "
+                       "place), or whether the port computes something else there")
 
 
 def _not_checked(entry: MapEntry, why: str) -> None:
@@ -422,6 +450,9 @@ class _SiteRunner:
         for arg, port_arg in partners.items():
             if port_arg not in got:
                 continue
+            # (B, T, N, H) against (B, T, N*H): the same elements in the same order, as the
+            # diff compares them (compare/shapes.py)
+            got[port_arg] = as_shape(got[port_arg], expected[arg].shape)
             if got[port_arg].shape != expected[arg].shape:
                 raise ValueError(f"port site {port_site} gives output {port_arg or '0'} of shape "
                                  f"{got[port_arg].shape}, the reference's {call.site} output "
