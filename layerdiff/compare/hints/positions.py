@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from layerdiff.trace.schema import PARAM_ROLES, RESULT_ROLES
+from layerdiff.trace.schema import GRAD_ROLES, PARAM_ROLES, RESULT_ROLES
 
 from ._common import NOISE, Hint, Judge, Kind, Site, shift_mask
 from .rotary import pair_norms_kept
@@ -183,6 +183,11 @@ def positions(judge: Judge, site: Site) -> Hint | None:
         if not contiguous or (where[0] != 0 and where[-1] != bad.size - 1):
             continue
         within = np.flatnonzero(~bad)
+        if site.role in GRAD_ROLES and not np.any(np.take(ref, within, axis)) \
+                and not np.any(np.take(judge.port, within, axis)):
+            # no gradient reached those positions on either side (a causal LM's loss leaves
+            # out the last position): they are within whatever the layer computes, no boundary
+            continue
         if within.tolist() == [0]:
             # not a mask's boundary; a rotary frequency when the error grows with position,
             # else nothing (a causal softmax is exact at position 0 whatever its scores)
