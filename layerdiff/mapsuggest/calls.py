@@ -32,6 +32,7 @@ class _Call:
     # the port's side only: its module's signature, and the outputs its run gave as None
     signature: Signature | None = None
     none_outputs: list[str] = field(default_factory=list)
+    output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by output path
 
     @property
     def kind(self) -> str:
@@ -115,6 +116,7 @@ class _PortRun:
             arrays = [v for _, v in outs if port.is_array(v)]
             call.output = tuple(arrays[0].shape) if arrays else None
             call.none_outputs = [arg for arg, v in outs if v is None]
+            call.output_shapes = {arg: tuple(v.shape) for arg, v in outs if port.is_array(v)}
             ins = port.leaves(args) + port.leaves(kwargs)
             first = next((v for _, v in ins if port.is_array(v)), None)
             call.input = tuple(first.shape) if first is not None else None
