@@ -82,6 +82,8 @@ def test_planted_slip_named_at_its_site_and_pass(ref, port_traces, run, case, si
     diff = run("diff", ref, port_traces(case), "--map", MAP)
     assert diff.exit_code == 1, diff.output
     assert f"origin: {site}, {pass_}" in diff.output, diff.output
+    if replayed.endswith("attn#0"):   # the port's attention returns (cache, x): x is output 1
+        assert f"in the port: {replayed}, output '1'" in diff.output, diff.output
     reference_module = site.partition("#")[0]
     replay = run("replay", ref, f"{CASES}:{case}", "--map", MAP, "--site", reference_module)
     assert replay.exit_code == 1, replay.output
