@@ -113,10 +113,23 @@ def test_q_conversion_that_fits_the_shape_in_the_wrong_layout_fails_map_check(re
     check = map_check(ref, load_case(f"{CASES}:port"), wrong)
     assert not check.passed
     flagged = {e.port: e for e in check.failing()}
+    # only the q kernels: the kv kernels and the embedding, measured around them where the
+    # wrong q also shows, are pointed at q_proj instead of failed
+    assert set(flagged) == {"layers.0.attn.q_einsum.w", "layers.1.attn.q_einsum.w"}
     for layer in (0, 1):
         entry = flagged[f"layers.{layer}.attn.q_einsum.w"]
         assert "does not reproduce the reference's output" in entry.note, entry.note
         assert f"model.layers.{layer}.self_attn.q_proj#0" in entry.note, entry.note
+
+
+@pytest.mark.slow
+def test_map_check_passes_the_mapping_of_a_port_whose_norm_is_wrong(ref):
+    """The mapping is right; the port's norm computes something else: map-check passes, and
+    the embedding, judged only at the root around it, points at that norm."""
+    check = map_check(ref, load_case(f"{CASES}:bug_norm_offset"), MAP)
+    assert check.passed, [(e.port, e.status, e.note) for e in check.failing()]
+    entry = next(e for e in check.entries if e.port == "embedder.input_embedding")
+    assert "model.layers.0.post_attention_layernorm#0 inside it" in entry.note, entry.note
 
 
 @pytest.mark.parametrize("command", ["swap", "bisect", "diverge"])
