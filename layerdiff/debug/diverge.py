@@ -218,6 +218,13 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     if isinstance(ref_case, ExternalCase):
         raise CaseError(f"reference {ref_case.name} records itself; diverge runs the reference "
                         "as a torch module: give a torch reference case")
+    if isinstance(port_case, Case) and port_case.framework == "flax":
+        # its weights are loaded, snapshot and restored as a torch module's state_dict here
+        raise CaseError(f"port {port_case.name} is a Flax NNX model, which diverge does not "
+                        "train yet (it sets and restores a port's weights as a torch "
+                        f"module's); capture both for --steps {steps} (the port with "
+                        "--weights-from REF.h5 and its --map) and diff the two traces, whose "
+                        "first failing step is the one diverge would name")
     if steps < 1:
         raise CaseError(f"--steps must be at least 1 (got {steps}) to diverge {port_case.name} "
                         f"from {ref_case.name}")

@@ -35,6 +35,7 @@ class _Call:
     # outputs other than the first that the value run shows to be another quantity than the
     # reference's (arg -> relative error) while the first output equals it
     other_outputs: dict[str, float] = field(default_factory=dict)
+    output_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by output path
 
     @property
     def kind(self) -> str:
@@ -118,6 +119,7 @@ class _PortRun:
             arrays = [v for _, v in outs if port.is_array(v)]
             call.output = tuple(arrays[0].shape) if arrays else None
             call.none_outputs = [arg for arg, v in outs if v is None]
+            call.output_shapes = {arg: tuple(v.shape) for arg, v in outs if port.is_array(v)}
             ins = port.leaves(args) + port.leaves(kwargs)
             first = next((v for _, v in ins if port.is_array(v)), None)
             call.input = tuple(first.shape) if first is not None else None

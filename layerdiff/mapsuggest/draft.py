@@ -389,12 +389,14 @@ class _Drafter:
             "# value with these weights loaded.",
             "version = 1", ""]
         site_rules = self._adapter_rules(site_rules)
+        renamed = self._output_renames(pairs)
+        _attach_output_renames(site_rules, renamed)
         suggestions = list(site_rules)
         if site_rules:
             lines.append("# ---- sites: reference module -> port module")
         for rule in site_rules:
             lines += [*_comment(rule), *_site_lines(rule), ""]
-        unmatched = self._unmatched(pairs, sources) + self._none_outputs(pairs)
+        unmatched = self._unmatched(pairs, sources) + self._none_outputs(pairs, renamed)
         if unmatched:
             lines.append("# ---- calls with no partner")
         for entry in unmatched:
@@ -456,22 +458,53 @@ class _Drafter:
             rule.evidence.append("UNSURE: needs a call adapter: " + why)
         return rules
 
-    def _none_outputs(self, pairs: dict[str, _Pair]) -> list[Suggestion]:
+    def _reference_outputs(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Reference site -> its recorded tensor outputs' shapes, by output path."""
+        step = int(self.ref.sites["step"].min())
+        rows = self.ref.records(step, role=Role.OUTPUT, pass_=Pass.FORWARD, kind="tensor")
+        found: dict[str, dict[str, tuple[int, ...]]] = defaultdict(dict)
+        for site, arg, shape in zip(rows["site"], rows["arg"], rows["shape"], strict=True):
+            found[site][arg] = schema.parse_shape(shape)
+        return found
+
+    def _output_renames(self, pairs: dict[str, _Pair]) -> dict[str, dict[str, str]]:
+        """Reference module -> {reference output: port output} where the port returns None
+        at a tensor output's path and exactly one other output of that tensor's shape, which
+        nothing of the same name pairs with: a port returning (cache, x) where the reference
+        returns x. Declaring x [[unmatched]] would leave the call's own output unjudged."""
+        outputs = self._reference_outputs()
+        found: dict[str, dict[str, str]] = {}
+        for pair in pairs.values():
+            ref, port = outputs.get(pair.ref.site, {}), pair.port.output_shapes
+            for arg in set(pair.port.none_outputs) & set(ref):
+                fits = [p for p, shape in port.items() if shape == ref[arg]
+                        and ref.get(p) != shape]
+                if len(fits) == 1:
+                    found.setdefault(pair.ref.module, {})[arg] = fits[0]
+        return found
+
+    def _none_outputs(self, pairs: dict[str, _Pair],
+                      renamed: dict[str, dict[str, str]]) -> list[Suggestion]:
         """[[unmatched]] outputs: a reference output whose partner the port's run returned as
         None (an attention's weights), or as another quantity while the first output equals
         the reference's (OpenAI's attention returns its scores before the softmax where Hugging
-        Face's returns the weights), which the diff would otherwise pair and fail."""
-        step = int(self.ref.sites["step"].min())
-        rows = self.ref.records(step, role=Role.OUTPUT, pass_=Pass.FORWARD, kind="tensor")
-        outputs = rows.groupby("site")["arg"].apply(set).to_dict()
+        Face's returns the weights), which the diff would otherwise pair and fail; and one
+        whose same-named port output a rename gives another (its weights, where the port's
+        output 1 is the reference's output 0)."""
+        outputs = {site: set(found) for site, found in self._reference_outputs().items()}
         found: dict[tuple[str, str], set[str]] = defaultdict(set)   # (module, arg) -> types
         other: dict[tuple[str, str], list[float]] = defaultdict(list)  # -> relative errors
         for pair in pairs.values():
+            renames = renamed.get(pair.ref.module, {})
             for arg in set(pair.port.none_outputs) & outputs.get(pair.ref.site, set()):
-                found[pair.ref.module, arg].add(f"{pair.port.type}")
+                if arg not in renames:
+                    found[pair.ref.module, arg].add(f"{pair.port.type}")
             for arg in set(pair.port.other_outputs) & outputs.get(pair.ref.site, set()):
                 other[pair.ref.module, arg].append(pair.port.other_outputs[arg])
                 found[pair.ref.module, arg].add(f"{pair.port.type}")
+            for arg in outputs.get(pair.ref.site, set()) & set(renames.values()):
+                if arg not in renames:
+                    found[pair.ref.module, arg].add(f"{pair.port.type}")
         out, done = [], set()
         modules = {c.module for c in self.refs}
         for (module, arg), types in found.items():
@@ -483,9 +516,14 @@ class _Drafter:
             if (name, arg) in done:
                 continue
             done.add((name, arg))
+            renames = renamed.get(module, {})
             why = (f"the port's {', '.join(sorted(types))} returns None as output {arg}, where "
                    "the reference returns a tensor")
-            if (module, arg) in other:
+            if arg in renames.values():
+                why = (f"the port's {', '.join(sorted(types))} output {arg} is the reference's "
+                       f"output {next(r for r, p in renames.items() if p == arg)}, and nothing "
+                       "of the port's pairs with this one")
+            elif (module, arg) in other:
                 why = (f"the port's {', '.join(sorted(types))} returns another quantity as "
                        f"output {arg} (relative error {min(other[module, arg]):.1e} with these "
                        "weights) while its output 0 equals the reference's")
@@ -668,7 +706,28 @@ def _site_lines(rule: Suggestion) -> list[str]:
     if rule.args:
         lines.append("args = { " + ", ".join(f"{_q(k)} = {_q(v)}"
                                               for k, v in rule.args.items()) + " }")
+    if rule.outputs:
+        lines.append("outputs = { " + ", ".join(f"{_q(k)} = {_q(v)}"
+                                                 for k, v in rule.outputs.items()) + " }")
     return lines
+
+
+def _attach_output_renames(rules: list[Suggestion], renamed: dict[str, dict[str, str]]) -> None:
+    """Each site rule gets the output renames its modules agree on (with a line of evidence);
+    a module no rule names (paired by its own name) gets one."""
+    for module, renames in renamed.items():
+        rule = next((r for r in rules if r.kind == "site"
+                     and _glob_pattern(r.reference[0]).match(module)), None)
+        if rule is None:
+            rule = Suggestion("site", [module], [module], 1.0, ["the same name"])
+            rules.insert(0, rule)
+        if rule.outputs and rule.outputs != renames:
+            continue   # the modules of one glob disagree: the first one's stands
+        if not rule.outputs:
+            named = ", ".join(f"output {p}" for p in renames.values())
+            rule.evidence.append(f"the port returns None where the reference returns its "
+                                 f"output, and the tensor of its shape as {named}")
+        rule.outputs = dict(renames)
 
 
 def _names_text(names: list[str] | tuple[str, ...]) -> str:

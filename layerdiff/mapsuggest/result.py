@@ -23,6 +23,7 @@ class Suggestion:
     args: dict[str, str] = field(default_factory=dict)
     axis: int = 0
     adapter: str = ""          # site: why its call needs a call adapter (none when empty)
+    outputs: dict[str, str] = field(default_factory=dict)  # site: reference -> port output
 
     @property
     def unsure(self) -> bool:
@@ -32,7 +33,8 @@ class Suggestion:
         return {"kind": self.kind, "reference": list(self.reference), "port": list(self.port),
                 "confidence": round(self.confidence, 3), "unsure": self.unsure,
                 "evidence": list(self.evidence), "transform": list(self.transform),
-                "axis": self.axis, "args": dict(self.args), "adapter": self.adapter or None}
+                "axis": self.axis, "args": dict(self.args), "adapter": self.adapter or None,
+                "outputs": dict(self.outputs)}
 
 
 @dataclass

@@ -44,7 +44,7 @@ from layerdiff.flax.port import as_jax
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.alone import ReferenceAlone, split_outside
 from layerdiff.replay.calling import BoundCall, CannotCall, Signature, adapted_call, bind_call
-from layerdiff.replay.recorded import RecordedCall, read_value
+from layerdiff.replay.recorded import RecordedCall, grad_outputs_at_port, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import (
     NotPlainData,
@@ -52,6 +52,7 @@ from layerdiff.trace.arguments import (
     flatten,
     map_argument,
     rebuild_call,
+    recorded_value,
 )
 from layerdiff.trace.schema import Pass, Role
 
@@ -111,6 +112,8 @@ class FlaxPort:
         # port parameter's full name -> the mapping's [[param]] source for it, if any
         self.param_source: Callable[[str], Any] = lambda name: None
         self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
+        # reference site -> the mapping's outputs renames (reference output -> port output)
+        self.output_renames: dict[str, dict[str, str]] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -168,8 +171,7 @@ class FlaxPort:
         flat = list(flatten(outputs))
         for arg, value in flat:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
-        recorded = {arg: row for arg, row in call.grad_outputs.items()
-                    if arg in dict(flat)}
+        recorded = grad_outputs_at_port(call, flat, self.output_renames.get(call.site, {}))
         if not recorded:
             return dropped
         cotangents = []
@@ -304,7 +306,10 @@ class FlaxPort:
             if port_arg in seen or port_arg.partition(".")[0] in drop:
                 continue
             seen.add(port_arg)
-            value = read_value(self.ref, row)
+            # a cache object capture kept as a repr stays NotPlainData: it can be left out
+            # (not taken, or None to a call adapter), never passed, as in torch replay
+            value = (read_value(self.ref, row) if row["kind"] == "tensor"
+                     else recorded_value(row["value"]))
             if isinstance(value, np.ndarray):  # bfloat16 was widened to read: narrowed back
                 value = jnp.asarray(value, dtype=jnp.bfloat16 if row["dtype"] == "bfloat16"
                                     else None)

@@ -23,6 +23,7 @@ The port model is left as it was: its tensors are put back after the dry run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -213,6 +214,8 @@ def _check_around(entry: MapEntry, found: Assignment, runner: _SiteRunner) -> No
     measured, _ = _first_measure(_around(_owner(found.port), LEVELS)[1:], runner.declared)
     if measured is None or measured.error <= BETTER * measured.rounding:
         return
+    if _off_inside(entry, measured, runner):
+        return
     entry.status = MISMATCH_AROUND
     entry.note = _join(entry.note, (
         f"its own module has no paired site, and at {measured.site}, the nearest paired "
@@ -247,12 +250,12 @@ def _check_output_conversion(entry: MapEntry, found: Assignment, runner: _SiteRu
 
 
 def _first_measure(modules: list[str], measure: Any) -> tuple[Any, list[str]]:
-    """The first of ``modules`` that ``measure`` can run, with its result, and why each one
-    before it could not."""
+    """The first of ``modules`` that ``measure`` can run, with its result (its ``module`` set),
+    and why each one before it could not."""
     reasons = []
     for module in modules:
         try:
-            return measure(module), reasons
+            return dataclasses.replace(measure(module), module=module), reasons
         except Exception as exc:  # not paired or not replayable here: try the next one out
             known = _known(exc)
             reasons.append(str(exc) if known else f"port module {module} raised "
@@ -362,7 +365,7 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
     where only the load without it is (and its own error is above rounding)."""
     names = ", ".join(found.source.functions)
     if found.port not in probe.plain:
-        _not_checked(entry, f"conversion {names} not checked: {probe.why[found.port]}")
+        _check_declared_only(entry, found, probe.runner, names, probe.why[found.port])
         return
     if np.array_equal(probe.plain[found.port], found.value):
         entry.note = _join(entry.note, f"conversion {names} changes nothing in this tensor")
@@ -421,6 +424,49 @@ def _check_conversion(entry: MapEntry, found: Assignment, probe: _ConversionProb
                  + (f" ({reasons[-1]})" if reasons else ""))
 
 
+def _check_declared_only(entry: MapEntry, found: Assignment, runner: _SiteRunner,
+                         names: str, why: str) -> None:
+    """A conversion with no load without it to weigh against (the chain's built-in steps
+    alone do not fit the port's shape: a (N*H, D) q weight into a (N, D, H) kernel): the
+    declared load alone runs at the nearest paired module around the tensor, innermost first.
+    It holds where that module's recorded output is reproduced; a conversion that fits the
+    shape but puts the elements in the wrong places does not reproduce it."""
+    measured, reasons = _first_measure(_around(_owner(found.port), LEVELS), runner.declared)
+    if measured is None:
+        _not_checked(entry, f"conversion {names} not checked: {why}"
+                     + (f"; and no paired module around it could be run ({reasons[-1]})"
+                        if reasons else ""))
+        return
+    errors = (f"relative error {measured.error:.1e} with the conversion (rounding is below "
+              f"{measured.rounding:.0e}; {why}, so there is no load without it to compare)")
+    if measured.error <= BETTER * measured.rounding:
+        entry.note = _join(entry.note, f"conversion {names} checked at {measured.site}: the "
+                           f"declared load reproduces the reference's output, {errors}")
+        return
+    if measured.module != _owner(found.port) and _off_inside(entry, measured, runner):
+        return
+    entry.status = MISMATCH_AROUND
+    entry.note = _join(entry.note, f"conversion {names} not confirmed: at {measured.site}, the "
+                       f"nearest paired module around it, the declared load does not reproduce "
+                       f"the reference's output, {errors}: check the function (a reshape "
+                       "where the layout needs a transpose loads every element, in the wrong "
+                       "place), or whether the port computes something else there")
+
+
+def _off_inside(entry: MapEntry, measured: _Measure, runner: _SiteRunner) -> bool:
+    """Whether a paired module inside the one measured around a tensor is off on its own
+    recorded call: then the container's error is no evidence against this tensor's rule (a
+    wrong q kernel, or a port whose norm computes something else, is all the root shows), and
+    the entry is left not checked, pointing at that module."""
+    inside = runner.off_inside(measured.module)
+    if inside is None:
+        return False
+    _not_checked(entry, f"not judged at {measured.site}, the nearest paired module around it: "
+                 f"{inside.site} inside it does not reproduce its own recorded output either "
+                 f"(relative error {inside.error:.1e}), which explains it; look there first")
+    return True
+
+
 def _not_checked(entry: MapEntry, why: str) -> None:
     if entry.status == OK:
         entry.status = NOT_CHECKED
@@ -451,6 +497,7 @@ class _Measure:
     site: str          # the reference site whose recorded call the module ran on
     error: float       # relative Frobenius error of the module's outputs
     rounding: float    # an error this small is rounding, whatever the layout
+    module: str = ""   # the port module measured, where a search set it
 
 
 class _SiteRunner:
@@ -495,7 +542,9 @@ class _SiteRunner:
         for arg, port_arg in partners.items():
             if port_arg not in got:
                 continue
-            value = as_shape(got[port_arg], expected[arg].shape)  # the diff's shape rule
+            # (B, T, N, H) against (B, T, N*H): the same elements in the same order, as the
+            # diff compares them (compare/shapes.py)
+            value = as_shape(got[port_arg], expected[arg].shape)
             if value.shape != expected[arg].shape:
                 raise ValueError(f"port site {port_site} gives output {port_arg or '0'} of shape "
                                  f"{got[port_arg].shape}, the reference's {call.site} output "
@@ -591,6 +640,23 @@ class _SiteRunner:
     def pairs(self, module: str) -> bool:
         """Whether a reference site pairs with port ``module``."""
         return module in self._calls
+
+    def off_inside(self, module: str) -> _Measure | None:
+        """The first paired port module strictly inside ``module`` (call order) whose output,
+        with the declared load, is off beyond rounding on its own recorded call, narrowed to
+        the innermost such module inside it; None if none is (modules that cannot be run are
+        passed over)."""
+        prefix = "" if module == schema.ROOT_MODULE else module + "."
+        for inner in self._calls:
+            if inner == module or not inner.startswith(prefix):
+                continue
+            try:
+                measured = self.declared(inner)
+            except Exception:  # not replayable here: it tells nothing
+                continue
+            if measured.error > BETTER * measured.rounding:   # the innermost that is off
+                return self.off_inside(inner) or measured
+        return None
 
     def _call_for(self, module: str) -> tuple[RecordedCall, str, dict[str, str], Any]:
         if module not in self._calls:

@@ -80,3 +80,19 @@ def reference_weights(ref: Trace, site: str) -> dict[str, np.ndarray]:
     """The weights the reference recorded at a site in step 0, by parameter name."""
     rows = ref.records(0, site, Role.WEIGHT)
     return {r["arg"]: read_array(ref, r) for _, r in rows.iterrows()}
+
+
+def grad_outputs_at_port(call: RecordedCall, outputs: list[tuple[str, Any]],
+                         renames: dict[str, str]) -> dict[str, pd.Series]:
+    """The reference's recorded output gradients keyed by the port layer's output paths, paired
+    by the diff's own rule (the mapping's ``outputs =`` renames, the same path, then the one
+    tensor of a shape): a port that returns ``(cache, x)`` where the reference returns ``x``
+    gets the gradient at ``x``, the output the diff compares, not at the cache."""
+    from layerdiff.compare.records import output_partners
+
+    port = {arg: schema.format_shape(np.shape(value)) if value is not None else ""
+            for arg, value in outputs}
+    ref = {arg: str(row["shape"]) for arg, row in call.grad_outputs.items()}
+    partners = output_partners(ref, port, renames)
+    return {partners[arg]: row for arg, row in call.grad_outputs.items()
+            if partners.get(arg) in port}

@@ -175,6 +175,9 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
     if hasattr(backend, "output_conversions"):
         backend.output_conversions.update(_output_conversions(ref, calls, mapping, backend))
+    if hasattr(backend, "output_renames"):  # each output gradient fed where the diff pairs it
+        backend.output_renames.update({call.site: mapping.output_names(call.site)
+                                       for call in calls})
     log = ReplayLog()
     meta = {"case": port.name, "replay_of": str(ref.path), "loss_scale": ref.loss_scale,
             "steps": 1}

@@ -206,7 +206,7 @@ class Swapper:
         self._baseline_judges: dict[int, Baseline] = {}
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
-        _refuse_flax(probe_ref, probe_port)
+        _refuse_flax(probe_ref, probe_port, mapping=self.mapping)
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
@@ -698,14 +698,17 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
             "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
 
 
-def _refuse_flax(*cases: Any) -> None:
-    """Swap and bisect run port layers inside the torch reference's autograd: torch only."""
+def _refuse_flax(*cases: Any, mapping: Mapping | None = None) -> None:
+    """Swap and bisect run port layers inside the torch reference's autograd: torch only. The
+    replay command offered instead carries the mapping, which it needs as much."""
+    with_map = f" --map {mapping.path}" if mapping is not None and mapping.path else ""
     for case in cases:
         if is_nnx_module(getattr(case, "model", None)):
             raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
                             "run port layers inside a torch model, so they take torch cases "
                             "only; run `layerdiff replay REF.h5 "
-                            f"{case.name or 'PORT'}` to find the layer whose own error it is")
+                            f"{case.name or 'PORT'}{with_map}` to find the layer whose own "
+                            "error it is")
 
 
 def _modules(case: Any) -> list[str]:

@@ -34,7 +34,12 @@ from layerdiff.errors import DiffError
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.alone import ReferenceAlone, as_like, split_outside
 from layerdiff.replay.calling import BoundCall, Signature, adapted_call, bind_call
-from layerdiff.replay.recorded import RecordedCall, read_array, read_value
+from layerdiff.replay.recorded import (
+    RecordedCall,
+    grad_outputs_at_port,
+    read_array,
+    read_value,
+)
 from layerdiff.replay.uses import outside_uses
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import (
@@ -92,6 +97,8 @@ class TorchPort:
         # reference site -> (its output conversion, the function): the port layer's outputs
         # get the reference's gradient pulled back through it (compare/outconv.py)
         self.output_conversions: dict[str, tuple[Any, Callable[..., Any]]] = {}
+        # reference site -> the mapping's outputs renames (reference output -> port output)
+        self.output_renames: dict[str, dict[str, str]] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -279,9 +286,10 @@ class TorchPort:
                   flat: list[tuple[str, Any]], leaves: dict[str, torch.Tensor],
                   writer: TraceWriter) -> None:
         converted, taken = self._converted_grads(call, site, flat)
+        recorded = grad_outputs_at_port(call, flat, self.output_renames.get(call.site, {}))
         pairs = [(arg, value) for arg, value in flat if torch.is_tensor(value)
                  and value.requires_grad
-                 and (arg in converted if arg in taken else arg in call.grad_outputs)]
+                 and (arg in converted if arg in taken else arg in recorded)]
         if not pairs:
             return
         grads = []
@@ -290,7 +298,7 @@ class TorchPort:
                 grad = torch.from_numpy(converted[arg]).to(value.device, value.dtype)
                 writer.record(site, Role.GRAD_OUTPUT, _numpy(grad), arg=arg)
             else:
-                grad = read_value(self.ref, call.grad_outputs[arg])
+                grad = read_value(self.ref, recorded[arg])
                 writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
                 # a port output that holds the reference's elements in another shape ((T, D)
                 # against (1, T, D)): the diff's rule (compare/shapes.py)

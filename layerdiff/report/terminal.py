@@ -141,11 +141,18 @@ def _unjudged_details(diff: Diff, width: int) -> list[str]:
         line, width, initial_indent=" " * 6, subsequent_indent=" " * 8)]
 
 
+def _record_word(role: str) -> str:
+    """What a record's path names, for people: an output (a (cache, x) port's '1') is no
+    argument."""
+    return {"output": "output", "grad_output": "output"}.get(str(role), "argument")
+
+
 def _origin_details(origin: Origin, width: int) -> list[str]:
     m = origin.metrics
     in_port = [] if origin.port_site in ("", origin.site) else [
         f"in the port: {origin.port_site}" + (
-            "" if origin.port_arg == origin.arg else f", argument '{origin.port_arg}'")]
+            "" if origin.port_arg == origin.arg else
+            f", {_record_word(origin.role)} '{origin.port_arg}'")]
     tolerance = (f"tolerance rtol={m.get('rtol', 0):g} atol={m.get('atol', 0):g} "
                  f"({m.get('tol_source', '')}); worst element [{m.get('worst_index', '')}]; "
                  f"{number((m.get('frac_out') or 0) * 100, 3)}% of elements out")
