@@ -336,32 +336,29 @@ def data_needed(reference: Case, port: Case | ExternalCase,
                   else module_paths(port.model))
     ref_keep: set[str] = set()
     port_keep: set[str] = set()
-    adapted, converted = set(), set()
-    for path in ref_paths:  # [[site]] rules with call = ...
+    adapted, converted, outputs = set(), set(), set()
+    # [[site]] rules with call = ... or an output conversion (a function of the port's outputs,
+    # and the reference's inputs, cannot be applied to statistics)
+    for path in ref_paths:
         rule = rules.site_rule(path)
-        if rule is not None and rule.call is not None:
-            ref_keep.add(path)
+        if rule is None or (rule.call is None and rule.output_transform is None):
+            continue
+        ref_keep.add(path)
+        if rule.call is not None:
             adapted.add(rule.call.spec)
-            renamed = rules.rename(path)
-            if renamed is not None:
-                port_keep.add(renamed[0])
-    for ref_site, code in rules.pair_calls.items():  # [[pair]] rules with call = ...
-        ref_keep.add(schema.split_site(ref_site)[0])
-        port_keep.add(schema.split_site(rules.pairs[ref_site])[0])
-        adapted.add(code.spec)
-    outputs = set()  # output conversions: a function of the port's outputs (and the
-    for path in ref_paths:  # reference's inputs) cannot be applied to statistics
-        rule = rules.site_rule(path)
-        if rule is not None and rule.output_transform is not None:
-            ref_keep.add(path)
+        if rule.output_transform is not None:
             outputs.add(rule.output_transform.spec)
-            renamed = rules.rename(path)
-            if renamed is not None:
-                port_keep.add(renamed[0])
-    for ref_site, conversion in rules.pair_output_transforms.items():
+        renamed = rules.rename(path)
+        if renamed is not None:
+            port_keep.add(renamed[0])
+    # [[pair]] rules with call = ... or an output conversion
+    pair_rules = [(site, code.spec, adapted) for site, code in rules.pair_calls.items()]
+    pair_rules += [(site, conversion.spec, outputs)
+                   for site, conversion in rules.pair_output_transforms.items()]
+    for ref_site, spec, found in pair_rules:
         ref_keep.add(schema.split_site(ref_site)[0])
         port_keep.add(schema.split_site(rules.pairs[ref_site])[0])
-        outputs.add(conversion.spec)
+        found.add(spec)
     if port_paths is not None:  # [[param]] rules whose chain names a function
         partner = rules.module_partners(port_paths, ref_paths)
         for name in port_tensors(port.model):
