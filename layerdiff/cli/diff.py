@@ -114,12 +114,16 @@ def _show_html(trace_path: str, html_path: str, *, against: str | None, site: st
 @click.option("-v", "--verbose", is_flag=True, help="Every row, and what has no partner.")
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 1) when a site has no partner and no mapping declares so.")
+@click.option("--seq-axis", type=int, metavar="AXIS",
+              help="The axis of positions in activation records, for the error by position "
+                   "(found from the inputs' token ids when not given).")
 @no_verify_option
 @workers_option
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
-                 verbose: bool, strict: bool, no_verify: bool, workers: int | None) -> None:
+                 verbose: bool, strict: bool, seq_axis: int | None, no_verify: bool,
+                 workers: int | None) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
     from layerdiff.progress import ByteProgress
@@ -131,7 +135,8 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
     with ByteProgress("diff") as bar:
         result = diff(reference, port, mapping=mapping,
                       tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
-                      progress=bar.progress, verify=not no_verify, workers=workers)
+                      progress=bar.progress, verify=not no_verify, workers=workers,
+                      seq_axis=seq_axis)
     write_outputs(result, json_path=json_path, csv_path=csv_path, html_path=html_path)
     say(lambda: format_diff(result, verbose=verbose), json_path)
     missing = strict_line(result) if strict else None

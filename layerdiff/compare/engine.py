@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare import judge
+from layerdiff.compare import judge, positions
 from layerdiff.compare import result as R
 from layerdiff.compare.absent import absent_rows
 from layerdiff.compare.adapted import adapt_calls
@@ -65,7 +65,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
          tolerances: str | os.PathLike | Tolerances | None = None,
          baseline: str | os.PathLike | Trace | None = None, baseline_factor: float = FACTOR,
          progress: Progress | None = None, independent: bool = False,
-         verify: bool = True, workers: int | None = None) -> R.Diff:
+         verify: bool = True, workers: int | None = None,
+         seq_axis: int | None = None) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
@@ -81,6 +82,9 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     setting); a damaged file raises :class:`TraceError`. A multi-rank ``port`` (the manifest
     of ``capture --nproc``) is first gathered into one trace by the mapping's ``[[shard]]``
     rules, its rank files checked by ``workers`` processes (default: every core but one).
+    ``seq_axis`` declares the axis of positions of activation records, for the error by
+    position of failing records (found from the inputs' token ids when not given; see
+    :mod:`layerdiff.compare.positions`).
     """
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:
@@ -108,7 +112,8 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
                             "port's way as the baseline")
         judge = None if base_trace is None else measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
-        result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge)
+        result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge,
+                       seq_axis)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
             attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
@@ -169,7 +174,7 @@ def measure_baseline(ref: Trace, base: Trace, factor: float,
 
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
           progress: Progress | None, independent: bool,
-          baseline: Baseline | None = None) -> R.Diff:
+          baseline: Baseline | None = None, seq_axis: int | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
@@ -210,7 +215,11 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
     pairs = _row_pairs(ref_index, records)
     pairs.update(output_plans)
-    attach_hints(origins, PairReader(ref, port, pairs))
+    reader = PairReader(ref, port, pairs)
+    # failing records only, read once more: a passing diff pays nothing
+    by_position = positions.by_position(rows, reader, declared=seq_axis)
+    positions.attach(origins, by_position)
+    attach_hints(origins, reader)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
@@ -235,11 +244,13 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     }
     judging = {"dropped": records.excused, "port_missing": records.port_missing,
                "extra_norms": records.norms}
-    return R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
+    found = R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
                   pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
                   unjudgeable_sites(rows, ref_index, dropped=records.excused,
                                     port_missing=records.port_missing),
                   judging=judging)
+    found.positions = by_position
+    return found
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:

@@ -107,10 +107,15 @@ class Origin:
     # why this origin is offered only hedged: an earlier out-of-tolerance record lies at a
     # site that cannot be judged, and this origin may be its consequence ("" when confident)
     hedged: str = ""
+    # the error along the sequence axis (compare/positions.py): the worst ratio per position
+    # of axis ``position_axis`` of the origin's record; None where it has no sequence axis
+    positions: list[float] | None = None
+    position_axis: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["pass"] = data.pop("pass_")
+        data["positions"] = _plain(self.positions)
         return data
 
 
@@ -198,6 +203,10 @@ class Diff:
     # and extra_norms): a caller that re-judges the rows (diverge's golden band) passes them
     # on, or a site whose dropped argument has no partner could no longer be judged
     judging: dict[str, Any] = field(default_factory=dict, repr=False)
+    # per failing record with a sequence axis (compare/positions.py), by row key (step, site,
+    # role, arg): (axis, worst ratio per position); in the JSON as "positions"
+    positions: dict[tuple[int, str, str, str], tuple[int, np.ndarray]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -240,6 +249,9 @@ class Diff:
             "not_taken": _records(self.not_taken),
             "rows": _records(self.rows),
             "meta": self.meta,
+            "positions": [{"step": step, "site": site, "role": role, "arg": arg, "axis": axis,
+                           "ratios": _plain(ratios)}
+                          for (step, site, role, arg), (axis, ratios) in self.positions.items()],
         }
 
 

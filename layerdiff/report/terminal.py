@@ -10,7 +10,7 @@ import pandas as pd
 from layerdiff.compare.judge import Status, Verdict
 from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
-from layerdiff.report.findings.diff import describe_origin, shapes_differ
+from layerdiff.report.findings.diff import describe_origin, position_line, shapes_differ
 from layerdiff.report.text import WIDTH, clip, clip_middle, number, ranges
 from layerdiff.trace import schema
 from layerdiff.trace.printable import printable
@@ -168,6 +168,7 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
         inside = len(batch) - len(out)
         lines.append(f"batch elements out of tolerance: {ranges(out) or 'none'} "
                      f"({inside} of {len(batch)} within)")
+    lines += list(filter(None, [position_line(origin.positions)]))
     if origin.holders:
         lines.append(f"inside {', '.join(origin.holders)}")
     if m.get("note"):
@@ -252,6 +253,8 @@ def _summary(diff: Diff, width: int) -> list[str]:
             lines.append(clip_middle(f"  {i}. {describe_origin(origin, port_name=False)}",
                                      width))
             lines += [clip(f"       {text}", width) for text in hint_lines(origin)]
+            lines += [clip(f"       {text}", width)
+                      for text in filter(None, [position_line(origin.positions)])]
     return lines
 
 

@@ -9,7 +9,9 @@ import numpy as np
 
 from layerdiff.ci.check import CheckOutcome, CheckResult
 from layerdiff.compare.judge import UNCHANGED, Verdict
+from layerdiff.compare.positions import pattern
 from layerdiff.compare.result import Column, Diff, Origin
+from layerdiff.report.text import ranges
 
 NOTEBOOK_ROWS = 20     # failing rows a notebook shows (.failing() has them all)
 NOTEBOOK_ORIGINS = 10
@@ -41,6 +43,56 @@ def shapes_differ(origin: Origin) -> str:
 
 
 SHAPES_DIFFER = "shapes differ:"  # compare/engine.py's note on a shape-mismatch row
+
+MAX_RANGES = 6  # runs of positions named before '...'
+
+
+def position_line(ratios: list[float] | np.ndarray | None) -> str:
+    """'by position: within at 0-5, out from 6 (first 6, worst 11: 3.2e3x)': where along the
+    sequence a record's error is (its worst ratio per position, compare/positions.py); ''
+    when it has none."""
+    if ratios is None or len(ratios) == 0:
+        return ""
+    found = pattern(ratios)
+    count = len(ratios)
+    out, within = found.out, found.within
+    if not out:
+        where = f"within at every position (0-{count - 1})"
+    elif not within:
+        where = f"out at every position (0-{count - 1})"
+    elif len(out) == 1:
+        where = f"out only at {out[0]}, within elsewhere"
+    elif found.run_to_end:
+        where = f"within at {_runs(within)}, out from {out[0]}"
+    elif out[0] == 0 and out[-1] - out[0] + 1 == len(out):
+        where = f"out at {_runs(out)}, within from {within[0]}"
+    else:
+        where = f"out at {_runs(out)}, within at {_runs(within)}"
+    detail = "" if not out else (
+        f" (first {found.first}, worst {found.worst}: {times(found.worst_ratio)})"
+        if found.first != found.worst or len(out) > 1 else f" ({times(found.worst_ratio)})")
+    if found.growing:
+        middle = out[len(out) // 2]
+        detail += (f"; the error grows with the position ({out[0]}: "
+                   f"{times(float(ratios[out[0]]))}, {middle}: {times(float(ratios[middle]))},"
+                   f" {out[-1]}: {times(float(ratios[out[-1]]))})")
+    return f"by position: {where}{detail}"
+
+
+def times(ratio: float) -> str:
+    """A ratio to tolerance, short: '3.2e3x', '12x', 'infx' -> 'inf'."""
+    if not np.isfinite(ratio):
+        return "not finite" if np.isnan(ratio) else "inf"
+    text = f"{ratio:.2g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}e{int(exponent)}"
+    return text + "x"
+
+
+def _runs(indices: list[int]) -> str:
+    parts = ranges(indices).split(", ")
+    return ", ".join(parts[:MAX_RANGES]) + (" ..." if len(parts) > MAX_RANGES else "")
 
 
 def notebook_html(diff: Diff) -> str:
@@ -96,4 +148,4 @@ def check_line(result: CheckResult) -> str:
     return f"FAIL  {result.case}: out of tolerance; origin {where}"
 
 
-__all__ = ["check_line", "describe_origin", "notebook_html"]
+__all__ = ["check_line", "describe_origin", "notebook_html", "position_line"]

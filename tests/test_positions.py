@@ -1,0 +1,92 @@
+"""The error by position: planted bugs in tiny sequence models (tests/position_cases.py) are
+told by where along the sequence they err, in the origin, its JSON and the terminal."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from layerdiff import capture, diff, load_case
+from layerdiff.compare.positions import Tokens, pattern, sequence_axis
+from layerdiff.report.findings.diff import position_line
+from layerdiff.report.terminal import format_diff
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CASES = "tests.position_cases"
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("positions")
+    return {name: capture(load_case(f"{CASES}:{name}"), folder / f"{name}.h5")
+            for name in ("padding_reference", "padding_off_by_one", "rotary_reference",
+                         "rotary_base")}
+
+
+@pytest.fixture(scope="module")
+def padding(traces):
+    return diff(traces["padding_reference"], traces["padding_off_by_one"])
+
+
+def test_a_padding_mask_off_by_one_is_out_from_its_position(padding):
+    origin = padding.origin
+    assert origin.site == "mixer#0" and origin.position_axis == 1
+    assert len(origin.positions) == 12
+    found = pattern(origin.positions)
+    assert found.out == [8, 9, 10, 11] and found.first == 8 and not found.growing
+    text = " ".join(format_diff(padding).split())
+    assert "by position: within at 0-7, out from 8 (first 8, worst " in text
+
+
+def test_a_rotary_base_error_grows_with_the_position(traces):
+    result = diff(traces["rotary_reference"], traces["rotary_base"])
+    origin = result.origin
+    assert origin.site == "mixer#0"
+    found = pattern(origin.positions)
+    assert found.first == 1 and found.within == [0] and found.run_to_end and found.growing
+    text = " ".join(format_diff(result).split())  # the terminal wraps long lines
+    assert "by position: within at 0, out from 1 (first 1, worst " in text
+    assert "; the error grows with the position (1: " in text
+
+
+def test_the_json_carries_the_vector_of_the_origin_and_of_every_failing_record(padding):
+    data = json.loads(json.dumps(padding.as_json()))
+    assert data["origin"]["position_axis"] == 1
+    assert np.allclose(data["origin"]["positions"], padding.origin.positions)
+    records = {(entry["site"], entry["role"], entry["arg"]): entry for entry in data["positions"]}
+    failing = padding.failing()
+    # every failing activation record of (batch, length, ...) shape has one; the loss has none
+    assert ("mixer#0", "output", "0") in records and ("head#0", "output", "0") in records
+    assert len(records) == sum(str(shape).startswith("3,12") for shape in failing["shape"])
+    assert all(len(entry["ratios"]) == 12 and entry["axis"] == 1
+               for entry in records.values())
+
+
+def test_a_passing_diff_reads_nothing_more(traces):
+    result = diff(traces["padding_reference"], traces["padding_reference"])
+    assert result.passed and result.positions == {} and result.as_json()["positions"] == []
+
+
+def test_the_sequence_axis_is_found_from_the_token_ids_or_declared():
+    tokens = Tokens(batch=3, length=12)
+    assert sequence_axis((3, 12, 16), tokens) == 1
+    assert sequence_axis((3, 4, 12, 4), tokens) is None   # heads first: not guessed
+    assert sequence_axis((36, 16), tokens) is None        # (batch x length) flattened
+    assert sequence_axis((3, 4, 12, 4), None) is None
+    assert sequence_axis((3, 4, 12, 4), None, declared=2) == 2
+    assert sequence_axis((3, 4, 12, 4), None, declared=-2) == 2
+    assert sequence_axis((16,), None, declared=1) is None
+
+
+@pytest.mark.parametrize(("ratios", "said"), [
+    ([0.1, 0.2, 40.0, 0.3], "by position: out only at 2, within elsewhere (40x)"),
+    ([9.0, 8.0, 0.5, 0.1], "by position: out at 0-1, within from 2 (first 0, worst 0: 9x)"),
+    ([0.5, 3.0, 0.5, 7.0e3, 0.1],
+     "by position: out at 1, 3, within at 0, 2, 4 (first 1, worst 3: 7e3x)"),
+    ([0.5, 0.5], "by position: within at every position (0-1)"),
+    ([2.0, 2.0], "by position: out at every position (0-1) (first 0, worst 0: 2x)"),
+])
+def test_the_line_says_where_from_the_numbers(ratios, said):
+    assert position_line(ratios) == said
