@@ -4,6 +4,8 @@ told by where along the sequence they err, in the origin, its JSON and the termi
 from __future__ import annotations
 
 import json
+import re
+from html.parser import HTMLParser
 
 import numpy as np
 import pytest
@@ -90,3 +92,50 @@ def test_the_sequence_axis_is_found_from_the_token_ids_or_declared():
 ])
 def test_the_line_says_where_from_the_numbers(ratios, said):
     assert position_line(ratios) == said
+
+
+class _Balance(HTMLParser):
+    """Open and close tags of the page, to see it is well formed."""
+
+    VOID = frozenset({"meta", "img", "br", "hr", "input", "link", "col", "wbr", "source"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(tag)
+
+
+def test_the_html_report_draws_records_by_positions(padding):
+    from layerdiff.report.html import render_html
+
+    text = render_html(padding)
+    balance = _Balance()
+    balance.feed(text)
+    assert not balance.errors and not balance.stack
+    assert 'id="position-heatmap"' in text and "The origin, by position: within at 0-7" in text
+    data = json.loads(re.search(r'<script type="application/json" id="position-errors">(.*?)'
+                                r"</script>", text, re.S).group(1))
+    assert data["records"][0] == "mixer#0 output" and data["origin_row"] == 0
+    assert np.allclose(data["ratios"][0], padding.origin.positions)
+    assert len(data["records"]) == len(padding.positions)
+
+
+def test_a_real_browser_draws_the_heatmap(padding, tmp_path, screenshot):
+    from layerdiff.report import page
+    from layerdiff.report.positions_html import positions_section
+
+    path = tmp_path / "positions.html"
+    path.write_text(page.document("positions", [positions_section(padding)]))
+    pixels = screenshot(path, 800)
+    red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    # over tolerance at positions 8-11 of the first rows, within (blue) before
+    assert ((red > 0.4) & (green < 0.15) & (blue < 0.2)).mean() > 0.01
+    assert ((blue > 0.3) & (red < 0.1)).mean() > 0.05

@@ -32,6 +32,7 @@ from layerdiff.outputs import write_text
 from layerdiff.report import page
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.page import CSS, DPI, present
+from layerdiff.report.positions_html import positions_section
 from layerdiff.report.tree import TREE_CSS, module_tree_section
 from layerdiff.trace.schema import Pass
 
@@ -85,6 +86,7 @@ def render_html(diff: Diff) -> str:
             _ops_section(diff),
             error_section(diff),
             origin_section(diff, reader),
+            positions_section(diff),
             failing_section(diff),
             origins_section(diff),
             _unmatched_section(diff),
