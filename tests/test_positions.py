@@ -139,3 +139,21 @@ def test_a_real_browser_draws_the_heatmap(padding, tmp_path, screenshot):
     # over tolerance at positions 8-11 of the first rows, within (blue) before
     assert ((red > 0.4) & (green < 0.15) & (blue < 0.2)).mean() > 0.01
     assert ((blue > 0.3) & (red < 0.1)).mean() > 0.05
+
+
+def test_a_declared_axis_is_used_where_the_ids_say_nothing(traces):
+    result = diff(traces["padding_reference"], traces["padding_off_by_one"], seq_axis=2)
+    assert result.origin.position_axis == 2 and len(result.origin.positions) == 16
+
+
+def test_the_command_takes_the_declared_axis(traces, tmp_path):
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    out = tmp_path / "d.json"
+    ran = CliRunner().invoke(main, ["diff", str(traces["padding_reference"]),
+                                    str(traces["padding_off_by_one"]), "--seq-axis", "2",
+                                    "--json", str(out)])
+    assert ran.exit_code == 1, ran.output
+    assert json.loads(out.read_text())["origin"]["position_axis"] == 2

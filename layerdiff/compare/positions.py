@@ -23,7 +23,7 @@ from layerdiff.compare import result as R
 from layerdiff.compare.judge import PASSING
 from layerdiff.compare.pair import PairReader, RowKey, row_key
 from layerdiff.compare.result import Column
-from layerdiff.errors import TraceError
+from layerdiff.errors import LayerdiffError
 from layerdiff.trace import Trace, schema
 
 # Bounds on the extra reading: the first failing records in execution order (the heatmap's
@@ -91,12 +91,13 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
     """For each failing activation record with a sequence axis: (axis, ratio per position).
     Records that cannot be read back (summary traces, shapes that differ) are left out:
     the per-position view is a help, never a reason for the diff to fail."""
-    if rows.empty or reader.ref.summary or reader.port.summary:
+    if rows.empty:
         return {}
-    failing = rows[~rows[Column.VERDICT].isin(PASSING)
-                   & ~rows[Column.ROLE].isin([str(role) for role in schema.PARAM_ROLES])]
-    if failing.empty:
-        return {}
+    out = ~rows[Column.VERDICT].isin(PASSING).to_numpy()
+    if not out.any() or reader.ref.summary or reader.port.summary:
+        return {}  # a passing diff: one pass over the verdicts, nothing read
+    failing = rows[out & ~rows[Column.ROLE].isin([str(role) for role in schema.PARAM_ROLES])
+                   .to_numpy()]
     found: dict[int, Tokens | None] = {}
     vectors: dict[RowKey, tuple[int, np.ndarray]] = {}
     for _, row in failing.iterrows():
@@ -104,8 +105,9 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
             break
         shape = _dims(row[Column.SHAPE])
         numel = int(np.prod(shape)) if shape else 0
-        if not numel or numel > max_elements or _dims(row[Column.PORT_SHAPE]) not in (shape, ()):
-            continue
+        port_shape = _dims(row.get(Column.PORT_SHAPE))
+        if not numel or numel > max_elements or (port_shape and int(np.prod(port_shape)) != numel):
+            continue  # too large to read again, or not compared element by element
         step = int(row[Column.STEP])
         if step not in found:
             found[step] = tokens(reader.ref, step)
@@ -114,8 +116,8 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
             continue
         try:
             ref, port = reader.read(row, compared=True)
-        except (TraceError, ValueError, KeyError):
-            continue
+        except (LayerdiffError, OSError, ValueError, KeyError, IndexError, RuntimeError):
+            continue  # a record that cannot be read back (a mapping's code that fails here)
         if ref.shape != shape or port.shape != ref.shape:
             continue
         rtol, atol = _tolerance(row)
