@@ -30,6 +30,7 @@ from layerdiff.trace import Trace, schema
 # rows) and records up to this many elements (2^22 float64 values: 32 MiB per copy).
 MAX_RECORDS = 256
 MAX_ELEMENTS = 1 << 22
+MAX_TOTAL = 1 << 27    # elements read again in all: a bound of ~2 GiB of float64 passes
 
 # Growth with position: the error over the last quarter of the wrong positions at least this
 # many times the first wrong position's, and ranked with the position (Spearman) at least
@@ -51,9 +52,9 @@ class Tokens:
 def tokens(trace: Trace, step: int = 0) -> Tokens | None:
     """The root's first integer input of two axes, as (batch, length); None without one."""
     index = trace.index
-    rows = index[(index["step"] == step) & (index["role"] == schema.Role.INPUT)
-                 & (index["site"].map(lambda site: schema.split_site(site)[0])
-                    == schema.ROOT_MODULE)]
+    rows = index[(index["step"] == step) & (index["role"] == schema.Role.INPUT)]
+    sites = rows["site"].astype(str)
+    rows = rows[sites.str.startswith(schema.ROOT_MODULE + "#") & ~sites.str.contains("/")]
     for shape, dtype in zip(rows["shape"], rows["dtype"], strict=True):
         dims = _dims(shape)
         if len(dims) == 2 and str(dtype).startswith(("int", "uint")) and dims[1] > 1:
@@ -100,8 +101,9 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
                    .to_numpy()]
     found: dict[int, Tokens | None] = {}
     vectors: dict[RowKey, tuple[int, np.ndarray]] = {}
+    budget = MAX_TOTAL
     for _, row in failing.iterrows():
-        if len(vectors) >= max_records:
+        if len(vectors) >= max_records or budget <= 0:
             break
         shape = _dims(row[Column.SHAPE])
         numel = int(np.prod(shape)) if shape else 0
@@ -118,6 +120,7 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
             ref, port = reader.read(row, compared=True)
         except (LayerdiffError, OSError, ValueError, KeyError, IndexError, RuntimeError):
             continue  # a record that cannot be read back (a mapping's code that fails here)
+        budget -= numel
         if ref.shape != shape or port.shape != ref.shape:
             continue
         rtol, atol = _tolerance(row)
