@@ -157,3 +157,9 @@ def test_the_command_takes_the_declared_axis(traces, tmp_path):
                                     "--json", str(out)])
     assert ran.exit_code == 1, ran.output
     assert json.loads(out.read_text())["origin"]["position_axis"] == 2
+
+
+def test_a_notebook_shows_the_line_under_the_origin(padding):
+    from layerdiff.report.findings.diff import notebook_html
+
+    assert "by position: within at 0-7, out from 8" in notebook_html(padding)

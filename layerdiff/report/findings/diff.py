@@ -109,6 +109,7 @@ def notebook_html(diff: Diff) -> str:
             f"<li>{escape(describe_origin(origin))}"
             + (f"<br><i>likely cause: {escape(origin.hint['kind'])}: "
                f"{escape(origin.hint['evidence'])}</i>" if origin.hint else "")
+            + (f"<br>{escape(position_line(origin.positions))}" if origin.positions else "")
             + "</li>" for origin in diff.origins[:NOTEBOOK_ORIGINS])
         parts.append(f"<p>origins:</p><ol>{items}</ol>")
     if not failing.empty:
