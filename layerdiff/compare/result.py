@@ -107,6 +107,9 @@ class Origin:
     # why this origin is offered only hedged: an earlier out-of-tolerance record lies at a
     # site that cannot be judged, and this origin may be its consequence ("" when confident)
     hedged: str = ""
+    # the routing flip its worst element lies on (layerdiff.compare.routing): {"router",
+    # "token", "position", "reference", "port", "text"}, or None
+    routing: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -166,6 +169,7 @@ class DiffMeta(TypedDict, total=False):
     baseline: dict[str, Any] | None     # {"trace", "factor"}: the precision baseline used
     warnings: list[str]                 # sentences for the user (unused rules, baseline doubts)
     precision: dict[str, Any] | None    # a port in another precision with no baseline: the advice
+    routing: list[dict[str, Any]]       # routers whose top-k differ (compare.routing), per call
     op_pairings: list[dict[str, Any]]   # op sites paired across names (compare.op_alignment)
     ops_commands: list[str]             # captures with --ops that would name the op inside
     full_commands: list[str]            # captures with --full-around for a summary trace
