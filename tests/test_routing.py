@@ -75,6 +75,8 @@ def test_a_bfloat16_router_flips_the_near_tie_and_the_origin_says_so(flipped):
     assert text.startswith(f"layer 0, token (b={cases.TIE_TOKEN[0]}, t={cases.TIE_TOKEN[1]}): "
                            "experts {"), text
     assert "the port's router scores tie in bfloat16" in text, text
+    # the routers only: not the MoE block that holds one (its output's top 2 are no experts)
+    assert {r["site"] for r in flipped.meta["routing"]} <= {ROUTER0, "model.layers.1.mlp.gate#0"}
     layer0 = next(r for r in flipped.meta["routing"] if r["site"] == ROUTER0)
     assert len(layer0["flips"]) == 1
     flip = layer0["flips"][0]

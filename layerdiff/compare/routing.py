@@ -10,10 +10,10 @@ Routers are declared (``[[router]] site = "model.layers.*.mlp.gate" k = 2``) or 
 site whose float output 0 is (..., E) with, beside it, an integer tensor (T, k), k < E, T the
 number of score rows and every value in [0, E): the top-k indices, recorded as the router's own
 output or as an input of a sibling site (HF passes ``top_k_index`` to its experts, gpt-fast
-``expert_indices`` to its ``cond_ffn``). Only (T, k): a 1-D integer tensor beside a
-classifier's logits is its labels. Each side's decision is that recorded index tensor when
-there is one (the choice the model actually took, in whatever precision it chose), else the
-top k of its recorded scores.
+``expert_indices`` to its ``cond_ffn``), and which is the top k of those scores for most
+tokens. Only (T, k): a 1-D integer tensor beside a classifier's logits is its labels. Each
+side's decision is that recorded index tensor when there is one (the choice the model actually
+took, in whatever precision it chose), else the top k of its recorded scores.
 """
 
 from __future__ import annotations
@@ -104,16 +104,42 @@ def routing_report(ref: Trace, port: Trace, base: Trace | None, mapping: Mapping
 
 
 def _routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
-    """(step, site, k) of each router call: declared by the mapping, else detected."""
-    found = []
-    for site in ref.sites.itertuples(index=False):
-        declared = next((rule.k for rule in mapping.routers if rule.site.match(site.module)
-                         is not None), None)
-        k = declared if declared is not None else _detected_k(ref, int(site.step), site.site,
-                                                               site.parent)
-        if k is not None:
-            found.append((int(site.step), site.site, k))
-    return found
+    """(step, site, k) of each router call, in call order: declared by the mapping, else
+    detected. Detection starts from the few integer (T, k) tensors a forward records (the
+    router that made one is the site that returns it or a sibling of the site that takes it),
+    so a trace without any costs one pass over its index."""
+    sites = ref.sites
+    found: dict[tuple[int, str], int] = {}
+    if mapping.routers:
+        for site in sites.itertuples(index=False):
+            k = next((rule.k for rule in mapping.routers
+                      if rule.site.match(site.module) is not None), None)
+            if k is not None:
+                found[(int(site.step), site.site)] = k
+    index = ref.index
+    ints = index[(index["pass"] == "forward") & (index["kind"] == "tensor")
+                 & (index["segment"] >= 0) & index["dtype"].astype(str).str.startswith(
+                     ("int", "uint")) & (index["shape"].astype(str).str.count(",") == 1)]
+    parent = dict(zip(zip(sites["step"].astype(int), sites["site"], strict=True),
+                      sites["parent"], strict=True))
+    for step, site, role in {(int(a), str(b), str(c)) for a, b, c in
+                             ints[["step", "site", "role"]].itertuples(index=False)}:
+        if role == "output":  # the router returns its choice
+            candidates = [site]
+        elif role == "input":  # a sibling of the router takes it (the experts)
+            above = parent.get((step, site), "")
+            candidates = sites.loc[(sites["step"] == step) & (sites["parent"] == above)
+                                   & (sites["site"] != site), "site"].tolist() if above else []
+        else:
+            continue
+        for candidate in candidates:
+            if (step, candidate) not in found:
+                k = _detected_k(ref, step, candidate, parent.get((step, candidate), ""))
+                if k is not None:
+                    found[(step, candidate)] = k
+    order = {key: n for n, key in enumerate(parent)}
+    return [(step, site, k) for (step, site), k in
+            sorted(found.items(), key=lambda item: order.get(item[0], 0))]
 
 
 def _scores_row(trace: Trace, step: int, site: str) -> pd.Series | None:
@@ -124,12 +150,28 @@ def _scores_row(trace: Trace, step: int, site: str) -> pd.Series | None:
     return row if len(shape) >= 2 and shape[-1] >= 2 else None
 
 
+AGREE = 0.9  # the share of tokens whose recorded choice must be the top k of the scores
+
+
 def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
+    """k when ``site`` is a router: its scores beside a recorded (T, k) choice (see
+    :func:`_decision_rows`) that is the top k of those scores for at least AGREE of the tokens
+    (not all: a router that chooses in a lower precision than it records may differ from its
+    recorded scores on near-ties). The check on the values keeps out a block that merely holds
+    a router (its output's top k are no experts) and any (T, k) integers that happen to fit."""
     row = _scores_row(trace, step, site)
     if row is None:
         return None
-    found = _decision_row(trace, step, site, parent, row)
-    return None if found is None else schema.parse_shape(found["shape"])[-1]
+    for found in _decision_rows(trace, step, site, parent, row):
+        k = schema.parse_shape(found["shape"])[-1]
+        scores = np.asarray(trace.read(row, compared=True), dtype=np.float64)
+        scores = scores.reshape(-1, scores.shape[-1])
+        chosen = np.sort(np.asarray(trace.read(found, compared=True)).reshape(len(scores), k),
+                         axis=-1)
+        top = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :k], axis=-1)
+        if (top == chosen).all(axis=-1).mean() >= AGREE:
+            return k
+    return None
 
 
 def _decision_row(trace: Trace, step: int, site: str, parent: str,
@@ -141,17 +183,20 @@ def _decision_row(trace: Trace, step: int, site: str, parent: str,
 def _decision_rows(trace: Trace, step: int, site: str, parent: str,
                    scores: pd.Series, k: int | None = None) -> list[pd.Series]:
     """The recorded top-k indices of ``site``'s scores: an integer (T, k) tensor, k < E, values
-    in [0, E), among the router's own outputs or its siblings' inputs (same parent call)."""
+    in [0, E), that the router or an op inside it (--ops) returns, or that a sibling (same
+    parent call: the experts) takes. Not a sibling's output nor the router's own input: a site
+    that takes or a sibling that returns expert numbers is no router of them."""
     shape = schema.parse_shape(scores["shape"])
     experts, tokens = shape[-1], math.prod(shape[:-1])
     sites = trace.sites
-    siblings = sites[(sites["step"] == step) & (sites["parent"] == parent)
-                     & (sites["site"] != site)]["site"]
+    at = sites[sites["step"] == step]
+    returns = set(at.loc[at["parent"] == site, "site"]) | {site}
+    takes = set(at.loc[(at["parent"] == parent) & (at["site"] != site), "site"])
     index = trace.index
     candidates = index[(index["step"] == step) & (index["pass"] == "forward")
                        & (index["kind"] == "tensor") & (index["segment"] >= 0)
-                       & (((index["site"] == site) & (index["role"] == "output"))
-                          | (index["site"].isin(set(siblings)) & (index["role"] == "input")))]
+                       & ((index["site"].isin(returns) & (index["role"] == "output"))
+                          | (index["site"].isin(takes) & (index["role"] == "input")))]
     found = []
     for _, row in candidates.iterrows():
         dims = schema.parse_shape(row["shape"])
