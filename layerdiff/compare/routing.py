@@ -122,8 +122,21 @@ def _routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
                      ("int", "uint")) & (index["shape"].astype(str).str.count(",") == 1)]
     parent = dict(zip(zip(sites["step"].astype(int), sites["site"], strict=True),
                       sites["parent"], strict=True))
-    for step, site, role in {(int(a), str(b), str(c)) for a, b, c in
-                             ints[["step", "site", "role"]].itertuples(index=False)}:
+    outputs = index[(index["pass"] == "forward") & (index["role"] == "output")
+                    & (index["arg"] == "0") & (index["kind"] == "tensor")]
+    shapes = {(int(step), str(site)): schema.parse_shape(shape) for step, site, shape
+              in outputs[["step", "site", "shape"]].itertuples(index=False)}
+
+    def could_be(step: int, candidate: str, dims: tuple[int, ...]) -> bool:
+        """Scores whose rows are the integer tensor's tokens, over more experts than it
+        takes: checked on the index alone, before any read."""
+        shape = shapes.get((step, candidate), ())
+        return len(shape) >= 2 and math.prod(shape[:-1]) == dims[0] and dims[1] < shape[-1]
+
+    for step, site, role, text in {(int(a), str(b), str(c), str(d)) for a, b, c, d in
+                                   ints[["step", "site", "role", "shape"]].itertuples(
+                                       index=False)}:
+        dims = schema.parse_shape(text)
         if role == "output":  # the router returns its choice
             candidates = [site]
         elif role == "input":  # a sibling of the router takes it (the experts)
@@ -133,7 +146,7 @@ def _routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
         else:
             continue
         for candidate in candidates:
-            if (step, candidate) not in found:
+            if (step, candidate) not in found and could_be(step, candidate, dims):
                 k = _detected_k(ref, step, candidate, parent.get((step, candidate), ""))
                 if k is not None:
                     found[(step, candidate)] = k
