@@ -86,7 +86,7 @@ def test_a_bfloat16_router_flips_the_near_tie_and_the_origin_says_so(flipped):
     assert f"routing flip: {text[:40]}" in report.replace("\n        ", " ")
     assert "routing: tokens whose top-k experts differ" in report
     assert "Routing flip: layer 0, token (b=1, t=6)" in render_html(flipped)
-    as_json = json.loads(json.dumps(flipped.as_json(), default=str))
+    as_json = json.loads(json.dumps(flipped.as_json()))
     assert as_json["origins"][0]["routing"]["position"] == list(cases.TIE_TOKEN)
 
 
