@@ -81,7 +81,12 @@ def test_a_bfloat16_router_flips_the_near_tie_and_the_origin_says_so(flipped):
     assert len(layer0["flips"]) == 1
     flip = layer0["flips"][0]
     assert tuple(flip["position"]) == cases.TIE_TOKEN and not flip["shared"]
+    assert flip["tie"] == "bfloat16" and flip["reference"] != flip["port"]
     assert math.isclose(flip["reference_margin"], cases.TIE_GAP, rel_tol=0.05)
+    for router in flipped.meta["routing"]:  # layer 1's flips follow layer 0's: said so
+        if router["site"] != ROUTER0:
+            assert all("the router's input already differs" in f["why"] for f in
+                       router["flips"]), router["flips"]
     report = format_diff(flipped)
     assert f"routing flip: {text[:40]}" in report.replace("\n        ", " ")
     assert "routing: tokens whose top-k experts differ" in report

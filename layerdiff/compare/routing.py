@@ -46,6 +46,7 @@ class Flip:
     port_margin: float              # ... the port's own scores
     shared: bool                    # the baseline makes the same flip: within precision
     why: str                        # the scores at the boundary, one clause
+    tie: str                        # the dtype the port's two boundary scores tie in, or ""
 
     def where(self) -> str:
         return (f"token (b={self.position[0]}, t={self.position[1]})" if self.position
@@ -92,12 +93,15 @@ def routing_report(ref: Trace, port: Trace, base: Trace | None, mapping: Mapping
     paired = rows[[Column.STEP, Column.SITE, Column.PORT_SITE]].drop_duplicates(
         [Column.STEP, Column.SITE])
     port_of = {(int(s), str(a)): str(b or a) for s, a, b in paired.itertuples(index=False)}
+    entered_out = rows[(rows[Column.ROLE] == "input") & (rows[Column.VERDICT] == Verdict.OUT)]
+    differs = set(zip(entered_out[Column.STEP].astype(int), entered_out[Column.SITE],
+                      strict=True))
     reports = []
     for step, site, k in _routers(ref, mapping):
         port_site = port_of.get((step, site))
         if port_site is None:
             continue
-        report = _compare(ref, port, base, step, site, port_site, k)
+        report = _compare(ref, port, base, step, site, port_site, k, (step, site) in differs)
         if report is not None:
             reports.append(report)
     return reports
@@ -285,13 +289,14 @@ def _round(values: np.ndarray, dtype: str) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def _why(ref: np.ndarray, port: np.ndarray, dropped: int, added: int, dtype: str) -> str:
-    """The boundary in one clause: the port's scores of the expert it dropped and the one it
-    took instead, tied in the port's precision or ranked the other way."""
+def _why(ref: np.ndarray, port: np.ndarray, dropped: int, added: int,
+         dtype: str) -> tuple[str, str]:
+    """The boundary in one clause, and the dtype in which the port's scores of the expert it
+    dropped and the one it took instead tie ("" when they do not: ranked the other way)."""
     ref_gap = ref[dropped] - ref[added]
     if port[dropped] == port[added]:
         return (f"the port's router scores tie in {dtype} ({port[dropped]:.6g} = "
-                f"{port[added]:.6g}) where the reference's differ by {ref_gap:.2g}")
+                f"{port[added]:.6g}) where the reference's differ by {ref_gap:.2g}", dtype)
     if port[dropped] > port[added]:  # the port's own scores rank them as the reference does:
         # it chose from a rounded copy; find the precision in which they tie
         probs, ref_probs = _softmax(port), _softmax(ref)
@@ -302,17 +307,19 @@ def _why(ref: np.ndarray, port: np.ndarray, dropped: int, added: int, dtype: str
                 if rounded[dropped] == rounded[added]:
                     return (f"the port's router {name} tie in {low} ({rounded[dropped]:.6g} = "
                             f"{rounded[added]:.6g}) where the reference's differ by "
-                            f"{ref_values[dropped] - ref_values[added]:.2g}")
+                            f"{ref_values[dropped] - ref_values[added]:.2g}", low)
         return (f"the port's recorded scores rank expert {dropped} above {added} by "
                 f"{port[dropped] - port[added]:.2g}, yet it chose {added}: it chooses from "
-                "other scores than it records")
+                "other scores than it records", "")
     return (f"the port's scores rank expert {added} above {dropped} by "
             f"{port[added] - port[dropped]:.2g} where the reference's rank {dropped} above "
-            f"{added} by {ref_gap:.2g}")
+            f"{added} by {ref_gap:.2g}", "")
 
 
 def _compare(ref: Trace, port: Trace, base: Trace | None, step: int, site: str,
-             port_site: str, k: int) -> RouterReport | None:
+             port_site: str, k: int, input_differs: bool) -> RouterReport | None:
+    """``input_differs``: the router's input is already out of tolerance, so a flip whose
+    scores rank the other way is that difference's consequence."""
     mine, theirs = _side(ref, step, site, k), _side(port, step, port_site, k)
     if mine is None or theirs is None or mine[0].shape != theirs[0].shape:
         return None
@@ -334,11 +341,13 @@ def _compare(ref: Trace, port: Trace, base: Trace | None, step: int, site: str,
         ours, yours = set(ref_chosen[token].tolist()), set(port_chosen[token].tolist())
         dropped, added = min(ours - yours), min(yours - ours)
         baseline = None if base_chosen is None else sorted(base_chosen[token].tolist())
+        why, tie = _why(ref_scores[token], port_scores[token], dropped, added, port_dtype)
+        if not tie and input_differs:
+            why += " (the router's input already differs: a consequence)"
         report.flips.append(Flip(
             int(token), None if shape is None else divmod(int(token), shape[1]),
             sorted(ours), sorted(yours), baseline, float(ref_margin[token]),
-            float(port_margin[token]), baseline == sorted(yours),
-            _why(ref_scores[token], port_scores[token], dropped, added, port_dtype)))
+            float(port_margin[token]), baseline == sorted(yours), why, tie))
     return report
 
 
