@@ -45,6 +45,7 @@ from layerdiff.compare.rank_parts import (
 from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
+from layerdiff.compare.routing import explain_origins, judge_decisions, routing_report
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.shapes import reshape_note, same_order
 from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
@@ -113,7 +114,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         judge = None if base_trace is None else measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge,
-                       seq_axis)
+                       seq_axis, base_trace)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
             attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
@@ -174,7 +175,8 @@ def measure_baseline(ref: Trace, base: Trace, factor: float,
 
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
           progress: Progress | None, independent: bool,
-          baseline: Baseline | None = None, seq_axis: int | None = None) -> R.Diff:
+          baseline: Baseline | None = None, seq_axis: int | None = None,
+          base_trace: Trace | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
@@ -207,6 +209,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         [(side, None, site, "", "", why, declared) for side, site, why, declared
          in sites.unmatched] + [(*entry, False) for entry in records.unmatched]
         + [(*entry, True) for entry in records.declared], columns=R.UNMATCHED_COLUMNS)
+    # routers' top-k compared as sets per token; their index records judged as decisions
+    routers = routing_report(ref, port, base_trace, mapping, rows)
+    judge_decisions(rows, routers)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
                                        ref_index=ref_index, dropped=records.excused,
                                        port_missing=records.port_missing,
@@ -220,6 +225,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     by_position = positions.by_position(rows, reader, declared=seq_axis)
     positions.attach(origins, by_position)
     attach_hints(origins, reader)
+    explain_origins(origins, routers, ref)  # an origin whose worst element a flip explains
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
@@ -236,6 +242,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         + tolerances.unmatched(rows) + converted_said,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping, tolerances),
+        "routing": [router.as_json() for router in routers if router.flips],
         "op_pairings": op_pairings(sites),
         "ops_commands": ops_commands(ref, port, origins, first_step,
                                      diff_options(mapping, tolerances)),

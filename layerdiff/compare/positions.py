@@ -97,8 +97,10 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
     out = ~rows[Column.VERDICT].isin(PASSING).to_numpy()
     if not out.any() or reader.ref.summary or reader.port.summary:
         return {}  # a passing diff: one pass over the verdicts, nothing read
+    # a record judged without a ratio (a router's top-k indices, compared as a decision)
+    # has no error per position either
     failing = rows[out & ~rows[Column.ROLE].isin([str(role) for role in schema.PARAM_ROLES])
-                   .to_numpy()]
+                   .to_numpy() & rows[Column.RATIO].notna().to_numpy()]
     found: dict[int, Tokens | None] = {}
     vectors: dict[RowKey, tuple[int, np.ndarray]] = {}
     budget = MAX_TOTAL

@@ -111,6 +111,9 @@ class Origin:
     # of axis ``position_axis`` of the origin's record; None where it has no sequence axis
     positions: list[float] | None = None
     position_axis: int | None = None
+    # the routing flip its worst element lies on (layerdiff.compare.routing): {"router",
+    # "token", "position", "reference", "port", "text"}, or None
+    routing: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -171,6 +174,7 @@ class DiffMeta(TypedDict, total=False):
     baseline: dict[str, Any] | None     # {"trace", "factor"}: the precision baseline used
     warnings: list[str]                 # sentences for the user (unused rules, baseline doubts)
     precision: dict[str, Any] | None    # a port in another precision with no baseline: the advice
+    routing: list[dict[str, Any]]       # routers whose top-k differ (compare.routing), per call
     op_pairings: list[dict[str, Any]]   # op sites paired across names (compare.op_alignment)
     ops_commands: list[str]             # captures with --ops that would name the op inside
     full_commands: list[str]            # captures with --full-around for a summary trace

@@ -175,6 +175,16 @@ class ShardRule:
 
 
 @dataclass
+class RouterRule:
+    """``[[router]]``: reference modules whose output 0 holds scores over experts, of which the
+    model takes the top ``k`` per token (compared as decisions: layerdiff.compare.routing)."""
+
+    site: Pattern
+    k: int
+    line: int | None = None
+
+
+@dataclass
 class Mapping:
     path: Path | None = None
     site_rules: list[SiteRule] = field(default_factory=list)
@@ -188,6 +198,7 @@ class Mapping:
     unmatched_records: list[UnmatchedRecord] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
     shard_rules: list[ShardRule] = field(default_factory=list)
+    routers: list[RouterRule] = field(default_factory=list)      # [[router]]: scores -> top-k
     origin: str = ""  # where it came from, when not a file given by the user
 
     @classmethod
@@ -386,7 +397,8 @@ class Mapping:
 
 
 def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
-    config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param", "shard"},
+    config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param", "shard",
+                                   "router"},
                       "the top level")
     version = config.data.get("version", 1)
     if version != 1:
@@ -473,6 +485,8 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
         mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
     for number, (entry, line) in enumerate(config.tables("shard"), start=1):
         mapping.shard_rules.append(_shard_rule(config, entry, number, line))
+    for number, (entry, line) in enumerate(config.tables("router"), start=1):
+        mapping.routers.append(_router_rule(config, entry, number, line))
     code = mapping.code_refs()
     if recorded_in is not None and code:
         # the same stance as pickle: reading a file someone sent must never run code it names
@@ -495,6 +509,20 @@ def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) 
         config.fail(f"{where} needs 'dim' as an integer (the dimension the ranks' parts are "
                     f"joined along; -1 for the last), got {dim!r}", line)
     return ShardRule(Pattern(site), tensor, dim, line, number)
+
+
+def _router_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> RouterRule:
+    where = f"router rule {number}"
+    config.check_keys(entry, {"site", "k"}, where, line)
+    site = _string(config, entry, "site", where, line)
+    if "#" in site:
+        config.fail(f"{where}: site '{site}' names a call; router rules take the reference's "
+                    "module paths (a glob such as 'model.layers.*.mlp.gate')", line)
+    k = entry.get("k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        config.fail(f"{where} needs 'k' as a positive integer (how many experts each token "
+                    f"takes from the router's scores), got {k!r}", line)
+    return RouterRule(Pattern(site), k, line)
 
 
 def _param_rule(config: ConfigFile, entry: dict, where: str, line: int | None) -> ParamRule:

@@ -325,6 +325,8 @@ def origin_section(diff: Diff, reader: PairReader) -> str:
     source = row.get(Column.TOL_SOURCE, "") if row is not None else ""
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
+    if origin.routing:
+        parts.append(f"<p class=\"hint\">Routing flip: {escape(origin.routing['text'])}</p>")
     if origin.hint:
         parts.append(f"<p class=\"hint\">Likely cause: <b>{escape(origin.hint['kind'])}</b>: "
                      f"{escape(origin.hint['evidence'])}</p>")
@@ -511,8 +513,12 @@ def failing_section(diff: Diff) -> str:
 
 def origins_section(diff: Diff) -> str:
     head = "<h2>Origins</h2>"
+    flips = [f"<li>{escape(flip['text'])}</li>" for router in diff.meta.get("routing") or []
+             for flip in router["flips"]]
+    routing = ("<h3>Routing decisions that differ</h3><ul>" + "".join(flips) + "</ul>"
+               if flips else "")  # top-k experts per token (compare/routing.py)
     if not diff.origins:
-        return head + "<p class=\"note\">None.</p>"
+        return head + "<p class=\"note\">None.</p>" + routing
     items = []
     for origin in diff.origins:
         holders = (f"<br><span class=\"note\">inside: {escape(', '.join(origin.holders))}"
@@ -522,9 +528,11 @@ def origins_section(diff: Diff) -> str:
                  f"{escape(hint['evidence'])}</span>" if hint else "")
         pairing = (f"<br><span class=\"note\">{escape(origin.pairing)}</span>"
                    if origin.pairing else "")
+        flip = (f"<br><span class=\"hint\">routing flip: {escape(origin.routing['text'])}"
+                "</span>" if origin.routing else "")
         items.append(f"<li><b>{escape(describe_origin(origin))}</b>{pairing}<br>"
-                     f"{escape(origin.reason)}{cause}{holders}</li>")
-    return head + "<ol class=\"origins\">" + "".join(items) + "</ol>"
+                     f"{escape(origin.reason)}{flip}{cause}{holders}</li>")
+    return head + "<ol class=\"origins\">" + "".join(items) + "</ol>" + routing
 
 
 def _unmatched_section(diff: Diff) -> str:

@@ -35,6 +35,7 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
         lines += _origin_details(diff.origin, width)
     lines += _precision_hint(diff.meta.get("precision"), width)
     lines += _replicas(diff, width)
+    lines += routing_lines(diff, width)
     lines.append("")
     lines += _summary(diff, width)
     if verbose:
@@ -60,6 +61,36 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
                          "for every row)")
     lines += ops_lines(diff, width)
     return "\n".join(lines)
+
+
+def routing_line(origin: Origin) -> list[str]:
+    """'routing flip: layer 0, token (b=1, t=6): experts {3,5} -> {2,5}; ...' when the origin's
+    worst element lies on a token its port routed elsewhere (compare/routing.py)."""
+    return [f"routing flip: {origin.routing['text']}"] if origin.routing else []
+
+
+def routing_lines(diff: Diff, width: int = WIDTH) -> list[str]:
+    """The routers whose top-k experts differ for some tokens, each flip on a line (nothing
+    when every token chose as the reference did)."""
+    routers = diff.meta.get("routing") or []
+    if not routers:
+        return []
+    lines = ["", "routing: tokens whose top-k experts differ (reference -> port):"]
+    for router in routers:
+        flips = router["flips"]
+        shared = sum(bool(flip["shared"]) for flip in flips)
+        lines += textwrap.wrap(
+            f"{router['site']} (port {router['port_site']}, step {router['step']}): "
+            f"{len(flips)} of {router['tokens']} tokens, top-{router['k']} of "
+            f"{router['experts']}" + (f"; {shared} the baseline's too, within precision"
+                                      if shared else ""), width, initial_indent="  ",
+            subsequent_indent=" " * 6)
+        for flip in flips:
+            lines += textwrap.wrap(
+                f"{flip['text']} (boundary margins: reference "
+                f"{number(flip['reference_margin'], 2)}, port {number(flip['port_margin'], 2)})",
+                width, initial_indent=" " * 4, subsequent_indent=" " * 6)
+    return lines
 
 
 def _replicas(diff: Diff, width: int) -> list[str]:
@@ -160,8 +191,8 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
         tolerance = (f"not compared element by element: {shapes_differ(origin)} and no rule "
                      "relates them; for an output, name an output conversion (output_transform "
                      "on the site's rule, docs/mapping.md), for an input a call adapter")
-    lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *hint_lines(origin),
-             tolerance]
+    lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *routing_line(origin),
+             *hint_lines(origin), tolerance]
     batch = m.get("batch_ratio")
     if batch:
         out = [i for i, r in enumerate(batch) if r is not None and r > 1]

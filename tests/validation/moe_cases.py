@@ -202,3 +202,91 @@ def port_bug_backward() -> Case:
     norm = model.layers[0].ffn_norm
     norm._norm = types.MethodType(lambda self, x: _RMSNormBadBackward.apply(x, self.eps), norm)
     return _case(model, "port_bug_backward")
+
+
+# ---------------------------------------------------------------- a planted routing near-tie
+
+TIE_TOKEN = (1, 6)   # (batch, position) whose router scores are made to nearly tie in layer 0
+TIE_GAP = 2e-4       # its k-th and (k+1)-th logits apart by this (bfloat16 rounds both alike)
+
+
+def _near_tie_model():
+    """The reference with layer 0's router rows of two experts moved so that, for TIE_TOKEN,
+    the k-th and (k+1)-th logits differ by TIE_GAP, both on one bfloat16 value: a port that
+    rounds them ties, and torch.topk then takes one of the two; the reference is made to take
+    the other (which one torch.topk takes on a tie is its kernel's business, so it is tried)."""
+    model = H.mixtral()
+    ids, _ = _batch()
+    gate = model.model.layers[0].mlp.gate
+    seen = {}
+    handle = gate.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    handle.remove()
+    x = seen["x"].reshape(-1, H.DIM)[TIE_TOKEN[0] * SEQ + TIE_TOKEN[1]].double()
+    with torch.no_grad():
+        weight = gate.weight.double()
+        logits = weight @ x
+        ranked = torch.argsort(logits, descending=True).tolist()
+        pair = ranked[H.TOP_K - 1], ranked[H.TOP_K]
+        top = float(logits[pair[0]].to(torch.bfloat16))  # exactly a bfloat16 value
+        for above, below in (pair, pair[::-1]):
+            moved = logits.clone()
+            moved[above], moved[below] = top, top - TIE_GAP
+            chosen = set(torch.topk(moved.float(), H.TOP_K).indices.tolist())
+            tied = torch.topk(F.softmax(moved.float().to(torch.bfloat16), dim=-1), H.TOP_K)
+            if set(tied.indices.tolist()) != chosen:
+                break
+        else:
+            raise AssertionError("torch.topk takes the reference's expert either way")
+        weight += torch.outer(moved - logits, x) / (x @ x)
+        gate.weight.copy_(weight.float())
+    return model
+
+
+def reference_near_tie() -> Case:
+    ids, labels = _batch()
+    return Case(model=_near_tie_model().train(),
+                inputs={"input_ids": ids, "labels": labels, "use_cache": False},
+                loss_fn=lambda out: out.loss, seed=H.SEED, steps=1, optimizer=_sgd,
+                name="tests.validation.moe_cases:reference_near_tie")
+
+
+def _bf16_router_block(self, x):
+    """The MoE block with its router softmax and top-k in bfloat16 (as many inference ports
+    run it); the rest as the port's own."""
+    shape = x.shape
+    x = x.view(-1, self.dim)
+    weights = F.softmax(self.gate(x).to(torch.bfloat16), dim=-1)
+    weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+    return torch.einsum("tai,ta -> ti", self.cond_ffn(x, indices), weights).view(shape)
+
+
+def port_router_bf16() -> Case:
+    """The port with every MoE block's router in bfloat16: not a bug in float32's terms, but
+    the planted near-tie flips."""
+    model = _port_model()
+    for layer in model.layers:
+        moe = layer.block_sparse_moe
+        moe.forward = types.MethodType(_bf16_router_block, moe)
+    return _case(model, "port_router_bf16")
+
+
+def reference_router_bf16() -> Case:
+    """The near-tie reference run the way port_router_bf16 runs its router (softmax and top-k
+    in bfloat16): the baseline that makes the same flip."""
+    case = reference_near_tie()
+    for layer in case.model.model.layers:
+        router = layer.mlp.gate
+
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = F.linear(hidden_states, self.weight)
+            probs = F.softmax(logits.to(torch.bfloat16), dim=-1)
+            top, index = torch.topk(probs, self.top_k, dim=-1)
+            return logits, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), index
+
+        router.forward = types.MethodType(forward, router)
+    case.name = "tests.validation.moe_cases:reference_router_bf16"
+    return case

@@ -22,8 +22,11 @@ def describe_origin(origin: Origin, *, port_name: bool = True) -> str:
     where = origin.site if not port_name or origin.port_site in ("", origin.site) else (
         f"{origin.site} (port {origin.port_site})")
     ratio = origin.metrics.get("ratio")
+    note = str(origin.metrics.get("note") or "")
     size = (f": {ratio:.3g}x tolerance" if isinstance(ratio, (int, float))
             and np.isfinite(ratio) else f": {shapes_differ(origin)}" if shapes_differ(origin)
+            # top-k indices: a decision, never a ratio (compare/routing.py)
+            else f": {note.split(' (')[0]}" if note.startswith(DECISION_DIFFERS)
             else ": not finite" if ratio is not None else "")
     arg = "" if origin.arg == "0" else f" '{origin.arg}'"
     ranks = "" if not origin.ranks else (
@@ -43,6 +46,7 @@ def shapes_differ(origin: Origin) -> str:
 
 
 SHAPES_DIFFER = "shapes differ:"  # compare/engine.py's note on a shape-mismatch row
+DECISION_DIFFERS = "decision differs:"  # compare/routing.py's note on a top-k index row
 
 MAX_RANGES = 6  # runs of positions named before '...'
 

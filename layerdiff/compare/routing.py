@@ -1,0 +1,454 @@
+"""Mixture-of-experts routing compared as decisions, not as numbers.
+
+A *router* is a site whose output 0 holds scores over experts (last axis E), of which the model
+takes the top ``k`` per token. Which experts a token goes to is a decision: a near-tie that
+rounds the other way in the port sends the token to another expert, and everything downstream
+of that token differs by a lot although no code is wrong. So the decisions are compared as sets
+per token, and a flip is reported with the scores at the boundary.
+
+Routers are declared (``[[router]] site = "model.layers.*.mlp.gate" k = 2``) or detected: a
+site whose float output 0 is (..., E) with, beside it, an integer tensor (T, k), k < E, T the
+number of score rows and every value in [0, E): the top-k indices, recorded as the router's own
+output or as an input of a sibling site (HF passes ``top_k_index`` to its experts, gpt-fast
+``expert_indices`` to its ``cond_ffn``), and which is the top k of those scores for most
+tokens. Only (T, k): a 1-D integer tensor beside a classifier's logits is its labels. Each
+side's decision is that recorded index tensor when there is one (the choice the model actually
+took, in whatever precision it chose), else the top k of its recorded scores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.compare.judge import UNCHANGED, Verdict
+from layerdiff.compare.result import Column, Origin
+from layerdiff.mapping import Mapping
+from layerdiff.trace import Trace, schema
+
+LOW_PRECISIONS = ("bfloat16", "float16")  # what a router's softmax is commonly computed in
+
+
+@dataclass
+class Flip:
+    """One token whose chosen experts differ between reference and port."""
+
+    token: int                      # row of the router's (tokens, E) scores
+    position: tuple[int, int] | None  # (batch, position) when the sequence's shape is known
+    reference: list[int]            # the reference's chosen experts (sorted)
+    port: list[int]
+    baseline: list[int] | None      # the baseline's, when a baseline was given
+    reference_margin: float         # k-th minus (k+1)-th score, the reference's own scores
+    port_margin: float              # ... the port's own scores
+    shared: bool                    # the baseline makes the same flip: within precision
+    why: str                        # the scores at the boundary, one clause
+    tie: str                        # the dtype the port's two boundary scores tie in, or ""
+
+    def where(self) -> str:
+        return (f"token (b={self.position[0]}, t={self.position[1]})" if self.position
+                else f"token {self.token}")
+
+    def text(self, layer: str) -> str:
+        return (f"{layer}, {self.where()}: experts {_set(self.reference)} → {_set(self.port)}"
+                f"; {self.why}" + ("; the baseline makes the same flip (within precision)"
+                                   if self.shared else ""))
+
+
+@dataclass
+class RouterReport:
+    """One router call's decisions, reference against port (and baseline)."""
+
+    step: int
+    site: str                       # the reference's router site
+    port_site: str
+    k: int
+    experts: int
+    tokens: int
+    source: str                     # where each side's decision was read from
+    records: list[list[str]]        # the reference's records of its choice: [site, role, arg]
+    port_records: list[list[str]]
+    flips: list[Flip] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for flip, made in zip(data["flips"], self.flips, strict=True):
+            flip["position"] = list(flip["position"]) if flip["position"] else None
+            flip["text"] = made.text(_layer(self.site))
+        return data
+
+
+def _set(experts: list[int]) -> str:
+    return "{" + ",".join(map(str, experts)) + "}"
+
+
+def routing_report(ref: Trace, port: Trace, base: Trace | None, mapping: Mapping,
+                   rows: pd.DataFrame) -> list[RouterReport]:
+    """Every router's decisions compared, per step and call (empty: no router found)."""
+    if ref.summary or port.summary or rows.empty:
+        return []
+    paired = rows[[Column.STEP, Column.SITE, Column.PORT_SITE]].drop_duplicates(
+        [Column.STEP, Column.SITE])
+    port_of = {(int(s), str(a)): str(b or a) for s, a, b in paired.itertuples(index=False)}
+    entered_out = rows[(rows[Column.ROLE] == "input") & (rows[Column.VERDICT] == Verdict.OUT)]
+    differs = set(zip(entered_out[Column.STEP].astype(int), entered_out[Column.SITE],
+                      strict=True))
+    reports = []
+    for step, site, k in _routers(ref, mapping):
+        port_site = port_of.get((step, site))
+        if port_site is None:
+            continue
+        report = _compare(ref, port, base, step, site, port_site, k, (step, site) in differs)
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+def _routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
+    """(step, site, k) of each router call, in call order: declared by the mapping, else
+    detected. Detection starts from the few integer (T, k) tensors a forward records (the
+    router that made one is the site that returns it or a sibling of the site that takes it),
+    so a trace without any costs one pass over its index."""
+    sites = ref.sites
+    found: dict[tuple[int, str], int] = {}
+    if mapping.routers:
+        for site in sites.itertuples(index=False):
+            k = next((rule.k for rule in mapping.routers
+                      if rule.site.match(site.module) is not None), None)
+            if k is not None:
+                found[(int(site.step), site.site)] = k
+    index = ref.index
+    ints = index[(index["pass"] == "forward") & (index["kind"] == "tensor")
+                 & (index["segment"] >= 0) & index["dtype"].astype(str).str.startswith(
+                     ("int", "uint")) & (index["shape"].astype(str).str.count(",") == 1)]
+    parent = dict(zip(zip(sites["step"].astype(int), sites["site"], strict=True),
+                      sites["parent"], strict=True))
+    outputs = index[(index["pass"] == "forward") & (index["role"] == "output")
+                    & (index["arg"] == "0") & (index["kind"] == "tensor")]
+    shapes = {(int(step), str(site)): schema.parse_shape(shape) for step, site, shape
+              in outputs[["step", "site", "shape"]].itertuples(index=False)}
+
+    def could_be(step: int, candidate: str, dims: tuple[int, ...]) -> bool:
+        """Scores whose rows are the integer tensor's tokens, over more experts than it
+        takes: checked on the index alone, before any read."""
+        shape = shapes.get((step, candidate), ())
+        return len(shape) >= 2 and math.prod(shape[:-1]) == dims[0] and dims[1] < shape[-1]
+
+    for step, site, role, text in {(int(a), str(b), str(c), str(d)) for a, b, c, d in
+                                   ints[["step", "site", "role", "shape"]].itertuples(
+                                       index=False)}:
+        dims = schema.parse_shape(text)
+        if role == "output":  # the router returns its choice
+            candidates = [site]
+        elif role == "input":  # a sibling of the router takes it (the experts)
+            above = parent.get((step, site), "")
+            candidates = sites.loc[(sites["step"] == step) & (sites["parent"] == above)
+                                   & (sites["site"] != site), "site"].tolist() if above else []
+        else:
+            continue
+        for candidate in candidates:
+            if (step, candidate) not in found and could_be(step, candidate, dims):
+                k = _detected_k(ref, step, candidate, parent.get((step, candidate), ""))
+                if k is not None:
+                    found[(step, candidate)] = k
+    order = {key: n for n, key in enumerate(parent)}
+    return [(step, site, k) for (step, site), k in
+            sorted(found.items(), key=lambda item: order.get(item[0], 0))]
+
+
+def _scores_row(trace: Trace, step: int, site: str) -> pd.Series | None:
+    row = trace.find(step, site, "output", "0", pass_="forward", kind="tensor")
+    if row is None or "float" not in str(row["dtype"]) or row["segment"] < 0:
+        return None
+    shape = schema.parse_shape(row["shape"])
+    return row if len(shape) >= 2 and shape[-1] >= 2 else None
+
+
+AGREE = 0.9  # the share of tokens whose recorded choice must be the top k of the scores
+
+
+def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
+    """k when ``site`` is a router: its scores beside a recorded (T, k) choice (see
+    :func:`_decision_rows`) that is the top k of those scores for at least AGREE of the tokens
+    (not all: a router that chooses in a lower precision than it records may differ from its
+    recorded scores on near-ties). The check on the values keeps out a block that merely holds
+    a router (its output's top k are no experts) and any (T, k) integers that happen to fit."""
+    row = _scores_row(trace, step, site)
+    if row is None:
+        return None
+    for found in _decision_rows(trace, step, site, parent, row):
+        k = schema.parse_shape(found["shape"])[-1]
+        scores = np.asarray(trace.read(row, compared=True), dtype=np.float64)
+        scores = scores.reshape(-1, scores.shape[-1])
+        chosen = np.sort(np.asarray(trace.read(found, compared=True)).reshape(len(scores), k),
+                         axis=-1)
+        top = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :k], axis=-1)
+        if (top == chosen).all(axis=-1).mean() >= AGREE:
+            return k
+    return None
+
+
+def _decision_row(trace: Trace, step: int, site: str, parent: str,
+                  scores: pd.Series, k: int | None = None) -> pd.Series | None:
+    found = _decision_rows(trace, step, site, parent, scores, k)
+    return found[0] if found else None
+
+
+def _decision_rows(trace: Trace, step: int, site: str, parent: str,
+                   scores: pd.Series, k: int | None = None) -> list[pd.Series]:
+    """The recorded top-k indices of ``site``'s scores: an integer (T, k) tensor, k < E, values
+    in [0, E), that the router or an op inside it (--ops) returns, or that a sibling (same
+    parent call: the experts) takes. Not a sibling's output nor the router's own input: a site
+    that takes or a sibling that returns expert numbers is no router of them."""
+    shape = schema.parse_shape(scores["shape"])
+    experts, tokens = shape[-1], math.prod(shape[:-1])
+    sites = trace.sites
+    at = sites[sites["step"] == step]
+    returns = set(at.loc[at["parent"] == site, "site"]) | {site}
+    takes = set(at.loc[(at["parent"] == parent) & (at["site"] != site), "site"])
+    index = trace.index
+    candidates = index[(index["step"] == step) & (index["pass"] == "forward")
+                       & (index["kind"] == "tensor") & (index["segment"] >= 0)
+                       & ((index["site"].isin(returns) & (index["role"] == "output"))
+                          | (index["site"].isin(takes) & (index["role"] == "input")))]
+    found = []
+    for _, row in candidates.iterrows():
+        dims = schema.parse_shape(row["shape"])
+        # (T, k) only: a 1-D integer tensor beside a classifier's logits is its labels
+        if not str(row["dtype"]).startswith(("int", "uint")) or len(dims) != 2:
+            continue
+        width = dims[-1]
+        if dims[0] != tokens:
+            continue
+        if not 1 <= width < experts or (k is not None and width != k):
+            continue
+        if not (row["min"] >= 0 and row["max"] < experts):
+            continue
+        found.append(row)
+    return found
+
+
+def _tokens_shape(trace: Trace, step: int, parent: str, tokens: int) -> tuple[int, int] | None:
+    """(batch, sequence) of the router's tokens: from its enclosing call's input 0, a (B, S, D)
+    tensor whose B*S is the number of score rows."""
+    if not parent:
+        return None
+    row = trace.find(step, parent, "input", "0", pass_="forward")
+    if row is None:
+        return None
+    dims = schema.parse_shape(row["shape"])
+    if len(dims) == 3 and dims[0] * dims[1] == tokens:
+        return dims[0], dims[1]
+    return None
+
+
+def _side(trace: Trace, step: int, site: str, k: int
+          ) -> tuple[np.ndarray, np.ndarray, str, str, list[list[str]]] | None:
+    """(scores (T, E) float64, chosen (T, k) sorted, scores' dtype, where the choice came from,
+    every record of the choice as [site, role, arg])."""
+    scores_row = _scores_row(trace, step, site)
+    if scores_row is None:
+        return None
+    scores = np.asarray(trace.read(scores_row, compared=True), dtype=np.float64)
+    experts = scores.shape[-1]
+    scores = scores.reshape(-1, experts)
+    parent = trace.sites.loc[(trace.sites["step"] == step) & (trace.sites["site"] == site),
+                             "parent"]
+    decisions = _decision_rows(trace, step, site, str(parent.iloc[0]) if len(parent) else "",
+                               scores_row, k)
+    decision = decisions[0] if decisions else None
+    names = [[str(r["site"]), str(r["role"]), str(r["arg"])] for r in decisions]
+    if decision is not None:
+        chosen = np.asarray(trace.read(decision, compared=True)).reshape(len(scores), k)
+        where = f"{decision['site']} {decision['role']} '{decision['arg']}'"
+    else:  # top k of the scores, ties to the lower index (torch.topk's order on CPU)
+        chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+        where = f"top-{k} of {site}'s scores"
+    return scores, np.sort(chosen, axis=-1), str(scores_row["dtype"]), where, names
+
+
+def _margins(scores: np.ndarray, k: int) -> np.ndarray:
+    ranked = -np.sort(-scores, axis=-1)
+    return ranked[:, k - 1] - ranked[:, k]
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max())
+    return shifted / shifted.sum()
+
+
+def _round(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` rounded to ``dtype`` (bfloat16: round to nearest even on the top 16 bits)."""
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _why(ref: np.ndarray, port: np.ndarray, dropped: int, added: int,
+         dtype: str) -> tuple[str, str]:
+    """The boundary in one clause, and the dtype in which the port's scores of the expert it
+    dropped and the one it took instead tie ("" when they do not: ranked the other way)."""
+    ref_gap = ref[dropped] - ref[added]
+    if port[dropped] == port[added]:
+        return (f"the port's router scores tie in {dtype} ({port[dropped]:.6g} = "
+                f"{port[added]:.6g}) where the reference's differ by {ref_gap:.2g}", dtype)
+    if port[dropped] > port[added]:  # the port's own scores rank them as the reference does:
+        # it chose from a rounded copy; find the precision in which they tie
+        probs, ref_probs = _softmax(port), _softmax(ref)
+        for low in LOW_PRECISIONS:
+            for name, values, ref_values in (("scores", port, ref),
+                                             ("probabilities", probs, ref_probs)):
+                rounded = _round(values, low)
+                if rounded[dropped] == rounded[added]:
+                    return (f"the port's router {name} tie in {low} ({rounded[dropped]:.6g} = "
+                            f"{rounded[added]:.6g}) where the reference's differ by "
+                            f"{ref_values[dropped] - ref_values[added]:.2g}", low)
+        return (f"the port's recorded scores rank expert {dropped} above {added} by "
+                f"{port[dropped] - port[added]:.2g}, yet it chose {added}: it chooses from "
+                "other scores than it records", "")
+    return (f"the port's scores rank expert {added} above {dropped} by "
+            f"{port[added] - port[dropped]:.2g} where the reference's rank {dropped} above "
+            f"{added} by {ref_gap:.2g}", "")
+
+
+def _compare(ref: Trace, port: Trace, base: Trace | None, step: int, site: str,
+             port_site: str, k: int, input_differs: bool) -> RouterReport | None:
+    """``input_differs``: the router's input is already out of tolerance, so a flip whose
+    scores rank the other way is that difference's consequence."""
+    mine, theirs = _side(ref, step, site, k), _side(port, step, port_site, k)
+    if mine is None or theirs is None or mine[0].shape != theirs[0].shape:
+        return None
+    ref_scores, ref_chosen, _, ref_from, ref_records = mine
+    port_scores, port_chosen, port_dtype, port_from, port_records = theirs
+    if k >= ref_scores.shape[-1]:
+        return None
+    base_side = _side(base, step, site, k) if base is not None else None
+    base_chosen = (base_side[1] if base_side is not None
+                   and base_side[1].shape == ref_chosen.shape else None)
+    parent = ref.sites.loc[(ref.sites["step"] == step) & (ref.sites["site"] == site), "parent"]
+    shape = _tokens_shape(ref, step, str(parent.iloc[0]) if len(parent) else "",
+                          len(ref_scores))
+    report = RouterReport(step, site, port_site, k, ref_scores.shape[-1], len(ref_scores),
+                          f"reference: {ref_from}; port: {port_from}", ref_records,
+                          port_records)
+    ref_margin, port_margin = _margins(ref_scores, k), _margins(port_scores, k)
+    for token in np.flatnonzero((ref_chosen != port_chosen).any(axis=-1)):
+        ours, yours = set(ref_chosen[token].tolist()), set(port_chosen[token].tolist())
+        dropped, added = min(ours - yours), min(yours - ours)
+        baseline = None if base_chosen is None else sorted(base_chosen[token].tolist())
+        why, tie = _why(ref_scores[token], port_scores[token], dropped, added, port_dtype)
+        if not tie and input_differs:
+            why += " (the router's input already differs: a consequence)"
+        report.flips.append(Flip(
+            int(token), None if shape is None else divmod(int(token), shape[1]),
+            sorted(ours), sorted(yours), baseline, float(ref_margin[token]),
+            float(port_margin[token]), baseline == sorted(yours), why, tie))
+    return report
+
+
+def judge_decisions(rows: pd.DataFrame, reports: list[RouterReport]) -> None:
+    """The diff's rows of recorded top-k indices judged as decisions, in place: never a ratio
+    (an expert's number is a name; 3 against 2 is not 'off by 1.5x'); out when some token
+    chose other experts than the reference's and the baseline (if any) does not make the same
+    flip, within when every token chose the same set (in any order) or every flip is the
+    baseline's too."""
+    if rows.empty or not reports:
+        return
+    numeric = [c for c in (Column.MAX_ABS, Column.MAX_REL, Column.MEAN_ABS, Column.RMS,
+                           Column.COSINE, Column.MAX_ULP, Column.FRAC_OUT, Column.RATIO,
+                           Column.WORST_INDEX, Column.BATCH_RATIO) if c in rows.columns]
+    for report in reports:
+        ours = {tuple(r) for r in report.records}
+        theirs = {tuple(r) for r in report.port_records}
+        at = rows[(rows[Column.STEP] == report.step) & rows[Column.DTYPE].astype(str).str
+                  .startswith(("int", "uint"))]
+        for label, row in at.iterrows():
+            port_site = str(row.get(Column.PORT_SITE) or row[Column.SITE])
+            port_arg = str(row.get(Column.PORT_ARG) or row[Column.ARG])
+            if (str(row[Column.SITE]), str(row[Column.ROLE]), str(row[Column.ARG])) not in ours \
+                    and (port_site, str(row[Column.ROLE]), port_arg) not in theirs:
+                continue
+            own = [flip for flip in report.flips if not flip.shared]
+            shared = len(report.flips) - len(own)
+            if report.flips:
+                note = (f"decision differs: {len(report.flips)} of {report.tokens} tokens "
+                        f"(router {report.site})"
+                        + (f", {shared} the baseline's too" if shared else ""))
+            else:
+                note = (f"decision: the same top-{report.k} experts for all {report.tokens} "
+                        "tokens")
+            for column in numeric:
+                rows.at[label, column] = None
+            rows.at[label, Column.NOTE] = note
+            if own:
+                rows.at[label, Column.VERDICT] = Verdict.OUT
+            elif row[Column.VERDICT] not in UNCHANGED:
+                rows.at[label, Column.VERDICT] = Verdict.WITHIN
+
+
+# ---------------------------------------------------------------- origins explained by a flip
+
+def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Trace) -> None:
+    """An origin at or after a router with flips (same step; its call returns after the
+    router's began: the MoE block around it, the experts, every later layer; in either pass, a
+    gradient there runs back through the routed forward), whose worst element lies on a
+    flipped token, gets the flip as ``origin.routing``. A flip the baseline
+    shares explains nothing: it is within precision."""
+    if not origins or not any(r.flips for r in reports):
+        return
+    sites = ref.sites
+    keys = list(zip(sites["step"].astype(int), sites["site"], strict=True))
+    enter = dict(zip(keys, sites["enter_seq"].astype(int), strict=True))
+    leave = dict(zip(keys, sites["exit_seq"].astype(int), strict=True))
+    for origin in origins:
+        worst = _worst(origin)
+        if worst is None:
+            continue
+        for report in reports:
+            began = enter.get((report.step, report.site))
+            if report.step != origin.step or began is None \
+                    or leave.get((origin.step, origin.site), -1) < began:
+                continue
+            flip = _on_token(report, worst, ref, origin)
+            if flip is not None and not flip.shared:
+                origin.routing = {"router": report.site, "token": flip.token,
+                                  "position": list(flip.position) if flip.position else None,
+                                  "reference": flip.reference, "port": flip.port,
+                                  "text": flip.text(_layer(report.site))}
+                break
+
+
+def _layer(site: str) -> str:
+    """'model.layers.0.mlp.gate#0' -> 'layer 0' when the name holds one number, else the site."""
+    numbers = [part for part in site.split("#")[0].split(".") if part.isdigit()]
+    return f"layer {numbers[0]}" if len(numbers) == 1 else site
+
+
+def _worst(origin: Origin) -> tuple[int, ...] | None:
+    text = origin.metrics.get(Column.WORST_INDEX)
+    if text is None or (isinstance(text, float) and math.isnan(text)) or text == "":
+        return None
+    try:
+        return tuple(int(part) for part in str(text).strip("[]() ").split(",") if part.strip())
+    except ValueError:
+        return None
+
+
+def _on_token(report: RouterReport, worst: tuple[int, ...], ref: Trace,
+              origin: Origin) -> Flip | None:
+    """The flip whose token holds the origin's worst element: its record (B, S, ...) or
+    (T, ...), T the router's tokens."""
+    row = ref.find(origin.step, origin.site, origin.role, origin.arg)
+    dims = () if row is None else schema.parse_shape(row["shape"])
+    for flip in report.flips:
+        if flip.position and len(dims) >= 2 and len(worst) >= 2 and \
+                dims[0] * dims[1] == report.tokens and tuple(worst[:2]) == flip.position:
+            return flip
+        if dims and dims[0] == report.tokens and worst[0] == flip.token:
+            return flip
+    return None
