@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,72 @@ def test_a_malformed_router_rule_is_refused_with_its_line(body, said):
         Mapping.from_text(f"version = 1\n\n[[router]]\n{body}\n", "bad.map.toml",
                           recorded_in="")
     assert said in str(error.value) and "line" in str(error.value), str(error.value)
+
+
+def test_the_flip_leads_the_origin_and_says_whether_it_explains_all_of_it(flipped):
+    """The bf16 router's flip leads (the precision first), with the baseline command; the
+    origin's error outside the flipped token is still out here (the router's bfloat16 softmax
+    weights every token), so the own-code reason stays, qualified by that number."""
+    origin = flipped.origin
+    routing = origin.routing
+    assert routing["tie"] == "bfloat16" and routing["confined"] is False, routing
+    assert 1 < routing["outside_ratio"] < 1e-2 * origin.metrics["ratio"], routing
+    assert "--baseline" in routing["baseline_command"], routing
+    lead = ("the port's router decides in bfloat16: a near-tie (margin 0.0002 in the "
+            "reference) flips token (b=1, t=6); everything downstream of that token differs "
+            "without any wrong code there")
+    assert routing["lead"].startswith(lead), routing["lead"]
+    assert origin.reason.startswith("outside the flipped token it is still out ("), origin.reason
+    report = " ".join(format_diff(flipped).split())
+    said = report.index(lead)
+    assert said < report.index("routing flip: layer 0") < report.index("outside the flipped")
+    assert said < report.index("so the fault is in its own code")
+    page = " ".join(render_html(flipped).split())
+    assert escape(lead) in page and escape("The port's router decides in bfloat16") in page
+    as_json = json.loads(json.dumps(flipped.as_json()))["origins"][0]["routing"]
+    assert as_json["confined"] is False and as_json["lead"] == routing["lead"]
+
+
+class _Reader:
+    """Stands in for the diff's PairReader: one origin's tensors."""
+
+    def __init__(self, ref, port):
+        self.pair = (ref, port)
+
+    def read(self, row, compared=False):
+        return self.pair
+
+
+def _origin_with(flip, port):
+    import numpy as np
+
+    from layerdiff.compare.result import Origin
+    from layerdiff.compare.routing import RouterReport, _lead
+    report = RouterReport(0, ROUTER0, "layers.0.block_sparse_moe.gate#0", 2, 4, 20, "", [],
+                          [], [flip])
+    origin = Origin(0, "forward", "model.layers.0.mlp#0", "layers.0.block_sparse_moe#0",
+                    "output", "0", "0", "so the fault is in its own code between its children",
+                    {"rtol": 1e-5, "atol": 1e-5}, routing={})
+    ref = np.ones((2, 10, 8))
+    _lead(origin, report, flip, _Reader(ref, ref + port), ["layerdiff", "diff", "r.h5", "p.h5"])
+    return origin
+
+
+def test_an_error_confined_to_the_flipped_token_drops_the_own_code_reason():
+    import numpy as np
+
+    from layerdiff.compare.routing import Flip
+    tie = Flip(16, (1, 6), [1, 2], [1, 3], None, 2e-4, 2e-4, False, "tie", "bfloat16")
+    error = np.zeros((2, 10, 8))
+    error[1, 6] = 0.5  # on the flipped token only
+    origin = _origin_with(tie, error)
+    assert origin.routing["confined"] is True and origin.routing["outside_ratio"] == 0
+    assert "own code" not in origin.reason and "only at the flipped token" in origin.reason
+    assert origin.routing["baseline_command"] == \
+        "layerdiff diff r.h5 p.h5 --baseline r.router-bfloat16.h5"
+    error[0, 0] = 0.5  # and elsewhere: the reason stays, after the number
+    assert _origin_with(tie, error).routing["confined"] is False
+    ranked = Flip(16, (1, 6), [1, 2], [1, 3], None, 0.5, 0.1, False, "ranked", "")
+    lead = _origin_with(ranked, np.zeros((2, 10, 8))).routing["lead"]
+    assert "the router's inputs or weights differ" in lead
+    assert "layers.0.block_sparse_moe.gate#0" in lead, lead

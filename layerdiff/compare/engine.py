@@ -225,7 +225,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     by_position = positions.by_position(rows, reader, declared=seq_axis)
     positions.attach(origins, by_position)
     attach_hints(origins, reader)
-    explain_origins(origins, routers, ref)  # an origin whose worst element a flip explains
+    # an origin whose worst element a flip explains (and whether the flip explains all of it)
+    explain_origins(origins, routers, ref, reader, ["layerdiff", "diff", str(ref.path),
+                    str(port.path), *diff_options(mapping, tolerances)])
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
@@ -244,7 +246,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                                                         mapping, tolerances),
         "routing": [router.as_json() for router in routers if router.flips],
         "op_pairings": op_pairings(sites),
-        "ops_commands": ops_commands(ref, port, origins, first_step,
+        "ops_commands": ops_commands(ref, port, [o for o in origins if not (
+            o.routing and o.routing.get("confined"))], first_step,
                                      diff_options(mapping, tolerances)),
         "full_commands": full_commands(ref, port, origins, first_step,
                                        diff_options(mapping, tolerances)),

@@ -19,14 +19,18 @@ took, in whatever precision it chose), else the top k of its recorded scores.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare.judge import UNCHANGED, Verdict
+from layerdiff.compare.judge import UNCHANGED, Verdict, element_ratios
+from layerdiff.compare.pair import origin_row
 from layerdiff.compare.result import Column, Origin
+from layerdiff.errors import LayerdiffError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace, schema
 
@@ -393,12 +397,20 @@ def judge_decisions(rows: pd.DataFrame, reports: list[RouterReport]) -> None:
 
 # ---------------------------------------------------------------- origins explained by a flip
 
-def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Trace) -> None:
+def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Trace,
+                    reader: Any = None, diff_command: list[str] | None = None) -> None:
     """An origin at or after a router with flips (same step; its call returns after the
     router's began: the MoE block around it, the experts, every later layer; in either pass, a
     gradient there runs back through the routed forward), whose worst element lies on a
     flipped token, gets the flip as ``origin.routing``. A flip the baseline
-    shares explains nothing: it is within precision."""
+    shares explains nothing: it is within precision.
+
+    ``origin.routing["lead"]`` says what the flip means for the verdict, and ``confined``
+    whether the origin's error outside the flipped tokens is within its tolerance (read
+    through ``reader``, a PairReader; None when it cannot be read). Confined, the flip is the
+    whole story and the origin's reason says so; not confined, the rest is still out and the
+    reason keeps what it said, after the flip. ``diff_command``: this diff's command line, to
+    which the baseline a tie calls for is added."""
     if not origins or not any(r.flips for r in reports):
         return
     sites = ref.sites
@@ -416,11 +428,79 @@ def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Tra
                 continue
             flip = _on_token(report, worst, ref, origin)
             if flip is not None and not flip.shared:
-                origin.routing = {"router": report.site, "token": flip.token,
+                origin.routing = {"router": report.site, "port_router": report.port_site,
+                                  "token": flip.token,
                                   "position": list(flip.position) if flip.position else None,
                                   "reference": flip.reference, "port": flip.port,
-                                  "text": flip.text(_layer(report.site))}
+                                  "tie": flip.tie, "text": flip.text(_layer(report.site))}
+                _lead(origin, report, flip, reader, diff_command)
                 break
+
+
+def _lead(origin: Origin, report: RouterReport, flip: Flip, reader: Any,
+          diff_command: list[str] | None) -> None:
+    """The flip's meaning for the verdict, derived from its numbers: a tie in a lower dtype is
+    the port choosing from rounded scores (no wrong code downstream); scores ranked the other
+    way are the router's input or weights differing. Then whether the origin's error is
+    confined to the flipped tokens, which decides if its reason still stands."""
+    routing = origin.routing
+    assert routing is not None
+    tokens = [f for f in report.flips if not f.shared]
+    where = flip.where() + (f" (and {len(tokens) - 1} more)" if len(tokens) > 1 else "")
+    if flip.tie:
+        # this diff again against the reference captured with its router in that dtype
+        baseline = (str(Path(diff_command[2]).with_suffix(f".router-{flip.tie}.h5"))
+                    if diff_command and len(diff_command) > 2 else "")
+        routing["baseline_command"] = (shlex.join([*diff_command, "--baseline", baseline])
+                                       if baseline else "")
+        lead = (f"the port's router decides in {flip.tie}: a near-tie (margin "
+                f"{flip.reference_margin:.2g} in the reference) flips {where}; everything "
+                "downstream of that token differs without any wrong code there — compare with "
+                f"a {flip.tie} baseline (--baseline) to see whether the reference flips too")
+    else:
+        lead = (f"the port's router scores rank the experts the other way at {where}: the "
+                f"router's inputs or weights differ; look at the router {report.port_site} "
+                f"(reference {report.site})")
+    routing["lead"] = lead
+    outside = _outside_ratio(origin, report, tokens, reader)
+    routing["outside_ratio"] = outside
+    routing["confined"] = None if outside is None else bool(outside <= 1.0)
+    if routing["confined"]:
+        origin.reason = (f"its output is out of tolerance only at the flipped token"
+                         f"{'s' if len(tokens) > 1 else ''}; everywhere else within "
+                         f"(worst {outside:.2g}x tolerance)")
+    elif outside is not None:
+        also = (f" (a router that decides in {flip.tie} may weight every token in {flip.tie} "
+                "too: the baseline tells)" if flip.tie else "")
+        origin.reason = (f"outside the flipped token{'s' if len(tokens) > 1 else ''} it is "
+                         f"still out ({outside:.3g}x tolerance), which the flip does not "
+                         f"explain{also}: {origin.reason}")
+
+
+def _outside_ratio(origin: Origin, report: RouterReport, flips: list[Flip],
+                   reader: Any) -> float | None:
+    """The worst |port - ref| / (atol + rtol |ref|) of the origin's record outside the flipped
+    tokens (its leading axes (B, S) or (T,) the router's tokens); None when it cannot be read
+    or its shape does not hold the tokens."""
+    if reader is None:
+        return None
+    try:
+        ref, port = reader.read(origin_row(origin), compared=True)
+    except (LayerdiffError, OSError, ValueError):  # no tensors: the flip is still worth saying
+        return None
+    if ref.shape != port.shape or ref.ndim < 1:
+        return None
+    ratios = element_ratios(ref, port, float(origin.metrics.get("rtol") or 0),
+                                  float(origin.metrics.get("atol") or 0))
+    # (B, S, ...) or (T, ...): the leading axes are the router's tokens
+    if not (ref.shape[0] == report.tokens or (
+            ref.ndim >= 2 and ref.shape[0] * ref.shape[1] == report.tokens)):
+        return None
+    ratios = ratios.reshape(report.tokens, -1)
+    keep = np.ones(report.tokens, dtype=bool)
+    keep[[f.token for f in flips]] = False
+    rest = ratios[keep]
+    return float(np.nanmax(rest)) if rest.size else 0.0
 
 
 def _layer(site: str) -> str:

@@ -30,7 +30,7 @@ from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
 from layerdiff.report import page
-from layerdiff.report.findings.diff import describe_origin
+from layerdiff.report.findings.diff import describe_origin, routing_line, said_by_flip
 from layerdiff.report.page import CSS, DPI, present
 from layerdiff.report.positions_html import positions_section
 from layerdiff.report.tree import TREE_CSS, module_tree_section
@@ -326,8 +326,9 @@ def origin_section(diff: Diff, reader: PairReader) -> str:
     tol_text = f"rtol={rtol:.3g}, atol={atol:.3g}" + (f" ({source})" if present(source) else "")
     parts = [head, f"<p class=\"note\">Tolerance used: {escape(tol_text)}.</p>"]
     if origin.routing:
-        parts.append(f"<p class=\"hint\">Routing flip: {escape(origin.routing['text'])}</p>")
-    if origin.hint:
+        parts.append("<p class=\"hint\">" + "<br>".join(
+            escape(line[0].upper() + line[1:]) for line in routing_line(origin)) + "</p>")
+    if origin.hint and not said_by_flip(origin):
         parts.append(f"<p class=\"hint\">Likely cause: <b>{escape(origin.hint['kind'])}</b>: "
                      f"{escape(origin.hint['evidence'])}</p>")
     if ref.size == 0 or port.size == 0:
@@ -523,15 +524,15 @@ def origins_section(diff: Diff) -> str:
     for origin in diff.origins:
         holders = (f"<br><span class=\"note\">inside: {escape(', '.join(origin.holders))}"
                    "</span>" if origin.holders else "")
-        hint = origin.hint
+        hint = None if said_by_flip(origin) else origin.hint
         cause = (f"<br><span class=\"hint\">likely cause: <b>{escape(hint['kind'])}</b>: "
                  f"{escape(hint['evidence'])}</span>" if hint else "")
         pairing = (f"<br><span class=\"note\">{escape(origin.pairing)}</span>"
                    if origin.pairing else "")
-        flip = (f"<br><span class=\"hint\">routing flip: {escape(origin.routing['text'])}"
-                "</span>" if origin.routing else "")
+        flip = "".join(f"<span class=\"hint\">{escape(line)}</span><br>"
+                       for line in routing_line(origin))  # a flip leads: it says why first
         items.append(f"<li><b>{escape(describe_origin(origin))}</b>{pairing}<br>"
-                     f"{escape(origin.reason)}{flip}{cause}{holders}</li>")
+                     f"{flip}{escape(origin.reason)}{cause}{holders}</li>")
     return head + "<ol class=\"origins\">" + "".join(items) + "</ol>" + routing
 
 

@@ -10,7 +10,13 @@ import pandas as pd
 from layerdiff.compare.judge import Status, Verdict
 from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
-from layerdiff.report.findings.diff import describe_origin, position_line, shapes_differ
+from layerdiff.report.findings.diff import (
+    describe_origin,
+    position_line,
+    routing_line,
+    said_by_flip,
+    shapes_differ,
+)
 from layerdiff.report.text import WIDTH, clip, clip_middle, number, ranges
 from layerdiff.trace import schema
 from layerdiff.trace.printable import printable
@@ -61,12 +67,6 @@ def format_diff(diff: Diff, *, verbose: bool = False, width: int = WIDTH) -> str
                          "for every row)")
     lines += ops_lines(diff, width)
     return "\n".join(lines)
-
-
-def routing_line(origin: Origin) -> list[str]:
-    """'routing flip: layer 0, token (b=1, t=6): experts {3,5} -> {2,5}; ...' when the origin's
-    worst element lies on a token its port routed elsewhere (compare/routing.py)."""
-    return [f"routing flip: {origin.routing['text']}"] if origin.routing else []
 
 
 def routing_lines(diff: Diff, width: int = WIDTH) -> list[str]:
@@ -191,7 +191,8 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
         tolerance = (f"not compared element by element: {shapes_differ(origin)} and no rule "
                      "relates them; for an output, name an output conversion (output_transform "
                      "on the site's rule, docs/mapping.md), for an input a call adapter")
-    lines = [*in_port, *filter(None, [origin.pairing]), origin.reason, *routing_line(origin),
+    # a flip leads: it says why before the reason does (which it may have qualified)
+    lines = [*in_port, *filter(None, [origin.pairing]), *routing_line(origin), origin.reason,
              *hint_lines(origin), tolerance]
     batch = m.get("batch_ratio")
     if batch:
@@ -292,7 +293,10 @@ def _summary(diff: Diff, width: int) -> list[str]:
 def hint_lines(origin: Origin) -> list[str]:
     """'likely cause: KIND: evidence' when the origin's error matches a known kind of mistake."""
     hint = origin.hint
-    return [f"likely cause: {hint['kind']}: {hint['evidence']}"] if hint else []
+    if not hint or said_by_flip(origin):
+        return []
+    return [f"likely cause: {hint['kind']}: {hint['evidence']}"]
+
 
 
 def failing_sites(rows: pd.DataFrame) -> pd.DataFrame:

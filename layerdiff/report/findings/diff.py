@@ -153,4 +153,23 @@ def check_line(result: CheckResult) -> str:
     return f"FAIL  {result.case}: out of tolerance; origin {where}"
 
 
-__all__ = ["check_line", "describe_origin", "notebook_html", "position_line"]
+def routing_line(origin: Origin) -> list[str]:
+    """'routing flip: layer 0, token (b=1, t=6): experts {3,5} -> {2,5}; ...' when the origin's
+    worst element lies on a token its port routed elsewhere (compare/routing.py)."""
+    if not origin.routing:
+        return []
+    lead = origin.routing.get("lead")
+    command = origin.routing.get("baseline_command")
+    return [*([lead] if lead else []), f"routing flip: {origin.routing['text']}",
+            *([f"with the baseline: {command}"] if command else [])]
+
+
+def said_by_flip(origin: Origin) -> bool:
+    """A precision hint where a flip's tie already leads with the precision: one cause, said
+    once (the hint stays in the JSON)."""
+    return bool(origin.hint and origin.routing and origin.routing.get("tie")
+                and origin.hint.get("kind") == "precision")
+
+
+__all__ = ["check_line", "describe_origin", "notebook_html", "position_line", "routing_line",
+           "said_by_flip"]
