@@ -112,7 +112,8 @@ class Origin:
     positions: list[float] | None = None
     position_axis: int | None = None
     # the routing flip its worst element lies on (layerdiff.compare.routing): {"router",
-    # "token", "position", "reference", "port", "text"}, or None
+    # "port_router", "token", "position", "reference", "port", "tie", "text", "lead",
+    # "baseline_command" (a tie), "outside_ratio", "confined"}, or None
     routing: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
