@@ -69,6 +69,18 @@ def test_the_faithful_port_passes_replay_and_map_check(traces):
     assert map_check(reference, cases.port(), MAP)
 
 
+def test_the_faithful_port_passes_with_ops_captured_under_the_block_call_adapter(tmp_path):
+    """The ``model.layers.*`` rule's call adapter is its layers' own call: it was run on the op
+    sites inside them too (KeyError 'position_embeddings' on an op's arguments)."""
+    reference = capture(cases.reference(), tmp_path / "ref.h5", ops=["*"], progress=False)
+    port = capture_port(cases.port(), tmp_path / "port.h5", weights_from=reference,
+                        mapping=MAP, ops=["*"], progress=False)
+    result = diff(reference, port, mapping=MAP)
+    assert result, [describe_origin(origin) for origin in result.origins]
+    ops = result.rows[result.rows["site"].str.startswith("model.layers.0#0/")]
+    assert not ops.empty and (ops["match"] == "op").all()  # the layer's own ops, compared
+
+
 @pytest.mark.parametrize(("bug", "site", "pass_"), [
     ("port_bug_expert", EXPERTS0, "forward"),                     # an expert's own code
     ("port_bug_renorm", "model.layers.1.mlp#0", "forward"),       # the MoE block's own code

@@ -82,6 +82,9 @@ from layerdiff.mapping.code import CodeRef, is_code
 from layerdiff.mapping.params import TRANSFORMS, ParamSource
 from layerdiff.mapping.pattern import Pattern
 
+# the tail of an op site's name, <module site>/<op>#<k> (layerdiff.trace.schema, a floor up)
+_OP_SITE = re.compile(r"#[0-9]+/[^/#]+#[0-9]+$")
+
 
 @dataclass
 class SiteRule:
@@ -265,19 +268,29 @@ class Mapping:
                 return rule
         return None
 
+    def _call_rule(self, ref_site: str) -> SiteRule | None:
+        """The [[site]] rule whose module makes the call ``ref_site`` (module#call); None for
+        an op site (module#call/op#k). A rule's adapter, outputs and conversion describe its
+        module's own call, never the ops inside it (their arguments are not the module's), and
+        a glob like ``layers.*`` would otherwise match those names too; ops pair by the op
+        rules and [[pair]] entries (docs/ops.md)."""
+        if _OP_SITE.search(ref_site):
+            return None
+        return self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+
     def call_adapter(self, ref_site: str) -> CodeRef | None:
         """The call adapter for a reference site (module#call): its [[pair]]'s, else the
         [[site]] rule's that renames its module, else None."""
         if ref_site in self.pairs:
             return self.pair_calls.get(ref_site)
-        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        rule = self._call_rule(ref_site)
         return rule.call if rule is not None else None
 
     def output_names(self, ref_site: str) -> dict[str, str]:
         """Reference output -> port output renames for a reference site (``outputs =``)."""
         if ref_site in self.pairs:
             return self.pair_outputs.get(ref_site, {})
-        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        rule = self._call_rule(ref_site)
         return rule.outputs if rule is not None else {}
 
     def output_conversion(self, ref_site: str) -> OutputConversion | None:
@@ -285,7 +298,7 @@ class Mapping:
         [[pair]]'s, else the [[site]] rule's that renames its module, else None."""
         if ref_site in self.pairs:
             return self.pair_output_transforms.get(ref_site)
-        rule = self.site_rule(ref_site.rpartition("#")[0] or ref_site)
+        rule = self._call_rule(ref_site)
         return rule.output_transform if rule is not None else None
 
     def code_refs(self) -> list[CodeRef]:
