@@ -180,3 +180,28 @@ def test_map_check_measures_the_experts_through_their_output_conversion(tmp_path
 
 def unweighted_mean(weights, outputs):
     return outputs.mean(1)
+
+
+def test_a_conversion_that_raises_or_returns_no_tensor_is_one_sentence_naming_it():
+    """The user's function fails inside swap or map-check: one line naming the rule and where,
+    never a traceback; the same check the diff's rows make (compare/outconv.py)."""
+    import torch
+
+    from layerdiff.compare.outconv import CannotConvert, convert_outputs
+    from layerdiff.mapping.code import CodeRef
+    from layerdiff.mapping.rules import OutputConversion
+
+    conversion = OutputConversion(CodeRef("my_port.convert:weighted_sum", "port.map.toml line 7"),
+                                  takes=("0",), gives="0")
+    outputs = [("0", torch.ones(2, 3))]
+
+    def boom(x):
+        raise ValueError("shapes do not fit\nsecond line")
+
+    with pytest.raises(CannotConvert) as raised:
+        convert_outputs(conversion, boom, outputs, "the layer swapped in at experts")
+    said = str(raised.value)
+    assert "my_port.convert:weighted_sum" in said and "port.map.toml line 7" in said
+    assert "ValueError: shapes do not fit" in said and "second line" not in said
+    with pytest.raises(CannotConvert, match=r"returned a list .* one tensor"):
+        convert_outputs(conversion, lambda x: [x], outputs, "the layer swapped in at experts")

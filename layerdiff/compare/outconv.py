@@ -244,20 +244,26 @@ def _numpy(value: Any) -> np.ndarray:
 
 
 def _call(function, values: list, conversion, pair, step: int):
-    """``function(*values)``, checked: a tensor, or one sentence naming the rule."""
+    """``function(*values)`` for the diff's rows: a tensor, or one sentence naming the rule."""
+    return _applied(function, values, conversion,
+                    f"the port's outputs of {pair.port} (step {step})", MappingError)
+
+
+def _applied(function, values: list, conversion, where: str, error: type[Exception]):
+    """``function(*values)``, checked: a tensor, or ``error`` in one sentence saying which
+    rule's function failed on what (the user's code: never a traceback)."""
     import torch
 
     try:
         made = function(*values)
-    except Exception as exc:  # the user's code: say where, never a traceback
-        raise MappingError(f"output conversion {conversion.spec} ({conversion.where}) failed on "
-                           f"the port's outputs of {pair.port} (step {step}): "
-                           f"{type(exc).__name__}: {exc}") from None
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise error(f"{conversion.describe()} ({conversion.where}) failed on "
+                    f"{where}: {type(exc).__name__}: {first}") from None
     if not torch.is_tensor(made):
-        raise MappingError(f"output conversion {conversion.spec} ({conversion.where}) returned "
-                           f"a {type(made).__name__} for {pair.port} (step {step}); it must "
-                           "return one tensor, in the layout of the reference's output "
-                           f"{conversion.gives!r}")
+        raise error(f"{conversion.describe()} ({conversion.where}) returned "
+                    f"a {type(made).__name__} for {where}; it must return one tensor, in the "
+                    f"layout of the reference's output {conversion.gives!r}")
     return made
 
 
@@ -431,7 +437,6 @@ def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any
     are passed after the outputs; a live tensor keeps its graph, so in a swap the gradient
     reaches them as it reaches the reference layer's input (the routing weights' router).
     Raises :class:`CannotConvert`."""
-    import torch
 
     values = dict(outputs)
     missing = [take for take in conversion.takes if take not in values]
@@ -447,15 +452,8 @@ def convert_outputs(conversion: Any, function: Any, outputs: list[tuple[str, Any
             f"{conversion.describe()} ({conversion.where}) takes the reference's input(s) "
             f"{', '.join(repr(a) for a in absent)}, which the call at {where} does not have")
     constants = [_as_tensor(given[path]) for path in _reference_inputs(conversion)]
-    try:
-        made = function(*(values[take] for take in conversion.takes), *constants)
-    except Exception as exc:  # the user's code: say where, never a traceback
-        raise CannotConvert(f"{conversion.describe()} ({conversion.where}) raised on the "
-                            f"outputs of {where}: {type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    if not torch.is_tensor(made):
-        raise CannotConvert(f"{conversion.describe()} ({conversion.where}) returned a "
-                            f"{type(made).__name__} for {where}, not one tensor")
+    made = _applied(function, [*(values[take] for take in conversion.takes), *constants],
+                    conversion, f"the outputs of {where}", CannotConvert)
     # the result stands where the first output it takes stood; the others keep their places
     found, placed = [], False
     for arg, value in outputs:
