@@ -186,7 +186,11 @@ def _spawned(rank: int, world: int, port: int, case: str, output: str,
         _ignore_interrupts()
     sys.stdout.flush()
     if code:
-        sys.exit(code)
+        # A rank that ended early can leave gloo's threads of a collective its peer abandoned
+        # still joinable; torch's C++ teardown at interpreter exit then aborts with "terminate
+        # called without an active exception" on the terminal. Its file and note are done.
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _interrupted(exc: BaseException) -> bool:
