@@ -36,7 +36,9 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
                  mapping: str | os.PathLike | None = None, *, dtype: str | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  progress: bool = True, on_weights: OnWeights | None = None,
-                 on_written: OnWritten | None = None, **options: Any) -> Path:
+                 on_written: OnWritten | None = None,
+                 force_routing: str | os.PathLike | None = None,
+                 on_forced: Callable[[str], None] | None = None, **options: Any) -> Path:
     """Capture ``case`` into ``output``, with its weights loaded from the reference trace
     ``weights_from`` first (through ``mapping`` where names differ); returns the published path.
 
@@ -46,6 +48,10 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     see :func:`layerdiff.capture.distributed.capture_ranks`); the progress display and
     ``on_written`` are rank 0's only. ``options`` are :func:`layerdiff.capture.capture`'s
     (``include``, ``loss_scale``, ``steps``, ``summary``, ``ops``, ...).
+
+    ``force_routing`` is a trace whose recorded mixture-of-experts routes every router of this
+    run takes (:mod:`layerdiff.capture.routes`; its routers declared by ``mapping`` or
+    detected); ``on_forced`` is told, in one clause, what that changed.
 
     Raises :class:`CaptureError` for a mapping without ``weights_from`` or a case that records
     itself (layerdiff cannot set its weights), and :class:`Interrupted` on Ctrl-C, naming the
@@ -71,6 +77,12 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
                   if weights_from else {})
     if rank is not None:
         extra_meta.update(rank=rank, world_size=world_size)
+    if force_routing is not None:
+        from layerdiff.capture.routes import forcer_from
+        from layerdiff.mapping import Mapping
+
+        options["force_routing"] = forcer_from(
+            force_routing, Mapping.load(mapping) if mapping is not None else None)
     start = time.perf_counter()
     before = file_identity(output)
     try:
@@ -83,6 +95,10 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
         path = Path(output)  # the Ctrl-C came after the publish: the trace is complete
     if not rank and on_written is not None:
         on_written(path, time.perf_counter() - start)
+    if on_forced is not None and force_routing is not None:
+        from layerdiff.capture.routes import describe
+
+        on_forced(describe(options["force_routing"].forced()))
     return path
 
 

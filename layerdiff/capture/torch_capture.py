@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -15,6 +16,7 @@ import torch
 from layerdiff.capture.hooks import ModuleRecorder, around_modules, select_modules
 from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
+from layerdiff.capture.routes import RouteForcer
 from layerdiff.capture.run import check_run_options, run_case
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case, ExternalCase, load_case, seed_everything
@@ -31,9 +33,12 @@ class _Observer:
     """Connects the step loop to the module hooks, the recorder and the progress display."""
 
     def __init__(self, hooks: ModuleRecorder, recorder: Recorder, progress: StepProgress,
-                 ops: OpRecorder | None = None) -> None:
+                 ops: OpRecorder | None = None, routes: RouteForcer | None = None,
+                 name: str = "") -> None:
         self.hooks = hooks
         self.ops = ops
+        self.routes = routes
+        self.name = name
         self.recorder = recorder
         self.progress = progress
         self.phase = "setup"
@@ -44,6 +49,8 @@ class _Observer:
         self.hooks.begin_step(step)
         if self.ops is not None:
             self.ops.begin_step()
+        if self.routes is not None:
+            self.routes.begin_step(step)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         self.hooks.record_loss(loss)
@@ -52,6 +59,8 @@ class _Observer:
         self.hooks.after_backward()
 
     def end_step(self, step: int) -> None:
+        if self.routes is not None:
+            self.routes.check_taken(step, f"step {step} of case {self.name}")
         self.recorder.checkpoint()  # a crash in a later step keeps this one on disk
         self.progress.advance()
 
@@ -66,7 +75,8 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
             record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
             ops_all: bool = False, full_around: Sequence[str] = (),
             radius: int = 1, matmul_precision: str = "float32",
-            data_modules: Collection[str] | None = None) -> Path:
+            data_modules: Collection[str] | None = None,
+            force_routing: RouteForcer | None = None) -> Path:
     """Run ``case`` (a Case, or a spec such as ``"my_models:reference"``) with every selected
     module call recorded into the trace at ``path``.
 
@@ -90,7 +100,9 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
     named (paths, not globs: nothing inside them, no siblings), statistics for every other
     record: what a later diff must read element by element and no more (``diverge`` keeps so
     the inputs of sites a mapping's call adapter rebuilds, and the parameters a conversion
-    makes); with ``full_around``, the two sets are kept together.
+    makes); with ``full_around``, the two sets are kept together. ``force_routing`` (see
+    :func:`layerdiff.capture.routes.forcer_from`) makes every router's top-k take the routes
+    another trace recorded; its ``forced()`` then says what that changed.
 
     A case whose model is a Flax NNX module is captured by :mod:`layerdiff.flax.capture`
     into the same format (``include``, ``exclude``, ``loss_scale``, ``steps``, ``summary``,
@@ -107,7 +119,8 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
         unsupported = [flag for flag, given in (
             ("--autocast", autocast), ("--record-steps", record_steps is not None),
             ("--ops", ops or ops_all), ("--full-around", full_around),
-            ("data_modules", data_modules is not None)) if given]
+            ("data_modules", data_modules is not None),
+            ("--force-routing", force_routing is not None)) if given]
         if unsupported:
             raise CaptureError(f"case {case.name} is a Flax model: {', '.join(unsupported)} "
                                "apply to torch models only; capture it without them")
@@ -129,9 +142,9 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
         if record_steps is not None:
             raise CaptureError(f"case {case.name} records itself, so layerdiff cannot record "
                                "only some of its steps; capture all of them")
-        if ops or full_around or data_modules is not None:
-            raise CaptureError(f"case {case.name} records itself, so --ops, --full-around and "
-                               "data_modules "
+        if ops or full_around or data_modules is not None or force_routing is not None:
+            raise CaptureError(f"case {case.name} records itself, so --ops, --full-around, "
+                               "--force-routing and data_modules "
                                "do not apply to it; record what it needs in its own code")
         return _capture_external(case, path, include=include, exclude=exclude,
                                  loss_scale=loss_scale, steps=steps, summary=summary,
@@ -144,7 +157,7 @@ def capture(case: Case | ExternalCase | str, path: str | os.PathLike, *,
                                extra_meta={"dtype": dtype, **(extra_meta or {})},
                                record_steps=record_steps, ops=ops, ops_all=ops_all,
                                full_around=full_around, radius=radius,
-                               data_modules=data_modules)
+                               data_modules=data_modules, force_routing=force_routing)
     return prepared.run(progress=progress)
 
 
@@ -161,9 +174,11 @@ class PreparedCapture:
                  autocast: str | None = None, extra_meta: dict[str, Any] | None = None,
                  record_steps: Collection[int] | None = None, ops: Sequence[str] = (),
                  ops_all: bool = False, full_around: Sequence[str] = (),
-                 radius: int = 1, data_modules: Collection[str] | None = None) -> None:
+                 radius: int = 1, data_modules: Collection[str] | None = None,
+                 force_routing: RouteForcer | None = None) -> None:
         self.case = case
         self.steps = case.steps if steps is None else steps
+        self.routes = force_routing
         self.loss_scale = loss_scale
         self.autocast = autocast
         check_run_options(case, self.steps, loss_scale)
@@ -174,6 +189,10 @@ class PreparedCapture:
         op_modules = select_op_modules(case.model, ops, modules) if ops else set()
         meta = _meta(case, self.steps, loss_scale, summary, include, exclude)
         meta["ops"] = {"globs": list(ops), "modules": sorted(op_modules), "all": ops_all}
+        if force_routing is not None:
+            force_routing.check_steps(self.steps, case.name)
+            meta["forced_routing"] = {"from": force_routing.source, "routes": sum(
+                len(routes) for routes in force_routing.routes.values())}
         keep = None
         kept: set[str] = set()
         if full_around:
@@ -230,13 +249,15 @@ class PreparedCapture:
         case, recorder, hooks = self.case, self.recorder, self.hooks
         with StepProgress(self.steps, enabled=progress, label=f"capture {case.name}",
                           recorded=lambda: (recorder.seq, recorder.bytes_submitted)) as bar:
-            observer = _Observer(hooks, recorder, bar, self.ops)
+            observer = _Observer(hooks, recorder, bar, self.ops, self.routes, case.name)
             hooks.attach()
             if self.ops is not None:
                 self.ops.attach()  # after the module hooks: its frames wrap theirs
             try:
-                run_case(case, steps=self.steps, loss_scale=self.loss_scale, observer=observer,
-                         autocast=self.autocast)
+                # the forcer under the op recorder's mode: an op site records the forced top-k
+                with self.routes if self.routes is not None else contextlib.nullcontext():
+                    run_case(case, steps=self.steps, loss_scale=self.loss_scale,
+                             observer=observer, autocast=self.autocast)
             except LayerdiffError:
                 _close_incomplete(recorder)
                 raise

@@ -65,6 +65,10 @@ if TYPE_CHECKING:
               help="Spawn N local processes on the gloo backend, one per rank; each writes "
                    "OUTPUT.rank<r>.h5 and OUTPUT becomes their manifest (under torchrun the "
                    "ranks are torchrun's).")
+@click.option("--force-routing", type=click.Path(dir_okay=False), metavar="TRACE",
+              help="Mixture of experts: every router's top-k takes the routes TRACE recorded "
+                   "(the reference's, for a port; the port's, for the reference), so experts "
+                   "are compared apart from routing (docs/moe.md).")
 @force_option
 def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     exclude: tuple[str, ...], loss_scale: float, steps: int | None,
@@ -72,7 +76,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
                     mapping: str | None, dtype: str | None, autocast: str | None,
                     ops: tuple[str, ...], ops_all: bool, full_around: tuple[str, ...],
                     radius: int, matmul_precision: str | None, nproc: int | None,
-                    force: bool) -> None:
+                    force_routing: str | None, force: bool) -> None:
     """Capture a trace of CASE (package.module:name) into OUTPUT.
 
     Under torchrun, or with --nproc N, each rank writes OUTPUT's name with .rank<r> and rank 0
@@ -83,7 +87,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     from layerdiff.trace.manifest import rank_path
 
     refuse_inputs({"-o": output}, {"--weights-from trace": weights_from,
-                                   "mapping file": mapping})
+                                   "mapping file": mapping, "--force-routing trace": force_routing})
     if mapping and not weights_from:
         raise click.UsageError("--map is used with --weights-from when capturing")
     if ops_all and not ops:
@@ -100,8 +104,13 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     if nproc is None and launched is None:
         refuse_rank_file(output, "-o")
         refuse_existing(output, "-o", force)
-        capture_port(case_spec, output, **options)
+        capture_port(case_spec, output, force_routing=force_routing,
+                     on_forced=lambda said: click.echo(f"routing from {force_routing}: {said}"),
+                     **options)
         return
+    if force_routing:
+        raise click.UsageError("--force-routing captures one process; it does not apply under "
+                               "torchrun or --nproc yet")
     world = nproc or launched[1]
     refuse_inputs({f"-o's rank {r} file": rank_path(output, r) for r in range(world)},
                   {"--weights-from trace": weights_from, "mapping file": mapping})

@@ -245,6 +245,9 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping, tolerances),
         "routing": [router.as_json() for router in routers if router.flips],
+        "forced_routing": {side: trace.meta["forced_routing"] for side, trace in
+                           (("reference", ref), ("port", port))
+                           if trace.meta.get("forced_routing")},
         "op_pairings": op_pairings(sites),
         "ops_commands": ops_commands(ref, port, [o for o in origins if not (
             o.routing and o.routing.get("confined"))], first_step,

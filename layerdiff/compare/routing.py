@@ -1,19 +1,10 @@
 """Mixture-of-experts routing compared as decisions, not as numbers.
 
-A *router* is a site whose output 0 holds scores over experts (last axis E), of which the model
-takes the top ``k`` per token. Which experts a token goes to is a decision: a near-tie that
-rounds the other way in the port sends the token to another expert, and everything downstream
-of that token differs by a lot although no code is wrong. So the decisions are compared as sets
-per token, and a flip is reported with the scores at the boundary.
-
-Routers are declared (``[[router]] site = "model.layers.*.mlp.gate" k = 2``) or detected: a
-site whose float output 0 is (..., E) with, beside it, an integer tensor (T, k), k < E, T the
-number of score rows and every value in [0, E): the top-k indices, recorded as the router's own
-output or as an input of a sibling site (HF passes ``top_k_index`` to its experts, gpt-fast
-``expert_indices`` to its ``cond_ffn``), and which is the top k of those scores for most
-tokens. Only (T, k): a 1-D integer tensor beside a classifier's logits is its labels. Each
-side's decision is that recorded index tensor when there is one (the choice the model actually
-took, in whatever precision it chose), else the top k of its recorded scores.
+Which experts a token goes to is a decision: a near-tie that rounds the other way in the port
+sends the token to another expert, and everything downstream of that token differs by a lot
+although no code is wrong. So the decisions of every router (declared or detected, see
+:mod:`layerdiff.trace.routers`) are compared as sets per token, and a flip is reported with the
+scores at the boundary.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from layerdiff.compare.result import Column, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace, schema
+from layerdiff.trace.routers import read_side, routers, tokens_shape
 
 LOW_PRECISIONS = ("bfloat16", "float16")  # what a router's softmax is commonly computed in
 
@@ -101,7 +93,7 @@ def routing_report(ref: Trace, port: Trace, base: Trace | None, mapping: Mapping
     differs = set(zip(entered_out[Column.STEP].astype(int), entered_out[Column.SITE],
                       strict=True))
     reports = []
-    for step, site, k in _routers(ref, mapping):
+    for step, site, k in routers(ref, mapping):
         port_site = port_of.get((step, site))
         if port_site is None:
             continue
@@ -109,169 +101,6 @@ def routing_report(ref: Trace, port: Trace, base: Trace | None, mapping: Mapping
         if report is not None:
             reports.append(report)
     return reports
-
-
-def _routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
-    """(step, site, k) of each router call, in call order: declared by the mapping, else
-    detected. Detection starts from the few integer (T, k) tensors a forward records (the
-    router that made one is the site that returns it or a sibling of the site that takes it),
-    so a trace without any costs one pass over its index."""
-    sites = ref.sites
-    found: dict[tuple[int, str], int] = {}
-    if mapping.routers:
-        for site in sites.itertuples(index=False):
-            k = next((rule.k for rule in mapping.routers
-                      if rule.site.match(site.module) is not None), None)
-            if k is not None:
-                found[(int(site.step), site.site)] = k
-    index = ref.index
-    ints = index[(index["pass"] == "forward") & (index["kind"] == "tensor")
-                 & (index["segment"] >= 0) & index["dtype"].astype(str).str.startswith(
-                     ("int", "uint")) & (index["shape"].astype(str).str.count(",") == 1)]
-    parent = dict(zip(zip(sites["step"].astype(int), sites["site"], strict=True),
-                      sites["parent"], strict=True))
-    outputs = index[(index["pass"] == "forward") & (index["role"] == "output")
-                    & (index["arg"] == "0") & (index["kind"] == "tensor")]
-    shapes = {(int(step), str(site)): schema.parse_shape(shape) for step, site, shape
-              in outputs[["step", "site", "shape"]].itertuples(index=False)}
-
-    def could_be(step: int, candidate: str, dims: tuple[int, ...]) -> bool:
-        """Scores whose rows are the integer tensor's tokens, over more experts than it
-        takes: checked on the index alone, before any read."""
-        shape = shapes.get((step, candidate), ())
-        return len(shape) >= 2 and math.prod(shape[:-1]) == dims[0] and dims[1] < shape[-1]
-
-    for step, site, role, text in {(int(a), str(b), str(c), str(d)) for a, b, c, d in
-                                   ints[["step", "site", "role", "shape"]].itertuples(
-                                       index=False)}:
-        dims = schema.parse_shape(text)
-        if role == "output":  # the router returns its choice
-            candidates = [site]
-        elif role == "input":  # a sibling of the router takes it (the experts)
-            above = parent.get((step, site), "")
-            candidates = sites.loc[(sites["step"] == step) & (sites["parent"] == above)
-                                   & (sites["site"] != site), "site"].tolist() if above else []
-        else:
-            continue
-        for candidate in candidates:
-            if (step, candidate) not in found and could_be(step, candidate, dims):
-                k = _detected_k(ref, step, candidate, parent.get((step, candidate), ""))
-                if k is not None:
-                    found[(step, candidate)] = k
-    order = {key: n for n, key in enumerate(parent)}
-    return [(step, site, k) for (step, site), k in
-            sorted(found.items(), key=lambda item: order.get(item[0], 0))]
-
-
-def _scores_row(trace: Trace, step: int, site: str) -> pd.Series | None:
-    row = trace.find(step, site, "output", "0", pass_="forward", kind="tensor")
-    if row is None or "float" not in str(row["dtype"]) or row["segment"] < 0:
-        return None
-    shape = schema.parse_shape(row["shape"])
-    return row if len(shape) >= 2 and shape[-1] >= 2 else None
-
-
-AGREE = 0.9  # the share of tokens whose recorded choice must be the top k of the scores
-
-
-def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
-    """k when ``site`` is a router: its scores beside a recorded (T, k) choice (see
-    :func:`_decision_rows`) that is the top k of those scores for at least AGREE of the tokens
-    (not all: a router that chooses in a lower precision than it records may differ from its
-    recorded scores on near-ties). The check on the values keeps out a block that merely holds
-    a router (its output's top k are no experts) and any (T, k) integers that happen to fit."""
-    row = _scores_row(trace, step, site)
-    if row is None:
-        return None
-    for found in _decision_rows(trace, step, site, parent, row):
-        k = schema.parse_shape(found["shape"])[-1]
-        scores = np.asarray(trace.read(row, compared=True), dtype=np.float64)
-        scores = scores.reshape(-1, scores.shape[-1])
-        chosen = np.sort(np.asarray(trace.read(found, compared=True)).reshape(len(scores), k),
-                         axis=-1)
-        top = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :k], axis=-1)
-        if (top == chosen).all(axis=-1).mean() >= AGREE:
-            return k
-    return None
-
-
-def _decision_row(trace: Trace, step: int, site: str, parent: str,
-                  scores: pd.Series, k: int | None = None) -> pd.Series | None:
-    found = _decision_rows(trace, step, site, parent, scores, k)
-    return found[0] if found else None
-
-
-def _decision_rows(trace: Trace, step: int, site: str, parent: str,
-                   scores: pd.Series, k: int | None = None) -> list[pd.Series]:
-    """The recorded top-k indices of ``site``'s scores: an integer (T, k) tensor, k < E, values
-    in [0, E), that the router or an op inside it (--ops) returns, or that a sibling (same
-    parent call: the experts) takes. Not a sibling's output nor the router's own input: a site
-    that takes or a sibling that returns expert numbers is no router of them."""
-    shape = schema.parse_shape(scores["shape"])
-    experts, tokens = shape[-1], math.prod(shape[:-1])
-    sites = trace.sites
-    at = sites[sites["step"] == step]
-    returns = set(at.loc[at["parent"] == site, "site"]) | {site}
-    takes = set(at.loc[(at["parent"] == parent) & (at["site"] != site), "site"])
-    index = trace.index
-    candidates = index[(index["step"] == step) & (index["pass"] == "forward")
-                       & (index["kind"] == "tensor") & (index["segment"] >= 0)
-                       & ((index["site"].isin(returns) & (index["role"] == "output"))
-                          | (index["site"].isin(takes) & (index["role"] == "input")))]
-    found = []
-    for _, row in candidates.iterrows():
-        dims = schema.parse_shape(row["shape"])
-        # (T, k) only: a 1-D integer tensor beside a classifier's logits is its labels
-        if not str(row["dtype"]).startswith(("int", "uint")) or len(dims) != 2:
-            continue
-        width = dims[-1]
-        if dims[0] != tokens:
-            continue
-        if not 1 <= width < experts or (k is not None and width != k):
-            continue
-        if not (row["min"] >= 0 and row["max"] < experts):
-            continue
-        found.append(row)
-    return found
-
-
-def _tokens_shape(trace: Trace, step: int, parent: str, tokens: int) -> tuple[int, int] | None:
-    """(batch, sequence) of the router's tokens: from its enclosing call's input 0, a (B, S, D)
-    tensor whose B*S is the number of score rows."""
-    if not parent:
-        return None
-    row = trace.find(step, parent, "input", "0", pass_="forward")
-    if row is None:
-        return None
-    dims = schema.parse_shape(row["shape"])
-    if len(dims) == 3 and dims[0] * dims[1] == tokens:
-        return dims[0], dims[1]
-    return None
-
-
-def _side(trace: Trace, step: int, site: str, k: int
-          ) -> tuple[np.ndarray, np.ndarray, str, str, list[list[str]]] | None:
-    """(scores (T, E) float64, chosen (T, k) sorted, scores' dtype, where the choice came from,
-    every record of the choice as [site, role, arg])."""
-    scores_row = _scores_row(trace, step, site)
-    if scores_row is None:
-        return None
-    scores = np.asarray(trace.read(scores_row, compared=True), dtype=np.float64)
-    experts = scores.shape[-1]
-    scores = scores.reshape(-1, experts)
-    parent = trace.sites.loc[(trace.sites["step"] == step) & (trace.sites["site"] == site),
-                             "parent"]
-    decisions = _decision_rows(trace, step, site, str(parent.iloc[0]) if len(parent) else "",
-                               scores_row, k)
-    decision = decisions[0] if decisions else None
-    names = [[str(r["site"]), str(r["role"]), str(r["arg"])] for r in decisions]
-    if decision is not None:
-        chosen = np.asarray(trace.read(decision, compared=True)).reshape(len(scores), k)
-        where = f"{decision['site']} {decision['role']} '{decision['arg']}'"
-    else:  # top k of the scores, ties to the lower index (torch.topk's order on CPU)
-        chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
-        where = f"top-{k} of {site}'s scores"
-    return scores, np.sort(chosen, axis=-1), str(scores_row["dtype"]), where, names
 
 
 def _margins(scores: np.ndarray, k: int) -> np.ndarray:
@@ -324,28 +153,28 @@ def _compare(ref: Trace, port: Trace, base: Trace | None, step: int, site: str,
              port_site: str, k: int, input_differs: bool) -> RouterReport | None:
     """``input_differs``: the router's input is already out of tolerance, so a flip whose
     scores rank the other way is that difference's consequence."""
-    mine, theirs = _side(ref, step, site, k), _side(port, step, port_site, k)
-    if mine is None or theirs is None or mine[0].shape != theirs[0].shape:
+    mine, theirs = read_side(ref, step, site, k), read_side(port, step, port_site, k)
+    if mine is None or theirs is None or mine.scores.shape != theirs.scores.shape:
         return None
-    ref_scores, ref_chosen, _, ref_from, ref_records = mine
-    port_scores, port_chosen, port_dtype, port_from, port_records = theirs
+    ref_scores, ref_chosen = mine.scores, np.sort(mine.chosen, axis=-1)
+    port_scores, port_chosen = theirs.scores, np.sort(theirs.chosen, axis=-1)
     if k >= ref_scores.shape[-1]:
         return None
-    base_side = _side(base, step, site, k) if base is not None else None
-    base_chosen = (base_side[1] if base_side is not None
-                   and base_side[1].shape == ref_chosen.shape else None)
+    base_side = read_side(base, step, site, k) if base is not None else None
+    base_chosen = (np.sort(base_side.chosen, axis=-1) if base_side is not None
+                   and base_side.chosen.shape == ref_chosen.shape else None)
     parent = ref.sites.loc[(ref.sites["step"] == step) & (ref.sites["site"] == site), "parent"]
-    shape = _tokens_shape(ref, step, str(parent.iloc[0]) if len(parent) else "",
-                          len(ref_scores))
+    shape = tokens_shape(ref, step, str(parent.iloc[0]) if len(parent) else "",
+                         len(ref_scores))
     report = RouterReport(step, site, port_site, k, ref_scores.shape[-1], len(ref_scores),
-                          f"reference: {ref_from}; port: {port_from}", ref_records,
-                          port_records)
+                          f"reference: {mine.source}; port: {theirs.source}", mine.records,
+                          theirs.records)
     ref_margin, port_margin = _margins(ref_scores, k), _margins(port_scores, k)
     for token in np.flatnonzero((ref_chosen != port_chosen).any(axis=-1)):
         ours, yours = set(ref_chosen[token].tolist()), set(port_chosen[token].tolist())
         dropped, added = min(ours - yours), min(yours - ours)
         baseline = None if base_chosen is None else sorted(base_chosen[token].tolist())
-        why, tie = _why(ref_scores[token], port_scores[token], dropped, added, port_dtype)
+        why, tie = _why(ref_scores[token], port_scores[token], dropped, added, theirs.dtype)
         if not tie and input_differs:
             why += " (the router's input already differs: a consequence)"
         report.flips.append(Flip(

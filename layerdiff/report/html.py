@@ -30,7 +30,12 @@ from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.errors import LayerdiffError
 from layerdiff.outputs import write_text
 from layerdiff.report import page
-from layerdiff.report.findings.diff import describe_origin, routing_line, said_by_flip
+from layerdiff.report.findings.diff import (
+    describe_origin,
+    forced_routing,
+    routing_line,
+    said_by_flip,
+)
 from layerdiff.report.page import CSS, DPI, present
 from layerdiff.report.positions_html import positions_section
 from layerdiff.report.tree import TREE_CSS, module_tree_section
@@ -518,6 +523,7 @@ def origins_section(diff: Diff) -> str:
              for flip in router["flips"]]
     routing = ("<h3>Routing decisions that differ</h3><ul>" + "".join(flips) + "</ul>"
                if flips else "")  # top-k experts per token (compare/routing.py)
+    routing += "".join(f"<p class=\"note\">{escape(text)}</p>" for text in forced_routing(diff))
     if not diff.origins:
         return head + "<p class=\"note\">None.</p>" + routing
     items = []

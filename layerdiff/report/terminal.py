@@ -12,6 +12,7 @@ from layerdiff.compare.result import Column, Diff, Origin
 from layerdiff.compare.suggest import wrap_command
 from layerdiff.report.findings.diff import (
     describe_origin,
+    forced_routing,
     position_line,
     routing_line,
     said_by_flip,
@@ -73,9 +74,11 @@ def routing_lines(diff: Diff, width: int = WIDTH) -> list[str]:
     """The routers whose top-k experts differ for some tokens, each flip on a line (nothing
     when every token chose as the reference did)."""
     routers = diff.meta.get("routing") or []
+    forced = [textwrap.wrap(text, width, subsequent_indent="  ") for text in forced_routing(diff)]
+    lines = [line for said in forced for line in ["", *said]]
     if not routers:
-        return []
-    lines = ["", "routing: tokens whose top-k experts differ (reference -> port):"]
+        return lines
+    lines += ["", "routing: tokens whose top-k experts differ (reference -> port):"]
     for router in routers:
         flips = router["flips"]
         shared = sum(bool(flip["shared"]) for flip in flips)

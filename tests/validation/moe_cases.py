@@ -273,6 +273,28 @@ def port_router_bf16() -> Case:
     return _case(model, "port_router_bf16")
 
 
+def _bf16_choice_block(self, x):
+    """The MoE block choosing its experts from a bfloat16 copy of the router probabilities but
+    weighting them with the float32 ones: its routing is the only thing that differs."""
+    shape = x.shape
+    x = x.view(-1, self.dim)
+    probs = F.softmax(self.gate(x), dim=-1)
+    _, indices = torch.topk(probs.to(torch.bfloat16), self.num_activated_experts, dim=-1)
+    weights = probs.gather(-1, indices)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return torch.einsum("tai,ta -> ti", self.cond_ffn(x, indices), weights).view(shape)
+
+
+def port_chooses_in_bf16() -> Case:
+    """The port whose MoE blocks choose experts in bfloat16 and weight them in float32: on the
+    near-tie it routes one token elsewhere, and nothing else differs."""
+    model = _port_model()
+    for layer in model.layers:
+        moe = layer.block_sparse_moe
+        moe.forward = types.MethodType(_bf16_choice_block, moe)
+    return _case(model, "port_chooses_in_bf16")
+
+
 def reference_router_bf16() -> Case:
     """The near-tie reference run the way port_router_bf16 runs its router (softmax and top-k
     in bfloat16): the baseline that makes the same flip."""

@@ -173,3 +173,15 @@ def said_by_flip(origin: Origin) -> bool:
 
 __all__ = ["check_line", "describe_origin", "notebook_html", "position_line", "routing_line",
            "said_by_flip"]
+
+
+def forced_routing(diff: Diff) -> list[str]:
+    """A sentence per side captured with another run's routes forced (capture
+    --force-routing): what the verdict then measures and what it leaves out."""
+    said = []
+    for side, forced in (diff.meta.get("forced_routing") or {}).items():
+        said.append(f"routing forced: the {side} ran with the routes recorded in "
+                    f"{forced['from']} ({forced['routes']} router calls), so its experts and "
+                    "everything after them are judged apart from routing; capture it without "
+                    "--force-routing to judge the routing too")
+    return said
