@@ -38,10 +38,14 @@ from layerdiff.report.emit import STDOUT, exit_code, finish, write_outputs
                    "uses outside its modules' calls (a tied head in the parent's code) is then "
                    "judged on what those calls alone make, on both sides; without it that "
                    "weight gradient is set aside (cannot judge alone).")
+@click.option("--force-routing", is_flag=True,
+              help="Mixture of experts: a replayed layer that holds a router sends each token "
+                   "to the experts the reference chose, so its experts are judged apart from "
+                   "routing (docs/moe.md).")
 def replay_command(reference: str, port_spec: str, mapping: str | None, sites: tuple[str, ...],
                    tolerances: str | None, rtol: float | None, atol: float | None,
                    json_path: str | None, html_path: str | None, verbose: bool,
-                   reference_spec: str | None) -> None:
+                   reference_spec: str | None, force_routing: bool) -> None:
     """Run each layer of PORT_CASE on REFERENCE's recorded inputs: its own error, alone.
 
     Exit 0 when no layer has a local error, 1 when one does or a layer cannot be called
@@ -58,7 +62,8 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
                    "tolerance file": tolerances})
     result = replay(reference, load_case(port_spec), mapping=mapping, sites=sites,
                     tolerances=tolerances_from(tolerances, rtol, atol), output=kept,
-                    reference_case=load_case(reference_spec) if reference_spec else None)
+                    reference_case=load_case(reference_spec) if reference_spec else None,
+                    force_routing=force_routing)
     finish(result, lambda: format_replay(result, verbose=verbose), json_path=json_path,
            html_path=html_path)
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerdiff.capture.routes import describe
 from layerdiff.case import Case, ExternalCase, is_nnx_module
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import Status
@@ -35,6 +36,7 @@ from layerdiff.replay.calling import MAPPING_DROPS
 from layerdiff.replay.recorded import RecordedCall, recorded_calls
 from layerdiff.trace import Trace, TraceWriter, open_trace, schema
 from layerdiff.trace.arguments import map_argument
+from layerdiff.trace.routers import recorded_routes, routers
 from layerdiff.trace.schema import CALL_ROLES, COMPUTED_GRAD_ROLES, Pass, Role
 
 
@@ -121,7 +123,7 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
            mapping: str | os.PathLike | Mapping | None = None,
            sites: Sequence[str] = (), tolerances: str | os.PathLike | Tolerances | None = None,
            output: str | os.PathLike | None = None, propagated: bool = True,
-           reference_case: Case | None = None) -> ReplayResult:
+           reference_case: Case | None = None, force_routing: bool = False) -> ReplayResult:
     """Replay every matched site of ``reference`` into ``port`` and judge each on its own.
 
     ``port`` is a torch Case (its model gets the reference's weights through ``mapping``) or
@@ -134,17 +136,23 @@ def replay(reference: str | os.PathLike, port: Case | ExternalCase, *,
     makes. With ``reference_case`` (the reference's torch case) the reference's modules are
     replayed alone too and what their calls make is compared with what the port's make;
     without it that weight gradient is set aside, "cannot judge alone", in ``skipped``.
+
+    ``force_routing`` (a torch port): each replayed layer that holds a mixture-of-experts
+    router sends every token to the experts the reference's recorded for it, so its experts
+    are judged apart from routing (:mod:`layerdiff.capture.routes`).
     """
     mapping = mapping if isinstance(mapping, Mapping) else (
         Mapping.load(mapping) if mapping is not None else Mapping())
     with tempfile.TemporaryDirectory(prefix="layerdiff-replay-") as tmp:
         path = Path(output) if output else Path(tmp) / "replay.h5"
         with open_trace(reference) as ref:
-            log = write_replay(ref, port, mapping, sites, path, reference_case)
+            log = write_replay(ref, port, mapping, sites, path, reference_case, force_routing)
         result = ReplayResult(
             diff(reference, path, mapping=replayed_mapping(mapping, log), tolerances=tolerances,
                  independent=True),
             log.replayed, log.failed, log.skipped, log.dropped, notes=list(log.notes))
+        if not force_routing and result.origin is not None:
+            result.notes += _routing_hint(reference, mapping, result.origin.site)
         if propagated:
             try:
                 result.propagated = _propagated(reference, port, mapping, tolerances, Path(tmp))
@@ -166,13 +174,15 @@ class ReplayLog:
 
 def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
                  sites: Sequence[str], path: Path,
-                 reference_case: Case | None = None) -> ReplayLog:
+                 reference_case: Case | None = None, force_routing: bool = False) -> ReplayLog:
     """The replay trace: every recorded call of step 0 that has a port partner, replayed.
     ``reference_case`` (torch) splits a weight gradient that has a use outside its modules'
     calls (:mod:`layerdiff.replay.alone`), for a torch or a Flax port."""
     calls = recorded_calls(ref, sites)  # refuses a summary trace before any work
     backend = _backend(ref, port, mapping, reference_case)
     adapters = _call_adapters(calls, mapping)  # a function that does not import: bad input
+    if force_routing:
+        _routes_to_force(ref, port, mapping, backend)
     if hasattr(backend, "output_conversions"):
         backend.output_conversions.update(_output_conversions(ref, calls, mapping, backend))
     if hasattr(backend, "output_renames"):  # each output gradient fed where the diff pairs it
@@ -214,12 +224,57 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         backend.finish(writer, _complete_modules(ref, log))
         log.skipped.extend(getattr(backend, "set_aside", ()))
         log.notes.extend(getattr(backend, "notes", ()))
+        if force_routing:
+            # a router inside nested replayed layers (block, layer, root) is forced in each:
+            # said once, with the most tokens it moved
+            once = {}
+            for forced in sorted(backend.forced, key=lambda f: len(f.rerouted)):
+                once[forced.site] = forced
+            log.notes.append("--force-routing: " + (
+                describe(list(once.values())) if once else "no replayed port layer made a "
+                "top-k over a router's scores (its layers route by other means, or hold no "
+                "router): nothing was forced"))
     if not log.replayed:
         raise DiffError(f"no call of {ref.path} was replayed into {port.name}: "
                         + ("; ".join(f"{s}: {why}" for s, why in (log.failed + log.skipped)[:3])
                            or "no port layer pairs with any reference site")
                         + "; check the case and the mapping (--map)")
     return log
+
+
+def _routing_hint(reference: str | os.PathLike, mapping: Mapping, site: str) -> list[str]:
+    """When the failing layer holds a mixture-of-experts router: how to tell an expert's error
+    from a token sent to another expert."""
+    with open_trace(reference) as ref:
+        at = ref.sites[ref.sites["step"] == 0].set_index("site")
+        if site not in at.index:
+            return []
+        held = [router for step, router, _ in routers(ref, mapping) if step == 0
+                and at.at[site, "enter_seq"] <= at.at[router, "enter_seq"]
+                and at.at[router, "exit_seq"] <= at.at[site, "exit_seq"]]
+    if not held:
+        return []
+    return [f"{site} holds the router {held[0]}: a token its port sends to other experts than "
+            "the reference's changes its output by a lot without wrong code; replay "
+            "--force-routing judges its experts on the reference's routes"]
+
+
+def _routes_to_force(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
+                     backend: Any) -> None:
+    """Give a torch port's replay the reference's step-0 routes, each with its router call's
+    span; refuse a port of another framework or a reference that records no router."""
+    if not hasattr(backend, "routes"):
+        raise DiffError(f"--force-routing forces routes into a torch port's top-k calls; "
+                        f"{port.name} is not a torch port: replay it without --force-routing")
+    routes = recorded_routes(ref, mapping).by_step.get(0, [])
+    if not routes:
+        raise DiffError(f"--force-routing: {ref.path} records no router whose routes can be read "
+                        "(a site whose output is (..., E) expert scores beside the (T, k) "
+                        "experts taken from them, or one declared with [[router]] in the "
+                        "mapping); replay without it")
+    at = ref.sites[ref.sites["step"] == 0].set_index("site")
+    backend.routes = [(int(at.at[route.site, "enter_seq"]), int(at.at[route.site, "exit_seq"]),
+                       route) for route in routes]
 
 
 def _adapter_hint(call: RecordedCall, port_module: str) -> str:

@@ -19,7 +19,7 @@ judged (a non-finite value where the reference's is finite fails).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 import layerdiff.rng as rng
 from layerdiff.capture.hooks import flatten
 from layerdiff.capture.modules import named_modules
+from layerdiff.capture.routes import Forced, RouteForcer
 from layerdiff.capture.stage import unsupported_tensor
 from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import DiffError
@@ -49,6 +50,7 @@ from layerdiff.trace.arguments import (
     rebuild_call,
     recorded_value,
 )
+from layerdiff.trace.routers import Route
 from layerdiff.trace.schema import Pass, Role
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16}
@@ -99,6 +101,10 @@ class TorchPort:
         self.output_conversions: dict[str, tuple[Any, Callable[..., Any]]] = {}
         # reference site -> the mapping's outputs renames (reference output -> port output)
         self.output_renames: dict[str, dict[str, str]] = {}
+        # replay --force-routing: the reference's routes of step 0 with their router calls'
+        # (enter_seq, exit_seq); a replayed call takes those of the routers it holds
+        self.routes: list[tuple[int, int, Route]] | None = None
+        self.forced: list[Forced] = []
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -152,7 +158,7 @@ class TorchPort:
         leaves = {arg: value.detach().requires_grad_() for arg, value in values
                   if torch.is_tensor(value) and arg in wanted and value.is_floating_point()}
         leaves |= _shared_leaves(call, args_map, values, leaves)
-        outputs = self._run_twice(module, values, leaves, caller)
+        outputs = self._run_twice(module, values, leaves, caller, self._routes_in(call))
         flat = list(flatten(outputs, ""))
         for arg, value in flat:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
@@ -261,14 +267,27 @@ class TorchPort:
             values.append((port_arg, value))
         return values
 
+    def _routes_in(self, call: RecordedCall) -> list[Route]:
+        """The reference's routes of the router calls inside ``call`` (itself included)."""
+        return [route for enter, leave, route in self.routes or ()
+                if call.enter_seq <= enter and leave <= call.exit_seq]
+
     def _run_twice(self, module: nn.Module, values: list[tuple[str, Any]],
-                   leaves: dict[str, torch.Tensor], caller: Caller) -> Any:
+                   leaves: dict[str, torch.Tensor], caller: Caller,
+                   routes: list[Route] = ()) -> Any:
+        """The port layer's outputs (run again with another seed to refuse one that draws
+        random numbers); ``routes`` are forced into its top-k calls, the first run's kept."""
         def call(seed: int) -> Any:
             fresh = [(a, leaves[a].clone() if a in leaves else (
                 v.clone() if torch.is_tensor(v) else v)) for a, v in values]
             args, kwargs = caller(fresh)
-            with rng.seeded(seed, self._devices), restored(module.buffers()):
-                return module(*args, **kwargs)
+            forcer = RouteForcer({0: list(routes)}) if routes else None
+            with rng.seeded(seed, self._devices), restored(module.buffers()), \
+                    forcer if forcer is not None else nullcontext():
+                outputs = module(*args, **kwargs)
+            if forcer is not None and seed == 1:
+                self.forced += forcer.forced()
+            return outputs
 
         outputs = call(1)
         with torch.no_grad():

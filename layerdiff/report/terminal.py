@@ -403,7 +403,8 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     if result.origin is not None:
         lines += _origin_details(result.origin, width)
     lines += ["", f"replayed {len(result.replayed)} sites of {result.diff.reference}"]
-    lines += [clip_middle(f"  {note}", width) for note in result.notes]
+    lines += [line for note in result.notes
+              for line in textwrap.wrap(note, width, initial_indent="  ", subsequent_indent="    ")]
     dropped = [(site, ", ".join(f"{arg} ({why})" for arg, why in args))
                for site, args in result.dropped.items()]
     for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
