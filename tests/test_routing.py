@@ -16,9 +16,11 @@ pytest.importorskip("transformers")
 
 from layerdiff import capture, diff
 from layerdiff.capture.port import capture_port
+from layerdiff.capture.routes import forcer_from
 from layerdiff.compare.judge import Verdict
 from layerdiff.errors import MappingError
 from layerdiff.mapping import Mapping
+from layerdiff.replay import replay, swap
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.html import render_html
 from layerdiff.report.terminal import format_diff
@@ -35,7 +37,7 @@ def traces(tmp_path_factory):
                         progress=False)
     made = {name: capture_port(getattr(cases, name)(), folder / f"{name}.h5",
                                weights_from=reference, mapping=MAP, progress=False)
-            for name in ("port", "port_router_bf16")}
+            for name in ("port", "port_router_bf16", "port_chooses_in_bf16")}
     made["baseline"] = capture_port(cases.reference_router_bf16(), folder / "baseline.h5",
                                     loss_scale=2**20, progress=False)
     return reference, made
@@ -207,3 +209,52 @@ def test_an_error_confined_to_the_flipped_token_drops_the_own_code_reason():
     lead = _origin_with(ranked, np.zeros((2, 10, 8))).routing["lead"]
     assert "the router's inputs or weights differ" in lead
     assert "layers.0.block_sparse_moe.gate#0" in lead, lead
+
+
+# ---------------------------------------------------------------- routing replay (forced routes)
+
+def test_routing_replay_passes_a_port_whose_only_difference_is_routing(traces, tmp_path):
+    """port_chooses_in_bf16 picks its experts from bfloat16 probabilities (the near-tie flips)
+    and weights them in float32: with the reference's routes forced, capture, replay and swap
+    all pass it, and each says what forcing moved."""
+    reference, made = traces
+    unforced = diff(reference, made["port_chooses_in_bf16"], mapping=MAP)
+    assert not unforced and unforced.origin.routing is not None
+    said = []
+    forced = capture_port(cases.port_chooses_in_bf16(), tmp_path / "forced.h5",
+                          weights_from=reference, mapping=MAP, force_routing=reference,
+                          on_forced=said.append, progress=False)
+    result = diff(reference, forced, mapping=MAP)
+    assert result, [describe_origin(o) for o in result.origins]
+    assert "routing forced: the port ran with the routes recorded in" in format_diff(result)
+    assert said == [f"2 router calls forced; 1 token went to other experts than this run's own "
+                    f"router chose ({ROUTER0}: 1 of 20 tokens)"]
+
+    replayed = replay(reference, cases.port_chooses_in_bf16(), mapping=MAP, propagated=False)
+    assert not replayed and replayed.origin.site == "model.layers.0.mlp#0"
+    assert any("holds the router model.layers.0.mlp.gate#0" in note and "--force-routing" in note
+               for note in replayed.notes), replayed.notes
+    replayed = replay(reference, cases.port_chooses_in_bf16(), mapping=MAP, propagated=False,
+                      force_routing=True)
+    assert replayed, replayed.diff.origins
+    assert any(f"({ROUTER0}: 1 of 20 tokens)" in note for note in replayed.notes)
+
+    block = ["layers.0.block_sparse_moe"]
+    assert swap(cases.reference_near_tie, cases.port_chooses_in_bf16, block,
+                mapping=MAP).breaks
+    swapped = swap(cases.reference_near_tie, cases.port_chooses_in_bf16, block, mapping=MAP,
+                   force_routing=True)
+    assert swapped and "1 token went to other experts" in swapped.routing
+
+
+def test_the_ports_routes_forced_into_the_reference_make_it_route_as_the_port(traces,
+                                                                              tmp_path):
+    """The other way round: the reference captured with the port's recorded routes (read from
+    the port's trace, its router detected there) then matches the port that flipped."""
+    _, made = traces
+    port = made["port_chooses_in_bf16"]
+    rerouted = capture(cases.reference_near_tie(), tmp_path / "ref.rerouted.h5",
+                       loss_scale=2**20, force_routing=forcer_from(port), progress=False)
+    result = diff(rerouted, port, mapping=MAP)
+    assert result, [describe_origin(o) for o in result.origins]
+    assert result.meta["forced_routing"]["reference"]["from"] == str(port)

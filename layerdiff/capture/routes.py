@@ -111,6 +111,64 @@ class RouteForcer(TorchFunctionMode):
         return torch.return_types.topk((scores.gather(-1, chosen), chosen))
 
 
+class RouteRecorder(TorchFunctionMode):
+    """While entered, keeps the experts of every router-like top-k (over the last axis of
+    (..., E) scores, k < E, largest first) per step, as routes a :class:`RouteForcer` can
+    force into another run of the same model (swap: the pure reference's into the swapped
+    one). A run without a trace of its own has no router sites: each route is named by its
+    call, "top-k call n"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+        self.routes: dict[int, list[Route]] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        call = _topk_arguments(args, kwargs) if func in _TOPK else None
+        if call is not None and _router_like(call):
+            scores = call["input"]
+            routes = self.routes.setdefault(self.step, [])
+            k = int(call["k"])
+            routes.append(Route(self.step, f"top-k call {len(routes)}", int(scores.shape[-1]),
+                                result.indices.detach().reshape(-1, k).cpu().numpy()))
+        return result
+
+
+class StepsOf:
+    """The step loop's observer (:class:`layerdiff.capture.run.StepObserver`) that tells a
+    route forcer or recorder which step runs."""
+
+    phase = ""
+
+    def __init__(self, mode: RouteForcer | RouteRecorder) -> None:
+        self.mode = mode
+
+    def begin_step(self, step: int) -> None:
+        self.mode.begin_step(step)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def end_step(self, step: int) -> None:
+        pass
+
+
+def _router_like(call: dict[str, Any]) -> bool:
+    scores = call["input"]
+    dim = int(call.get("dim", -1))
+    return (scores.dim() >= 2 and dim in (-1, scores.dim() - 1) and scores.is_floating_point()
+            and 1 <= int(call["k"]) < scores.shape[-1] and bool(call.get("largest", True)))
+
+
 def _topk_arguments(args: tuple, kwargs: dict) -> dict[str, Any] | None:
     """topk's arguments by name (``input`` is the tensor for the method form too)."""
     named = dict(zip(_TOPK_PARAMETERS, args, strict=False)) | kwargs

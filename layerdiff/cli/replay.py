@@ -68,6 +68,11 @@ def replay_command(reference: str, port_spec: str, mapping: str | None, sites: t
            html_path=html_path)
 
 
+_force_routing_option = click.option(
+    "--force-routing", is_flag=True,
+    help="Mixture of experts: every swapped run's routers send each token to the experts the "
+         "pure reference chose, so experts are judged apart from routing (docs/moe.md).")
+
 _swap_baseline_option = click.option(
     "--baseline", type=click.Path(exists=True, dir_okay=False), metavar="TRACE",
     help="A trace of REF_CASE run the port's way (its dtype, autocast or device): each "
@@ -87,11 +92,12 @@ _swap_baseline_option = click.option(
 @tolerances_option
 @tolerance_flags
 @_swap_baseline_option
+@_force_routing_option
 @json_option
 def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
                  mapping: str | None, steps: int | None, into: str, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
-                 json_path: str | None) -> None:
+                 force_routing: bool, json_path: str | None) -> None:
     """Run REF_CASE with PORT_CASE's layers at --site in place; compare with the reference.
 
     Exit 0 when loss, outputs and weight gradients stay within tolerance, 1 when they do not
@@ -105,7 +111,8 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
                                           "baseline trace": baseline})
     result = swap(case_factory(reference_spec), case_factory(port_spec), sites,
                   mapping=mapping, steps=steps, into=into,
-                  tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline)
+                  tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
+                  force_routing=force_routing)
     finish(result, lambda: format_swap(result), json_path=json_path)
 
 
@@ -119,10 +126,11 @@ def swap_command(reference_spec: str, port_spec: str, sites: tuple[str, ...],
 @tolerances_option
 @tolerance_flags
 @_swap_baseline_option
+@_force_routing_option
 @json_option
 def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, granularity: str,
                    tolerances: str | None, rtol: float | None, atol: float | None,
-                   baseline: str | None, json_path: str | None) -> None:
+                   baseline: str | None, force_routing: bool, json_path: str | None) -> None:
     """Find the smallest set of PORT_CASE's layers whose swap into REF_CASE breaks it.
 
     Exit 0 only when the whole port swapped in keeps the reference within tolerance (nothing
@@ -136,7 +144,8 @@ def bisect_command(reference_spec: str, port_spec: str, mapping: str | None, gra
                                           "baseline trace": baseline})
     quiet = json_path == STDOUT
     swapper = Swapper(case_factory(reference_spec), case_factory(port_spec), mapping,
-                      tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline)
+                      tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
+                      force_routing=force_routing)
 
     def show(number: int, probe) -> None:
         if not quiet:

@@ -39,6 +39,7 @@ from layerdiff.capture.modules import (
     module_paths,
     named_modules,
 )
+from layerdiff.capture.routes import RouteForcer, RouteRecorder, StepsOf, describe
 from layerdiff.capture.run import run_case
 from layerdiff.case import ExternalCase, is_nnx_module
 from layerdiff.compare import judge
@@ -124,6 +125,7 @@ class SwapResult:
     suspects: list[str] = field(default_factory=list)
     # layer -> [(argument, why)]: the caller's arguments the layer did not take
     dropped: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    routing: str = ""  # --force-routing: what forcing the reference's routes changed
 
     @property
     def not_taken(self) -> dict[str, list[tuple[str, str]]]:
@@ -176,7 +178,8 @@ class SwapResult:
                 "losses": self.losses, "breaks": self.breaks, "ratio": _finite(self.ratio),
                 "not_swapped": self.not_swapped, "raised": self.raised,
                 "suspects": self.suspects,
-                "dropped": self.dropped, "rows": [r.as_json() for r in self.rows]}
+                "dropped": self.dropped, "routing": self.routing,
+                "rows": [r.as_json() for r in self.rows]}
 
 
 def _finite(value: float) -> float | str | None:
@@ -193,7 +196,7 @@ class Swapper:
     def __init__(self, reference: Any, port: Any, mapping: str | os.PathLike | Mapping | None
                  = None, *, tolerances: Tolerances | None = None,
                  baseline: str | os.PathLike | None = None,
-                 baseline_factor: float = FACTOR) -> None:
+                 baseline_factor: float = FACTOR, force_routing: bool = False) -> None:
         # every run trains its models, so each gets a fresh case (a copy of a given Case)
         self.make_reference = reference if callable(reference) else (
             lambda: copy.deepcopy(reference))
@@ -203,6 +206,11 @@ class Swapper:
         self.tolerances = tolerances or Tolerances()
         self.baseline_path = None if baseline is None else Path(baseline)
         self.baseline_factor = baseline_factor
+        # mixture of experts: every swapped run takes the pure reference's routes (its
+        # router-like top-k calls, per step in call order), so a swapped layer's experts are
+        # judged apart from routing
+        self.force_routing = force_routing
+        self._routes: dict[int, dict[int, list[Any]]] = {}  # steps -> the pure run's routes
         self._baseline_judges: dict[int, Baseline] = {}
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
@@ -301,8 +309,17 @@ class Swapper:
             else:
                 result.raised = why
             return result
+        forcer = (RouteForcer(self._routes[steps], "the reference's own run")
+                  if self.force_routing else None)
         try:
-            host_run = run_case(host, steps=steps)
+            with forcer if forcer is not None else contextlib.nullcontext():
+                host_run = run_case(host, steps=steps,
+                                    observer=StepsOf(forcer) if forcer is not None else None)
+            if forcer is not None:
+                for step in range(steps):
+                    forcer.check_taken(step, f"the run with {swapped[0][1]} swapped in"
+                                       + (" (and more)" if len(swapped) > 1 else ""))
+                result.routing = describe(forcer.forced())
         except Exception as exc:  # nothing ran to the end to judge: the swap cannot judge
             blamed = _blamed(exc)
             fewer = [adapter.host_name for _, adapter in adapters if _returned_fewer(adapter)]
@@ -528,7 +545,13 @@ class Swapper:
         """The pure reference, run once per number of steps (every probe compares with it)."""
         if steps not in self._runs:
             case = self.make_reference()
-            self._runs[steps] = (case, run_case(case, steps=steps))
+            recorder = RouteRecorder() if self.force_routing else None
+            with recorder if recorder is not None else contextlib.nullcontext():
+                self._runs[steps] = (case, run_case(
+                    case, steps=steps,
+                    observer=StepsOf(recorder) if recorder is not None else None))
+            if recorder is not None:
+                self._routes[steps] = recorder.routes
         return self._runs[steps]
 
     def _baseline_judge(self, steps: int) -> Baseline | None:
@@ -575,15 +598,17 @@ def swap(reference: Any, port: Any, sites: Sequence[str], *,
          mapping: str | os.PathLike | Mapping | None = None, steps: int | None = None,
          into: SwapDirection | str = SwapDirection.REFERENCE,
          tolerances: Tolerances | None = None,
-         baseline: str | os.PathLike | None = None) -> SwapResult:
+         baseline: str | os.PathLike | None = None, force_routing: bool = False) -> SwapResult:
     """Run ``reference`` (a Case, or a function making one) with the port's layers at
     ``sites`` in place (``into="port"``: the reference's layers in the port instead) and
     compare loss, outputs, weight gradients and weights after the steps with the pure reference.
     ``into``: a :class:`SwapDirection` or its value. Cases are built afresh for each run when
     given as functions (recommended: a run trains).
-    ``tolerances`` (see :meth:`Tolerances.build`) and ``baseline`` judge the comparisons."""
-    return Swapper(reference, port, mapping, tolerances=tolerances,
-                   baseline=baseline).run(sites, steps=steps, into=into)
+    ``tolerances`` (see :meth:`Tolerances.build`) and ``baseline`` judge the comparisons.
+    ``force_routing``: the swapped run's router-like top-k calls take the pure reference's
+    routes (mixture of experts: experts judged apart from routing)."""
+    return Swapper(reference, port, mapping, tolerances=tolerances, baseline=baseline,
+                   force_routing=force_routing).run(sites, steps=steps, into=into)
 
 
 def _observe(case: Any) -> tuple[list[str], dict[str, Any], dict[str, dict[str, tuple]],

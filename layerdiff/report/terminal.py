@@ -404,7 +404,8 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
         lines += _origin_details(result.origin, width)
     lines += ["", f"replayed {len(result.replayed)} sites of {result.diff.reference}"]
     lines += [line for note in result.notes
-              for line in textwrap.wrap(note, width, initial_indent="  ", subsequent_indent="    ")]
+              for line in textwrap.wrap(note, width, initial_indent="  ", subsequent_indent="    ",
+                                        break_on_hyphens=False)]
     dropped = [(site, ", ".join(f"{arg} ({why})" for arg, why in args))
                for site, args in result.dropped.items()]
     for label, entries in (("cannot judge", unjudged), ("skipped", result.skipped),
@@ -440,6 +441,8 @@ def format_swap(result, width: int = WIDTH) -> str:
     for layer, dropped in result.dropped.items():
         said = ", ".join(f"{arg} ({why})" for arg, why in dropped)
         lines += _reason(f"not taken by the swapped-in layer at {layer}: {said}", width)
+    if result.routing:
+        lines += _reason(f"--force-routing (the reference's routes): {result.routing}", width)
     if result.losses:
         lines += ["", "step  reference loss   swapped loss"]
         for step, (a, b) in enumerate(result.losses):
@@ -514,4 +517,5 @@ def format_bisect(result, width: int = WIDTH) -> str:
 
 def _reason(text: str, width: int) -> list[str]:
     """A why, whole: it says what to do, so it is wrapped, not clipped."""
-    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ")
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ",
+                         break_on_hyphens=False)
