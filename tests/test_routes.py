@@ -181,3 +181,34 @@ def test_the_commands_take_force_routing_and_say_what_it_did(run, tmp_path):
     assert f"--force-routing: {plain} records no router whose routes can be read" in \
         refused.output
     assert "Traceback" not in refused.output
+
+
+def _renormalised(probs):
+    values, chosen = torch.topk(probs, K, dim=-1)
+    return values / values.sum(-1, keepdim=True), chosen
+
+
+@pytest.mark.parametrize(("reference_choice", "port_choice", "said"), [
+    (_renormalised, None, "times the sum of its top-2 router probabilities"),
+    (None, _renormalised, "divided by the sum of its top-2 router probabilities"),
+])
+def test_routing_weights_normalised_otherwise_are_named_with_the_routers_numbers(
+        tmp_path, reference_choice, port_choice, said):
+    reference = capture(_case(reference_choice, "ref"), tmp_path / "ref.h5")
+    port = capture_port(_case(port_choice, "port"), tmp_path / "port.h5",
+                        weights_from=reference, progress=False)
+    result = diff(reference, port)
+    assert not result and result.origin.site == "<root>#0"
+    assert result.origin.hint["kind"] == "routing-weights"
+    assert said in result.origin.hint["evidence"]
+    assert "every element is within tolerance" in result.origin.hint["evidence"]
+
+
+def test_a_wrong_expert_is_not_taken_for_routing_weights(tmp_path):
+    reference = capture(_case(), tmp_path / "ref.h5")
+    case = _case(name="wrong_expert")
+    with torch.no_grad():
+        case.model.experts.w[2] *= 1.5
+    result = diff(reference, capture(case, tmp_path / "port.h5"))
+    assert not result
+    assert all((o.hint or {}).get("kind") != "routing-weights" for o in result.origins)

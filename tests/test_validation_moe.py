@@ -98,6 +98,10 @@ def test_each_planted_bug_is_named_at_its_site_and_pass(traces, bug, site, pass_
         # zero on both sides is no mask's boundary
         assert result.origin.hint is None or result.origin.hint["kind"] != "mask", \
             result.origin.hint
+    if bug == "port_bug_renorm":  # the cause, matched to the router's probabilities per token
+        assert result.origin.hint["kind"] == "routing-weights", result.origin.hint
+        assert "does not renormalise its top-2 routing weights" in \
+            result.origin.hint["evidence"]
 
 
 def test_experts_whose_output_shape_no_rule_relates_say_so_not_not_finite(traces, tmp_path):

@@ -45,7 +45,12 @@ from layerdiff.compare.rank_parts import (
 from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
-from layerdiff.compare.routing import explain_origins, judge_decisions, routing_report
+from layerdiff.compare.routing import (
+    explain_origins,
+    explain_weighting,
+    judge_decisions,
+    routing_report,
+)
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.shapes import reshape_note, same_order
 from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
@@ -228,6 +233,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     # an origin whose worst element a flip explains (and whether the flip explains all of it)
     explain_origins(origins, routers, ref, reader, ["layerdiff", "diff", str(ref.path),
                     str(port.path), *diff_options(mapping, tolerances)])
+    explain_weighting(origins, routers, ref, reader)
     meta = {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"

@@ -32,6 +32,7 @@ class Kind(StrEnum):
     ROTARY = "rotary"                # q/k rotated otherwise: pair layout, sign, frequency base
     ACTIVATION = "activation"        # another activation function (silu for gelu, ...)
     WEIGHT_OFFSET = "weight-offset"  # a norm's weight used as w where it is (1 + w), or back
+    ROUTING_WEIGHTS = "routing-weights"  # MoE top-k weights normalised otherwise (per token)
 
 
 @dataclass(frozen=True)
