@@ -107,7 +107,9 @@ def test_without_a_port_signature_everything_else_passes_as_recorded():  # (b)
 def test_a_keyword_that_names_a_port_parameter_binds_to_it():  # (c)
     bound = bind_call([("mask", 2), ("0", 1)], PORT)
     assert call_of(bound, attention) == (1, 2)
-    assert bound.call() == ((1, 2), {})  # filled in order up to the last: by position
+    # passed by its name, it stays a keyword: a decorated forward (HF 5.x) that takes some
+    # arguments from the keywords gets them twice if they come by position too
+    assert bound.call() == ((1,), {"mask": 2})
     # a keyword that names a positional parameter takes it; the positional argument moves on
     bound = bind_call([("0", 7), ("x", 1)], PORT)
     assert call_of(bound, attention) == (1, 7)
@@ -231,7 +233,7 @@ def test_the_call_goes_by_position_up_to_a_gap_then_by_keyword():  # (h)
     def gapped(a, b=0, c=0, *, d=0):
         return a, b, c, d
 
-    bound = bind_call([("a", 1), ("c", 3), ("d", 4)], Signature.of(gapped))
+    bound = bind_call([("0", 1), ("c", 3), ("d", 4)], Signature.of(gapped))
     assert bound.call() == ((1,), {"c": 3, "d": 4})
     assert call_of(bound, gapped) == (1, 0, 3, 4)
 

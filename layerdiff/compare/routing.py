@@ -131,6 +131,15 @@ def _why(ref: np.ndarray, port: np.ndarray, dropped: int, added: int,
     if port[dropped] == port[added]:
         return (f"the port's router scores tie in {dtype} ({port[dropped]:.6g} = "
                 f"{port[added]:.6g}) where the reference's differ by {ref_gap:.2g}", dtype)
+    if ref_gap < 0:  # the reference did not take the top k of the scores it records
+        if np.array_equal(port, ref):
+            return (f"both routers record the same scores for it, expert {added} above "
+                    f"{dropped} by {-ref_gap:.2g}, and choose otherwise: the choice rests on more "
+                    "than these scores (a selection-only bias, group limits) and that differs; "
+                    "compare the routers' weights and buffers", "")
+        return (f"the reference's recorded scores rank expert {added} above {dropped} by "
+                f"{-ref_gap:.2g}, yet it chose {dropped}: the routers choose from more than the "
+                "scores they record (a selection-only bias, group limits)", "")
     if port[dropped] > port[added]:  # the port's own scores rank them as the reference does:
         # it chose from a rounded copy; find the precision in which they tie
         probs, ref_probs = _softmax(port), _softmax(ref)

@@ -28,8 +28,11 @@ g. A port parameter without a default that nothing fills makes the call impossib
    sentence names every such parameter, the reference's arguments with their shapes, and the
    call adapter (``call = "your_module:adapter"`` on the mapping's site rule) to write.
 h. The call is built in the port's parameter order: positional parameters are passed by
-   position up to the first one left unfilled, and by keyword after it (a positional-only one
-   after such a gap refuses the call); ``*args`` extras follow the last positional argument.
+   position up to the first one left unfilled or that the reference passed by its own name
+   (kept a keyword: HF's decorated forwards take ``use_cache`` from the keywords and pass it on
+   by name, "got multiple values" when it came by position too), and by keyword after it (a
+   positional-only one after such a gap refuses the call); ``*args`` extras follow the last
+   positional argument, and then every filled parameter before them goes by position.
 
 An argument capture kept only as a repr (:class:`~layerdiff.trace.arguments.NotPlainData`,
 a ``DynamicCache``) can be left out (f), never passed: bound to a parameter it refuses the
@@ -271,6 +274,12 @@ class _Binder:
             head = self.bound.get(param.name)
             if head is None:
                 gap = True   # later ones can no longer go by position
+            elif head == param.name and param.kind != "positional_only" and not self.extras:
+                # the reference passed it by this name: so does the port's call (HF's
+                # decorated forwards read use_cache from the keywords and pass it on by name,
+                # "got multiple values" when it also came by position); later ones follow
+                renamed[head] = param.name
+                gap = True
             elif not gap:
                 renamed[head] = str(position)
                 position += 1

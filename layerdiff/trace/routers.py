@@ -90,14 +90,18 @@ def scores_row(trace: Trace, step: int, site: str) -> pd.Series | None:
 
 AGREE = 0.9  # the share of tokens whose recorded choice must be the top k of the scores
 
-
-
 def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
     """k when ``site`` is a router: its scores beside a recorded (T, k) choice (see
     :func:`_decision_rows`) that is the top k of those scores for at least AGREE of the tokens
     (not all: a router that chooses in a lower precision than it records may differ from its
     recorded scores on near-ties). The check on the values keeps out a block that merely holds
-    a router (its output's top k are no experts) and any (T, k) integers that happen to fit."""
+    a router (its output's top k are no experts) and any (T, k) integers that happen to fit.
+
+    A group-limited router with a selection-only bias (DeepSeek-V3: the top k within the best
+    groups of sigmoid scores plus a bias) takes the global top k for a third to three quarters
+    of the tokens only, yet chooses among each token's highest scores: it is one when every
+    chosen expert ranks in the upper half of its token's scores for AGREE of them (integers
+    that merely fit do so for about half)."""
     row = scores_row(trace, step, site)
     if row is None:
         return None
@@ -109,6 +113,9 @@ def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
                          axis=-1)
         top = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :k], axis=-1)
         if (top == chosen).all(axis=-1).mean() >= AGREE:
+            return k
+        ranks = np.argsort(np.argsort(-scores, axis=-1, kind="stable"), axis=-1)
+        if (np.take_along_axis(ranks, chosen, axis=-1) < scores.shape[-1] / 2).mean() >= AGREE:
             return k
     return None
 
