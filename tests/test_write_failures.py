@@ -203,7 +203,8 @@ def test_ctrl_c_at_any_stage_ends_the_capture_and_publishes_only_complete(tmp_pa
         assert result.returncode != 0 and Path(f"{target}.partial").exists()
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3, 0.5, 0.8, 1.2, 1.8])
+# from the file's creation to the end, sampled: each stage is also hit on purpose above
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.5, 1.2, 1.8])
 def test_ctrl_c_from_outside_at_any_moment_ends_the_process(tmp_path, delay):
     """As a user presses it: at delays from the file's creation to the end of the capture."""
     target = tmp_path / "t.h5"
