@@ -252,10 +252,7 @@ def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Tra
     which the baseline a tie calls for is added."""
     if not origins or not any(r.flips for r in reports):
         return
-    sites = ref.sites
-    keys = list(zip(sites["step"].astype(int), sites["site"], strict=True))
-    enter = dict(zip(keys, sites["enter_seq"].astype(int), strict=True))
-    leave = dict(zip(keys, sites["exit_seq"].astype(int), strict=True))
+    enter, leave = _spans(ref)
     for origin in origins:
         worst = _worst(origin)
         if worst is None:
@@ -285,10 +282,7 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
     this one is matched to the router's own numbers token by token."""
     if not origins or not reports or reader is None:
         return
-    sites = ref.sites
-    keys = list(zip(sites["step"].astype(int), sites["site"], strict=True))
-    enter = dict(zip(keys, sites["enter_seq"].astype(int), strict=True))
-    leave = dict(zip(keys, sites["exit_seq"].astype(int), strict=True))
+    enter, leave = _spans(ref)
     for origin in origins:
         if origin.routing or origin.pass_ != "forward" or origin.role != "output":
             continue
@@ -342,6 +336,14 @@ def _weighting(origin: Origin, report: RouterReport, ref: Trace, reader: Any) ->
             return (f"each token's output is the reference's {said}; with that factor every "
                     "element is within tolerance")
     return None
+
+
+def _spans(ref: Trace) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
+    """Each call's (step, site) -> its enter_seq, and -> its exit_seq."""
+    sites = ref.sites
+    keys = list(zip(sites["step"].astype(int), sites["site"], strict=True))
+    return (dict(zip(keys, sites["enter_seq"].astype(int), strict=True)),
+            dict(zip(keys, sites["exit_seq"].astype(int), strict=True)))
 
 
 def _lead(origin: Origin, report: RouterReport, flip: Flip, reader: Any,
