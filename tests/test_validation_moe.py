@@ -87,6 +87,8 @@ def test_the_faithful_port_passes_with_ops_captured_under_the_block_call_adapter
     ("port_bug_rope", "model.layers.0.self_attn#0", "forward"),
     ("port_bug_eps", "model.layers.1.input_layernorm#0", "forward"),
     ("port_bug_backward", "model.layers.0.post_attention_layernorm#0", "backward"),
+    ("port_bug_unweighted", "model.layers.1.mlp#0", "forward"),   # experts summed unweighted
+    ("port_bug_detached", "model.layers.1.mlp.gate#0", "backward"),  # the router never learns
 ])
 def test_each_planted_bug_is_named_at_its_site_and_pass(traces, bug, site, pass_):
     reference, port = traces
@@ -102,6 +104,13 @@ def test_each_planted_bug_is_named_at_its_site_and_pass(traces, bug, site, pass_
         assert result.origin.hint["kind"] == "routing-weights", result.origin.hint
         assert "does not renormalise its top-2 routing weights" in \
             result.origin.hint["evidence"]
+    if bug in ("port_bug_unweighted", "port_bug_detached"):  # told by the router's gradient
+        hint = result.origin.hint
+        assert hint["kind"] == "routing-weights", hint
+        assert "layers.1.block_sparse_moe.gate#0 gets no gradient" in hint["evidence"], hint
+    if bug == "port_bug_unweighted":  # ... and by the per-expert outputs' plain sum
+        assert "the plain sum of layers.1.block_sparse_moe.cond_ffn#0's top-2" in \
+            result.origin.hint["evidence"], result.origin.hint
 
 
 def test_experts_whose_output_shape_no_rule_relates_say_so_not_not_finite(traces, tmp_path):

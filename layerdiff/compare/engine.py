@@ -45,16 +45,12 @@ from layerdiff.compare.rank_parts import (
 from layerdiff.compare.reading import TensorRef, compare_tensors, stream_pairs, verify_tensors
 from layerdiff.compare.records import RecordPair, RecordPairing, pair_records, sliced_shape
 from layerdiff.compare.result import Column
-from layerdiff.compare.routing import (
-    explain_origins,
-    explain_weighting,
-    judge_decisions,
-    routing_report,
-)
+from layerdiff.compare.routing import explain_origins, judge_decisions, routing_report
 from layerdiff.compare.row_metrics import finish_row, new_metrics
 from layerdiff.compare.shapes import reshape_note, same_order
 from layerdiff.compare.suggest import diff_options, full_commands, ops_commands
 from layerdiff.compare.tolerances import Tolerance, Tolerances, looser_dtype
+from layerdiff.compare.weighting import explain_weighting
 from layerdiff.errors import DiffError
 from layerdiff.mapping import Mapping, is_code
 from layerdiff.outputs import replacing

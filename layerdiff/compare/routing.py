@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare.hints._common import Kind
 from layerdiff.compare.judge import UNCHANGED, Verdict, element_ratios
 from layerdiff.compare.pair import origin_row
 from layerdiff.compare.result import Column, Origin
@@ -252,7 +251,7 @@ def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Tra
     which the baseline a tie calls for is added."""
     if not origins or not any(r.flips for r in reports):
         return
-    enter, leave = _spans(ref)
+    enter, leave = call_spans(ref)
     for origin in origins:
         worst = _worst(origin)
         if worst is None:
@@ -273,72 +272,7 @@ def explain_origins(origins: list[Origin], reports: list[RouterReport], ref: Tra
                 break
 
 
-def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: Trace,
-                      reader: Any) -> None:
-    """An origin whose call holds a router and whose every token's output is the reference's
-    times that token's own factor, a factor the reference's router probabilities make (the sum
-    of its top-k, or one over it): the routing weights are normalised otherwise, named as the
-    hint with the numbers. Read for origins no flip explains; any other hint it replaces, since
-    this one is matched to the router's own numbers token by token."""
-    if not origins or not reports or reader is None:
-        return
-    enter, leave = _spans(ref)
-    for origin in origins:
-        if origin.routing or origin.pass_ != "forward" or origin.role != "output":
-            continue
-        key = (origin.step, origin.site)
-        for report in reports:
-            router = (report.step, report.site)
-            if report.step != origin.step or router not in enter or key not in enter \
-                    or not (enter[key] <= enter[router] and leave[router] <= leave[key]):
-                continue
-            evidence = _weighting(origin, report, ref, reader)
-            if evidence is not None:
-                origin.hint = {"kind": str(Kind.ROUTING_WEIGHTS), "evidence": evidence}
-                break
-
-
-def _weighting(origin: Origin, report: RouterReport, ref: Trace, reader: Any) -> str | None:
-    """The sentence when the port's output is, token by token, the reference's times the sum
-    of its top-k router probabilities (or divided by it); None otherwise."""
-    try:
-        ref_out, port_out = reader.read(origin_row(origin), compared=True)
-    except (LayerdiffError, OSError, ValueError):
-        return None
-    if ref_out.shape != port_out.shape or ref_out.size % report.tokens \
-            or not (ref_out.shape[0] == report.tokens or (
-                ref_out.ndim >= 2 and ref_out.shape[0] * ref_out.shape[1] == report.tokens)):
-        return None
-    side = read_side(ref, report.step, report.site, report.k)
-    if side is None:
-        return None
-    probs = side.scores
-    if not (np.all(probs >= 0) and np.allclose(probs.sum(-1), 1.0, atol=1e-3)):
-        probs = np.exp(probs - probs.max(-1, keepdims=True))  # logits: the router's softmax
-        probs /= probs.sum(-1, keepdims=True)
-    kept = np.take_along_axis(probs, side.chosen, axis=-1).sum(-1)  # (T,)
-    ref_rows = np.asarray(ref_out, np.float64).reshape(report.tokens, -1)
-    port_rows = np.asarray(port_out, np.float64).reshape(report.tokens, -1)
-    rtol, atol = float(origin.metrics.get("rtol") or 0), float(origin.metrics.get("atol") or 0)
-    span = f"{kept.min():.3g}–{kept.max():.3g} over the {report.tokens} tokens"
-    for factor, said in (
-            (kept, f"times the sum of its top-{report.k} router probabilities ({span}): the port "
-                   f"does not renormalise its top-{report.k} routing weights, which the "
-                   "reference divides by their sum"),
-            (1 / kept, f"divided by the sum of its top-{report.k} router probabilities "
-                       f"({span}): the port renormalises its top-{report.k} routing weights "
-                       "(or takes the softmax over the top k only) where the reference keeps "
-                       "the full softmax's")):
-        if np.allclose(factor, 1.0, rtol=0, atol=1e-6):
-            continue  # every token keeps all its probability: nothing to tell apart
-        model = ref_rows * factor[:, None]
-        if float(np.nanmax(element_ratios(model, port_rows, rtol, atol), initial=0.0)) <= 1.0:
-            return (f"each token's output is the reference's {said}; with that factor every "
-                    "element is within tolerance")
-    return None
-
-
-def _spans(ref: Trace) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
+def call_spans(ref: Trace) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
     """Each call's (step, site) -> its enter_seq, and -> its exit_seq."""
     sites = ref.sites
     keys = list(zip(sites["step"].astype(int), sites["site"], strict=True))

@@ -163,6 +163,38 @@ def port_bug_renorm() -> Case:
     return _case(model, "port_bug_renorm")
 
 
+def port_bug_unweighted() -> Case:
+    model = _port_model()
+    moe = model.layers[1].block_sparse_moe
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, self.dim)
+        weights = F.softmax(self.gate(x), dim=-1)
+        weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
+        # BUG: the chosen experts' outputs are summed without their routing weights
+        return self.cond_ffn(x, indices).sum(dim=1).view(shape)
+
+    moe.forward = types.MethodType(forward, moe)
+    return _case(model, "port_bug_unweighted")
+
+
+def port_bug_detached() -> Case:
+    model = _port_model()
+    moe = model.layers[1].block_sparse_moe
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, self.dim)
+        weights = F.softmax(self.gate(x), dim=-1)
+        weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).detach()  # BUG: router unlearned
+        return torch.einsum("tai,ta -> ti", self.cond_ffn(x, indices), weights).view(shape)
+
+    moe.forward = types.MethodType(forward, moe)
+    return _case(model, "port_bug_detached")
+
+
 def port_bug_rope() -> Case:
     model = _port_model()
     attention = model.layers[0].attention
