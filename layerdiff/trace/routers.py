@@ -6,7 +6,9 @@ k = 2``) or detected: a site whose float output 0 is (..., E) with, beside it, a
 (T, k), k < E, T the number of score rows and every value in [0, E): the top-k indices, recorded
 as the router's own output or as an input of a sibling site (HF passes ``top_k_index`` to its
 experts, gpt-fast ``expert_indices`` to its ``cond_ffn``), and which is the top k of those scores
-for most tokens. Only (T, k): a 1-D integer tensor beside a classifier's logits is its labels.
+for most tokens. An argmax router's one expert per token may be (T,) or (B, S). A tensor the
+model was fed (a classifier's labels beside its logits, which a trained classifier predicts) is
+data, never a choice: its digest is that of one of the root's inputs.
 A run's decision is that recorded index tensor when there is one (the choice the model actually
 took, in whatever precision it chose), else the top k of its recorded scores.
 
@@ -43,7 +45,7 @@ def routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
     index = ref.index
     ints = index[(index["pass"] == "forward") & (index["kind"] == "tensor")
                  & (index["segment"] >= 0) & index["dtype"].astype(str).str.startswith(
-                     ("int", "uint")) & (index["shape"].astype(str).str.count(",") == 1)]
+                     ("int", "uint")) & (index["shape"].astype(str).str.count(",") <= 1)]
     parent = dict(zip(zip(sites["step"].astype(int), sites["site"], strict=True),
                       sites["parent"], strict=True))
     outputs = index[(index["pass"] == "forward") & (index["role"] == "output")
@@ -55,7 +57,8 @@ def routers(ref: Trace, mapping: Mapping) -> list[tuple[int, str, int]]:
         """Scores whose rows are the integer tensor's tokens, over more experts than it
         takes: checked on the index alone, before any read."""
         shape = shapes.get((step, candidate), ())
-        return len(shape) >= 2 and math.prod(shape[:-1]) == dims[0] and dims[1] < shape[-1]
+        return len(shape) >= 2 and choice_width(dims, math.prod(shape[:-1])) in range(
+            1, shape[-1])
 
     for step, site, role, text in {(int(a), str(b), str(c), str(d)) for a, b, c, d in
                                    ints[["step", "site", "role", "shape"]].itertuples(
@@ -106,7 +109,8 @@ def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
     if row is None:
         return None
     for found in decision_rows(trace, step, site, parent, row):
-        k = schema.parse_shape(found["shape"])[-1]
+        scores_shape = schema.parse_shape(row["shape"])
+        k = choice_width(schema.parse_shape(found["shape"]), math.prod(scores_shape[:-1]))
         scores = np.asarray(trace.read(row, compared=True), dtype=np.float64)
         scores = scores.reshape(-1, scores.shape[-1])
         chosen = np.sort(np.asarray(trace.read(found, compared=True)).reshape(len(scores), k),
@@ -121,12 +125,24 @@ def _detected_k(trace: Trace, step: int, site: str, parent: str) -> int | None:
 
 
 
+def choice_width(dims: tuple[int, ...], tokens: int) -> int:
+    """k of a recorded choice of shape ``dims`` for ``tokens`` score rows: (T, k), or one expert
+    per token as an argmax gives it, (T,) or (B, S) with B*S = T; 0 when it is neither."""
+    if len(dims) == 2 and dims[0] == tokens:
+        return dims[1]
+    if 1 <= len(dims) <= 2 and math.prod(dims) == tokens:
+        return 1
+    return 0
+
+
 def decision_rows(trace: Trace, step: int, site: str, parent: str,
                    scores: pd.Series, k: int | None = None) -> list[pd.Series]:
     """The recorded top-k indices of ``site``'s scores: an integer (T, k) tensor, k < E, values
     in [0, E), that the router or an op inside it (--ops) returns, or that a sibling (same
-    parent call: the experts) takes. Not a sibling's output nor the router's own input: a site
-    that takes or a sibling that returns expert numbers is no router of them."""
+    parent call: the experts) takes; an argmax's one expert per token may be (T,) or (B, S).
+    Not a sibling's output nor the router's own input: a site that takes or a sibling that
+    returns expert numbers is no router of them. Not the model's own input either: labels fed
+    in beside a classifier's logits are data, no decision of the model."""
     shape = schema.parse_shape(scores["shape"])
     experts, tokens = shape[-1], math.prod(shape[:-1])
     sites = trace.sites
@@ -138,18 +154,16 @@ def decision_rows(trace: Trace, step: int, site: str, parent: str,
                        & (index["kind"] == "tensor") & (index["segment"] >= 0)
                        & ((index["site"].isin(returns) & (index["role"] == "output"))
                           | (index["site"].isin(takes) & (index["role"] == "input")))]
+    fed = set(index.loc[(index["step"] == step) & (index["role"] == "input")
+                        & (index["site"] == schema.ROOT_MODULE + "#0"), "digest"])
     found = []
     for _, row in candidates.iterrows():
-        dims = schema.parse_shape(row["shape"])
-        # (T, k) only: a 1-D integer tensor beside a classifier's logits is its labels
-        if not str(row["dtype"]).startswith(("int", "uint")) or len(dims) != 2:
+        if not str(row["dtype"]).startswith(("int", "uint")):
             continue
-        width = dims[-1]
-        if dims[0] != tokens:
-            continue
+        width = choice_width(schema.parse_shape(row["shape"]), tokens)
         if not 1 <= width < experts or (k is not None and width != k):
             continue
-        if not (row["min"] >= 0 and row["max"] < experts):
+        if not (row["min"] >= 0 and row["max"] < experts) or row["digest"] in fed:
             continue
         found.append(row)
     return found
