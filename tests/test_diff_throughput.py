@@ -236,17 +236,18 @@ def test_mapped_windows_and_plain_reads_give_the_same_rows(pair, monkeypatch):
     two chunks, and with nothing mapped (every byte read by preadv), every column of every
     row is the same."""
     from layerdiff.compare import reading
+    from layerdiff.trace import direct
     ref, port = pair
     mapped = diff(ref, port).rows
     for window in (1, 2):
         monkeypatch.setattr(reading, "WINDOW_CHUNKS", window)
         _all_columns_equal(mapped, diff(ref, port).rows)
-    monkeypatch.setattr(reading.DirectReader, "mapped", lambda *args: None)
+    monkeypatch.setattr(direct.DirectReader, "mapped", lambda *args: None)
     _all_columns_equal(mapped, diff(ref, port).rows)
 
 
 def test_a_mapped_range_is_the_bytes_a_read_gives_and_out_of_range_is_not_mapped(pair):
-    from layerdiff.compare.reading import DirectReader
+    from layerdiff.trace.direct import DirectReader
     with open_trace(pair[0]) as trace:
         row = trace.index[trace.index["numel"] == 1 << 20].iloc[0]
         reader = DirectReader(trace.segments())

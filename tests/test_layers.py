@@ -35,3 +35,14 @@ def test_the_checks_see_a_planted_upward_arrow_and_loop():
              "layerdiff.compare.b": {"layerdiff.compare.a"}}
     assert graph.upward(edges) == [("layerdiff.trace.reader", "layerdiff.report.text")]
     assert graph.cycles(edges) == [["layerdiff.compare.a", "layerdiff.compare.b"]]
+
+
+def test_a_traces_bytes_are_read_past_h5py_only_in_trace():
+    """preadv and mmap on a trace's file live in layerdiff/trace/ (direct.py): one reader with
+    the fast paths, which the diff and the browser use."""
+    package = SCRIPT.parents[1] / "layerdiff"
+    outside = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if path.parent.name != "trace" and path.parent != package / "trace"
+                     and any(word in path.read_text(encoding="utf-8")
+                             for word in ("os.preadv(", "mmap.mmap(")))
+    assert outside == []

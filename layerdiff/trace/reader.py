@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,30 @@ class Trace:
         check_sites(sites, str(self.path))
         make_visible(sites, ("site", "module", "type", "parent"))
         return sites
+
+    # Read-only mapping access, as h5py's Group is a Mapping: trace[site] -> that site's
+    # records (every step), in recording order. Length and truthiness are not defined here, so
+    # an opened trace is never falsy whatever it holds.
+    def __getitem__(self, site: str) -> pd.DataFrame:
+        rows = self.records(site=site)
+        if rows.empty:
+            raise KeyError(f"{self.path} records no site {site!r} (its sites: "
+                           f"{', '.join(self.sites['site'].unique()[:3])}, ...)")
+        return rows
+
+    def __contains__(self, site: object) -> bool:
+        return bool((self.index["site"] == site).any())
+
+    def __iter__(self) -> Iterator[str]:
+        """Every site that holds records, once, in the order they were first recorded."""
+        return iter(self.index["site"].drop_duplicates().tolist())
+
+    def keys(self) -> list[str]:
+        return list(self)
+
+    def items(self) -> Iterator[tuple[str, pd.DataFrame]]:
+        for site, rows in self.index.groupby("site", sort=False):
+            yield str(site), rows
 
     def records(self, step: int | None = None, site: str | None = None,
                 role: str | None = None, *, pass_: str | None = None,
