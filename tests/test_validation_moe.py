@@ -193,3 +193,18 @@ def test_diverge_keeps_the_data_an_output_conversion_takes():
     assert {"layers.0.block_sparse_moe.cond_ffn", "layers.1.block_sparse_moe.cond_ffn"} <= \
         plan.port
     assert "output conversion tests.validation.moe_cases:weighted_sum" in plan.note
+
+
+def test_experts_that_ignore_the_weights_they_are_passed_are_named_by_the_routers_gradient(
+        traces, tmp_path):
+    """HF weights inside its experts (they take top_k_weights): experts that drop them are the
+    origin, and the router that then gets no gradient is the cause."""
+    reference, _ = traces
+    port = capture_port(cases.reference_experts_unweighted(), tmp_path / "port.h5",
+                        weights_from=reference, progress=False)
+    result = diff(reference, port)
+    assert (result.origin.site, result.origin.pass_) == ("model.layers.1.mlp.experts#0",
+                                                         "forward")
+    assert result.origin.hint["kind"] == "routing-weights", result.origin.hint
+    assert "router model.layers.1.mlp.gate#0 gets no gradient" in \
+        result.origin.hint["evidence"], result.origin.hint

@@ -36,7 +36,8 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
                       reader: Any) -> None:
     """Name the routing weights as the cause at an origin they explain (``origin.hint``).
 
-    Forward, at an origin whose call holds a router: the port's output is the reference's times
+    Forward, at an origin whose call holds a router, or that takes the router's choice (HF's
+    experts, which weight their outputs themselves): the port's output is the reference's times
     a per-token factor its router probabilities make, or the port's router gets no gradient
     (unweighted). Backward, at the router itself: its gradient is missing in the port.
     Read for origins no flip explains; any other hint it replaces, since this one is matched to
@@ -55,13 +56,19 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
             evidence = None
             if origin.pass_ == "backward" and origin.site == report.site:
                 evidence = _detached(origin, report, ref, reader.port)
-            elif origin.pass_ == "forward" and origin.role == "output" \
-                    and enter[key] <= enter[router] and leave[router] <= leave[key]:
+            elif origin.pass_ == "forward" and origin.role == "output" and (
+                    (enter[key] <= enter[router] and leave[router] <= leave[key])
+                    or _takes_the_choice(origin.site, report)):
                 evidence = _weighting(origin, report, ref, reader) \
                     or _unweighted(origin, report, ref, reader)
             if evidence is not None:
                 origin.hint = {"kind": str(Kind.ROUTING_WEIGHTS), "evidence": evidence}
                 break
+
+
+def _takes_the_choice(site: str, report: RouterReport) -> bool:
+    """Whether ``site`` takes the router's recorded choice as an input (the experts)."""
+    return any(record[0] == site and record[1] == "input" for record in report.records)
 
 
 def _weighting(origin: Origin, report: RouterReport, ref: Trace, reader: Any) -> str | None:

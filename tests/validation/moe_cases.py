@@ -15,6 +15,7 @@ here, one place each, without editing either model file:
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -193,6 +194,20 @@ def port_bug_detached() -> Case:
 
     moe.forward = types.MethodType(forward, moe)
     return _case(model, "port_bug_detached")
+
+
+def reference_experts_unweighted() -> Case:
+    """The reference whose layer-1 experts ignore the routing weights HF passes them (a port
+    that weights inside its experts, as HF does, and forgot to)."""
+    case = reference()
+    experts = case.model.model.layers[1].mlp.experts
+    unweighted = experts.forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return unweighted(hidden_states, top_k_index, torch.ones_like(top_k_weights))  # BUG
+
+    experts.forward = types.MethodType(forward, experts)
+    return dataclasses.replace(case, name="tests.validation.moe_cases:reference_experts_unweighted")
 
 
 def port_bug_rope() -> Case:
