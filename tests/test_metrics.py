@@ -297,3 +297,16 @@ def test_values_near_the_largest_float_give_no_warning_and_no_cosine():
         result = metrics.result(ref.shape)
     assert math.isnan(result["cosine"])
     assert result["ratio"] > 1 and result["worst_index"] == "0"
+
+
+def test_a_zero_reference_under_a_zero_atol_gives_no_warning():
+    """An exact tolerance (atol 0, as for a record compared bit for bit) over a reference
+    element that is 0 makes its relative error inf, never a numpy overflow warning printed to
+    the user (seen on a DeepSeek-V3 router's weights)."""
+    ref, port = np.array([0.0, 1.0, 2.0]), np.array([5.0, 1.0, 2.0])  # 5 / tiny overflows
+    metrics = PairMetrics(0.0, 0.0, ref.size, 0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        metrics.update(ref, port, 0)
+        result = metrics.result(ref.shape)
+    assert result["max_rel"] == math.inf and result["worst_index"] == "0"

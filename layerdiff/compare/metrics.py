@@ -181,7 +181,7 @@ class PairMetrics:
         ratio = judge.ratios(diff, magnitude, self.rtol, self.atol, work.take("ratio", n),
                              all_finite=all_finite)
         rel = work.take("rel", n)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # x / tiny: inf
             np.maximum(magnitude, self.atol or np.finfo(np.float64).tiny, out=rel)
             np.divide(diff, rel, out=rel)
         if not all_finite:
