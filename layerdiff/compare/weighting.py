@@ -36,10 +36,11 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
                       reader: Any) -> None:
     """Name the routing weights as the cause at an origin they explain (``origin.hint``).
 
-    Forward, at an origin whose call holds a router, or that takes the router's choice (HF's
-    experts, which weight their outputs themselves): the port's output is the reference's times
-    a per-token factor its router probabilities make, or the port's router gets no gradient
-    (unweighted). Backward, at the router itself: its gradient is missing in the port.
+    Forward, at the router's own weights output: the port's are the reference's times one
+    factor per token (normalised otherwise). Forward, at an origin whose call holds a router or
+    takes its choice (HF's experts, which weight their outputs themselves): the port's output is
+    the reference's times a per-token factor its router probabilities make, or the port's
+    router gets no gradient (unweighted). Backward, at the router itself: its gradient is missing in the port.
     Read for origins no flip explains; any other hint it replaces, since this one is matched to
     the router's own numbers."""
     if not origins or not reports or reader is None:
@@ -56,6 +57,8 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
             evidence = None
             if origin.pass_ == "backward" and origin.site == report.site:
                 evidence = _detached(origin, report, ref, reader.port)
+            elif origin.pass_ == "forward" and origin.site == report.site:
+                evidence = _proportional(origin, report, reader)
             elif origin.pass_ == "forward" and origin.role == "output" and (
                     (enter[key] <= enter[router] and leave[router] <= leave[key])
                     or _takes_the_choice(origin.site, report)):
@@ -103,6 +106,41 @@ def _weighting(origin: Origin, report: RouterReport, ref: Trace, reader: Any) ->
             return (f"each token's output is the reference's {said}; with that factor every "
                     "element is within tolerance")
     return None
+
+
+def _proportional(origin: Origin, report: RouterReport, reader: Any) -> str | None:
+    """At a router whose output is the chosen experts' weights (T, k): the sentence when the
+    port's are the reference's times one factor per token, not all 1 (the same experts in the
+    same proportions, normalised otherwise), with what each side's weights sum to."""
+    if origin.role != "output":
+        return None
+    try:
+        ref_w, port_w = reader.read(origin_row(origin), compared=True)
+    except (LayerdiffError, OSError, ValueError):
+        return None
+    if ref_w.shape != port_w.shape or ref_w.size != report.tokens * report.k \
+            or ref_w.shape[-1] != report.k or "float" not in str(ref_w.dtype):
+        return None
+    ref_rows = np.asarray(ref_w, np.float64).reshape(report.tokens, report.k)
+    port_rows = np.asarray(port_w, np.float64).reshape(report.tokens, report.k)
+    with np.errstate(all="ignore"):
+        factor = (ref_rows * port_rows).sum(-1) / (ref_rows * ref_rows).sum(-1)
+    if not np.all(np.isfinite(factor)) or np.allclose(factor, 1.0, rtol=0, atol=1e-6):
+        return None
+    rtol, atol = _tolerance(origin)
+    model = ref_rows * factor[:, None]
+    if float(np.nanmax(element_ratios(model, port_rows, rtol, atol), initial=0.0)) > 1.0:
+        return None
+    return (f"each token's top-{report.k} routing weights are the reference's times one factor "
+            f"per token ({_span(factor)} over the {report.tokens} tokens): the same experts "
+            "weighted in the same proportions, normalised otherwise (a renormalisation of the "
+            "top k added or left out, or another scale); the reference's weights sum to "
+            f"{_span(ref_rows.sum(-1))} per token, the port's to {_span(port_rows.sum(-1))}")
+
+
+def _span(values: np.ndarray) -> str:
+    low, high = float(values.min()), float(values.max())
+    return f"{low:.3g}" if f"{low:.3g}" == f"{high:.3g}" else f"{low:.3g}–{high:.3g}"
 
 
 def _unweighted(origin: Origin, report: RouterReport, ref: Trace, reader: Any) -> str | None:
