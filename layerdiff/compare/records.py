@@ -5,6 +5,7 @@ weights and weight gradients follow the parameter mapping."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
@@ -100,154 +101,190 @@ def pair_records(ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteM
     :mod:`layerdiff.compare.adapted`; the output an output conversion gives (reference site
     -> conversion, ``output_conversions``), its gradient and the port outputs it takes, to
     :mod:`layerdiff.compare.outconv`."""
-    result = RecordPairing([], [])
-    by_ref = sites.by_reference()
-    port_keys = {key: pos for pos, key in enumerate(zip(
-        port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
-        strict=True))}
-    used_port: set[int] = set()
-    calls = _Calls(ref_index, port_index)
-    arguments: dict[str, ArgumentPairing] = {}
-    outputs: dict[str, dict[str, str]] = {}
-    adapted = {pair.reference for pair in sites.pairs
-               if mapping.call_adapter(pair.reference) is not None}
-    result.adapted = [pair for pair in sites.pairs if pair.reference in adapted]
-    conversions = output_conversions or {}
-    result.output_converted = [(pair, conversions[pair.reference]) for pair in sites.pairs
-                               if pair.reference in conversions]
-
-    graded = ref_index[ref_index["role"] == Role.GRAD_OUTPUT]
-    fed = set(zip(graded["step"].astype(int), graded["site"], graded["arg"], strict=True))
+    pairer = _Pairer(ref_index, port_index, sites, mapping, signatures, outside_gradients,
+                     output_conversions or {})
     ref_rows = zip(range(len(ref_index)), ref_index["step"], ref_index["site"],
                    ref_index["role"], ref_index["arg"], ref_index["value"], ref_index["kind"],
                    ref_index["dtype"], ref_index["shape"], strict=True)
     for pos, step, site, role, arg, value, kind, dtype, shape in ref_rows:
-        if role in schema.PARAM_ROLES:
-            continue
-        pair = by_ref.get(site)
-        if pair is None:
-            continue  # the site itself is reported unmatched
-        key = (int(step), site, role, arg)
-        if pair.roles is not None and role not in pair.roles:
-            result.excused.add(key)  # inside a group of ops: the group's last op holds it
-            continue
-        inputs = role in schema.ARGUMENT_ROLES
-        declared = (mapping.why_unmatched_record("reference", site, role, arg)
-                    if mapping.unmatched_records else None)
-        if declared is not None:
-            result.declared.append(("reference", *key, declared))
-            result.excused.add(key)
-            continue
-        if inputs and site in adapted:
-            result.excused.add(key)  # given to the call adapter (adapted.py)
-            continue
-        conversion = conversions.get(site)
-        if not inputs and conversion is not None and _under(arg, (conversion.gives,)):
-            continue  # compared with what the output conversion makes (outconv.py)
-        if inputs:
-            port_arg, why = _input_partner(arg, pair, signatures, calls, arguments)
-        else:
-            if site not in outputs:
-                gives, takes = ((conversion.gives,), conversion.takes) if conversion else ((), ())
-                outputs[site] = output_partners(
-                    {a: s for a, s in calls.outputs("reference", site).items()
-                     if not _under(a, gives)},
-                    {a: s for a, s in calls.outputs("port", pair.port).items()
-                     if not _under(a, takes)}, mapping.output_names(site))
-            port_arg, why = outputs[site].get(arg), None
-        if port_arg is None and why == MAPPING_DROPS:
-            result.dropped.append(key)
-            result.excused.add(key)
-            continue
-        if port_arg is None and why is not None:  # the port's forward takes no such argument
-            result.excused.add(key)
-            if kind != "tensor" and value == "null":
-                continue  # a None carries nothing
-            result.not_taken.append((*key[:2], pair.port, role, arg, dtype if kind == "tensor"
-                                     else "", shape if kind == "tensor" else value, why))
-            result.excused.add(key)
-            continue
-        port_pos = None if port_arg is None else port_keys.get((step, pair.port, role,
-                                                                 port_arg))
-        if role == Role.INPUT and value == "null" and (
-                port_pos is None or port_index["kind"].iat[port_pos] == "tensor"):
-            # a None the reference passed carries nothing; a tensor the port passes there (a
-            # cross-attention's mask) is the port's own input, unpaired (port_missing below)
-            continue
-        none_in_port = (port_pos is not None and role == Role.OUTPUT and kind == "tensor"
-                        and port_index["kind"].iat[port_pos] != "tensor")
-        if none_in_port:  # a None (an attention's weights it does not return): no partner
-            port_pos, port_arg = None, None
-        elif (port_pos is not None and role == Role.OUTPUT and value == "null"
-              and port_index["kind"].iat[port_pos] == "tensor"):
-            continue  # a None the reference returns carries nothing: the port's is unpaired
-        if port_pos is None:
-            shown = port_arg if port_arg is not None else arg
-            reason = f"the port recorded no {role} '{shown}' at {pair.port}"
-            if not inputs and port_arg is None:
-                reason = (f"{pair.port} has no output that pairs with it (name it with "
-                          "outputs = { ... } on the site's rule, or declare it [[unmatched]])")
-                if none_in_port:
-                    reason = (f"{pair.port} returns None there: declare it [[unmatched]] "
-                              f"reference = \"{schema.split_site(site)[0]}\" output = "
-                              f"\"{arg}\", or name its partner with outputs = {{ ... }}")
-                # An output without partner that no gradient arrives at from outside the call
-                # (eager attention's weights) never blocks its site. One that a gradient
-                # arrives at does: what its users received cannot be judged. The model's own
-                # output feeds the loss in any trace; elsewhere only a trace whose grad_output
-                # is the outside gradient (meta grad_output = "outside") can tell.
-                arrives = (int(step), site, arg) in fed
-                if not (arrives and (site == _ROOT or outside_gradients)):
-                    result.excused.add(key)
-            elif role == Role.GRAD_INPUT and port_arg is not None and (
-                    step, pair.port, Role.INPUT, port_arg) in port_keys:
-                # the port took the input and sent it no gradient: a zero gradient, compared
-                result.absent.append((pos, port_keys[(step, pair.port, Role.INPUT, port_arg)]))
-                continue
-            elif role == Role.INPUT and port_arg is not None and signatures is not None \
-                    and signatures.signature("port", pair.port) is not None:
-                reason += " (its forward has a parameter for it, which its caller left out)"
-                result.excused.add(key)
-            result.unmatched.append(("reference", *key, reason))
-            continue
-        used_port.add(port_pos)
-        swap = _swapped_axes(shape) if inputs and arg in pair.swapped else False
-        result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence,
-                                       transpose_port=swap))
-
+        if role not in schema.PARAM_ROLES and site in pairer.by_ref:
+            pairer.reference_record(pos, int(step), site, role, arg, value, kind, dtype, shape)
+    result = pairer.result
     param_pairs, param_unmatched, param_used, converted, absent = _pair_params(
         ref_index, port_index, sites, mapping)
     result.pairs += param_pairs
     result.unmatched += param_unmatched
     result.converted = converted
     result.absent += absent
-    used_port |= param_used
-    partner_of_port = {p.port: p.reference for p in sites.pairs}
-    taken = {pair.port: conversion.takes for pair, conversion in result.output_converted}
-    for pos, (step, site, role, arg, kind, dtype) in enumerate(zip(
-            port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
-            port_index["kind"], port_index["dtype"], strict=True)):
-        if pos in used_port or site not in partner_of_port:
-            continue
-        if role in (Role.OUTPUT, Role.GRAD_OUTPUT) and _under(arg, taken.get(site, ())):
-            continue  # an output conversion takes it (outconv.py)
-        if role == Role.OUTPUT and kind != "tensor" and port_index["value"].iat[pos] == "null":
-            continue  # a None the port returns carries nothing
-        declared = mapping.why_unmatched_record("port", site, role, arg)
-        if declared is not None:
-            result.declared.append(("port", int(step), site, role, arg, declared))
-            continue
-        result.unmatched.append(("port", int(step), site, role, arg,
-                                 "no reference record pairs with it"))
-        if role == Role.INPUT and kind == "tensor" and _floating(dtype):
-            head, rest = head_of(arg)
-            port_sig = None if signatures is None else signatures.signature("port", site)
-            name = head if port_sig is None or not head.isdigit() or int(head) >= len(
-                port_sig.positional) else port_sig.positional[int(head)].name
-            result.port_missing.append((int(step), partner_of_port[site], site, arg,
-                                        name + rest))
+    pairer.used_port |= param_used
+    pairer.port_leftovers()
     result.pairs.sort(key=lambda p: p.ref)
     return result
+
+
+class _Pairer:
+    """The state of one pairing: what the port recorded, what is paired so far, and the
+    per-site partners of outputs and arguments, worked out once per site."""
+
+    def __init__(self, ref_index: pd.DataFrame, port_index: pd.DataFrame, sites: SiteMatching,
+                 mapping: Mapping, signatures: CallSignatures | None, outside_gradients: bool,
+                 conversions: dict) -> None:
+        self.port_index, self.sites, self.mapping = port_index, sites, mapping
+        self.signatures, self.outside_gradients = signatures, outside_gradients
+        self.result = RecordPairing([], [])
+        self.by_ref = sites.by_reference()
+        self.port_keys = {key: pos for pos, key in enumerate(zip(
+            port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
+            strict=True))}
+        self.used_port: set[int] = set()
+        self.calls = _Calls(ref_index, port_index)
+        self.arguments: dict[str, ArgumentPairing] = {}
+        self.outputs: dict[str, dict[str, str]] = {}
+        self.adapted = {pair.reference for pair in sites.pairs
+                        if mapping.call_adapter(pair.reference) is not None}
+        self.result.adapted = [pair for pair in sites.pairs if pair.reference in self.adapted]
+        self.conversions = conversions
+        self.result.output_converted = [(pair, conversions[pair.reference])
+                                        for pair in sites.pairs
+                                        if pair.reference in conversions]
+        graded = ref_index[ref_index["role"] == Role.GRAD_OUTPUT]
+        self.fed = set(zip(graded["step"].astype(int), graded["site"], graded["arg"],
+                           strict=True))
+
+    def reference_record(self, pos: int, step: int, site: str, role: str, arg: str, value: str,
+                         kind: str, dtype: str, shape: str) -> None:
+        """Pair one reference record of a paired site, or say why it has no partner."""
+        result, pair, mapping = self.result, self.by_ref[site], self.mapping
+        key = (step, site, role, arg)
+        if pair.roles is not None and role not in pair.roles:
+            result.excused.add(key)  # inside a group of ops: the group's last op holds it
+            return
+        inputs = role in schema.ARGUMENT_ROLES
+        declared = (mapping.why_unmatched_record("reference", site, role, arg)
+                    if mapping.unmatched_records else None)
+        if declared is not None:
+            result.declared.append(("reference", *key, declared))
+            result.excused.add(key)
+            return
+        if inputs and site in self.adapted:
+            result.excused.add(key)  # given to the call adapter (adapted.py)
+            return
+        conversion = self.conversions.get(site)
+        if not inputs and conversion is not None and _under(arg, (conversion.gives,)):
+            return  # compared with what the output conversion makes (outconv.py)
+        if inputs:
+            port_arg, why = _input_partner(arg, pair, self.signatures, self.calls,
+                                           self.arguments)
+        else:
+            port_arg, why = self._output_partners(site, pair, conversion).get(arg), None
+        if port_arg is None and why == MAPPING_DROPS:
+            result.dropped.append(key)
+            result.excused.add(key)
+            return
+        if port_arg is None and why is not None:  # the port's forward takes no such argument
+            result.excused.add(key)
+            if kind != "tensor" and value == "null":
+                return  # a None carries nothing
+            result.not_taken.append((*key[:2], pair.port, role, arg, dtype if kind == "tensor"
+                                     else "", shape if kind == "tensor" else value, why))
+            return
+        port_pos = None if port_arg is None else self.port_keys.get((step, pair.port, role,
+                                                                      port_arg))
+        port_kinds = self.port_index["kind"]
+        if role == Role.INPUT and value == "null" and (
+                port_pos is None or port_kinds.iat[port_pos] == "tensor"):
+            # a None the reference passed carries nothing; a tensor the port passes there (a
+            # cross-attention's mask) is the port's own input, unpaired (port_missing below)
+            return
+        none_in_port = (port_pos is not None and role == Role.OUTPUT and kind == "tensor"
+                        and port_kinds.iat[port_pos] != "tensor")
+        if none_in_port:  # a None (an attention's weights it does not return): no partner
+            port_pos, port_arg = None, None
+        elif (port_pos is not None and role == Role.OUTPUT and value == "null"
+              and port_kinds.iat[port_pos] == "tensor"):
+            return  # a None the reference returns carries nothing: the port's is unpaired
+        if port_pos is None:
+            self._no_port_record(pos, key, pair, port_arg, none_in_port)
+            return
+        self.used_port.add(port_pos)
+        swap = _swapped_axes(shape) if inputs and arg in pair.swapped else False
+        result.pairs.append(RecordPair(pos, port_pos, pair.match, pair.confidence,
+                                       transpose_port=swap))
+
+    def _output_partners(self, site: str, pair: SitePair, conversion: Any) -> dict[str, str]:
+        if site not in self.outputs:
+            gives, takes = ((conversion.gives,), conversion.takes) if conversion else ((), ())
+            self.outputs[site] = output_partners(
+                {a: s for a, s in self.calls.outputs("reference", site).items()
+                 if not _under(a, gives)},
+                {a: s for a, s in self.calls.outputs("port", pair.port).items()
+                 if not _under(a, takes)}, self.mapping.output_names(site))
+        return self.outputs[site]
+
+    def _no_port_record(self, pos: int, key: Key, pair: SitePair, port_arg: str | None,
+                        none_in_port: bool) -> None:
+        """A reference record whose partner the port did not record: unmatched with why, a
+        zero gradient compared, or excused where nothing can depend on it."""
+        result = self.result
+        step, site, role, arg = key
+        inputs = role in schema.ARGUMENT_ROLES
+        shown = port_arg if port_arg is not None else arg
+        reason = f"the port recorded no {role} '{shown}' at {pair.port}"
+        if not inputs and port_arg is None:
+            reason = (f"{pair.port} has no output that pairs with it (name it with "
+                      "outputs = { ... } on the site's rule, or declare it [[unmatched]])")
+            if none_in_port:
+                reason = (f"{pair.port} returns None there: declare it [[unmatched]] "
+                          f"reference = \"{schema.split_site(site)[0]}\" output = "
+                          f"\"{arg}\", or name its partner with outputs = {{ ... }}")
+            # An output without partner that no gradient arrives at from outside the call
+            # (eager attention's weights) never blocks its site. One that a gradient
+            # arrives at does: what its users received cannot be judged. The model's own
+            # output feeds the loss in any trace; elsewhere only a trace whose grad_output
+            # is the outside gradient (meta grad_output = "outside") can tell.
+            arrives = (step, site, arg) in self.fed
+            if not (arrives and (site == _ROOT or self.outside_gradients)):
+                result.excused.add(key)
+        elif role == Role.GRAD_INPUT and port_arg is not None and (
+                step, pair.port, Role.INPUT, port_arg) in self.port_keys:
+            # the port took the input and sent it no gradient: a zero gradient, compared
+            result.absent.append((pos, self.port_keys[(step, pair.port, Role.INPUT, port_arg)]))
+            return
+        elif role == Role.INPUT and port_arg is not None and self.signatures is not None \
+                and self.signatures.signature("port", pair.port) is not None:
+            reason += " (its forward has a parameter for it, which its caller left out)"
+            result.excused.add(key)
+        result.unmatched.append(("reference", *key, reason))
+
+    def port_leftovers(self) -> None:
+        """Port records of paired sites that nothing paired: unmatched, declared, or taken by
+        an output conversion; a floating input among them is a port-only input."""
+        result, port_index, signatures = self.result, self.port_index, self.signatures
+        partner_of_port = {p.port: p.reference for p in self.sites.pairs}
+        taken = {pair.port: conversion.takes for pair, conversion in result.output_converted}
+        for pos, (step, site, role, arg, kind, dtype) in enumerate(zip(
+                port_index["step"], port_index["site"], port_index["role"], port_index["arg"],
+                port_index["kind"], port_index["dtype"], strict=True)):
+            if pos in self.used_port or site not in partner_of_port:
+                continue
+            if role in (Role.OUTPUT, Role.GRAD_OUTPUT) and _under(arg, taken.get(site, ())):
+                continue  # an output conversion takes it (outconv.py)
+            if role == Role.OUTPUT and kind != "tensor" \
+                    and port_index["value"].iat[pos] == "null":
+                continue  # a None the port returns carries nothing
+            declared = self.mapping.why_unmatched_record("port", site, role, arg)
+            if declared is not None:
+                result.declared.append(("port", int(step), site, role, arg, declared))
+                continue
+            result.unmatched.append(("port", int(step), site, role, arg,
+                                     "no reference record pairs with it"))
+            if role == Role.INPUT and kind == "tensor" and _floating(dtype):
+                head, rest = head_of(arg)
+                port_sig = None if signatures is None else signatures.signature("port", site)
+                name = head if port_sig is None or not head.isdigit() or int(head) >= len(
+                    port_sig.positional) else port_sig.positional[int(head)].name
+                result.port_missing.append((int(step), partner_of_port[site], site, arg,
+                                            name + rest))
 
 
 def _under(arg: str, paths: tuple[str, ...]) -> bool:
