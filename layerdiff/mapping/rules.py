@@ -419,81 +419,11 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
                     config.line_of("version"))
     mapping = Mapping(path=config.path)
     for number, (entry, line) in enumerate(config.tables("site"), start=1):
-        where = f"site rule {number}"
-        config.check_keys(entry, {"reference", "reference_regex", "port", "args", "call",
-                                  "outputs", "output_transform"}, where, line)
-        if ("reference" in entry) == ("reference_regex" in entry):
-            config.fail(f"{where} needs exactly one of 'reference' or 'reference_regex'", line)
-        port = _string(config, entry, "port", where, line)
-        if "reference_regex" in entry:
-            text = _string(config, entry, "reference_regex", where, line)
-            if recorded_in is not None:
-                config.fail(f"{where} is a reference_regex, and this mapping was read from "
-                            f"{recorded_in}, where a regular expression is not run (a crafted "
-                            f"one can take hours to match a name); pass the mapping file with "
-                            f"--map {config.path.name} to trust it", line)
-            try:
-                pattern = Pattern(text, regex=True)
-            except re.error as exc:
-                config.fail(f"{where}: reference_regex {text!r} is not a valid regular "
-                            f"expression ({exc})", line)
-            wanted = max((int(n) for n in re.findall(r"\\(\d+)", port)), default=0)
-            if wanted > pattern.groups:
-                config.fail(f"{where}: port '{port}' uses \\{wanted} but reference_regex has "
-                            f"{pattern.groups} group(s)", line)
-        else:
-            pattern = Pattern(_string(config, entry, "reference", where, line))
-            stars, holes = pattern.text.count("*"), port.count("*")
-            if holes and holes != stars:
-                config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
-                            f"'{pattern.text}' has {stars}", line)
-        mapping.site_rules.append(SiteRule(
-            pattern, port, _args(config, entry, where, line), line,
-            _call(config, entry, where, line), _outputs(config, entry, where, line),
-            _output_transform(config, entry, where, line)))
+        mapping.site_rules.append(_site_rule(config, entry, number, line, recorded_in))
     for number, (entry, line) in enumerate(config.tables("pair"), start=1):
-        where = f"pair {number}"
-        config.check_keys(entry, {"reference", "port", "args", "call", "outputs",
-                                  "output_transform"}, where, line)
-        ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
-        for name in (ref, port):
-            if not re.fullmatch(r".+#\d+", name):
-                config.fail(f"{where}: '{name}' is not a site; write module#call, e.g. "
-                            "'decoder.pos#1', or an op site, e.g. 'blocks.0.attn#0/softmax#0'",
-                            line)
-        mapping.pairs[ref] = port
-        mapping.pair_args[ref] = _args(config, entry, where, line)
-        call = _call(config, entry, where, line)
-        if call is not None:
-            mapping.pair_calls[ref] = call
-        mapping.pair_outputs[ref] = _outputs(config, entry, where, line)
-        conversion = _output_transform(config, entry, where, line)
-        if conversion is not None:
-            mapping.pair_output_transforms[ref] = conversion
+        _add_pair(mapping, config, entry, number, line)
     for number, (entry, line) in enumerate(config.tables("unmatched"), start=1):
-        where = f"unmatched entry {number}"
-        config.check_keys(entry, {"reference", "port", "why", "input", "output"}, where, line)
-        if ("reference" in entry) == ("port" in entry):
-            config.fail(f"{where} needs exactly one of 'reference' or 'port'", line)
-        why = entry.get("why", "declared without partner in the mapping")
-        side = "reference" if "reference" in entry else "port"
-        if "input" in entry and "output" in entry:
-            config.fail(f"{where} takes one of 'input' or 'output' (one record each entry)",
-                        line)
-        for role in ("input", "output"):
-            if role in entry:
-                arg = entry[role]
-                if isinstance(arg, int) and not isinstance(arg, bool):
-                    arg = str(arg)
-                if not isinstance(arg, str) or not arg:
-                    config.fail(f"{where} needs '{role}' as an argument path, e.g. "
-                                f"{role} = \"1\" or {role} = \"attention_mask\"", line)
-                mapping.unmatched_records.append(UnmatchedRecord(
-                    side, _string(config, entry, side, where, line), role, arg, str(why)))
-        if "input" in entry or "output" in entry:
-            continue
-        target = mapping.unmatched_reference if side == "reference" else mapping.unmatched_port
-        target.append((_string(config, entry, side, where, line), str(why)))
+        _add_unmatched(mapping, config, entry, number, line)
     for number, (entry, line) in enumerate(config.tables("param"), start=1):
         mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
     for number, (entry, line) in enumerate(config.tables("shard"), start=1):
@@ -508,6 +438,90 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
                            f"comes from whoever made it); pass the mapping file with --map "
                            f"{config.path.name} to trust it")
     return mapping
+
+
+def _site_rule(config: ConfigFile, entry: dict, number: int, line: int | None,
+               recorded_in: str | None) -> SiteRule:
+    where = f"site rule {number}"
+    config.check_keys(entry, {"reference", "reference_regex", "port", "args", "call",
+                              "outputs", "output_transform"}, where, line)
+    if ("reference" in entry) == ("reference_regex" in entry):
+        config.fail(f"{where} needs exactly one of 'reference' or 'reference_regex'", line)
+    port = _string(config, entry, "port", where, line)
+    if "reference_regex" in entry:
+        text = _string(config, entry, "reference_regex", where, line)
+        if recorded_in is not None:
+            config.fail(f"{where} is a reference_regex, and this mapping was read from "
+                        f"{recorded_in}, where a regular expression is not run (a crafted "
+                        f"one can take hours to match a name); pass the mapping file with "
+                        f"--map {config.path.name} to trust it", line)
+        try:
+            pattern = Pattern(text, regex=True)
+        except re.error as exc:
+            config.fail(f"{where}: reference_regex {text!r} is not a valid regular "
+                        f"expression ({exc})", line)
+        wanted = max((int(n) for n in re.findall(r"\\(\d+)", port)), default=0)
+        if wanted > pattern.groups:
+            config.fail(f"{where}: port '{port}' uses \\{wanted} but reference_regex has "
+                        f"{pattern.groups} group(s)", line)
+    else:
+        pattern = Pattern(_string(config, entry, "reference", where, line))
+        stars, holes = pattern.text.count("*"), port.count("*")
+        if holes and holes != stars:
+            config.fail(f"{where}: port '{port}' has {holes} '*' but reference "
+                        f"'{pattern.text}' has {stars}", line)
+    return SiteRule(pattern, port, _args(config, entry, where, line), line,
+                    _call(config, entry, where, line), _outputs(config, entry, where, line),
+                    _output_transform(config, entry, where, line))
+
+
+def _add_pair(mapping: Mapping, config: ConfigFile, entry: dict, number: int,
+              line: int | None) -> None:
+    where = f"pair {number}"
+    config.check_keys(entry, {"reference", "port", "args", "call", "outputs",
+                              "output_transform"}, where, line)
+    ref, port = (_string(config, entry, k, where, line) for k in ("reference", "port"))
+    for name in (ref, port):
+        if not re.fullmatch(r".+#\d+", name):
+            config.fail(f"{where}: '{name}' is not a site; write module#call, e.g. "
+                        "'decoder.pos#1', or an op site, e.g. 'blocks.0.attn#0/softmax#0'",
+                        line)
+    mapping.pairs[ref] = port
+    mapping.pair_args[ref] = _args(config, entry, where, line)
+    call = _call(config, entry, where, line)
+    if call is not None:
+        mapping.pair_calls[ref] = call
+    mapping.pair_outputs[ref] = _outputs(config, entry, where, line)
+    conversion = _output_transform(config, entry, where, line)
+    if conversion is not None:
+        mapping.pair_output_transforms[ref] = conversion
+
+
+def _add_unmatched(mapping: Mapping, config: ConfigFile, entry: dict, number: int,
+                   line: int | None) -> None:
+    where = f"unmatched entry {number}"
+    config.check_keys(entry, {"reference", "port", "why", "input", "output"}, where, line)
+    if ("reference" in entry) == ("port" in entry):
+        config.fail(f"{where} needs exactly one of 'reference' or 'port'", line)
+    why = entry.get("why", "declared without partner in the mapping")
+    side = "reference" if "reference" in entry else "port"
+    if "input" in entry and "output" in entry:
+        config.fail(f"{where} takes one of 'input' or 'output' (one record each entry)",
+                    line)
+    for role in ("input", "output"):
+        if role in entry:
+            arg = entry[role]
+            if isinstance(arg, int) and not isinstance(arg, bool):
+                arg = str(arg)
+            if not isinstance(arg, str) or not arg:
+                config.fail(f"{where} needs '{role}' as an argument path, e.g. "
+                            f"{role} = \"1\" or {role} = \"attention_mask\"", line)
+            mapping.unmatched_records.append(UnmatchedRecord(
+                side, _string(config, entry, side, where, line), role, arg, str(why)))
+    if "input" in entry or "output" in entry:
+        return
+    target = mapping.unmatched_reference if side == "reference" else mapping.unmatched_port
+    target.append((_string(config, entry, side, where, line), str(why)))
 
 
 def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> ShardRule:
