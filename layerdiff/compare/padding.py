@@ -79,6 +79,7 @@ class Padding:
     # failing records out only at padded positions, kept failing: nothing showed them unused
     kept: list[RowKey] = field(default_factory=list)
     worst: float = 0.0                 # the worst ratio at padding among the excused (or kept)
+    non_finite: int = 0                # excused records with NaN/Inf the reference has not
 
     def as_json(self) -> dict[str, Any] | None:
         if not self.masks:
@@ -99,6 +100,7 @@ class Padding:
             "why_not": why,
             "records": len(self.excused),
             "not_excluded": len(self.kept),
+            "non_finite": self.non_finite,
             "worst": float(self.worst),
         }
 
@@ -157,6 +159,11 @@ def excuse_padding(rows: pd.DataFrame, reader: PairReader, *, declared: str | bo
             found.kept.append(key)
             continue
         found.excused.append(key)
+        counts = [row.get(column) for column in (Column.REF_NAN, Column.REF_INF,
+                                                  Column.PORT_NAN, Column.PORT_INF)]
+        ref_bad, port_bad = (sum(0 if v is None or v != v else int(v) for v in pair)
+                             for pair in (counts[:2], counts[2:]))
+        found.non_finite += port_bad > ref_bad
         rows.at[position, Column.VERDICT] = Verdict.PADDING
         elsewhere = judge.worst(real[~np.isnan(real)])
         rows.at[position, Column.NOTE] = "; ".join(filter(None, [

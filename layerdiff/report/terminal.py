@@ -303,15 +303,20 @@ def padding_lines(found: dict | None, width: int = WIDTH) -> list[str]:
     if not found or not (found["records"] or found["not_excluded"]):
         return []
     mask = f"root input '{found['mask']}'" + (" (--padding-mask)" if found["declared"] else "")
-    worst = number(found["worst"], 3)
+    worst = (f"worst {number(found['worst'], 3)}x tolerance" if math.isfinite(found["worst"])
+             else "NaN or Inf where the reference is finite")
     if found["records"]:
         text = (f"padding   {found['records']:,} records differ only at padding positions "
-                f"(worst {worst}x tolerance there), where the reference's gradient "
+                f"({worst} there), where the reference's gradient "
                 f"({', '.join(found['shown_by'])}) is zero: the loss does not use them, so they "
                 f"pass; mask: {mask}")
+        if found.get("non_finite"):
+            text += (f". The port holds NaN or Inf there in {found['non_finite']:,} of them: a "
+                     "backward that multiplies it by a zero gradient (0 x NaN) makes gradients "
+                     "NaN, which are judged as any gradient")
     else:
         text = (f"padding   {found['not_excluded']:,} failing records differ only at padding "
-                f"positions (worst {worst}x tolerance there; mask: {mask}), but they were not "
+                f"positions ({worst} there; mask: {mask}), but they were not "
                 f"excluded from the verdict: {found['why_not']}")
     return textwrap.wrap(text, width, subsequent_indent=" " * 10, break_on_hyphens=False)
 
