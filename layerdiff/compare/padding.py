@@ -129,16 +129,18 @@ def excuse_padding(rows: pd.DataFrame, reader: PairReader, *, declared: str | bo
     candidates = rows[out & rows[Column.ROLE].isin(FORWARD_ROLES).to_numpy()
                       & rows[Column.RATIO].notna().to_numpy()]
     budget = P.MAX_TOTAL
+    masks: dict[int, Mask | None] = {}  # per step, looked for once
     for position, row in candidates.iterrows():
         if len(found.vectors) >= P.MAX_RECORDS or budget <= 0:
             break
         step = int(row[Column.STEP])
-        if step not in found.masks:
-            mask = find_mask(ref, step, declared if isinstance(declared, str) else None)
-            if mask is None:
-                continue
-            found.masks[step] = mask
-        mask = found.masks[step]
+        if step not in masks:
+            masks[step] = find_mask(ref, step, declared if isinstance(declared, str) else None)
+            if masks[step] is not None:
+                found.masks[step] = masks[step]
+        mask = masks[step]
+        if mask is None:
+            continue
         read = _record(row, reader, mask, seq_axis)
         if read is None:
             continue
