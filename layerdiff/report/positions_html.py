@@ -56,9 +56,14 @@ def positions_section(diff: Diff) -> str:
     pooled, factor = page.max_pool(np.nan_to_num(matrix, nan=0.0), 1, MAX_POSITIONS)
     hatched = page.max_pool(padding.astype(np.float64), 1, MAX_POSITIONS)[0] > 0
     png = page.png(_figure(pooled, labels, highlight, factor, hatched))
-    notes = [f"{len(keys)} failing record(s) with a sequence axis of {length} positions, in "
-             "execution order" + (f" (the first {MAX_ROWS} of {len(diff.positions)})"
-                                  if len(diff.positions) > MAX_ROWS else "")
+    shown_only = sum(key in only for key in keys)
+    failing = len(keys) - shown_only
+    notes = [", ".join(filter(None, [
+        f"{failing} failing record(s)" if failing or not shown_only else "",
+        f"{shown_only} that differ only at padding positions" if shown_only else ""]))
+             + f" with a sequence axis of {length} positions, in execution order"
+             + (f" (the first {MAX_ROWS} of {len(diff.positions)})"
+                if len(diff.positions) > MAX_ROWS else "")
              + ". Each cell is the worst ratio of error to tolerance at that position; red is "
              "over tolerance, blue within, white exactly at it (ratio 1, the black line on the "
              "colour bar)."]
