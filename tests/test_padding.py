@@ -11,6 +11,10 @@ length, with a root ``attention_mask`` and a loss that ignores padded positions 
   loss's backward turns it into NaN gradients (0 x NaN) that reach the weight gradients: FAIL.
 - the ``fill`` port captured without a backward pass: nothing shows padding unused, so it
   still fails, and the diff says why.
+- ``keys_seen``: a reference whose real tokens attend to padding keys, and a port that zeroes
+  the embeddings at padding before the attention. The loss reads no padded position of the
+  output, but the attention reads the padded inputs: their own gradient is not zero, so they
+  are not excused, and the origin is the root's own code that zeroes them.
 """
 
 from __future__ import annotations
@@ -58,15 +62,29 @@ class MaskedAttention(nn.Module):
         return scores.softmax(-1) @ v
 
 
+class KeysSeen(MaskedAttention):
+    """Only padded queries are masked: real tokens attend to padding keys too."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(WIDTH, dim=-1)
+        allowed = mask.bool()[:, :, None].expand(-1, -1, x.size(1))
+        scores = (q @ k.transpose(-2, -1)) / WIDTH ** 0.5
+        return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min).softmax(-1) @ v
+
+
 class Encoder(nn.Module):
-    def __init__(self, mixer: nn.Module) -> None:
+    def __init__(self, mixer: nn.Module, zero_padding: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.mixer = mixer
         self.head = nn.Linear(WIDTH, VOCAB)
+        self.zero_padding = zero_padding
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mixer(self.embed(input_ids), attention_mask))
+        x = self.embed(input_ids)
+        if self.zero_padding:  # the port's own code: padding embeddings set to zero
+            x = x * attention_mask[..., None]
+        return self.head(self.mixer(x, attention_mask))
 
 
 def reference(backward: bool = True) -> Case:
@@ -86,9 +104,9 @@ def reference(backward: bool = True) -> Case:
                 loss_fn=loss_fn, seed=0, steps=1, name="padding_reference")
 
 
-def port(mixer: MaskedAttention, backward: bool = True) -> Case:
+def port(mixer: MaskedAttention, backward: bool = True, zero_padding: bool = False) -> Case:
     case = reference(backward)
-    model = Encoder(mixer)
+    model = Encoder(mixer, zero_padding)
     model.load_state_dict(case.model.state_dict())
     return dataclasses.replace(case, model=model, name="padding_port")
 
@@ -100,7 +118,9 @@ def traces(tmp_path_factory):
              "off_by_one": port(MaskedAttention(off_by_one=True)),
              "minus_inf": port(MaskedAttention(fill="inf")),
              "reference_forward": reference(backward=False),
-             "fill_forward": port(MaskedAttention(fill="add"), backward=False)}
+             "fill_forward": port(MaskedAttention(fill="add"), backward=False),
+             "keys_seen_reference": port(KeysSeen()),
+             "keys_seen": port(KeysSeen(), zero_padding=True)}
     return {name: capture(case, folder / f"{name}.h5") for name, case in cases.items()}
 
 
@@ -163,6 +183,17 @@ def test_without_a_backward_pass_padding_is_not_excluded_and_the_diff_says_why(t
             "from the verdict: the reference trace has no backward pass") in flat
     assert flat.count("no backward pass") == 1
     assert max(map(len, text.splitlines())) <= 100
+
+
+def test_padding_a_layer_reads_is_not_excused_though_the_loss_reads_none_of_it(traces):
+    result = diff(traces["keys_seen_reference"], traces["keys_seen"])
+    assert result.meta["padding"]["unused"] == {"0": PADDED}  # at the root's output ...
+    # ... but the attention's input at padding has a gradient: the attention reads it
+    assert result.meta["padding"]["records"] == 0
+    assert not (result.rows["verdict"] == Verdict.PADDING).any()
+    rows = result.rows.set_index(["site", "role", "arg"])
+    assert rows.loc[("mixer#0", "input", "0"), "verdict"] == Verdict.OUT
+    assert result.origin.site == "<root>#0" and result.origin.pass_ == "forward"
 
 
 def test_the_json_carries_the_mask_the_records_and_the_padding_positions(fill):
