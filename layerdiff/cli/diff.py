@@ -117,18 +117,28 @@ def _show_html(trace_path: str, html_path: str, *, against: str | None, site: st
 @click.option("--seq-axis", type=int, metavar="AXIS",
               help="The axis of positions in activation records, for the error by position "
                    "(found from the inputs' token ids when not given).")
+@click.option("--padding-mask", metavar="ARG",
+              help="The root's argument that is 0 at padding positions (found from the "
+                   "inputs when not given): records that differ only at padding positions "
+                   "the reference's gradient shows unused pass, and are listed apart.")
+@click.option("--no-padding-mask", is_flag=True,
+              help="Judge padding positions like any other (no mask is looked for).")
 @no_verify_option
 @workers_option
 def diff_command(reference: str, port: str, mapping: str | None, tolerances: str | None,
                  rtol: float | None, atol: float | None, baseline: str | None,
                  json_path: str | None, csv_path: str | None, html_path: str | None,
-                 verbose: bool, strict: bool, seq_axis: int | None, no_verify: bool,
+                 verbose: bool, strict: bool, seq_axis: int | None,
+                 padding_mask: str | None, no_padding_mask: bool, no_verify: bool,
                  workers: int | None) -> None:
     """Compare PORT's trace with REFERENCE's; exit 0 within tolerance, 1 out, 2 bad input."""
     from layerdiff.compare import diff
     from layerdiff.progress import ByteProgress
     from layerdiff.report.terminal import format_diff
 
+    if padding_mask and no_padding_mask:
+        raise click.UsageError("--padding-mask names the mask, --no-padding-mask says there is "
+                               "none: give one of them")
     refuse_inputs({"--json": json_path, "--csv": csv_path, "--html": html_path},
                   {"reference trace": reference, "port trace": port, "mapping file": mapping,
                    "tolerance file": tolerances, "baseline trace": baseline})
@@ -136,7 +146,8 @@ def diff_command(reference: str, port: str, mapping: str | None, tolerances: str
         result = diff(reference, port, mapping=mapping,
                       tolerances=tolerances_from(tolerances, rtol, atol), baseline=baseline,
                       progress=bar.progress, verify=not no_verify, workers=workers,
-                      seq_axis=seq_axis)
+                      seq_axis=seq_axis,
+                      padding_mask=False if no_padding_mask else padding_mask)
     write_outputs(result, json_path=json_path, csv_path=csv_path, html_path=html_path)
     say(lambda: format_diff(result, verbose=verbose), json_path)
     missing = strict_line(result) if strict else None

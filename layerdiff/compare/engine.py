@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerdiff.compare import judge, positions
+from layerdiff.compare import judge, padding, positions
 from layerdiff.compare import result as R
 from layerdiff.compare.absent import absent_rows
 from layerdiff.compare.adapted import adapt_calls
@@ -68,7 +68,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
          baseline: str | os.PathLike | Trace | None = None, baseline_factor: float = FACTOR,
          progress: Progress | None = None, independent: bool = False,
          verify: bool = True, workers: int | None = None,
-         seq_axis: int | None = None) -> R.Diff:
+         seq_axis: int | None = None, padding_mask: str | bool | None = None) -> R.Diff:
     """Compare ``port``'s trace with ``reference``'s; see :class:`layerdiff.compare.Diff`.
 
     ``mapping`` pairs names that differ (a file or a :class:`Mapping`); ``tolerances``
@@ -86,7 +86,10 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
     rules, its rank files checked by ``workers`` processes (default: every core but one).
     ``seq_axis`` declares the axis of positions of activation records, for the error by
     position of failing records (found from the inputs' token ids when not given; see
-    :mod:`layerdiff.compare.positions`).
+    :mod:`layerdiff.compare.positions`). ``padding_mask`` names the root's argument that is 0 at
+    padding positions (None: found from the root's inputs; False: none): a forward record out
+    only at padding positions that the reference's gradient shows unused is then judged
+    ``padding-only``, not out (see :mod:`layerdiff.compare.padding`).
     """
     tolerances = Tolerances.build(tolerances)
     with contextlib.ExitStack() as stack:
@@ -115,7 +118,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         judge = None if base_trace is None else measure_baseline(
             ref_trace, base_trace, baseline_factor, progress)
         result = _diff(ref_trace, port_trace, mapping, tolerances, progress, independent, judge,
-                       seq_axis, base_trace)
+                       seq_axis, base_trace, padding_mask)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
             attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
@@ -177,7 +180,7 @@ def measure_baseline(ref: Trace, base: Trace, factor: float,
 def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
           progress: Progress | None, independent: bool,
           baseline: Baseline | None = None, seq_axis: int | None = None,
-          base_trace: Trace | None = None) -> R.Diff:
+          base_trace: Trace | None = None, padding_mask: str | bool | None = None) -> R.Diff:
     ref_index, port_index = ref.index, port.index
     sites = match_sites(ref.sites, port.sites, ref_index, port_index, mapping)
     records = pair_records(ref_index, port_index, sites, mapping, CallSignatures.of(ref, port),
@@ -213,17 +216,20 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     # routers' top-k compared as sets per token; their index records judged as decisions
     routers = routing_report(ref, port, base_trace, mapping, rows)
     judge_decisions(rows, routers)
+    pairs = _row_pairs(ref_index, records)
+    pairs.update(output_plans)
+    reader = PairReader(ref, port, pairs)
+    # before the origins: a record out only at unused padding positions can never be one
+    padded = padding.excuse_padding(rows, reader, declared=padding_mask, seq_axis=seq_axis)
     origins, first_step = find_origins(rows, ref.sites, independent=independent,
                                        ref_index=ref_index, dropped=records.excused,
                                        port_missing=records.port_missing,
                                        extra_norms=records.norms)
     unjudged = first_unjudged(rows, ref.sites, origins, first_step)
     explain_op_pairings(origins, sites, rows)  # before the hints: it names the op they read
-    pairs = _row_pairs(ref_index, records)
-    pairs.update(output_plans)
-    reader = PairReader(ref, port, pairs)
     # failing records only, read once more: a passing diff pays nothing
-    by_position = positions.by_position(rows, reader, declared=seq_axis)
+    by_position = positions.by_position(rows, reader, declared=seq_axis,
+                                        known=padding.padding_vectors(padded))
     positions.attach(origins, by_position)
     attach_hints(origins, reader)
     # an origin whose worst element a flip explains (and whether the flip explains all of it)
@@ -247,6 +253,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping, tolerances),
         "routing": [router.as_json() for router in routers if router.flips],
+        "padding": padded.as_json(),
         "forced_routing": {side: trace.meta["forced_routing"] for side, trace in
                            (("reference", ref), ("port", port))
                            if trace.meta.get("forced_routing")},
@@ -265,6 +272,8 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                     port_missing=records.port_missing),
                   judging=judging)
     found.positions = by_position
+    found.padding = {key: (flags, at_padding) for key, (_, _, flags, at_padding, _)
+                     in padded.vectors.items() if key in by_position}
     return found
 
 

@@ -324,8 +324,8 @@ def _collect(rows: pd.DataFrame, positions: pd.Index) -> dict[str, _Site]:
         entry.rows.setdefault(role, []).append(pos)
         if verdict not in PASSING:
             entry.bad.setdefault(role, []).append(pos)
-        if port_bad > ref_bad:
-            entry.new_non_finite[role] = True
+        if port_bad > ref_bad and verdict not in PASSING:  # a NaN only where nothing reads
+            entry.new_non_finite[role] = True             # it passes (padding-only)
     return sites
 
 

@@ -87,16 +87,19 @@ def position_ratios(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float,
 
 
 def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None = None,
-                max_records: int = MAX_RECORDS,
-                max_elements: int = MAX_ELEMENTS) -> dict[RowKey, tuple[int, np.ndarray]]:
+                max_records: int = MAX_RECORDS, max_elements: int = MAX_ELEMENTS,
+                known: dict[RowKey, tuple[int, np.ndarray]] | None = None,
+                ) -> dict[RowKey, tuple[int, np.ndarray]]:
     """For each failing activation record with a sequence axis: (axis, ratio per position).
     Records that cannot be read back (summary traces, shapes that differ) are left out:
-    the per-position view is a help, never a reason for the diff to fail."""
+    the per-position view is a help, never a reason for the diff to fail. ``known``: vectors
+    already read (the padding check's), kept as they are and not read again."""
+    known = dict(known or {})
     if rows.empty:
-        return {}
+        return known
     out = ~rows[Column.VERDICT].isin(PASSING).to_numpy()
     if not out.any() or reader.ref.summary or reader.port.summary:
-        return {}  # a passing diff: one pass over the verdicts, nothing read
+        return known  # a passing diff: one pass over the verdicts, nothing read
     # a record judged without a ratio (a router's top-k indices, compared as a decision)
     # has no error per position either
     failing = rows[out & ~rows[Column.ROLE].isin([str(role) for role in schema.PARAM_ROLES])
@@ -107,6 +110,9 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
     for _, row in failing.iterrows():
         if len(vectors) >= max_records or budget <= 0:
             break
+        if row_key(row) in known:
+            vectors[row_key(row)] = known[row_key(row)]
+            continue
         shape = _dims(row[Column.SHAPE])
         numel = int(np.prod(shape)) if shape else 0
         port_shape = _dims(row.get(Column.PORT_SHAPE))
@@ -128,6 +134,9 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
         rtol, atol = _tolerance(row)
         with np.errstate(all="ignore"):
             vectors[row_key(row)] = (axis, position_ratios(ref, port, rtol, atol, axis))
+    # records re-judged as differing only at padding, after the failing ones (execution order
+    # within each group)
+    vectors.update({key: value for key, value in known.items() if key not in vectors})
     return vectors
 
 

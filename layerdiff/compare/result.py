@@ -176,6 +176,7 @@ class DiffMeta(TypedDict, total=False):
     warnings: list[str]                 # sentences for the user (unused rules, baseline doubts)
     precision: dict[str, Any] | None    # a port in another precision with no baseline: the advice
     routing: list[dict[str, Any]]       # routers whose top-k differ (compare.routing), per call
+    padding: dict[str, Any] | None      # the padding mask and what it excused (compare.padding)
     op_pairings: list[dict[str, Any]]   # op sites paired across names (compare.op_alignment)
     ops_commands: list[str]             # captures with --ops that would name the op inside
     full_commands: list[str]            # captures with --full-around for a summary trace
@@ -211,6 +212,11 @@ class Diff:
     # per failing record with a sequence axis (compare/positions.py), by row key (step, site,
     # role, arg): (axis, worst ratio per position); in the JSON as "positions"
     positions: dict[tuple[int, str, str, str], tuple[int, np.ndarray]] = field(
+        default_factory=dict, repr=False)
+    # of those, each record the padding check read (compare/padding.py): per position, whether
+    # some batch row is padding there, and the worst ratio over the padding (b, t) (NaN where
+    # none); in the JSON's "positions" entries as "padding" and "padding_ratios"
+    padding: dict[tuple[int, str, str, str], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict, repr=False)
 
     @property
@@ -255,9 +261,15 @@ class Diff:
             "rows": _records(self.rows),
             "meta": self.meta,
             "positions": [{"step": step, "site": site, "role": role, "arg": arg, "axis": axis,
-                           "ratios": _plain(ratios)}
+                           "ratios": _plain(ratios), **self._padding_json((step, site, role, arg))}
                           for (step, site, role, arg), (axis, ratios) in self.positions.items()],
         }
+
+    def _padding_json(self, key: tuple[int, str, str, str]) -> dict[str, Any]:
+        if key not in self.padding:
+            return {}
+        flags, ratios = self.padding[key]
+        return {"padding": [bool(flag) for flag in flags], "padding_ratios": _plain(ratios)}
 
 
 def _plain(value: Any) -> Any:

@@ -55,6 +55,7 @@ COLOURS = {
     Verdict.REF_NAN: "#17becf",
     Verdict.WITHIN: "#2ca02c",
     Verdict.MODULE_WITHIN: "#98df8a",
+    Verdict.PADDING: "#c5e0b4",
     Verdict.IDENTICAL: "#9a9a9a",
     Verdict.SAME_DIGEST: "#b4b4b4",
 }
@@ -66,6 +67,7 @@ LABELS = {
     Verdict.REF_NAN: "reference not finite",
     Verdict.WITHIN: "within tolerance",
     Verdict.MODULE_WITHIN: "op differs, its module within",
+    Verdict.PADDING: "differs only at padding positions",
     Verdict.IDENTICAL: "identical",
     Verdict.SAME_DIGEST: "same digest (bytes not compared)",
 }

@@ -136,12 +136,16 @@ def ops_lines(diff: Diff, width: int = WIDTH) -> list[str]:
 def verdict_line(diff: Diff, width: int = WIDTH) -> str:
     """One line: PASS, or FAIL with the first origin."""
     if diff.passed:
-        worst = diff.rows[Column.RATIO].max() if not diff.rows.empty else 0.0
+        padded = diff.rows[Column.VERDICT] == Verdict.PADDING if not diff.rows.empty else []
+        worst = diff.rows[Column.RATIO][~padded].max() if not diff.rows.empty else 0.0
         # what a mapping question kept from being compared belongs in the verdict, not only
         # behind --verbose: a pass says nothing of it
         unpaired = int((~diff.unmatched["declared"].astype(bool)).sum())
+        excused = int(sum(padded))
         return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
                            f"error {number(worst, 3)} of its tolerance)" + (
+                               f"; {excused:,} differ only at padding" if excused
+                               else "") + (
                                f"; {unpaired:,} unpaired, not compared" if unpaired else ""),
                            width)
     first = diff.cannot_judge_first
@@ -267,6 +271,7 @@ def _summary(diff: Diff, width: int) -> list[str]:
     if meta.get("baseline"):
         lines.append(f"baseline  {meta['baseline']['trace']}: each record may have "
                      f"{meta['baseline']['factor']:g}x the baseline's error + its dtype's rtol")
+    lines += padding_lines(meta.get("padding"), width)
     for warning in meta.get("warnings", []):
         lines += textwrap.wrap(f"warning   {warning}", width, subsequent_indent=" " * 10)
     unjudged = rows[rows[Column.STATUS] == Status.CANNOT_JUDGE].drop_duplicates(Column.SITE)
@@ -291,6 +296,29 @@ def _summary(diff: Diff, width: int) -> list[str]:
             lines += [clip(f"       {text}", width)
                       for text in filter(None, [position_line(origin.positions)])]
     return lines
+
+
+def padding_lines(found: dict | None, width: int = WIDTH) -> list[str]:
+    """What the padding mask set apart (compare/padding.py), or why it could not."""
+    if not found or not (found["records"] or found["not_excluded"]):
+        return []
+    mask = f"root input '{found['mask']}'" + (" (--padding-mask)" if found["declared"] else "")
+    worst = (f"worst {number(found['worst'], 3)}x tolerance" if math.isfinite(found["worst"])
+             else "NaN or Inf where the reference is finite")
+    if found["records"]:
+        text = (f"padding   {found['records']:,} records differ only at padding positions "
+                f"({worst} there), where the reference's gradient "
+                f"({', '.join(found['shown_by'])}) is zero: the loss does not use them, so they "
+                f"pass; mask: {mask}")
+        if found.get("non_finite"):
+            text += (f". The port holds NaN or Inf there in {found['non_finite']:,} of them: a "
+                     "backward that multiplies it by a zero gradient (0 x NaN) makes gradients "
+                     "NaN, which are judged as any gradient")
+    else:
+        text = (f"padding   {found['not_excluded']:,} failing records differ only at padding "
+                f"positions ({worst} there; mask: {mask}), but they were not "
+                f"excluded from the verdict: {found['why_not']}")
+    return textwrap.wrap(text, width, subsequent_indent=" " * 10, break_on_hyphens=False)
 
 
 def hint_lines(origin: Origin) -> list[str]:
