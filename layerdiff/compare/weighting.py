@@ -40,8 +40,8 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
     factor per token (normalised otherwise). Forward, at an origin whose call holds a router or
     takes its choice (HF's experts, which weight their outputs themselves): the port's output is
     the reference's times a per-token factor its router probabilities make, or the port's
-    router gets no gradient (unweighted). Backward, at the router itself: its gradient is missing in the port.
-    Read for origins no flip explains; any other hint it replaces, since this one is matched to
+    router gets no gradient (unweighted). Backward, at the router itself: its gradient is
+    missing in the port. Read for origins no flip explains; any other hint it replaces, since this one is matched to
     the router's own numbers."""
     if not origins or not reports or reader is None:
         return
