@@ -76,6 +76,17 @@ def test_a_shift_along_the_last_axis_of_a_channels_first_layout(seq):
     assert got is not None and got.kind == Kind.SHIFT and "of axis 2" in got.evidence, got
 
 
+def test_an_exclusive_scan_for_an_inclusive_one(seq):
+    """A cumulative sum that excludes the current position, where the reference's includes it:
+    port position p is the reference's p - 1, position 0 empty."""
+    inclusive = np.cumsum(seq, axis=1)
+    exclusive = np.concatenate([np.zeros_like(seq[:, :1]), inclusive[:, :-1]], axis=1)
+    got = found(inclusive, exclusive)
+    assert got is not None and got.kind == Kind.SHIFT, got
+    assert "p-1 for every p in 1-9" in got.evidence
+    assert "position 0 has no partner (the port's values there are 0: a pad)" in got.evidence
+
+
 def test_a_shift_of_integer_position_ids():
     ids = np.broadcast_to(np.arange(12), (2, 12))
     got = found(ids, ids + 1)  # positions counted from 1
