@@ -23,7 +23,8 @@ wrong), which an error of rounding's size must not be read as. One module per fa
 - ``normalization``: axis (a softmax over another axis; a norm backward over other axes),
   epsilon (fitted >= 0), weight-offset (a norm's weight as w where it is (1 + w), or back);
 - ``attention``: attention recomputed from q, k, v (axis, mask, transpose, scale);
-- ``positions``: mask and batch, told by where the error is (rows where the reference is
+- ``positions``: position-shift (the port's positions the reference's moved by one or two,
+  within tolerance); mask and batch, told by where the error is (rows where the reference is
   exactly 0 too; a mask input is boolean or 0/1, never position ids; position 0 alone exact
   with a growing error and each feature pair's norm kept: rotary); two boolean masks;
 - ``rotary``: a decoder's attention with RoPE and grouped kv heads recomputed (rotary,
@@ -58,7 +59,10 @@ TESTS: list[Test] = [
     # no number fitted: a norm's weight as (1 + w) on one side, w on the other (before scale,
     # which a constant w would also satisfy, less precisely)
     elementwise.sign, normalization.weight_offset, elementwise.scale, elementwise.missing_term,
-    layout.transpose, layout.permutation, layout.linear_transposed, recurrent.gate_order,
+    # a sequence's positions moved by one or two, no number fitted: before permutation, which
+    # a roll (positions reordered in a circle) also satisfies, less specifically
+    layout.transpose, positions.shift, layout.permutation, layout.linear_transposed,
+    recurrent.gate_order,
     normalization.axis, normalization.backward_axis, rotary.rotary, attention.attention,
     normalization.epsilon,
     elementwise.approximation, activation.activation,

@@ -33,6 +33,7 @@ class Kind(StrEnum):
     ACTIVATION = "activation"        # another activation function (silu for gelu, ...)
     WEIGHT_OFFSET = "weight-offset"  # a norm's weight used as w where it is (1 + w), or back
     ROUTING_WEIGHTS = "routing-weights"  # MoE top-k weights normalised otherwise (per token)
+    SHIFT = "position-shift"         # port position p holds the reference's p + s (off by one)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Kinds told by *where* the error is rather than by a model of its values: ``mask`` (the error
 exactly where the site's mask input masks, or at a run of whole positions from one end; or two
-boolean mask tensors that differ) and ``batch`` (the error only in some batch elements).
+boolean mask tensors that differ), ``batch`` (the error only in some batch elements) and
+``position-shift`` (the port's positions are the reference's moved by one or two).
 
 A pattern counts only when it is clear-cut and could not come from scattered errors by chance
 (see :func:`_separated`)."""
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from layerdiff.compare.judge import element_ratios
 from layerdiff.trace.schema import PARAM_ROLES, RESULT_ROLES
 
 from ._common import NOISE, Hint, Judge, Kind, Site, shift_mask
@@ -245,6 +247,141 @@ def _rotary_signature(judge: Judge, axis: int, worst: np.ndarray) -> Hint | None
                 f"feature pair ({kept[0]}) keeping its norm (pair norms differ by rms "
                 f"{kept[1]:.2g}, the values by {kept[2]:.2g}): a rotary frequency (its base or "
                 "scaling) other than the reference's, not a mask boundary")
+
+
+# ---------------------------------------------------------------------------------------------
+# The port's positions moved: port position p holds the reference's position p + s
+
+
+SHIFTS = (1, -1, 2, -2)  # the moves tried, one position first (what off-by-one bugs make)
+MIN_SHIFTED = 4        # positions a shift must explain (out unshifted, within shifted), at least
+
+
+def shift(judge: Judge, site: Site) -> Hint | None:
+    """Port position p equal, within the record's own tolerance, to the reference's position
+    p + s at every position both have, along one axis, while unshifted most positions are far
+    out: positions or labels counted from 1, a roll with the wrong sign, a causal convolution
+    or cache padded on the wrong side, a position embedding indexed one off.
+
+    Evidence, each part of which chance or another cause cannot give:
+    - shifted, every value of the overlap within tolerance (ratio <= 1, the verdict's own
+      test: nothing is recomputed, the port's values are compared with the reference's as
+      recorded, so no allowance for a recomputation's error is due);
+    - unshifted, at least MIN_SHIFTED positions and half the overlap beyond NOISE tolerances:
+      the shift is what explains the error, not a few positions (a value within 1 of its
+      neighbour and beyond 4 of its own position's has neighbours 3 tolerances apart, so a
+      sequence constant along the axis, whose shift matches trivially, cannot pass; it is
+      skipped outright all the same);
+    - not by chance: each value the shift brings within tolerance could land there by
+      coincidence with probability q, how often a port value is within tolerance of a
+      reference value drawn at random (discrete values, a ReLU's zeros, coincide often); all
+      m of them doing so, q^m, times the (axis, shift) pairs tried, must be under CHANCE.
+    The batch axis (axis 0 of 3 or more) is not shifted; every batch element must show the
+    same shift along the axis, since the positions are moved inside each one."""
+    ref = judge.ref
+    if site.role in PARAM_ROLES or ref.ndim < 1:
+        return None
+    axes = [a for a in (range(1, ref.ndim) if ref.ndim >= 3 else range(ref.ndim))
+            if ref.shape[a] > MIN_SHIFTED]
+    tried = len(axes) * len(SHIFTS)
+    for axis in axes:
+        worst, _ = _slices(judge, (axis,))
+        if int(np.sum(worst > NOISE)) < MIN_SHIFTED or _constant_along(judge, axis):
+            continue
+        for by in SHIFTS:
+            found = _shifted(judge, axis, by, worst, tried)
+            if found is not None:
+                return found
+    return None
+
+
+def _constant_along(judge: Judge, axis: int) -> bool:
+    """Every position of ``axis`` within tolerance of the first: any shift matches."""
+    first = np.take(judge.ref, [0], axis=axis)
+    ratio = element_ratios(np.broadcast_to(first, judge.ref.shape), judge.ref,
+                           judge.rtol, judge.atol)
+    return bool(np.max(ratio, initial=0.0) <= 1)
+
+
+def _shifted(judge: Judge, axis: int, by: int, worst: np.ndarray, tried: int) -> Hint | None:
+    size = judge.ref.shape[axis]
+    ours = np.arange(max(0, -by), size - max(0, by))  # port positions with a partner
+    explained = worst[ours] > NOISE
+    if int(explained.sum()) < max(MIN_SHIFTED, math.ceil(ours.size / 2)):
+        return None
+    first = int(ours[np.argmax(explained)])  # one position first: most candidates fail there
+    if not float(np.max(element_ratios(np.take(judge.ref, [first + by], axis=axis),
+                                       np.take(judge.port, [first], axis=axis),
+                                       judge.rtol, judge.atol))) <= 1:
+        return None
+    port = np.take(judge.port, ours, axis=axis)
+    partner = np.take(judge.ref, ours + by, axis=axis)
+    moved = element_ratios(partner, port, judge.rtol, judge.atol)
+    if not float(np.max(moved)) <= 1:
+        return None
+    fixed = np.take(judge.ratio, ours, axis=axis) > 1  # the values the shift brings within
+    if not _not_chance(judge, int(fixed.sum()), tried):
+        return None
+    return Hint(Kind.SHIFT, _shift_text(judge, axis, by, ours, worst, float(np.max(moved))))
+
+
+COINCIDENCE_SAMPLE = 1 << 16  # port values q is measured on, at most about (evenly spread)
+
+
+def _not_chance(judge: Judge, fixed: int, tried: int) -> bool:
+    """Whether ``fixed`` values all landing within tolerance of their shifted partners is
+    beyond coincidence: q^fixed * tried < CHANCE, q the probability that one of the port's
+    values is within tolerance of a reference value drawn at random (every port value against
+    every reference value, counted on the sorted reference; the tolerance taken at the port's
+    value, which differs from the reference's by rtol x a tolerance). Discrete values (ids,
+    a ReLU's zeros) coincide often and need more evidence; continuous ones almost never."""
+    ref = np.sort(judge.ref.ravel())
+    port = np.sort(judge.port.ravel()[:: max(1, judge.port.size // COINCIDENCE_SAMPLE)])
+    width = judge.atol + judge.rtol * np.abs(port)
+    hits = (np.searchsorted(ref, port + width, side="right")
+            - np.searchsorted(ref, port - width, side="left"))
+    rate = float(np.mean(hits)) / ref.size
+    if rate == 0:
+        return True
+    return fixed * math.log(rate) + math.log(tried) <= math.log(CHANCE)
+
+
+WORDS = {1: "one", 2: "two"}
+
+
+def _shift_text(judge: Judge, axis: int, by: int, ours: np.ndarray, worst: np.ndarray,
+                moved: float) -> str:
+    size, step = judge.ref.shape[axis], abs(by)
+    plus = f"p{'+' if by > 0 else '-'}{step}"
+    edges = np.setdiff1d(np.arange(size), ours)
+    words = WORDS.get(step, str(step))
+    how = (f"runs {words} position{'s' if step > 1 else ''} ahead (positions or labels "
+           "counted from one more, a roll toward the start, a pad or cache on the wrong side)"
+           if by > 0 else
+           f"lags {words} position{'s' if step > 1 else ''} behind (a causal shift applied "
+           "twice, a roll toward the end, a pad or cache on the wrong side)")
+    where = " in every batch element" if judge.ref.ndim >= 3 else ""
+    edge = _edge_text(judge, axis, by, edges)
+    return (f"port position p of axis {axis} holds the reference's position {plus} for every "
+            f"p in {_ranges(ours)}{where} (every value within tolerance, the worst at "
+            f"{moved:.2g}x), where unshifted {int(np.sum(worst[ours] > 1))} of {ours.size} "
+            f"positions are out (up to {_x(float(worst.max()))}): the port's sequence {how}; "
+            f"position{'s' if edges.size > 1 else ''} {_ranges(edges)} "
+            f"{'have' if edges.size > 1 else 'has'} no partner ({edge})")
+
+
+def _edge_text(judge: Judge, axis: int, by: int, edges: np.ndarray) -> str:
+    """What the port holds at the positions without a partner: zeros (a pad), the
+    reference's other end (a roll), or values out or within as they are."""
+    port = np.take(judge.port, edges, axis=axis)
+    if not np.any(port):
+        return "the port's values there are 0: a pad"
+    wrapped = np.take(judge.ref, (edges + by) % judge.ref.shape[axis], axis=axis)
+    if float(np.max(element_ratios(wrapped, port, judge.rtol, judge.atol))) <= 1:
+        return (f"the port holds the reference's position{'s' if edges.size > 1 else ''} "
+                f"{_ranges((edges + by) % judge.ref.shape[axis])} there: a roll")
+    ratio = float(np.max(np.take(judge.ratio, edges, axis=axis)))
+    return f"{_x(ratio)} there unshifted"
 
 
 GAP = 10.0             # wrong slices' relative error over the clean slices' largest, at least
