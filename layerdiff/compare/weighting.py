@@ -41,8 +41,8 @@ def explain_weighting(origins: list[Origin], reports: list[RouterReport], ref: T
     takes its choice (HF's experts, which weight their outputs themselves): the port's output is
     the reference's times a per-token factor its router probabilities make, or the port's
     router gets no gradient (unweighted). Backward, at the router itself: its gradient is
-    missing in the port. Read for origins no flip explains; any other hint it replaces, since this one is matched to
-    the router's own numbers."""
+    missing in the port. Read for origins no flip explains; any other hint it replaces, since
+    this one is matched to the router's own numbers."""
     if not origins or not reports or reader is None:
         return
     enter, leave = call_spans(ref)
