@@ -148,7 +148,10 @@ def port_bug_expert() -> Case:
     return _case(model, "port_bug_expert")
 
 
-def port_bug_renorm() -> Case:
+def _layer1_block_combining(combine: Any, name: str) -> Case:
+    """The port with its layer-1 MoE block's last line replaced: ``combine(expert_outs,
+    weights)`` from the chosen experts' unweighted outputs (T, k, D) and their top-k softmax
+    probabilities (T, k), as the block computes them."""
     model = _port_model()
     moe = model.layers[1].block_sparse_moe
 
@@ -157,43 +160,24 @@ def port_bug_renorm() -> Case:
         x = x.view(-1, self.dim)
         weights = F.softmax(self.gate(x), dim=-1)
         weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
-        # BUG: the top-k weights are not renormalised
-        return torch.einsum("tai,ta -> ti", self.cond_ffn(x, indices), weights).view(shape)
+        return combine(self.cond_ffn(x, indices), weights).view(shape)
 
     moe.forward = types.MethodType(forward, moe)
-    return _case(model, "port_bug_renorm")
+    return _case(model, name)
 
 
-def port_bug_unweighted() -> Case:
-    model = _port_model()
-    moe = model.layers[1].block_sparse_moe
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.view(-1, self.dim)
-        weights = F.softmax(self.gate(x), dim=-1)
-        weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
-        # BUG: the chosen experts' outputs are summed without their routing weights
-        return self.cond_ffn(x, indices).sum(dim=1).view(shape)
-
-    moe.forward = types.MethodType(forward, moe)
-    return _case(model, "port_bug_unweighted")
+def port_bug_renorm() -> Case:  # BUG: the top-k weights are not renormalised
+    return _layer1_block_combining(weighted_sum, "port_bug_renorm")
 
 
-def port_bug_detached() -> Case:
-    model = _port_model()
-    moe = model.layers[1].block_sparse_moe
+def port_bug_unweighted() -> Case:  # BUG: the chosen experts' outputs summed without weights
+    return _layer1_block_combining(lambda outs, weights: outs.sum(dim=1), "port_bug_unweighted")
 
-    def forward(self, x):
-        shape = x.shape
-        x = x.view(-1, self.dim)
-        weights = F.softmax(self.gate(x), dim=-1)
-        weights, indices = torch.topk(weights, self.num_activated_experts, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).detach()  # BUG: router unlearned
-        return torch.einsum("tai,ta -> ti", self.cond_ffn(x, indices), weights).view(shape)
 
-    moe.forward = types.MethodType(forward, moe)
-    return _case(model, "port_bug_detached")
+def port_bug_detached() -> Case:  # BUG: the weights detached, so the router never learns
+    return _layer1_block_combining(
+        lambda outs, weights: weighted_sum(outs, (weights / weights.sum(-1, keepdim=True))
+                                           .detach()), "port_bug_detached")
 
 
 def reference_experts_unweighted() -> Case:
