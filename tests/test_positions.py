@@ -74,7 +74,11 @@ def test_a_passing_diff_reads_nothing_more(traces):
 def test_the_sequence_axis_is_found_from_the_token_ids_or_declared():
     tokens = Tokens(batch=3, length=12)
     assert sequence_axis((3, 12, 16), tokens) == 1
-    assert sequence_axis((3, 4, 12, 4), tokens) is None   # heads first: not guessed
+    assert sequence_axis((3, 4, 12, 4), tokens) == 2      # heads first: per-head states
+    assert sequence_axis((3, 4, 12, 12), tokens) == 2     # attention probabilities: queries
+    assert sequence_axis((3, 4, 16, 12), tokens) is None  # the length's size only last: hidden
+    assert sequence_axis((3, 4, 12, 12, 5), tokens) is None  # two axes could be it
+    assert sequence_axis((4, 12, 16), tokens) is None     # another batch
     assert sequence_axis((36, 16), tokens) is None        # (batch x length) flattened
     assert sequence_axis((3, 4, 12, 4), None) is None
     assert sequence_axis((3, 4, 12, 4), None, declared=2) == 2

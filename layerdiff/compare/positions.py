@@ -67,15 +67,20 @@ def sequence_axis(shape: tuple[int, ...], found: Tokens | None,
     """The axis of a record of ``shape`` that runs over positions, or None.
 
     Declared: that axis, where the record has it (and it is not the record's only axis). Found
-    from the token ids: axis 1 when axes 0 and 1 are (batch, length), as the ids are; any other
-    place of a length-sized axis (heads before positions, a transposed layout) is not guessed,
-    since a hidden size equal to the length would be read as positions."""
+    from the token ids: axis 1 when axes 0 and 1 are (batch, length), as the ids are. Else,
+    behind the batch axis, the one axis of the length's size that is neither axis 1 nor the
+    last (heads before positions: (B, H, T, D) per-head states, (B, H, T, T) attention
+    probabilities, whose query positions come first); where two such axes could be it, or the
+    length's size is the last axis only (a hidden size equal to the length), none is guessed."""
     if declared is not None:
         axis = declared if declared >= 0 else len(shape) + declared
         return axis if 0 < axis < len(shape) or (axis == 0 and len(shape) > 1) else None
-    if found is None or len(shape) < 2:
+    if found is None or len(shape) < 2 or shape[0] != found.batch:
         return None
-    return 1 if shape[0] == found.batch and shape[1] == found.length else None
+    if shape[1] == found.length:
+        return 1
+    inner = [axis for axis in range(2, len(shape) - 1) if shape[axis] == found.length]
+    return inner[0] if len(inner) == 1 else None
 
 
 def position_ratios(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float,
