@@ -237,3 +237,12 @@ def test_the_command_line_and_the_heatmap(traces, run, tmp_path):
     both = run("diff", traces["reference"], traces["fill"], "--no-padding-mask",
                "--padding-mask", "attention_mask")
     assert both.exit_code == 2
+
+
+def test_replay_of_a_port_that_differs_only_at_padding_lists_no_local_error(traces):
+    """Replay judges its table by the diff's verdicts: a layer out only at padding the loss
+    leaves unused was 'LOCAL ERROR' in the table under a PASS headline."""
+    from layerdiff.replay import replay
+    result = replay(traces["reference"], port(MaskedAttention(fill="add")))
+    assert result
+    assert "LOCAL ERROR" not in set(result.local["verdict"]), result.local

@@ -25,7 +25,7 @@ import pandas as pd
 from layerdiff.capture.routes import describe
 from layerdiff.case import Case, ExternalCase, is_nnx_module
 from layerdiff.compare import diff, judge
-from layerdiff.compare.judge import Status
+from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.result import Column, Diff
 from layerdiff.compare.tolerances import Tolerances
@@ -445,10 +445,13 @@ def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
     """One row per site and pass: local error, propagated error, amplification, verdict."""
     keys = [Column.STEP, Column.SITE, Column.ROLE, Column.ARG]
     if plain is None:
-        rows = rows.assign(propagated_ratio=np.nan, amplification=np.nan)
+        rows = rows.assign(propagated_ratio=np.nan, propagated_out=False, amplification=np.nan)
     else:
-        rows = rows.merge(plain.rows[[*keys, Column.RATIO]].rename(
-            columns={Column.RATIO: "propagated_ratio"}), on=keys, how="left")
+        # a record the plain diff passes whatever its ratio (padding-only) propagates nothing
+        propagated = plain.rows[[*keys, Column.RATIO]].rename(
+            columns={Column.RATIO: "propagated_ratio"})
+        propagated["propagated_out"] = ~plain.rows[Column.VERDICT].isin(PASSING).to_numpy()
+        rows = rows.merge(propagated, on=keys, how="left")
         first = plain.rows[plain.rows[Column.STEP] == 0]
         by_site = {role: first[first[Column.ROLE] == role].groupby(Column.SITE)[Column.RATIO].max()
                    for role in CALL_ROLES}
@@ -463,16 +466,21 @@ def _local_table(rows: pd.DataFrame, plain: Diff | None) -> pd.DataFrame:
         grouped = chosen.groupby([Column.SITE, Column.PORT_SITE], sort=False).agg(
             seq=(Column.SEQ, "min"), local=(Column.RATIO, _worst),
             propagated=("propagated_ratio", "max"), amplification=("amplification", "max"),
-            holds=(Column.STATUS, lambda s: (s == Status.HOLDS_ORIGIN).any())).reset_index()
+            holds=(Column.STATUS, lambda s: (s == Status.HOLDS_ORIGIN).any()),
+            # judged by the verdict, not the ratio alone: a record out only at padding the
+            # loss leaves unused passes (compare/padding.py)
+            out=(Column.VERDICT, lambda v: (~v.isin(PASSING)).any()),
+            propagated_out=("propagated_out", lambda v: v.fillna(False).astype(bool).any()),
+        ).reset_index()
         grouped["pass"] = str(pass_)
         parts.append(grouped)
     table = pd.concat(parts, ignore_index=True)
-    local_error = ~table["local"].map(judge.within)
+    local_error = ~table["local"].map(judge.within) & table["out"]
     table["verdict"] = np.where(   # the values: a DataFrame column holds plain strings
         table["holds"], LocalVerdict.HOLDS_ONE.value, np.where(
             local_error, LocalVerdict.LOCAL_ERROR.value, np.where(
-                table["propagated"] > 1, LocalVerdict.EXONERATED.value,
-                LocalVerdict.WITHIN.value)))
+                (table["propagated"] > 1) & table["propagated_out"],
+                LocalVerdict.EXONERATED.value, LocalVerdict.WITHIN.value)))
     return table.sort_values(["pass", "seq"], ascending=[False, True], kind="stable")
 
 
