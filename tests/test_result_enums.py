@@ -49,13 +49,17 @@ def test_the_local_tables_verdicts_keep_their_words() -> None:
                                                "within"]
     keys = {"step": 0, "role": "output", "arg": "0", "pass": "forward"}
     rows = pd.DataFrame([
-        {**keys, "site": "a#0", "port_site": "a#0", "seq": 1, "ratio": 5.0, "status": ""},
+        {**keys, "site": "a#0", "port_site": "a#0", "seq": 1, "ratio": 5.0, "status": "",
+         "verdict": "out"},
         {**keys, "site": "b#0", "port_site": "b#0", "seq": 2, "ratio": 3.0,
-         "status": Status.HOLDS_ORIGIN},
-        {**keys, "site": "c#0", "port_site": "c#0", "seq": 3, "ratio": 0.5, "status": ""},
-        {**keys, "site": "d#0", "port_site": "d#0", "seq": 4, "ratio": 0.5, "status": ""}])
+         "status": Status.HOLDS_ORIGIN, "verdict": "out"},
+        {**keys, "site": "c#0", "port_site": "c#0", "seq": 3, "ratio": 0.5, "status": "",
+         "verdict": "within"},
+        {**keys, "site": "d#0", "port_site": "d#0", "seq": 4, "ratio": 0.5, "status": "",
+         "verdict": "within"}])
     plain = _diff(["within"])
-    plain.rows = rows[["step", "site", "role", "arg"]].assign(ratio=[9.0, 9.0, 4.0, 0.5])
+    plain.rows = rows[["step", "site", "role", "arg"]].assign(
+        ratio=[9.0, 9.0, 4.0, 0.5], verdict=["out", "out", "out", "within"])
     table = _local_table(rows, plain).set_index("site")["verdict"]
     assert table.to_dict() == {"a#0": "LOCAL ERROR", "b#0": "holds one", "c#0": "exonerated",
                                "d#0": "within"}
