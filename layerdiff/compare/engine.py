@@ -272,8 +272,7 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
                                     port_missing=records.port_missing),
                   judging=judging)
     found.positions = by_position
-    found.padding = {key: (flags, at_padding) for key, (_, _, flags, at_padding, _)
-                     in padded.vectors.items() if key in by_position}
+    found.padding = padding.position_marks(padded, by_position)
     return found
 
 

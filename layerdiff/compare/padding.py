@@ -287,25 +287,13 @@ def _record(row: pd.Series, reader: PairReader, mask: Mask, seq_axis: int | None
     """A failing record's element ratios with the batch on axis 0 and positions on ``axis``,
     and where its own recorded gradient is zero per (batch, position) (None: not recorded)."""
     batch, length = mask.padded.shape
-    shape = P._dims(row[Column.SHAPE])
-    numel = int(np.prod(shape)) if shape else 0
-    port_shape = P._dims(row.get(Column.PORT_SHAPE))
-    if (not numel or numel > P.MAX_ELEMENTS or not shape or shape[0] != batch
-            or (port_shape and int(np.prod(port_shape)) != numel)):
+    read = P.record_ratios(row, reader, P.Tokens(batch, length), seq_axis)
+    if read is None:
         return None
-    axis = P.sequence_axis(shape, P.Tokens(batch, length), seq_axis)
-    if axis is None or axis == 0 or shape[axis] != length:
+    axis, ratios = read
+    if ratios.shape[0] != batch or axis == 0 or ratios.shape[axis] != length:
         return None
-    try:
-        ref, port = reader.read(row, compared=True)
-    except (LayerdiffError, OSError, ValueError, KeyError, IndexError, RuntimeError):
-        return None
-    if ref.shape != shape or port.shape != shape:
-        return None
-    rtol, atol = P._tolerance(row)
-    with np.errstate(all="ignore"):
-        ratios = judge.element_ratios(ref, port, rtol, atol)
-    return axis, ratios, _own_gradient_zero(reader.ref, row, shape, axis)
+    return axis, ratios, _own_gradient_zero(reader.ref, row, ratios.shape, axis)
 
 
 def _own_gradient_zero(trace: Trace, row: pd.Series, shape: tuple[int, ...],
@@ -347,3 +335,10 @@ def _vectors(ratios: np.ndarray, axis: int, padding: np.ndarray
 def padding_vectors(found: Padding) -> dict[RowKey, tuple[int, np.ndarray]]:
     """The records read here as the error by position has them (axis, worst per position)."""
     return {key: (axis, every) for key, (axis, every, *_) in found.vectors.items()}
+
+
+def position_marks(found: Padding, keys) -> dict[RowKey, tuple[np.ndarray, np.ndarray]]:
+    """For the records among ``keys`` read here: per position, whether some batch row is
+    padding there, and the worst ratio over the padding elements (what the report marks)."""
+    return {key: (flags, at_padding) for key, (_, _, flags, at_padding, _)
+            in found.vectors.items() if key in keys}

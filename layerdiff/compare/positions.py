@@ -83,11 +83,34 @@ def sequence_axis(shape: tuple[int, ...], found: Tokens | None,
     return inner[0] if len(inner) == 1 else None
 
 
-def position_ratios(ref: np.ndarray, port: np.ndarray, rtol: float, atol: float,
-                    axis: int) -> np.ndarray:
-    """Per position of ``axis``: the worst ``|port - ref| / (atol + rtol |ref|)`` over the
-    other axes (the ratio the verdict uses, with its NaN and Inf rules)."""
-    ratios = judge.element_ratios(ref, port, rtol, atol)
+def record_ratios(row: pd.Series, reader: PairReader, found: Tokens | None,
+                  declared: int | None = None, max_elements: int = MAX_ELEMENTS
+                  ) -> tuple[int, np.ndarray] | None:
+    """A failing record read again: (its sequence axis, the verdict's ratio per element,
+    ``|port - ref| / (atol + rtol |ref|)`` with its NaN and Inf rules); None when it has no
+    sequence axis, is too large to read again, was not compared element by element, or cannot
+    be read back (a mapping's code that fails here)."""
+    shape = _dims(row[Column.SHAPE])
+    numel = int(np.prod(shape)) if shape else 0
+    port_shape = _dims(row.get(Column.PORT_SHAPE))
+    if not numel or numel > max_elements or (port_shape and int(np.prod(port_shape)) != numel):
+        return None
+    axis = sequence_axis(shape, found, declared)
+    if axis is None:
+        return None
+    try:
+        ref, port = reader.read(row, compared=True)
+    except (LayerdiffError, OSError, ValueError, KeyError, IndexError, RuntimeError):
+        return None
+    if ref.shape != shape or port.shape != shape:
+        return None
+    rtol, atol = _tolerance(row)
+    with np.errstate(all="ignore"):
+        return axis, judge.element_ratios(ref, port, rtol, atol)
+
+
+def worst_per_position(ratios: np.ndarray, axis: int) -> np.ndarray:
+    """Per position of ``axis``: the worst of ``ratios`` over the other axes."""
     return np.moveaxis(ratios, axis, 0).reshape(ratios.shape[axis], -1).max(axis=1)
 
 
@@ -118,27 +141,15 @@ def by_position(rows: pd.DataFrame, reader: PairReader, *, declared: int | None 
         if row_key(row) in known:
             vectors[row_key(row)] = known[row_key(row)]
             continue
-        shape = _dims(row[Column.SHAPE])
-        numel = int(np.prod(shape)) if shape else 0
-        port_shape = _dims(row.get(Column.PORT_SHAPE))
-        if not numel or numel > max_elements or (port_shape and int(np.prod(port_shape)) != numel):
-            continue  # too large to read again, or not compared element by element
         step = int(row[Column.STEP])
         if step not in found:
             found[step] = tokens(reader.ref, step)
-        axis = sequence_axis(shape, found[step], declared)
-        if axis is None:
+        read = record_ratios(row, reader, found[step], declared, max_elements)
+        if read is None:
             continue
-        try:
-            ref, port = reader.read(row, compared=True)
-        except (LayerdiffError, OSError, ValueError, KeyError, IndexError, RuntimeError):
-            continue  # a record that cannot be read back (a mapping's code that fails here)
-        budget -= numel
-        if ref.shape != shape or port.shape != ref.shape:
-            continue
-        rtol, atol = _tolerance(row)
-        with np.errstate(all="ignore"):
-            vectors[row_key(row)] = (axis, position_ratios(ref, port, rtol, atol, axis))
+        axis, ratios = read
+        budget -= ratios.size
+        vectors[row_key(row)] = (axis, worst_per_position(ratios, axis))
     # records re-judged as differing only at padding, after the failing ones (execution order
     # within each group)
     vectors.update({key: value for key, value in known.items() if key not in vectors})
