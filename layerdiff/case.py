@@ -18,6 +18,7 @@ from torch import nn
 
 from layerdiff import bundled
 from layerdiff.errors import CaptureError, CaseError
+from layerdiff.framework import framework_of
 from layerdiff.rng import seed_everything  # noqa: F401  (a case seeds with it: public here too)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -48,22 +49,7 @@ class Case:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if is_nnx_module(self.model):
-            if self.optimizer is not None and not (hasattr(self.optimizer, "init")
-                                                   and hasattr(self.optimizer, "update")):
-                raise CaseError(f"case {self.name or '?'}: a Flax model's optimizer must be "
-                                "an optax GradientTransformation (optax.sgd(0.1)), got "
-                                f"{type(self.optimizer).__name__}")
-        elif not isinstance(self.model, nn.Module):
-            linen = sys.modules.get("flax.linen")
-            if linen is not None and isinstance(self.model, linen.Module):
-                raise CaseError(f"case {self.name or '?'}: {type(self.model).__name__} is a "
-                                "Flax Linen module, which layerdiff does not capture (its "
-                                "parameters live outside the module and its submodules exist "
-                                "only during apply); port it to flax.nnx, or record it with "
-                                "an ExternalCase")
-            raise CaseError(f"case {self.name or '?'}: model must be a torch.nn.Module or a "
-                            f"flax.nnx.Module, got {type(self.model).__name__}")
+        framework_of(self).check_case(self)  # a model no framework takes: refused here
         if not isinstance(self.inputs, (tuple, dict)):
             raise CaseError(f"case {self.name or '?'}: inputs must be a tuple of positional "
                             f"arguments or a dict of keyword arguments, got "
@@ -71,21 +57,14 @@ class Case:
 
     @property
     def framework(self) -> str:
-        """``"flax"`` for a Flax NNX model, ``"torch"`` otherwise."""
-        return "flax" if is_nnx_module(self.model) else "torch"
+        """The name of the model's framework: ``"torch"``, ``"flax"``."""
+        return framework_of(self).name
 
     def call_model(self) -> Any:
         """Run the model's forward on the case's inputs."""
         if isinstance(self.inputs, dict):
             return self.model(**self.inputs)
         return self.model(*self.inputs)
-
-
-def is_nnx_module(model: Any) -> bool:
-    """Whether ``model`` is a Flax NNX module, without importing flax: an NNX module exists
-    only once ``flax.nnx`` has been imported, so a torch model never pays for JAX."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(model, nnx.Module)
 
 
 @dataclass

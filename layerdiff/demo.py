@@ -56,9 +56,9 @@ def run_demo(port_spec: str = DEFAULT_DEMO_PORT,
     (an external case) loads its own weights.
     """
     from layerdiff.capture import capture
-    from layerdiff.case import ExternalCase, load_case
+    from layerdiff.case import load_case
     from layerdiff.compare import diff
-    from layerdiff.weights import load_weights
+    from layerdiff.framework import framework_of
 
     info = bundled.import_module("reference_models.catalog").find(port_spec)
     if info is None or info.reference is None:
@@ -66,8 +66,8 @@ def run_demo(port_spec: str = DEFAULT_DEMO_PORT,
     out = make_folder(output_dir, "-o")
     reference = capture(load_case(info.reference), out / "reference.h5", progress=progress)
     port_case = load_case(port_spec)
-    if not isinstance(port_case, ExternalCase):  # a port that records itself has its own
-        load_weights(port_case.model, reference, info.mapping_path)
+    if getattr(port_case, "model", None) is not None:  # one that records itself has its own
+        framework_of(port_case).load_weights(port_case, reference, info.mapping_path)
     port = capture(port_case, out / "port.h5", progress=progress)
     result = diff(reference, port, mapping=info.mapping_path)
     return Demo(info=info, port_spec=port_spec, folder=out, reference=reference, port=port,

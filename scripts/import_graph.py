@@ -23,14 +23,16 @@ PACKAGE = "layerdiff"
 # floor; the parts on one floor do not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "progress", "callable_module", "rng", "bundled"),
+    ("framework",),
     ("case", "signature", "config_file"),
     ("mapping",),
     ("trace",),
-    ("weights", "outputs"),
+    ("weights", "outputs", "options"),
     ("flax",),
     ("capture",),
     ("compare",),
     ("replay", "debug", "ci"),
+    ("frameworks",),
     ("mapsuggest",),
     ("report",),
     ("show", "demo", "pytest_plugin"),

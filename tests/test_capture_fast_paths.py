@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from layerdiff import load_case
-from layerdiff.capture import stage
-from layerdiff.capture.torch_capture import capture
+from layerdiff.capture import capture, stage
 from layerdiff.trace import stats
 from layerdiff.trace.reader import open_trace
 from layerdiff.trace.recorder import Recorder

@@ -1,4 +1,5 @@
-"""Torch capture: hooks that record a run of a case into a trace.
+"""Capture: record a run of a case into a trace (torch's hooks here; other frameworks' through
+:mod:`layerdiff.framework`).
 
 ``layerdiff.capture`` is both this package and the function users call
 (``layerdiff.capture(case, path)``): the module is callable, with the function's signature (see
@@ -6,8 +7,8 @@
 """
 
 from layerdiff.callable_module import make_callable
+from layerdiff.capture.entry import capture
 from layerdiff.capture.run import RunResult, run_case
-from layerdiff.capture.torch_capture import capture
 
 __all__ = ["RunResult", "capture", "run_case"]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from layerdiff.case import Case, ExternalCase
 from layerdiff.errors import CaptureError, Interrupted
+from layerdiff.framework import framework_of
 from layerdiff.trace.published import file_identity, published_since
 from layerdiff.weights import WeightsReport
 
@@ -59,7 +60,6 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     (while the capture let go of its memory) is a capture that finished.
     """
     from layerdiff.capture import capture
-    from layerdiff.capture.precision import cast_case
     from layerdiff.case import load_case
 
     if mapping is not None and weights_from is None:
@@ -67,12 +67,9 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
                            "give the reference trace to load them from as well")
     if isinstance(case, str):
         case = load_case(case)
-    if dtype and isinstance(case, Case) and case.framework == "flax":
-        from layerdiff.flax.capture import cast_nnx_case
-
-        cast_nnx_case(case, dtype)  # before the weights, so that loading says what it cast
-    elif dtype and not isinstance(case, ExternalCase):
-        cast_case(case, dtype)  # before the weights, so that loading says what it cast
+    framework = framework_of(case)
+    if dtype:
+        framework.cast(case, dtype)  # before the weights, so that loading says what it cast
     extra_meta = (_load_reference_weights(case, weights_from, mapping, on_weights)
                   if weights_from else {})
     if rank is not None:
@@ -87,8 +84,8 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     before = file_identity(output)
     try:
         with interrupt_names_partial(output):
-            path = capture(case, output, progress=progress and not rank, dtype=dtype,
-                           extra_meta=extra_meta, **options)
+            path = capture(case, output, progress=progress and not rank,
+                           dtype=dtype, extra_meta=extra_meta, **options)
     except Interrupted:
         if not published_since(output, before):
             raise
@@ -107,17 +104,9 @@ def _load_reference_weights(case: Case | ExternalCase, trace: str | os.PathLike,
                             on_weights: OnWeights | None) -> dict[str, Any]:
     """Load the weights; returns what the trace's meta records of it (the mapping's text)."""
     from layerdiff.capture.torch_capture import weights_meta
-    from layerdiff.weights import conversions_provenance, load_weights
+    from layerdiff.weights import conversions_provenance
 
-    if isinstance(case, ExternalCase):
-        raise CaptureError(f"case {case.name} records itself, so layerdiff cannot set its "
-                           "weights; load them from the reference in the port's own code")
-    if case.framework == "flax":
-        from layerdiff.flax.weights import load_nnx_weights
-
-        report = load_nnx_weights(case.model, trace, mapping)
-    else:
-        report = load_weights(case.model, trace, mapping)
+    report = framework_of(case).load_weights(case, trace, mapping)
     if on_weights is not None:
         on_weights(trace, report)
     meta = weights_meta(trace, mapping)

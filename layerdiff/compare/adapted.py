@@ -44,6 +44,7 @@ from layerdiff.compare.result import Column
 from layerdiff.compare.row_metrics import rms_over
 from layerdiff.compare.tolerances import Tolerance, ToleranceKind, Tolerances, looser_dtype
 from layerdiff.errors import MappingError
+from layerdiff.framework import Framework, framework_named
 from layerdiff.mapping import Mapping
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
@@ -80,7 +81,7 @@ def adapt_calls(ref: Trace, port: Trace, records: RecordPairing, mapping: Mappin
         return found
     signatures = CallSignatures.of(ref, port)
     # the adapter gets what the port's framework takes: JAX arrays for a Flax port's trace
-    framework = port.meta.get("framework", "torch")
+    framework = framework_named(port.meta.get("framework", "torch"))
     for pair in records.adapted:
         code = mapping.call_adapter(pair.reference)
         adapter = code.resolve()
@@ -97,9 +98,9 @@ class _Call:
     def __init__(self, ref: Trace, port: Trace, records: RecordPairing, tolerances: Tolerances,
                  pair, step: int, spec: str, port_sig: Signature | None,
                  found: AdaptedRows, baseline: Baseline | None = None,
-                 framework: str = "torch") -> None:
+                 framework: Framework | None = None) -> None:
         self.ref, self.port, self.records, self.tolerances = ref, port, records, tolerances
-        self.framework = framework
+        self.framework = framework or framework_named("torch")
         self.pair, self.step, self.spec, self.port_sig = pair, step, spec, port_sig
         self.found, self.baseline = found, baseline
         self.ref_index: dict[str, dict] = {}  # reference path -> its index row
@@ -160,10 +161,7 @@ class _Call:
             arg = str(row["arg"])
             if row["kind"] == "tensor":
                 tensor = torch.from_numpy(np.ascontiguousarray(self.ref.read(row)))
-                if self.framework == "flax":
-                    from layerdiff.flax.port import as_jax
-
-                    tensor = as_jax(tensor)
+                tensor = self.framework.as_array(tensor)
                 origin[id(tensor)] = arg
                 values.append((arg, tensor))
             else:

@@ -51,48 +51,46 @@ from layerdiff.case import (
 from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
 from layerdiff.flax.graph import ModelGraph, Owned
 from layerdiff.flax.intercept import intercepted
+from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
-from layerdiff.trace.recorder import DEFAULT_QUEUE_BYTES
 from layerdiff.trace.schema import Pass, Role
 from layerdiff.trace.writer import TraceWriter, check_writable
 
 PRODUCER = "layerdiff.capture (flax)"
-# jax.default_matmul_precision's names; "default" leaves the framework's own (TF32 or bf16
-# passes on accelerators)
-MATMUL_PRECISIONS = ("float32", "tensorfloat32", "bfloat16", "highest", "high", "default")
+# the capture options a Flax capture takes (the rest are torch's hooks': --ops, --autocast...)
+ACCEPTED = frozenset({"include", "exclude", "loss_scale", "steps", "summary", "weights",
+                      "queue_bytes", "progress", "dtype", "extra_meta", "matmul_precision"})
 DTYPES = {"float64": jnp.float64, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
           "float16": jnp.float16}
 
 
-def capture_nnx(case: Case, path: str | os.PathLike, *, include: Sequence[str] = (),
-                exclude: Sequence[str] = (), loss_scale: float = 1.0,
-                steps: int | None = None, summary: bool = False, weights: bool = True,
-                queue_bytes: int = DEFAULT_QUEUE_BYTES, progress: bool = False,
-                dtype: str | None = None, matmul_precision: str = "float32",
-                extra_meta: dict[str, Any] | None = None) -> Path:
+def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) -> Path:
     """Run the Flax NNX ``case`` with every selected submodule call recorded into the trace
-    at ``path`` (see the module's docstring); the options are
-    :func:`layerdiff.capture.capture`'s. ``matmul_precision`` pins
+    at ``path`` (see the module's docstring; the options are
+    :func:`layerdiff.capture.capture`'s). ``options.matmul_precision`` pins
     ``jax.default_matmul_precision`` for the forward and the backward (full float32 by
     default; ``"default"`` captures at the framework's own). Returns the published path."""
-    steps = case.steps if steps is None else steps
-    _check_options(case, steps, loss_scale, matmul_precision)
-    if dtype is not None:
-        cast_nnx_case(case, dtype)
+    options.refuse(ACCEPTED, case.name, "is a Flax model")
+    steps = case.steps if options.steps is None else options.steps
+    _check_options(case, steps, options.loss_scale)
+    if options.dtype is not None:
+        cast_nnx_case(case, options.dtype)
     check_writable(path)
     graph = ModelGraph.of(case.model)
-    selected = _select(graph, include, exclude)
-    meta = _meta(case, graph, steps, loss_scale, summary, include, exclude, matmul_precision)
+    selected = _select(graph, options.include, options.exclude)
+    meta = _meta(case, graph, options.matmul_precision)
     meta["shared_parameters"] = graph.shared_parameters(selected)
-    meta.update({"dtype": dtype, **(extra_meta or {})})
+    meta.update(options.meta(steps))
+    summary, loss_scale, precision = options.summary, options.loss_scale, options.matmul_precision
+    progress, weights, queue_bytes = options.progress, options.weights, options.queue_bytes
     writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
                          producer=PRODUCER)
     sink = _CallRecorder(writer, graph, selected, weights=weights)
     try:
         with StepProgress(steps, enabled=progress, label=f"capture {case.name}") as bar:
-            _train(case, graph, sink, writer, steps, loss_scale, matmul_precision, bar)
+            _train(case, graph, sink, writer, steps, loss_scale, precision, bar)
     except LayerdiffError:
         writer.close(complete=False)
         raise
@@ -111,16 +109,13 @@ def capture_nnx(case: Case, path: str | os.PathLike, *, include: Sequence[str] =
     return writer.close()
 
 
-def _check_options(case: Case, steps: int, loss_scale: float, precision: str) -> None:
+def _check_options(case: Case, steps: int, loss_scale: float) -> None:
     if steps < 1:
         raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case.name}")
     if steps > 1 and case.optimizer is None:
         raise CaptureError(f"case {case.name} has no optimizer, so it cannot run {steps} steps; "
                            "give the Case an optax optimizer or use --steps 1")
     check_loss_scale(loss_scale, "float64" if jax.config.jax_enable_x64 else "float32")
-    if precision not in MATMUL_PRECISIONS:
-        raise CaptureError(f"--matmul-precision {precision!r} is not one of "
-                           f"{', '.join(MATMUL_PRECISIONS)}")
 
 
 def cast_nnx_case(case: Case, dtype: str) -> None:
@@ -430,8 +425,8 @@ class _CallRecorder:
                                  Pass.BACKWARD)
 
 
-def _meta(case: Case, graph: ModelGraph, steps: int, loss_scale: float, summary: bool,
-          include: Sequence[str], exclude: Sequence[str], precision: str) -> dict[str, Any]:
+def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
+    """What only a Flax capture knows of its run (the options' part: ``options.meta``)."""
     import flax
 
     params = [v for _, v in nnx.to_flat_state(nnx.state(case.model, nnx.Param))]
@@ -448,11 +443,6 @@ def _meta(case: Case, graph: ModelGraph, steps: int, loss_scale: float, summary:
     return {
         "case": case.name,
         "seed": case.seed,
-        "steps": steps,
-        "loss_scale": loss_scale,
-        "summary": summary,
-        "include": list(include),
-        "exclude": list(exclude),
         "framework": "flax",
         "device": str(next(iter(first.devices()))) if isinstance(first, jax.Array) else "cpu",
         "default_dtype": "float64" if jax.config.jax_enable_x64 else "float32",

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from layerdiff.case import Case, is_nnx_module, seed_everything
+from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaseError
+from layerdiff.framework import framework_of
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace
 from layerdiff.trace.arguments import flatten
@@ -32,21 +33,12 @@ Hook = Callable[[str, str, Callable[..., Any], tuple, dict], Any]
 
 
 def port_model(case: Any, command: str) -> TorchModel | FlaxModel:
-    """The port model of ``case`` for ``command`` (named in the refusal), by its framework."""
-    if not isinstance(case, Case):
-        name = getattr(case, "name", "") or type(case).__name__
-        raise CaseError(f"case {name}: {command} needs a layerdiff.Case whose model is a torch "
-                        f"or Flax NNX module (it loads weights into it and runs it), got "
-                        f"{type(case).__name__}; for a port that records itself, check the "
-                        "names with diff --map")
-    if is_nnx_module(case.model):
-        return FlaxModel(case)
-    from torch import nn
-
-    if not isinstance(case.model, nn.Module):
-        raise CaseError(f"case {case.name or '?'}: {command} handles torch and Flax NNX ports; "
-                        f"its model is a {type(case.model).__name__}")
-    return TorchModel(case)
+    """The port model of ``case`` for ``command`` (named in the refusal), from its framework."""
+    if not hasattr(case, "name") or isinstance(case, (str, bytes)):
+        raise CaseError(f"{command} needs a layerdiff.Case whose model is a torch or Flax "
+                        f"module (it loads weights into it and runs it), got "
+                        f"{type(case).__name__}")
+    return framework_of(case).port_model(case, command)
 
 
 class TorchModel:

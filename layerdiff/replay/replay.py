@@ -23,13 +23,14 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.capture.routes import describe
-from layerdiff.case import Case, ExternalCase, is_nnx_module
+from layerdiff.case import Case, ExternalCase
 from layerdiff.compare import diff, judge
 from layerdiff.compare.judge import PASSING, Status
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.result import Column, Diff
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.errors import CaptureError, DiffError
+from layerdiff.framework import framework_of
 from layerdiff.mapping import Mapping
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.calling import MAPPING_DROPS
@@ -392,28 +393,8 @@ def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:
 
 def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
              reference_case: Case | None = None):
-    if isinstance(port, ExternalCase):
-        if not port.layers:
-            raise CaptureError(f"case {port.name} records itself and gives no per-site layers, "
-                               "so its layers cannot be replayed one by one; give the "
-                               "ExternalCase a 'layers' dict of forward/backward callables")
-        from layerdiff.replay.numpy_replay import CallablePort
-
-        return CallablePort(port.layers, ref)
-    if is_nnx_module(port.model):  # a Flax NNX port: its modules as pure functions under jax.vjp
-        from layerdiff.flax.weights import load_nnx_weights
-        from layerdiff.replay.flax_replay import FlaxPort
-
-        load_nnx_weights(port.model, ref.path, mapping)
-        backend = FlaxPort(port.model, ref)
-        backend.watch_uses(port)
-        return _split_with(backend, ref, mapping, reference_case)
-    from layerdiff.replay.torch_replay import TorchPort
-    from layerdiff.weights import load_weights
-
-    load_weights(port.model, ref.path, mapping)
-    backend = TorchPort(port.model, ref)
-    backend.watch_uses(port.model, port.call_model)
+    """The port as replay calls it, from its framework, its weights loaded from ``ref``."""
+    backend = framework_of(port).replay_port(port, ref, mapping)
     return _split_with(backend, ref, mapping, reference_case)
 
 
@@ -421,7 +402,7 @@ def _split_with(backend, ref: Trace, mapping: Mapping, reference_case: Case | No
     """``backend`` (a torch or Flax port) given the reference case's modules replayed alone,
     to split a weight gradient that has a use outside its modules' calls
     (:mod:`layerdiff.replay.alone`); the reference is torch whatever the port's framework."""
-    if reference_case is not None:
+    if reference_case is not None and hasattr(backend, "reference_alone"):
         from layerdiff.replay.alone import ReferenceAlone
         from layerdiff.replay.torch_replay import TorchPort
 
@@ -433,10 +414,9 @@ def _split_with(backend, ref: Trace, mapping: Mapping, reference_case: Case | No
 def _propagated(reference, port, mapping: Mapping, tolerances, directory: Path) -> Diff:
     """A plain diff of the port's own run: the error each site inherited."""
     from layerdiff.capture import capture
-    from layerdiff.weights import load_weights
 
-    if isinstance(port, Case) and not is_nnx_module(port.model):  # NNX: loaded by replay
-        load_weights(port.model, reference, mapping)
+    if getattr(port, "model", None) is not None:  # again: a replayed call may have changed
+        framework_of(port).load_weights(port, reference, mapping)  # a BatchNorm's statistics
     run = capture(port, directory / "port.h5", steps=1)
     return diff(reference, run, mapping=mapping, tolerances=tolerances)
 

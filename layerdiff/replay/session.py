@@ -78,12 +78,11 @@ class Session:
     def diff(self) -> Diff:
         """The whole port (with the reference's weights) against the reference."""
         from layerdiff.capture import capture
-        from layerdiff.case import ExternalCase
-        from layerdiff.weights import load_weights
+        from layerdiff.framework import framework_of
 
         port = load_case(self.port_spec)
-        if not isinstance(port, ExternalCase):
-            load_weights(port.model, self.reference_trace(), self.mapping)
+        if getattr(port, "model", None) is not None:  # one that records itself has its own
+            framework_of(port).load_weights(port, self.reference_trace(), self.mapping)
         path = capture(port, Path(self._directory.name) / "port.h5")
         self.last_diff = diff_traces(self.reference_trace(), path, mapping=self.mapping)
         return self.last_diff

@@ -41,13 +41,14 @@ from layerdiff.capture.modules import (
 )
 from layerdiff.capture.routes import RouteForcer, RouteRecorder, StepsOf, describe
 from layerdiff.capture.run import run_case
-from layerdiff.case import ExternalCase, is_nnx_module
+from layerdiff.case import ExternalCase
 from layerdiff.compare import judge
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.matching import port_site_for
 from layerdiff.compare.outconv import DerivedPermutation, SiteConversions
 from layerdiff.compare.tolerances import Tolerances, looser_dtype
 from layerdiff.errors import DiffError
+from layerdiff.framework import framework_of
 from layerdiff.mapping import Mapping, ParamSource
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.adapters import (
@@ -728,7 +729,7 @@ def _refuse_flax(*cases: Any, mapping: Mapping | None = None) -> None:
     replay command offered instead carries the mapping, which it needs as much."""
     with_map = f" --map {mapping.path}" if mapping is not None and mapping.path else ""
     for case in cases:
-        if is_nnx_module(getattr(case, "model", None)):
+        if framework_of(case).name == "flax":
             raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
                             "run port layers inside a torch model, so they take torch cases "
                             "only; run `layerdiff replay REF.h5 "

@@ -1,0 +1,113 @@
+"""The one door through which layerdiff reaches a port's framework.
+
+A framework -- torch, Flax, a port that records itself -- implements :class:`Framework`: the
+few things the stages need of it. Capture, replay, swap, map-suggest and map-check ask
+``framework_of(case)`` once and talk to what it returns; none of them names a framework.
+
+Adding a framework is one entry in ``_FRAMEWORKS`` below (its name, how to recognise its model
+without importing it, the module that implements the interface) and that module, under
+``layerdiff/frameworks/`` (see docs/adding-a-framework.md). The module is imported the first
+time a case of that framework is in hand, so a torch user never loads JAX.
+
+This is the one place a lower floor reaches a higher one: by the implementing module's name,
+as a plug-in is found, not by an import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from layerdiff.errors import CaseError
+
+if TYPE_CHECKING:  # names for the signatures only: nothing here imports them at run time
+    import os
+    from pathlib import Path
+
+
+class Framework(Protocol):
+    """What a framework gives the stages. ``case`` is the user's case object, whatever its
+    framework; ``trace`` a reference trace (a path or a :class:`~layerdiff.trace.Trace`);
+    ``mapping`` a mapping file, a loaded mapping, or None."""
+
+    name: str  # "torch", "flax", "external": recorded in a trace's meta
+    title: str  # how a refusal names such a case: "a Flax model"
+
+    def check_case(self, case: Any) -> None:
+        """Refuse, in one sentence, a case this framework cannot run (when it is made)."""
+
+    def cast(self, case: Any, dtype: str) -> None:
+        """Cast the model's floating weights and the case's floating inputs to ``dtype``."""
+
+    def load_weights(self, case: Any, trace: str | os.PathLike, mapping: Any) -> Any:
+        """Set the model's weights from a reference trace through ``mapping``; returns a
+        :class:`~layerdiff.weights.WeightsReport`."""
+
+    def capture(self, case: Any, path: str | os.PathLike, options: Any) -> Path:
+        """Run the case with every selected call recorded into a trace at ``path``
+        (``options``: a :class:`~layerdiff.options.CaptureOptions`); returns the path."""
+
+    def replay_port(self, case: Any, reference: Any, mapping: Any) -> Any:
+        """The port, weights loaded from ``reference`` (a Trace), as replay calls it: one
+        layer at a time on recorded arguments (:class:`~layerdiff.replay.calling.PortBackend`)."""
+
+    def port_model(self, case: Any, command: str) -> Any:
+        """What map-suggest and map-check need of the port model (its module paths, tensors,
+        one module run on a recorded call): see :mod:`layerdiff.replay.ports`. ``command``
+        names the tool in a refusal."""
+
+    def as_array(self, tensor: Any) -> Any:
+        """A recorded tensor (a torch tensor) as this framework's own array, for the call
+        adapters of a mapping, which rebuild a port layer's arguments."""
+
+
+def _is_torch(model: Any) -> bool:
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(model, nn.Module)
+
+
+def _is_flax(model: Any) -> bool:
+    # a Flax module exists only once flax is imported: a torch model never pays for JAX
+    nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
+    return ((nnx is not None and isinstance(model, nnx.Module))
+            or (linen is not None and isinstance(model, linen.Module)))
+
+
+# name, whether a case's model is one of its own (importing nothing), the implementing module
+_FRAMEWORKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("torch", _is_torch, "layerdiff.frameworks.torch"),
+    ("flax", _is_flax, "layerdiff.frameworks.flax"),
+)
+# a case without a model runs and records itself (an ExternalCase: numpy, JAX, a C++ binding)
+_RECORDS_ITSELF = "layerdiff.frameworks.external"
+
+
+def framework_of(case: Any) -> Framework:
+    """The framework of ``case`` (a Case, an ExternalCase, or a bare model), or a
+    :class:`CaseError` naming what the model is when no framework takes it."""
+    model = getattr(case, "model", case)
+    for _, recognises, module in _FRAMEWORKS:
+        if recognises(model):
+            return _implementation(module)
+    if model is case and callable(getattr(case, "run", None)):
+        return _implementation(_RECORDS_ITSELF)
+    name = getattr(case, "name", "") or "?"
+    known = ", ".join(name for name, _, _ in _FRAMEWORKS)
+    raise CaseError(f"case {name}: its model is a {type(model).__name__}, which no framework "
+                    f"layerdiff knows takes ({known}); give a torch.nn.Module or a Flax "
+                    "module, or an ExternalCase that records itself")
+
+
+def framework_named(name: str) -> Framework:
+    """The framework a trace's meta names (``"torch"`` where it names none)."""
+    modules = {name: module for name, _, module in _FRAMEWORKS} | {"external": _RECORDS_ITSELF}
+    if name not in modules:
+        raise CaseError(f"a trace names framework {name!r}, which this layerdiff does not know "
+                        f"({', '.join(modules)}); read it with the layerdiff that made it")
+    return _implementation(modules[name])
+
+
+def _implementation(module: str) -> Framework:
+    return importlib.import_module(module).FRAMEWORK

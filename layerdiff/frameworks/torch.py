@@ -1,0 +1,55 @@
+"""Torch behind the framework interface: hooks on ``torch.nn.Module`` calls
+(:mod:`layerdiff.capture.torch_capture`), weights set through a mapping
+(:mod:`layerdiff.weights`), layers replayed by :class:`~layerdiff.replay.torch_replay.TorchPort`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layerdiff.options import CaptureOptions
+    from layerdiff.weights import WeightsReport
+
+
+class TorchFramework:
+    name = "torch"
+    title = "a torch model"
+
+    def check_case(self, case: Any) -> None:
+        pass  # a torch case needs nothing beyond what Case checks of every case
+
+    def cast(self, case: Any, dtype: str) -> None:
+        from layerdiff.capture.precision import cast_case
+
+        cast_case(case, dtype)
+
+    def load_weights(self, case: Any, trace: str | os.PathLike, mapping: Any) -> WeightsReport:
+        from layerdiff.weights import load_weights
+
+        return load_weights(case.model, trace, mapping)
+
+    def capture(self, case: Any, path: str | os.PathLike, options: CaptureOptions) -> Path:
+        from layerdiff.capture.torch_capture import capture_torch
+
+        return capture_torch(case, path, options)
+
+    def replay_port(self, case: Any, reference: Any, mapping: Any) -> Any:
+        from layerdiff.replay.torch_replay import TorchPort
+
+        self.load_weights(case, reference.path, mapping)
+        port = TorchPort(case.model, reference)
+        port.watch_uses(case.model, case.call_model)
+        return port
+
+    def port_model(self, case: Any, command: str) -> Any:
+        from layerdiff.replay.ports import TorchModel
+
+        return TorchModel(case)
+
+    def as_array(self, tensor: Any) -> Any:
+        return tensor
+
+
+FRAMEWORK = TorchFramework()
