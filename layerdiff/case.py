@@ -87,10 +87,15 @@ class ExternalCase:
     layers: dict[str, Any] | None = None
 
 
+def is_case(value: Any) -> bool:
+    """Whether ``value`` is a case: a Case, or an ExternalCase that records itself."""
+    return isinstance(value, Case | ExternalCase)
+
+
 def _case_names(module: Any) -> list[str]:
     """What could be a case in ``module``: its own public functions and Case objects."""
     return sorted(name for name, value in vars(module).items() if not name.startswith("_") and (
-        isinstance(value, (Case, ExternalCase))
+        is_case(value)
         or (inspect.isfunction(value) and value.__module__ == module.__name__)))
 
 
@@ -139,7 +144,7 @@ def load_case(spec: str) -> Case | ExternalCase:
                         + (f"its cases: {', '.join(ordered[:12])}"
                            + (" ..." if len(ordered) > 12 else "")
                            if ordered else "it defines no case")) from None
-    if isinstance(target, (Case, ExternalCase)):
+    if is_case(target):
         case = target
     elif callable(target):
         try:
@@ -149,7 +154,7 @@ def load_case(spec: str) -> Case | ExternalCase:
         except Exception as exc:
             raise CaseError(f"case spec {spec!r}: calling {attr}() raised "
                             f"{type(exc).__name__}: {exc}") from exc
-        if not isinstance(case, (Case, ExternalCase)):
+        if not is_case(case):
             raise CaseError(f"case spec {spec!r}: {attr}() returned {type(case).__name__}, "
                             "not a layerdiff.Case")
     else:

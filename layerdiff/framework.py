@@ -34,6 +34,9 @@ class Framework(Protocol):
 
     name: str  # "torch", "flax", "external": recorded in a trace's meta
     title: str  # how a refusal names such a case: "a Flax model"
+    # True for a port that runs and records itself: layerdiff neither runs its model nor sets
+    # its weights, and a tool that must (diverge's optimizer rerun, a swap host) leaves it out
+    records_itself: bool
 
     def check_case(self, case: Any) -> None:
         """Refuse, in one sentence, a case this framework cannot run (when it is made)."""

@@ -56,11 +56,12 @@ from torch import nn
 
 import layerdiff.rng as rng
 from layerdiff.capture.modules import hook_every_call
-from layerdiff.case import Case, ExternalCase, load_case
+from layerdiff.case import Case, load_case
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
 from layerdiff.errors import CaptureError, CaseError
+from layerdiff.framework import framework_of
 from layerdiff.trace import schema
 from layerdiff.trace.schema import Pass, Role
 
@@ -160,9 +161,9 @@ def batch_independence(case: Case | str, allow: Sequence[str] = (), *, batch_axi
     started = time.perf_counter()
     if isinstance(case, str):
         case = load_case(case)
-    if isinstance(case, ExternalCase):
-        raise CaseError(f"case {case.name} records itself: batch independence calls a torch "
-                        "model's layers one by one; give a torch case")
+    if framework_of(case).name != "torch":
+        raise CaseError(f"case {case.name} is {framework_of(case).title}: batch independence "
+                        "calls a torch model's layers one by one; give a torch case")
     batch = _batch_size(case, batch_axis)
     splits = _splits(batch)
     warnings: list[str] = []

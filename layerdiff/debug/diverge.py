@@ -62,7 +62,7 @@ import torch
 from layerdiff.capture import capture
 from layerdiff.capture.modules import module_paths
 from layerdiff.capture.torch_capture import weights_meta
-from layerdiff.case import Case, ExternalCase, load_case
+from layerdiff.case import Case, ExternalCase, is_case, load_case
 from layerdiff.compare import diff
 from layerdiff.compare.hints.attach import attach_hints
 from layerdiff.compare.judge import PASSING
@@ -73,6 +73,7 @@ from layerdiff.compare.suggest import diff_options
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
+from layerdiff.framework import framework_of
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
@@ -215,12 +216,13 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     started = time.perf_counter()
     ref_case = _as_case(reference)
     port_case = _as_case(port)
-    if isinstance(ref_case, ExternalCase):
-        raise CaseError(f"reference {ref_case.name} records itself; diverge runs the reference "
-                        "as a torch module: give a torch reference case")
-    if isinstance(port_case, Case) and port_case.framework == "flax":
+    if framework_of(ref_case).name != "torch":
+        raise CaseError(f"reference {ref_case.name} is {framework_of(ref_case).title}; diverge "
+                        "runs the reference as a torch module: give a torch reference case")
+    port_framework = framework_of(port_case)
+    if not port_framework.records_itself and port_framework.name != "torch":
         # its weights are loaded, snapshot and restored as a torch module's state_dict here
-        raise CaseError(f"port {port_case.name} is a Flax NNX model, which diverge does not "
+        raise CaseError(f"port {port_case.name} is {port_framework.title}, which diverge does not "
                         "train yet (it sets and restores a port's weights as a torch "
                         f"module's); capture both for --steps {steps} (the port with "
                         "--weights-from REF.h5 and its --map) and diff the two traces, whose "
@@ -271,7 +273,7 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
         traces["golden_step"] = out / f"golden.step{first}.h5"
         _golden(ref_case, starts["reference"], traces, "golden_step", warnings,
                 steps=first + 1, record_steps={first}, progress=progress)
-    if isinstance(port_case, ExternalCase):
+    if port_framework.records_itself:  # all its steps: it cannot record only some
         capture(port_case, traces["port_step"], steps=first + 1, progress=progress)
     else:
         capture(port_case, traces["port_step"], steps=first + 1, record_steps={first},
@@ -281,7 +283,7 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     _drop_earlier_steps(step_diff, first)
     seconds["first step in full"] = time.perf_counter() - phase2
     update = None
-    if first > 0 and not isinstance(port_case, ExternalCase):
+    if first > 0 and not port_framework.records_itself:
         rerun = time.perf_counter()
         update = _rerun_update(ref_case, port_case, starts, mapping, first - 1, warnings)
         seconds["update rerun"] = time.perf_counter() - rerun
@@ -332,8 +334,8 @@ def data_needed(reference: Case, port: Case | ExternalCase,
     if not rules.code_refs():
         return DataPlan()
     ref_paths = module_paths(reference.model)
-    port_paths = (None if isinstance(port, ExternalCase) or port.framework != "torch"
-                  else module_paths(port.model))
+    port_paths = (module_paths(port.model) if framework_of(port).name == "torch"
+                  else None)
     ref_keep: set[str] = set()
     port_keep: set[str] = set()
     adapted, converted, outputs = set(), set(), set()
@@ -417,7 +419,7 @@ def _rerun_update(ref: Case, port: Case, starts: dict[str, Any],
 def _as_case(given: Case | ExternalCase | str) -> Case | ExternalCase:
     if isinstance(given, str):
         return load_case(given)
-    if not isinstance(given, (Case, ExternalCase)):
+    if not is_case(given):
         raise CaseError(f"diverge takes cases or package.module:name specs, got "
                         f"{type(given).__name__}")
     return given
@@ -427,7 +429,7 @@ def _load_port_weights(ref: Case, port: Case | ExternalCase,
                        mapping: str | os.PathLike | Mapping | None,
                        warnings: list[str]) -> dict[str, Any]:
     """Give the port the reference's starting weights; what its traces' meta records of it."""
-    if isinstance(port, ExternalCase):
+    if framework_of(port).records_itself:
         warnings.append(f"port {port.name} records itself, so it sets its own weights: they "
                         "are compared at step 0 like every other record")
         return {}
@@ -493,7 +495,7 @@ def _inputs_as(value: Any, dtype: torch.dtype) -> Any:
 
 def _snapshot(case: Case | ExternalCase) -> dict[str, torch.Tensor] | None:
     """The model's parameters and buffers before training, to start phase 2 from them."""
-    if isinstance(case, ExternalCase):
+    if framework_of(case).records_itself:
         return None  # it builds its model afresh on every run
     return {name: tensor.detach().clone() for name, tensor in case.model.state_dict().items()}
 

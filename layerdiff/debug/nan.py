@@ -49,7 +49,8 @@ from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
-from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.errors import CaptureError, CaseError, LayerdiffError
+from layerdiff.framework import framework_of
 from layerdiff.trace import schema
 from layerdiff.trace.schema import COMPUTED_ROLES, PARAM_ROLES, RESULT_ROLES, Pass, Role
 from layerdiff.trace.writer import site_scope
@@ -191,8 +192,14 @@ def find_nan(case: Case | ExternalCase | str, steps: int | None = None, *,
 
         check_writable(output)  # before the run, not after thousands of steps
     started = time.perf_counter()
-    if isinstance(case, ExternalCase):
+    framework = framework_of(case)
+    if framework.records_itself:
         watch: _Watch = _ExternalWatch(case, total, progress)
+    elif framework.name != "torch":  # its watch hooks torch modules and runs torch steps
+        raise CaseError(f"case {case.name} is {framework.title}, which nan does not run yet: "
+                        f"capture it for --steps {total} and look for the first non-finite "
+                        "record with layerdiff show, or give an ExternalCase that records "
+                        "itself")
     else:
         check_run_options(case, total, 1.0)
         watch = _TorchWatch(case, total, progress, keep_start=output is not None)

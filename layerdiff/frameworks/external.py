@@ -22,6 +22,7 @@ ACCEPTED = frozenset({"loss_scale", "steps", "summary", "queue_bytes", "progress
 class ExternalFramework:
     name = "external"
     title = "a port that records itself"
+    records_itself = True
 
     def check_case(self, case: Any) -> None:
         pass

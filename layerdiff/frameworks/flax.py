@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class FlaxFramework:
     name = "flax"
     title = "a Flax model"
+    records_itself = False
 
     def check_case(self, case: Any) -> None:
         if case.optimizer is not None and not (hasattr(case.optimizer, "init")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class TorchFramework:
     name = "torch"
     title = "a torch model"
+    records_itself = False
 
     def check_case(self, case: Any) -> None:
         pass  # a torch case needs nothing beyond what Case checks of every case
