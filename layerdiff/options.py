@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from types import MappingProxyType
 from typing import Any
 
 from layerdiff.errors import CaptureError
@@ -51,8 +50,9 @@ def _strings(value: Sequence[str] | str, name: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class CaptureOptions:
     """What a capture records (see :func:`layerdiff.capture.capture` for each option's
-    meaning). Sequences become tuples and collections frozensets, so that an options object
-    can be shared and hashed; every value is checked when the object is made."""
+    meaning). Sequences become tuples and collections frozensets, so that one options object
+    can be shared by every floor (and pickled to a spawned rank); every value is checked when
+    the object is made."""
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -84,7 +84,7 @@ class CaptureOptions:
             set_("record_steps", frozenset(int(step) for step in self.record_steps))
         if self.data_modules is not None:
             set_("data_modules", frozenset(_strings(tuple(self.data_modules), "data_modules")))
-        set_("extra_meta", MappingProxyType(dict(self.extra_meta or {})))
+        set_("extra_meta", dict(self.extra_meta or {}))  # a copy: the caller's stays theirs
         self._check()
 
     def _check(self) -> None:

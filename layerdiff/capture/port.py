@@ -17,12 +17,14 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from layerdiff.case import Case, ExternalCase
 from layerdiff.errors import CaptureError, Interrupted
 from layerdiff.framework import framework_of
+from layerdiff.options import CaptureOptions
 from layerdiff.trace.published import file_identity, published_since
 from layerdiff.weights import WeightsReport
 
@@ -34,21 +36,22 @@ OnWritten = Callable[[Path, float], None]
 
 def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
                  weights_from: str | os.PathLike | None = None,
-                 mapping: str | os.PathLike | None = None, *, dtype: str | None = None,
+                 mapping: str | os.PathLike | None = None,
+                 options: CaptureOptions | None = None, *,
                  rank: int | None = None, world_size: int | None = None,
-                 progress: bool = True, on_weights: OnWeights | None = None,
-                 on_written: OnWritten | None = None,
+                 on_weights: OnWeights | None = None, on_written: OnWritten | None = None,
                  force_routing: str | os.PathLike | None = None,
-                 on_forced: Callable[[str], None] | None = None, **options: Any) -> Path:
+                 on_forced: Callable[[str], None] | None = None, **given: Any) -> Path:
     """Capture ``case`` into ``output``, with its weights loaded from the reference trace
     ``weights_from`` first (through ``mapping`` where names differ); returns the published path.
 
-    ``case`` is a case or its spec (``package.module:name``, loaded here). ``dtype`` casts the
-    model and its inputs before the weights are loaded (a baseline). ``rank`` and
-    ``world_size`` are recorded in the trace's meta (one rank's file of a multi-rank capture,
-    see :func:`layerdiff.capture.distributed.capture_ranks`); the progress display and
-    ``on_written`` are rank 0's only. ``options`` are :func:`layerdiff.capture.capture`'s
-    (``include``, ``loss_scale``, ``steps``, ``summary``, ``ops``, ...).
+    ``case`` is a case or its spec (``package.module:name``, loaded here). ``options`` (a
+    :class:`~layerdiff.options.CaptureOptions`, or keywords that make or amend one) are
+    :func:`layerdiff.capture.capture`'s; the progress bar is on unless they turn it off.
+    ``options.dtype`` casts the model and its inputs before the weights are loaded (a
+    baseline). ``rank`` and ``world_size`` are recorded in the trace's meta (one rank's file
+    of a multi-rank capture, see :func:`layerdiff.capture.distributed.capture_ranks`); the
+    progress display and ``on_written`` are rank 0's only.
 
     ``force_routing`` is a trace whose recorded mixture-of-experts routes every router of this
     run takes (:mod:`layerdiff.capture.routes`; its routers declared by ``mapping`` or
@@ -65,27 +68,31 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     if mapping is not None and weights_from is None:
         raise CaptureError(f"the mapping {mapping} says how to load a reference's weights; "
                            "give the reference trace to load them from as well")
+    if options is None:  # a bar by default, as on the command line
+        given = {"progress": True, **given}
+    options = CaptureOptions.of(options, **given)
     if isinstance(case, str):
         case = load_case(case)
-    framework = framework_of(case)
-    if dtype:
-        framework.cast(case, dtype)  # before the weights, so that loading says what it cast
+    if options.dtype:  # before the weights, so that loading says what it cast
+        framework_of(case).cast(case, options.dtype)
     extra_meta = (_load_reference_weights(case, weights_from, mapping, on_weights)
                   if weights_from else {})
     if rank is not None:
         extra_meta.update(rank=rank, world_size=world_size)
+    changes: dict[str, Any] = {"extra_meta": {**options.extra_meta, **extra_meta},
+                               "progress": options.progress and not rank}
     if force_routing is not None:
         from layerdiff.capture.routes import forcer_from
         from layerdiff.mapping import Mapping
 
-        options["force_routing"] = forcer_from(
+        changes["force_routing"] = forcer_from(
             force_routing, Mapping.load(mapping) if mapping is not None else None)
+    options = replace(options, **changes)
     start = time.perf_counter()
     before = file_identity(output)
     try:
         with interrupt_names_partial(output):
-            path = capture(case, output, progress=progress and not rank,
-                           dtype=dtype, extra_meta=extra_meta, **options)
+            path = capture(case, output, options)
     except Interrupted:
         if not published_since(output, before):
             raise
@@ -95,7 +102,7 @@ def capture_port(case: Case | ExternalCase | str, output: str | os.PathLike,
     if on_forced is not None and force_routing is not None:
         from layerdiff.capture.routes import describe
 
-        on_forced(describe(options["force_routing"].forced()))
+        on_forced(describe(options.force_routing.forced()))
     return path
 
 

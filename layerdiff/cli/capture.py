@@ -84,6 +84,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     """
     from layerdiff.capture.distributed import capture_ranks, launched_world
     from layerdiff.capture.port import capture_port
+    from layerdiff.options import CaptureOptions
     from layerdiff.trace.manifest import rank_path
 
     refuse_inputs({"-o": output}, {"--weights-from trace": weights_from,
@@ -93,20 +94,21 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
     if ops_all and not ops:
         raise click.UsageError("--ops-all keeps more of the ops that --ops records; give --ops "
                                "GLOB too")
-    options = dict(include=include, exclude=exclude, loss_scale=loss_scale, steps=steps,
-                   summary=summary, weights=not no_weights, queue_bytes=queue_mib * 2**20,
-                   weights_from=weights_from, mapping=mapping, dtype=dtype, autocast=autocast,
-                   ops=ops, ops_all=ops_all, full_around=full_around, radius=radius,
-                   on_weights=say_weights, on_written=say_written)
-    if matmul_precision is not None:  # a JAX model's; a torch case refuses it
-        options["matmul_precision"] = matmul_precision
+    options = CaptureOptions(
+        include=include, exclude=exclude, loss_scale=loss_scale, steps=steps, summary=summary,
+        weights=not no_weights, queue_bytes=queue_mib * 2**20, progress=True, dtype=dtype,
+        autocast=autocast, ops=ops, ops_all=ops_all, full_around=full_around, radius=radius,
+        # a JAX model's; a torch case refuses any but the default
+        matmul_precision=matmul_precision or "float32")
+    port = dict(weights_from=weights_from, mapping=mapping, options=options,
+                on_weights=say_weights, on_written=say_written)
     launched = launched_world()
     if nproc is None and launched is None:
         refuse_rank_file(output, "-o")
         refuse_existing(output, "-o", force)
         capture_port(case_spec, output, force_routing=force_routing,
                      on_forced=lambda said: click.echo(f"routing from {force_routing}: {said}"),
-                     **options)
+                     **port)
         return
     if force_routing:
         raise click.UsageError("--force-routing captures one process; it does not apply under "
@@ -119,7 +121,7 @@ def capture_command(case_spec: str, output: str, include: tuple[str, ...],
             refuse_rank_file(path, "-o", rewritten=output)
             refuse_existing(str(path), "-o", force)
     start = time.perf_counter()
-    published = capture_ranks(case_spec, output, nproc=nproc, **options)
+    published = capture_ranks(case_spec, output, nproc=nproc, **port)
     if published is not None:
         click.echo(f"wrote manifest {published} naming {world} rank files in "
                    f"{time.perf_counter() - start:.2f} s")

@@ -236,7 +236,28 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
     explain_origins(origins, routers, ref, reader, ["layerdiff", "diff", str(ref.path),
                     str(port.path), *diff_options(mapping, tolerances)])
     explain_weighting(origins, routers, ref, reader)
-    meta = {
+    meta = _diff_meta(ref, port, mapping, tolerances, baseline, rows, sites, routers, padded,
+                      origins, first_step, converted_said)
+    judging = {"dropped": records.excused, "port_missing": records.port_missing,
+               "extra_norms": records.norms}
+    found = R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
+                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
+                  unjudgeable_sites(rows, ref_index, dropped=records.excused,
+                                    port_missing=records.port_missing),
+                  judging=judging)
+    found.positions = by_position
+    found.padding = padding.position_marks(padded, by_position)
+    return found
+
+
+def _diff_meta(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
+               baseline: Baseline | None, rows: pd.DataFrame, sites, routers, padded,
+               origins: list, first_step: int | None, converted_said: list[str]
+               ) -> dict[str, Any]:
+    """What a diff's result says of how it was made: the loss scales, mapping, tolerances,
+    site counts, warnings, the precision hint, routing and padding, and the commands to run
+    next."""
+    return {
         "loss_scale": {"reference": ref.loss_scale, "port": port.loss_scale},
         "mapping": (None if not mapping.path else f"{mapping.path} ({mapping.origin})"
                     if mapping.origin else str(mapping.path)),
@@ -264,16 +285,6 @@ def _diff(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances,
         "full_commands": full_commands(ref, port, origins, first_step,
                                        diff_options(mapping, tolerances)),
     }
-    judging = {"dropped": records.excused, "port_missing": records.port_missing,
-               "extra_norms": records.norms}
-    found = R.Diff(ref.path, port.path, rows, origins, unmatched, first_step, meta,
-                  pd.DataFrame(records.not_taken, columns=R.NOT_TAKEN_COLUMNS), pairs, unjudged,
-                  unjudgeable_sites(rows, ref_index, dropped=records.excused,
-                                    port_missing=records.port_missing),
-                  judging=judging)
-    found.positions = by_position
-    found.padding = padding.position_marks(padded, by_position)
-    return found
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:

@@ -142,19 +142,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     forward_all = [s for s in sites.values() if _forward_candidate(s)]
     backward_all = [s for s in sites.values() if _backward_candidate(s, sites, independent)]
     unjudged = [s for s in forward_all + backward_all if _cannot_judge(s)]
-    # a container around a site that cannot be judged cannot be judged either, in that pass:
-    # the fault may be that site's (an attention whose rotary tables have no partner, inside
-    # its block). A child unjudged only backward (a weight gradient at a projection whose
-    # output has no partner) says nothing of the container's forward.
-    blocked: dict[str, list[_Site]] = {}
-    for pass_, candidates in ((Pass.FORWARD, forward_all), (Pass.BACKWARD, backward_all)):
-        inner = [s for s in candidates if s in unjudged]
-        around = {a: s.name for s in inner for a in _ancestors(s.name, parents)}
-        blocked[pass_] = list(inner)
-        for site in candidates:
-            if site.name in around and site not in unjudged:
-                site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
-                blocked[pass_].append(site)
+    blocked = _blocked(forward_all, backward_all, unjudged, parents)
     forward = [s for s in forward_all if s not in blocked[Pass.FORWARD]]
     backward = [s for s in backward_all if s not in blocked[Pass.BACKWARD]]
     if norms and not independent:
@@ -172,6 +160,39 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
         origin = _origin(rows, site, step, Role.WEIGHT, _weight_reason(step, words))
         origin.holders = sorted(weight_holders.get(site.name, []))
         origins.append(origin)
+    origins += _pass_origins(rows, forward, backward, weight_origins, parents, sites, step,
+                             words)
+    _mark_unjudged(rows, unjudged, blocked)
+    _mark(rows, origins, sites, step, failing)
+    return origins, step
+
+
+def _blocked(forward: list[_Site], backward: list[_Site], unjudged: list[_Site],
+             parents: dict[str, str]) -> dict[str, list[_Site]]:
+    """Per pass, the candidates that cannot be judged and the containers around them.
+
+    A container around a site that cannot be judged cannot be judged either, in that pass:
+    the fault may be that site's (an attention whose rotary tables have no partner, inside
+    its block). A child unjudged only backward (a weight gradient at a projection whose
+    output has no partner) says nothing of the container's forward."""
+    blocked: dict[str, list[_Site]] = {}
+    for pass_, candidates in ((Pass.FORWARD, forward), (Pass.BACKWARD, backward)):
+        inner = [s for s in candidates if s in unjudged]
+        around = {a: s.name for s in inner for a in _ancestors(s.name, parents)}
+        blocked[pass_] = list(inner)
+        for site in candidates:
+            if site.name in around and site not in unjudged:
+                site.why_missing.append(f"it holds {around[site.name]}, which cannot be judged")
+                blocked[pass_].append(site)
+    return blocked
+
+
+def _pass_origins(rows: pd.DataFrame, forward: list[_Site], backward: list[_Site],
+                  weight_origins: list[_Site], parents: dict[str, str],
+                  sites: dict[str, _Site], step: int, words: Words) -> list[R.Origin]:
+    """The forward origins (innermost, a site with wrong weights counting as one for
+    nesting), then the backward ones, each in its pass's order."""
+    origins: list[R.Origin] = []
     for group, role_order, reason in ((forward, (Role.OUTPUT,), _forward_reason),
                                       (backward, COMPUTED_GRAD_ROLES,
                                        _backward_reason)):
@@ -192,9 +213,7 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
             origin = _origin(rows, site, step, role, text)
             origin.holders = sorted(holders.get(site.name, []))
             origins.append(origin)
-    _mark_unjudged(rows, unjudged, blocked)
-    _mark(rows, origins, sites, step, failing)
-    return origins, step
+    return origins
 
 
 def unjudgeable_sites(rows: pd.DataFrame, ref_index: pd.DataFrame, *,

@@ -73,7 +73,7 @@ from layerdiff.compare.suggest import diff_options
 from layerdiff.compare.tolerances import Tolerances
 from layerdiff.debug.optimizer_update import UpdateEvidence, compare_update
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError
-from layerdiff.framework import framework_of
+from layerdiff.framework import Framework, framework_of
 from layerdiff.mapping import Mapping
 from layerdiff.outputs import make_folder
 from layerdiff.trace import open_trace, schema
@@ -216,20 +216,7 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     started = time.perf_counter()
     ref_case = _as_case(reference)
     port_case = _as_case(port)
-    if framework_of(ref_case).name != "torch":
-        raise CaseError(f"reference {ref_case.name} is {framework_of(ref_case).title}; diverge "
-                        "runs the reference as a torch module: give a torch reference case")
-    port_framework = framework_of(port_case)
-    if not port_framework.records_itself and port_framework.name != "torch":
-        # its weights are loaded, snapshot and restored as a torch module's state_dict here
-        raise CaseError(f"port {port_case.name} is {port_framework.title}, which diverge does not "
-                        "train yet (it sets and restores a port's weights as a torch "
-                        f"module's); capture both for --steps {steps} (the port with "
-                        "--weights-from REF.h5 and its --map) and diff the two traces, whose "
-                        "first failing step is the one diverge would name")
-    if steps < 1:
-        raise CaseError(f"--steps must be at least 1 (got {steps}) to diverge {port_case.name} "
-                        f"from {ref_case.name}")
+    port_framework = _refuse(ref_case, port_case, steps)
     out = make_folder(output_dir if output_dir is not None else tempfile.mkdtemp(
         prefix="layerdiff-diverge-"), "-o")
     warnings: list[str] = []
@@ -265,19 +252,8 @@ def diverge(reference: Case | str, port: Case | ExternalCase | str, *,
     phase2 = time.perf_counter()
     for side, case in (("reference", ref_case), ("port", port_case)):
         _restore(case, starts[side])
-    traces["reference_step"] = out / f"reference.step{first}.h5"
-    traces["port_step"] = out / f"port.step{first}.h5"
-    capture(ref_case, traces["reference_step"], steps=first + 1, record_steps={first},
-            progress=progress)
-    if golden:
-        traces["golden_step"] = out / f"golden.step{first}.h5"
-        _golden(ref_case, starts["reference"], traces, "golden_step", warnings,
-                steps=first + 1, record_steps={first}, progress=progress)
-    if port_framework.records_itself:  # all its steps: it cannot record only some
-        capture(port_case, traces["port_step"], steps=first + 1, progress=progress)
-    else:
-        capture(port_case, traces["port_step"], steps=first + 1, record_steps={first},
-                progress=progress, extra_meta=extra_meta)
+    _capture_step(ref_case, port_case, first, out, traces, golden and starts["reference"],
+                  warnings, progress, extra_meta)
     step_diff = _diff(traces, "reference_step", "port_step", "golden_step", mapping,
                       tolerances, warnings)
     _drop_earlier_steps(step_diff, first)
@@ -414,6 +390,45 @@ def _rerun_update(ref: Case, port: Case, starts: dict[str, Any],
 
 
 # ---- the cases and their weights
+
+
+def _refuse(ref_case: Case, port_case: Case | ExternalCase, steps: int) -> Framework:
+    """One sentence for cases diverge cannot train; the port's framework otherwise."""
+    if framework_of(ref_case).name != "torch":
+        raise CaseError(f"reference {ref_case.name} is {framework_of(ref_case).title}; diverge "
+                        "runs the reference as a torch module: give a torch reference case")
+    port_framework = framework_of(port_case)
+    if not port_framework.records_itself and port_framework.name != "torch":
+        # its weights are loaded, snapshot and restored as a torch module's state_dict here
+        raise CaseError(f"port {port_case.name} is {port_framework.title}, which diverge does not "
+                        "train yet (it sets and restores a port's weights as a torch "
+                        f"module's); capture both for --steps {steps} (the port with "
+                        "--weights-from REF.h5 and its --map) and diff the two traces, whose "
+                        "first failing step is the one diverge would name")
+    if steps < 1:
+        raise CaseError(f"--steps must be at least 1 (got {steps}) to diverge {port_case.name} "
+                        f"from {ref_case.name}")
+    return port_framework
+
+
+def _capture_step(ref_case: Case, port_case: Case | ExternalCase, first: int, out: Path,
+                  traces: dict[str, Path], golden_start: dict[str, torch.Tensor] | bool,
+                  warnings: list[str], progress: bool, extra_meta: dict[str, Any]) -> None:
+    """Phase 2's traces: step ``first`` in full, from the same start (the float64 reference
+    too, from ``golden_start``, unless it is False)."""
+    traces["reference_step"] = out / f"reference.step{first}.h5"
+    traces["port_step"] = out / f"port.step{first}.h5"
+    capture(ref_case, traces["reference_step"], steps=first + 1, record_steps={first},
+            progress=progress)
+    if golden_start is not False:
+        traces["golden_step"] = out / f"golden.step{first}.h5"
+        _golden(ref_case, golden_start, traces, "golden_step", warnings,
+                steps=first + 1, record_steps={first}, progress=progress)
+    if framework_of(port_case).records_itself:  # all its steps: it cannot record only some
+        capture(port_case, traces["port_step"], steps=first + 1, progress=progress)
+    else:
+        capture(port_case, traces["port_step"], steps=first + 1, record_steps={first},
+                progress=progress, extra_meta=extra_meta)
 
 
 def _as_case(given: Case | ExternalCase | str) -> Case | ExternalCase:
