@@ -1,13 +1,14 @@
-"""The one place the mapping tools choose a port's framework: ``port_model(case)`` gives a
-small object with what ``map-check`` and ``map-suggest`` need of a port model, whatever it is
+"""What the mapping tools need of a port model: ``port_model(case)`` asks the case's framework
+(:func:`layerdiff.framework.framework_of`) for a small object with what ``map-check`` and
+``map-suggest`` need of a port model, whatever it is
 written in -- its module paths and classes, its tensors' names and shapes resolved through a
 mapping, a tensor set and everything put back, one module run on the reference's recorded
 call (``replayer``), its case's forward with every module call seen, and the arrays of what a
 module returned as numpy.
 
 :class:`TorchModel` serves a ``torch.nn.Module``; :class:`FlaxModel` a Flax NNX module (JAX is
-imported only when one is made). A case of neither, or an ``ExternalCase`` that records itself,
-is refused in one sentence (:class:`~layerdiff.errors.CaseError`: exit 2 on the command line).
+imported only when one is made). A port that records itself is refused by its framework in one
+sentence (:class:`~layerdiff.errors.CaseError`: exit 2 on the command line).
 """
 
 from __future__ import annotations
