@@ -220,7 +220,9 @@ class LinenModel(FlaxModel):
     framework = "flax"
 
     def __init__(self, case: Case) -> None:
-        self.case, self.model = case, case.model
+        from layerdiff.flax import port  # arrays as numpy, whichever Flax API made them
+
+        self.case, self.model, self._port = case, case.model, port
         self._graph: linen.LinenGraph | None = None
 
     @property
