@@ -27,6 +27,7 @@ of each is kept for replay (:mod:`layerdiff.replay.linen_replay`).
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,7 +379,7 @@ def _meta(case: Case, graph: LinenGraph, variables: dict[str, Any],
         "default_dtype": "float64" if jax.config.jax_enable_x64 else "float32",
         "model_dtype": model_dtype,
         "autocast": None,
-        "machine": __import__("platform").machine(),
+        "machine": platform.machine(),
         "matmul_precision": precision,
         "uncalled_weights": "ancestor",
         Role.GRAD_OUTPUT: "outside",
