@@ -118,3 +118,37 @@ def bug_layernorm_eps() -> Case:
 
 def as_numpy(tree: dict) -> dict:
     return jax.tree.map(np.asarray, tree)
+
+
+# ---- a tied head: tests.replay_alone_cases:gpt (torch, ``x @ self.tok.weight.T`` in its
+# root) ported to Linen as Linen ties one, ``tok.attend(x)`` in the root's own code
+
+class TiedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from tests.replay_alone_cases import DIM
+
+        return x + jax.numpy.tanh(nn.Dense(DIM, name="fc")(x))
+
+
+class TiedGPT(nn.Module):
+    @nn.compact
+    def __call__(self, idx: jax.Array) -> jax.Array:
+        from tests.replay_alone_cases import DIM, VOCAB
+
+        tok = nn.Embed(VOCAB, DIM, name="tok")
+        x = TiedBlock(name="block")(tok(idx))
+        x = nn.LayerNorm(epsilon=TORCH_EPS, use_fast_variance=False, name="norm")(x)
+        return tok.attend(x)
+
+
+def tied_gpt() -> Case:
+    from tests.replay_alone_cases import VOCAB, _tokens
+
+    tokens = _tokens().numpy()
+    targets = np.asarray(torch.randint(0, VOCAB, tokens.shape,
+                                       generator=torch.Generator().manual_seed(4)))
+    model = TiedGPT()
+    return Case(model=model, params=model.init(jax.random.key(SEED), tokens), inputs=(tokens,),
+                loss_fn=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+                    logits, targets).mean(), seed=SEED, name="tests.flax_linen_cases:tied_gpt")

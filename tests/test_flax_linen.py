@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from layerdiff import Case, diff
+from layerdiff import Case, diff, load_case
 from layerdiff.capture.port import capture_port
 from layerdiff.errors import CaptureError, CaseError
 from layerdiff.replay import replay
@@ -23,6 +23,7 @@ from tests.flax_linen_cases import CLASSES
 
 MAP = "tests/flax_linen.map.toml"
 UNTRANSPOSED = "tests/flax_linen_untransposed.map.toml"
+TIED_MAP = "tests/flax_tied.map.toml"   # kernel, scale, embedding <- weight: any model
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,24 @@ def test_a_linen_case_without_its_variables_is_refused_in_one_sentence():
     with pytest.raises(CaseError, match=r"Flax Linen module.*params=<its variables dict>"):
         Case(model=nn.Dense(CLASSES), inputs=(np.ones((2, 3), np.float32),),
              loss_fn=lambda y: jnp.sum(y))
+
+
+def test_a_tied_head_used_through_attend_in_the_roots_code_is_judged_as_for_nnx(
+        reference_traces, tmp_path):
+    """The root attends with tok's embedding after calling tok: no replayed call makes that
+    part of the reference's recorded gradient, so it is set aside (or split with the
+    reference case), never a local error at tok."""
+    ref = reference_traces("tests.replay_alone_cases:gpt")
+    trace = capture_port(cases.tied_gpt(), tmp_path / "tied.h5", weights_from=ref,
+                         mapping=TIED_MAP, progress=False)
+    assert diff(ref, trace, mapping=TIED_MAP)
+    alone = replay(ref, cases.tied_gpt(), mapping=TIED_MAP)
+    assert alone, alone.local
+    assert dict(alone.skipped)["tok#0 weight_grad embedding"].startswith(
+        "cannot judge alone: tok.embedding is also used at <root>")
+    split = replay(ref, cases.tied_gpt(), mapping=TIED_MAP,
+                   reference_case=load_case("tests.replay_alone_cases:gpt"))
+    assert split, split.local
+    assert not split.skipped and split.notes == [
+        "tok.embedding is also used at <root>: judged on what the calls of tok alone make, on "
+        "both sides"]

@@ -21,7 +21,10 @@ How a Linen step is recorded, with what :mod:`layerdiff.flax.capture` uses for N
 
 The module paths and classes come from one abstract run (``jax.eval_shape``: no arithmetic)
 with every method call seen; modules exist only while Linen applies them, so an unbound clone
-of each is kept for replay (:mod:`layerdiff.replay.linen_replay`).
+of each is kept for replay (:mod:`layerdiff.replay.linen_replay`). The same run finds the
+parameters a module's code uses through another module's method (a tied head,
+``self.tok.attend(x)`` in the root's code, after the root called ``tok``): replay of no call
+makes that part of the recorded gradient (:mod:`layerdiff.flax.reads` for NNX, same rule).
 """
 
 from __future__ import annotations
@@ -163,6 +166,9 @@ class LinenGraph:
     clones: dict[str, nn.Module]
     owned: dict[str, list[Owned]]
     shared: list[Any] = field(default_factory=list)  # Linen shares by scope: no aliases
+    # (owner module, parameter) -> the modules whose own code uses it where no call on the
+    # stack makes its gradient (see :class:`_Uses`)
+    outside: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
     def shared_parameters(self, selected: set[str]) -> list[dict[str, Any]]:
         return []
@@ -171,6 +177,7 @@ class LinenGraph:
     def of(cls, model: nn.Module, variables: Mapping[str, Any], inputs: tuple | dict
            ) -> LinenGraph:
         seen: dict[str, tuple[str, nn.Module]] = {}
+        uses = _Uses(variables)
 
         def interceptor(next_fun: Callable[..., Any], args: tuple, kwargs: dict,
                         context: Any) -> Any:
@@ -178,7 +185,7 @@ class LinenGraph:
             if path not in seen and context.method_name != "setup":
                 seen[path] = (type(context.module).__name__, context.module.clone(
                     parent=None, _deep_clone=True, _reset_names=True, name=None))
-            return next_fun(*args, **kwargs)
+            return uses.run(next_fun, args, kwargs, context)
 
         def run(variables: Any) -> Any:
             with nn.intercept_methods(interceptor):
@@ -191,7 +198,49 @@ class LinenGraph:
             if owner not in seen:
                 paths.append(owner)
         return cls([(path, seen[path][0] if path in seen else "Module") for path in paths],
-                   {path: clone for path, (_, clone) in seen.items()}, owned)
+                   {path: clone for path, (_, clone) in seen.items()}, owned,
+                   outside=uses.outside)
+
+
+class _Uses:
+    """Where a module's code uses another module's parameters through one of its methods
+    other than ``__call__`` (``tok.attend``). Replaying a call makes the gradient of a
+    parameter its code reaches unless the parameter's module is, or lies under, a child that
+    call called (that child's replay makes it): a use for which no call on the stack makes it
+    is outside, at the innermost call's module -- :func:`layerdiff.flax.graph.under_called`'s
+    rule, as :mod:`layerdiff.flax.reads` applies it to NNX."""
+
+    def __init__(self, variables: Mapping[str, Any]) -> None:
+        self.params: dict[tuple[str, ...], list[str]] = {}
+        for path in flat_variables({PARAMS: variables.get(PARAMS, {})}):
+            self.params.setdefault(path[1:-1], []).append(path[-1])
+        self.stack: list[tuple[tuple[str, ...], set[tuple[str, ...]]]] = []
+        self.outside: dict[tuple[str, str], list[str]] = {}
+
+    def run(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict,
+            context: Any) -> Any:
+        path = tuple(context.module.scope.path)
+        if context.method_name == "__call__":
+            for _, called in self.stack:
+                called.add(path)
+            self.stack.append((path, set()))
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                self.stack.pop()
+        if context.method_name != "setup" and self.stack and path in self.params and not any(
+                self._makes(frame, called, path) for frame, called in self.stack):
+            for name in self.params[path]:
+                where = self.outside.setdefault((module_name(path), name), [])
+                if module_name(self.stack[-1][0]) not in where:
+                    where.append(module_name(self.stack[-1][0]))
+        return next_fun(*args, **kwargs)
+
+    @staticmethod
+    def _makes(frame: tuple[str, ...], called: set[tuple[str, ...]],
+               owner: tuple[str, ...]) -> bool:
+        return owner[:len(frame)] == frame and not any(
+            len(child) > len(frame) and owner[:len(child)] == child for child in called)
 
 
 def _owned(variables: Mapping[str, Any]) -> dict[str, list[Owned]]:

@@ -69,7 +69,9 @@ class LinenPort(FlaxPort):
         self._grad_sums: dict[str, dict[str, jax.Array]] = {}
         self._port_signatures: dict[str, Any] = {}
         self._ref_signatures: dict[str, Any] = {}
-        self._outside: dict[tuple[str, str], list[str]] = {}
+        # (owner, name) -> port modules whose own code uses it where no replayed call makes
+        # its gradient (a tied head's attend in the root's code): set aside or split
+        self._outside: dict[tuple[str, str], list[str]] = dict(graph.outside)
         self.set_aside: list[tuple[str, str]] = []
         self.notes: list[str] = []
         self.reference_alone = None
@@ -79,9 +81,6 @@ class LinenPort(FlaxPort):
 
     def type_of(self, module: str) -> str:
         return self._types[module]
-
-    def watch_uses(self, case: Case) -> None:
-        """Not looked for in a Linen port yet (see docs/jax.md, "Linen ports")."""
 
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
