@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("flax")
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
@@ -130,3 +131,21 @@ def test_a_tied_head_used_through_attend_in_the_roots_code_is_judged_as_for_nnx(
     assert not split.skipped and split.notes == [
         "tok.embedding is also used at <root>: judged on what the calls of tok alone make, on "
         "both sides"]
+
+
+class _Dropping(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dropout(0.5, deterministic=False, name="drop")(nn.Dense(3, name="fc")(x))
+
+
+def test_a_dropout_that_is_on_is_refused_in_one_sentence_naming_its_site(tmp_path):
+    x = np.ones((2, 3), np.float32)
+    model = _Dropping()
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    case = Case(model=model, params=variables, inputs=(x,), loss_fn=lambda y: jnp.sum(y),
+                name="dropping")
+    with pytest.raises(CaptureError, match=r"InvalidRngError.* inside site drop#0 .*"
+                                           r"deterministic=True") as refused:
+        capture_port(case, tmp_path / "drop.h5", progress=False)
+    assert "\n" not in str(refused.value)

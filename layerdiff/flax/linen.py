@@ -191,7 +191,20 @@ class LinenGraph:
             with nn.intercept_methods(interceptor):
                 return apply(model, variables, inputs)
 
-        jax.eval_shape(run, variables)
+        try:
+            jax.eval_shape(run, variables)
+        except LayerdiffError:
+            raise
+        except Exception as exc:
+            if interrupt_inside(exc) is not None:
+                raise KeyboardInterrupt from exc
+            where = f" inside site {uses.failed}#0" if uses.failed else ""
+            rng = (" (layerdiff gives a Linen apply no random streams: run the port with its "
+                   "dropout off, deterministic=True, as the reference compares with it off)"
+                   if type(exc).__name__ == "InvalidRngError" else "")
+            raise CaptureError(f"{type(model).__name__}: the Linen model raised "
+                               f"{type(exc).__name__}: {str(exc).splitlines()[0]}{where} in "
+                               f"the run that lists its modules{rng}") from exc
         owned = _owned(variables)
         paths = list(seen)
         for owner in owned:  # a module never called whose variables exist: after its parent
@@ -216,6 +229,7 @@ class _Uses:
             self.params.setdefault(path[1:-1], []).append(path[-1])
         self.stack: list[tuple[tuple[str, ...], set[tuple[str, ...]]]] = []
         self.outside: dict[tuple[str, str], list[str]] = {}
+        self.failed = ""  # the innermost call that raised
 
     def run(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict,
             context: Any) -> Any:
@@ -226,6 +240,9 @@ class _Uses:
             self.stack.append((path, set()))
             try:
                 return next_fun(*args, **kwargs)
+            except Exception:
+                self.failed = self.failed or module_name(path)
+                raise
             finally:
                 self.stack.pop()
         if context.method_name != "setup" and self.stack and path in self.params and not any(
