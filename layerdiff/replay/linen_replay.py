@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import errors as flax_errors
 from flax import linen as nn
@@ -121,13 +122,15 @@ class LinenPort(FlaxPort):
             if arg in recorded and _floating(value):
                 grad = read_value(self.ref, recorded[arg])
                 writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
-                cotangents.append(jax.numpy.asarray(grad, dtype=value.dtype).reshape(
+                cotangents.append(jnp.asarray(grad, dtype=value.dtype).reshape(
                     value.shape))
             elif value is None:
                 cotangents.append(None)
             else:
-                cotangents.append(jax.numpy.zeros_like(value) if _floating(value) else
-                                  np.zeros(np.shape(value), dtype=jax.dtypes.float0))
+                # no gradient came to it; an integer output takes float0's empty cotangent
+                float0 = jax.dtypes.float0
+                cotangents.append(jnp.zeros_like(value) if _floating(value) else
+                                  np.zeros(np.shape(value), dtype=float0))
         with jax.default_matmul_precision(MATMUL_PRECISION):
             param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
         for arg, grad in input_grads.items():
