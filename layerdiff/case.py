@@ -37,6 +37,8 @@ class Case:
     or JAX arrays, ``loss_fn`` returns a scalar JAX array, and ``optimizer`` is an optax
     ``GradientTransformation`` (``optax.sgd(0.1)``), not a factory; ``capture`` records it
     through :mod:`layerdiff.flax.capture`. Telling the two apart never imports JAX.
+    ``params`` is a Flax Linen module's variables dict (``model.init(...)``'s), which a
+    Linen ``model`` needs beside it (:mod:`layerdiff.flax.linen`); None for every other model.
     """
 
     model: nn.Module | Any
@@ -47,6 +49,7 @@ class Case:
     optimizer: OptimizerFactory | Any | None = None
     clip_grad_norm: float | None = None
     name: str = ""
+    params: Any = None
 
     def __post_init__(self) -> None:
         framework_of(self).check_case(self)  # a model no framework takes: refused here

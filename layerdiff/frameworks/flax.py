@@ -1,11 +1,18 @@
-"""Flax NNX behind the framework interface: every submodule call recorded through custom-VJP
-taps (:mod:`layerdiff.flax.capture`), weights set through a mapping
-(:mod:`layerdiff.flax.weights`), layers replayed as pure functions under ``jax.vjp``
-(:mod:`layerdiff.replay.flax_replay`). JAX is imported only once a Flax case is in hand."""
+"""Flax behind the framework interface, NNX and Linen alike: every submodule call recorded
+through custom-VJP taps (:mod:`layerdiff.flax.capture`; Linen's through its method interceptor,
+:mod:`layerdiff.flax.linen`), weights set through a mapping (:mod:`layerdiff.flax.weights`; a
+Linen case's ``params`` replaced), layers replayed as pure functions under ``jax.vjp``
+(:mod:`layerdiff.replay.flax_replay`, :mod:`layerdiff.replay.linen_replay`). JAX is imported
+only once a Flax case is in hand.
+
+Linen is dispatched here rather than given a framework of its own: both write the same trace
+(meta ``framework = "flax"``), take the same options, mappings and call adapters (JAX arrays),
+so a trace's framework names one implementation whichever API made the port."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,39 +34,61 @@ class FlaxFramework:
             raise CaseError(f"case {case.name or '?'}: a Flax model's optimizer must be "
                             "an optax GradientTransformation (optax.sgd(0.1)), got "
                             f"{type(case.optimizer).__name__}")
-        from flax import nnx
+        if _is_linen(case.model):
+            from layerdiff.flax.linen import check_variables
 
-        if not isinstance(case.model, nnx.Module):
-            raise CaseError(f"case {case.name or '?'}: {type(case.model).__name__} is a "
-                            "Flax Linen module, which layerdiff does not capture (its "
-                            "parameters live outside the module and its submodules exist "
-                            "only during apply); port it to flax.nnx, or record it with "
-                            "an ExternalCase")
+            check_variables(case)
+        elif getattr(case, "params", None) is not None:
+            raise CaseError(f"case {case.name or '?'}: {type(case.model).__name__} is a Flax "
+                            "NNX module, which holds its own variables: leave the Case's "
+                            "params out (it is for a Linen module's variables dict)")
 
     def cast(self, case: Any, dtype: str) -> None:
+        if _is_linen(case.model):
+            from layerdiff.flax.linen import cast_linen_case
+
+            return cast_linen_case(case, dtype)
         from layerdiff.flax.capture import cast_nnx_case
 
         cast_nnx_case(case, dtype)
 
     def load_weights(self, case: Any, trace: str | os.PathLike, mapping: Any) -> WeightsReport:
+        if _is_linen(case.model):
+            from layerdiff.flax.linen import load_linen_weights
+
+            return load_linen_weights(case, trace, mapping)
         from layerdiff.flax.weights import load_nnx_weights
 
         return load_nnx_weights(case.model, trace, mapping)
 
     def capture(self, case: Any, path: str | os.PathLike, options: CaptureOptions) -> Path:
+        if _is_linen(case.model):
+            from layerdiff.flax.linen import capture_linen
+
+            return capture_linen(case, path, options)
         from layerdiff.flax.capture import capture_nnx
 
         return capture_nnx(case, path, options)
 
     def replay_port(self, case: Any, reference: Any, mapping: Any) -> Any:
+        self.load_weights(case, reference.path, mapping)
+        if _is_linen(case.model):
+            from layerdiff.flax.linen import LinenGraph, jax_inputs, plain
+            from layerdiff.replay.linen_replay import LinenPort
+
+            graph = LinenGraph.of(case.model, plain(case.params), jax_inputs(case.inputs))
+            return LinenPort(graph, lambda: case.params, reference)
         from layerdiff.replay.flax_replay import FlaxPort
 
-        self.load_weights(case, reference.path, mapping)
         port = FlaxPort(case.model, reference)
         port.watch_uses(case)
         return port
 
     def port_model(self, case: Any, command: str) -> Any:
+        if _is_linen(case.model):
+            from layerdiff.replay.linen_replay import LinenModel
+
+            return LinenModel(case)
         from layerdiff.replay.ports import FlaxModel
 
         return FlaxModel(case)
@@ -68,6 +97,12 @@ class FlaxFramework:
         from layerdiff.flax.port import as_jax
 
         return as_jax(tensor)
+
+
+def _is_linen(model: Any) -> bool:
+    # flax.linen is imported where a Linen module exists; an NNX case need not load it
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)
 
 
 FRAMEWORK = FlaxFramework()
