@@ -6,8 +6,10 @@ A port layer goes in holding the reference's weights (through the mapping), behi
 own signature (or the mapping's call adapter for the site), its own dtype, the replaced
 layer's output structure. A layer that is not torch
 (per-site numpy callables) goes in through a ``torch.autograd.Function`` around its forward and
-backward, with its weights as parameters so the optimizer trains them. The reverse direction
-(``into="port"``) puts reference layers into the port, to confirm a fix.
+backward, with its weights as parameters so the optimizer trains them; a Flax NNX port's layer
+goes in the same way, its ``jax.vjp`` making the backward
+(:mod:`layerdiff.replay.flax_in_torch`, chosen in one place: :func:`port_layer_for`). The
+reverse direction (``into="port"``) puts reference layers into a torch port, to confirm a fix.
 
 Every comparison is keyed like a trace record (step, site, role, argument) and judged by
 :mod:`layerdiff.compare.judge` with the tolerance a diff of those records would use: the
@@ -214,7 +216,9 @@ class Swapper:
         self._baseline_judges: dict[int, Baseline] = {}
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
-        _refuse_flax(probe_ref, probe_port, mapping=self.mapping)
+        _refuse_flax_reference(probe_ref, probe_port)
+        self.port_is_flax = is_nnx_module(getattr(probe_port, "model", None))
+        self.port_name = getattr(probe_port, "name", None) or "the port"
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
         # what each model's modules return, and in which order they are first called
@@ -222,9 +226,14 @@ class Swapper:
             self.make_reference())
         self.port_order, self.port_outputs, self.port_sizes = list(self.port_modules), {}, {}
         self._port_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-        if not isinstance(probe_port, ExternalCase):
-            # a port that cannot run whole may still swap layer by layer: then every module
-            # counts as called
+        # a port that cannot run whole may still swap layer by layer: then every module
+        # counts as called
+        if self.port_is_flax:
+            from layerdiff.replay.flax_in_torch import observe
+
+            with contextlib.suppress(Exception):
+                self.port_order, self._port_shapes = observe(self.make_port())
+        elif not isinstance(probe_port, ExternalCase):
             with contextlib.suppress(Exception):
                 (self.port_order, self.port_outputs, self._port_shapes,
                  self.port_sizes) = _observe(self.make_port())
@@ -287,6 +296,10 @@ class Swapper:
             into: SwapDirection | str = SwapDirection.REFERENCE) -> SwapResult:
         """The host case with ``modules`` (reference names) swapped, against the reference."""
         into = SwapDirection.parse(into)
+        if into == SwapDirection.PORT and self.port_is_flax:
+            raise DiffError(f"case {self.port_name} is a Flax NNX model, and a torch "
+                            "reference layer cannot run inside its JAX computation (--into "
+                            "port); swap its layers into the reference instead")
         modules = _outermost([self.resolve(m) for m in modules])
         if steps is not None and steps < 1:
             raise DiffError(f"--steps must be at least 1 (got {steps})")
@@ -369,8 +382,7 @@ class Swapper:
         if into == SwapDirection.REFERENCE:
             host = self.make_reference()
             donor = self.make_port()  # one port for all the swapped layers of this run
-            if not isinstance(donor, ExternalCase):
-                load_weights_from(donor.model, self._reference_state, self.mapping)
+            _load_port(donor, self._reference_state, self.mapping)
         else:
             donor = self.make_reference()
             host = self.make_port()
@@ -426,7 +438,7 @@ class Swapper:
                                      "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map,
                                  replaced=replaced)
-        layer = get_module(donor.model, port_module)
+        layer = port_layer_for(donor, port_module)
         return LayerAdapter(ref_module, layer, args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
@@ -578,6 +590,10 @@ class Swapper:
         if isinstance(port, ExternalCase):
             names = set(port.layers)
             port_leaves = {n for n in names if not any(o.startswith(n + ".") for o in names)}
+        elif self.port_is_flax:
+            from layerdiff.replay.flax_in_torch import leaf_paths
+
+            port_leaves = leaf_paths(port.model) - {schema.ROOT_MODULE}
         else:
             port_leaves = {path for path, module in named_modules(port.model)
                            if path != schema.ROOT_MODULE and is_leaf(module)}
@@ -723,17 +739,40 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
             "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
 
 
-def _refuse_flax(*cases: Any, mapping: Mapping | None = None) -> None:
-    """Swap and bisect run port layers inside the torch reference's autograd: torch only. The
-    replay command offered instead carries the mapping, which it needs as much."""
-    with_map = f" --map {mapping.path}" if mapping is not None and mapping.path else ""
-    for case in cases:
-        if is_nnx_module(getattr(case, "model", None)):
-            raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
-                            "run port layers inside a torch model, so they take torch cases "
-                            "only; run `layerdiff replay REF.h5 "
-                            f"{case.name or 'PORT'}{with_map}` to find the layer whose own "
-                            "error it is")
+def _refuse_flax_reference(reference: Any, port: Any) -> None:
+    """Swap and bisect run port layers inside the reference's torch autograd: the reference
+    must be torch (a Flax port's layers go into it, :func:`port_layer_for`)."""
+    if is_nnx_module(getattr(reference, "model", None)):
+        raise DiffError(f"case {reference.name or '?'} is a Flax NNX model, and swap and bisect "
+                        "run port layers inside the reference's torch autograd, so the "
+                        "reference must be a torch model; give the torch model as the "
+                        f"reference and {getattr(port, 'name', None) or 'the port'} as the "
+                        "port")
+
+
+def _load_port(port: Any, reference: dict[str, np.ndarray], mapping: Mapping) -> None:
+    """The reference's weights into a torch or Flax NNX port through the mapping (a numpy
+    port's layers get theirs per layer)."""
+    if isinstance(port, ExternalCase):
+        return
+    if is_nnx_module(port.model):
+        from layerdiff.flax.weights import load_nnx_arrays
+
+        load_nnx_arrays(port.model, reference, mapping)
+    else:
+        load_weights_from(port.model, reference, mapping)
+
+
+def port_layer_for(port: Any, module_path: str) -> nn.Module:
+    """The port's layer at ``module_path`` as a torch module, from a port case already holding
+    the reference's weights (:func:`_load_port`): a torch port's own module, or a Flax NNX
+    port's module run through its ``jax.vjp``
+    (:class:`layerdiff.replay.flax_in_torch.FlaxLayer`)."""
+    if is_nnx_module(port.model):
+        from layerdiff.replay.flax_in_torch import flax_layer
+
+        return flax_layer(port.model, module_path)
+    return get_module(port.model, module_path)
 
 
 def _modules(case: Any) -> list[str]:
@@ -746,6 +785,10 @@ def _port_modules(port: Any) -> list[str]:
             raise DiffError(f"case {port.name} gives no per-site layers to swap in; give the "
                             "ExternalCase a 'layers' dict of forward/backward callables")
         return list(port.layers)
+    if is_nnx_module(port.model):
+        from layerdiff.replay.flax_in_torch import module_paths as nnx_module_paths
+
+        return nnx_module_paths(port.model)
     return _modules(port)
 
 

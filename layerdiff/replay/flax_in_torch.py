@@ -1,0 +1,275 @@
+"""One Flax NNX module run inside a torch model, forward and backward: how ``swap`` and
+``bisect`` put a Flax port's layer into the torch reference.
+
+:class:`FlaxLayer` is a ``torch.nn.Module`` around one NNX submodule. Its floating-point
+parameters become torch parameters under the Flax names (``kernel``, ``fc1.kernel``), so the
+host's optimizer trains them and swap compares their gradients through the mapping as it does
+a torch port layer's. Each call runs the module as a pure function of those parameters and of
+the call's tensors (``_pure_call`` of :mod:`layerdiff.replay.flax_replay`: the module merged
+afresh from its split state, so the model itself never changes) under ``jax.vjp``; a
+``torch.autograd.Function`` hands the vjp the cotangents torch sends back and returns the
+input and parameter gradients. Tensors cross by a copy through numpy, keeping their dtype
+(bfloat16 by its bits); arguments that are not tensors pass through as they are; the outputs'
+tuples, lists and dicts are kept, their arrays made tensors on the caller's device.
+
+The layer runs in the torch mode of the module it replaces (``train()``/``eval()`` set NNX's
+``deterministic`` and ``use_running_average``); a call that draws random numbers (a dropout
+that is on) raises, as replay refuses it: its output cannot match the reference's. Matmuls run
+at full float32 precision, as capture and replay run them.
+
+Imported only once a Flax case is in hand (swap imports it inside the function). It lives in
+``replay/`` beside ``flax_replay.py``, whose pure call it reuses (``flax/`` sits below
+``replay/``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+from flax import nnx
+from torch import nn
+
+from layerdiff.case import Case
+from layerdiff.flax.graph import ModelGraph
+from layerdiff.flax.port import watched_forward
+from layerdiff.replay.flax_replay import (
+    MATMUL_PRECISION,
+    _floating,
+    _pure_call,
+    _reached_params,
+    _unflatten,
+)
+from layerdiff.trace.arguments import flatten
+
+
+class FlaxLayer(nn.Module):
+    """``module`` (an NNX module holding the weights it should start from) as a torch module
+    called like the NNX module's ``__call__``; ``name`` is its path in the port, for
+    messages."""
+
+    def __init__(self, module: nnx.Module, name: str) -> None:
+        super().__init__()
+        self._flax = module
+        self._name = name
+        # torch parameter name -> the variable's path in the module's split state
+        self._paths: dict[str, tuple[Any, ...]] = {}
+        for path, variable in _reached_params(module).items():
+            value = variable[...]
+            if not _floating(value):
+                continue  # an integer "parameter" takes no gradient: it stays in the state
+            holder = self
+            for key in path[:-1]:
+                child = holder._modules.get(str(key))
+                if child is None:
+                    child = nn.Module()
+                    holder.add_module(str(key), child)
+                holder = child
+            holder.register_parameter(str(path[-1]), nn.Parameter(to_torch(value)))
+            self._paths[".".join(str(key) for key in path)] = path
+        # called the way the NNX module's __call__ is (the swap binds the caller's arguments
+        # to this signature): an instance's forward, signed like that __call__
+        signature = inspect.signature(module.__call__)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._call(args, kwargs)
+
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        forward.__qualname__ = f"{type(module).__name__}.__call__"
+        object.__setattr__(self, "forward", forward)
+
+    @property
+    def flax_module(self) -> nnx.Module:
+        return self._flax
+
+    def extra_repr(self) -> str:
+        return f"{type(self._flax).__name__} at {self._name}"
+
+    def train(self, mode: bool = True) -> FlaxLayer:
+        super().train(mode)
+        # NNX's switches: deterministic (Dropout, attention) and use_running_average
+        # (BatchNorm) follow the torch mode, as the replaced torch module's would
+        if mode:
+            self._flax.train()
+        else:
+            self._flax.eval()
+        return self
+
+    def _call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        tensors: list[torch.Tensor] = []
+        shape = _slots((args, kwargs), tensors)
+        names = list(self._paths)
+        params = [self.get_parameter(name) for name in names]
+        box: list[Any] = []
+        flat = _FlaxCall.apply(_Runner(self, shape, names, box), len(tensors), *tensors,
+                               *params)
+        structure, kinds = box[0]
+        it = iter(flat)
+        return _unflatten(structure, [next(it) if kind else value for kind, value in kinds])
+
+
+class _Slot:
+    """Stands for the ``index``-th tensor of a call in its (args, kwargs) skeleton."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _slots(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a :class:`_Slot` (appended to ``tensors``)."""
+    if torch.is_tensor(value):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        items = [_slots(item, tensors) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _slots(item, tensors) for key, item in value.items()}
+    return value
+
+
+def _filled(value: Any, arrays: dict[str, Any]) -> Any:
+    if isinstance(value, _Slot):
+        return arrays[str(value.index)]
+    if isinstance(value, (tuple, list)):
+        items = [_filled(item, arrays) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _filled(item, arrays) for key, item in value.items()}
+    return value
+
+
+class _Runner:
+    """One call of a :class:`FlaxLayer`: its arguments' skeleton and what the autograd node
+    needs to run it and hand back the output structure."""
+
+    def __init__(self, layer: FlaxLayer, shape: Any, names: list[str], box: list[Any]) -> None:
+        self.layer, self.shape, self.names, self.box = layer, shape, names, box
+
+    def forward(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]
+                ) -> tuple[list[Any], Callable[..., Any], list[Any]]:
+        """The outputs' arrays, the vjp, and the output leaves (for cotangents' shapes)."""
+        values = [(str(i), to_jax(tensor)) for i, tensor in enumerate(tensors)]
+        leaves = {arg: value for arg, value in values if _floating(value)}
+        paths = {self.layer._paths[name]: to_jax(param)
+                 for name, param in zip(self.names, params, strict=True)}
+        pure = _pure_call(self.layer.flax_module, values, set(paths), {},
+                          lambda fresh: _filled(self.shape, dict(fresh)), set())
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            outputs, vjp, draws = jax.vjp(pure, paths, leaves, has_aux=True)
+        if bool(draws):
+            raise ValueError(f"Flax layer {self.layer._name} draws random numbers (a dropout "
+                             "that is on): its output cannot match the reference's")
+        flat = [value for _, value in flatten(outputs)]
+        kinds = [(isinstance(value, jax.Array), value) for value in flat]
+        self.box.append((outputs, kinds))
+        return [value for value in flat if isinstance(value, jax.Array)], vjp, flat
+
+
+class _FlaxCall(torch.autograd.Function):
+    """A Flax module's call as one autograd node: forward through ``jax.vjp``, backward by
+    the vjp (output cotangents in; the inputs' and the parameters' gradients out)."""
+
+    @staticmethod
+    def forward(ctx, runner: _Runner, count: int, *tensors: torch.Tensor):
+        inputs, params = tensors[:count], tensors[count:]
+        arrays, vjp, flat = runner.forward(inputs, params)
+        device = next((t.device for t in inputs), None) or (
+            params[0].device if params else torch.device("cpu"))
+        outputs = tuple(to_torch(array).to(device) for array in arrays)
+        ctx.vjp, ctx.flat, ctx.structure = vjp, flat, runner.box[-1][0]
+        ctx.names, ctx.paths = runner.names, runner.layer._paths
+        ctx.places = [(t.dtype, t.device) for t in tensors]
+        ctx.count = count
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        it = iter(grads)
+        cotangents = []
+        for value in ctx.flat:
+            if not isinstance(value, jax.Array):
+                cotangents.append(value)  # None or plain data: a leaf the vjp carries as is
+                continue
+            grad = next(it)
+            if not _floating(value):  # an integer output takes float0's empty cotangent
+                cotangents.append(np.zeros(value.shape, dtype=jax.dtypes.float0))
+            elif grad is None:
+                cotangents.append(jnp.zeros_like(value))
+            else:
+                cotangents.append(to_jax(grad).astype(value.dtype).reshape(value.shape))
+        structure = _unflatten(ctx.structure, cotangents)
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            param_grads, input_grads = ctx.vjp(structure)
+        found = [input_grads.get(str(i)) for i in range(ctx.count)]
+        found += [param_grads.get(ctx.paths[name]) for name in ctx.names]
+        return (None, None, *(None if grad is None or not needed else
+                              to_torch(grad).to(device=device, dtype=dtype)
+                              for grad, needed, (dtype, device) in zip(
+                                  found, ctx.needs_input_grad[2:], ctx.places, strict=True)))
+
+
+def to_jax(tensor: torch.Tensor) -> jax.Array:
+    """A torch tensor as a JAX array of the same dtype, copied (the tensor may change in place
+    later: an optimizer's step, a caller's ``x += ...``); bfloat16 by its bits."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return jnp.array(tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    if tensor.dtype == torch.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("a float64 tensor cannot go into a Flax layer while JAX computes in "
+                         "float32 (jax_enable_x64 is off); enable it, or run the reference "
+                         "in float32")
+    return jnp.array(tensor.numpy())
+
+
+def to_torch(array: Any) -> torch.Tensor:
+    """A JAX (or numpy) array as a CPU torch tensor of the same dtype, copied."""
+    value = np.array(array)
+    if value.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
+def flax_layer(model: nnx.Module, module_path: str) -> FlaxLayer:
+    """The submodule of ``model`` at ``module_path`` (``block.fc1``, ``<root>``), as named by
+    :class:`~layerdiff.flax.graph.ModelGraph`, wrapped for torch."""
+    modules = dict(ModelGraph.of(model).modules)
+    if module_path not in modules:
+        raise KeyError(f"the Flax model has no module {module_path!r}")
+    return FlaxLayer(modules[module_path], module_path)
+
+
+def module_paths(model: nnx.Module) -> list[str]:
+    """The model's module paths in torch's order (the root first, as ``<root>``)."""
+    return [path for path, _ in ModelGraph.of(model).modules]
+
+
+def leaf_paths(model: nnx.Module) -> set[str]:
+    """The modules with no module below them (their own code does all their work)."""
+    paths = module_paths(model)
+    return {p for p in paths if not any(o.startswith(p + ".") for o in paths)}
+
+
+def observe(case: Case) -> tuple[list[str], dict[str, dict[str, tuple[int, ...]]]]:
+    """One forward of the case: its modules in the order of their first call, and each one's
+    first call's output shapes by argument path (the model's variables put back)."""
+    order: dict[str, None] = {}
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def hook(path: str, _kind: str, run: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        order.setdefault(path)
+        out = run(*args, **kwargs)
+        shapes.setdefault(path, {arg: tuple(value.shape) for arg, value in flatten(out)
+                                 if isinstance(value, jax.Array)})
+        return out
+
+    watched_forward(case, hook)
+    return list(order), shapes
