@@ -36,11 +36,14 @@ import torch
 from flax import nnx
 from torch import nn
 
+from layerdiff.capture.hooks import call_arguments
 from layerdiff.case import Case
 from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.port import watched_forward
+from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.flax_replay import (
     MATMUL_PRECISION,
+    _AdapterCaller,
     _floating,
     _pure_call,
     _reached_params,
@@ -52,12 +55,20 @@ from layerdiff.trace.arguments import flatten
 class FlaxLayer(nn.Module):
     """``module`` (an NNX module holding the weights it should start from) as a torch module
     called like the NNX module's ``__call__``; ``name`` is its path in the port, for
-    messages."""
+    messages.
 
-    def __init__(self, module: nnx.Module, name: str) -> None:
+    ``adapter`` (the mapping's call adapter for the site, and its function) makes the
+    module's call from the caller's arguments instead: it gets them as JAX arrays, as replay
+    gives them (an adapter written for replay works here unchanged), inside the traced call
+    so the caller's arguments get their gradients through it; the layer then takes any
+    arguments (``forward(*args, **kwargs)``)."""
+
+    def __init__(self, module: nnx.Module, name: str,
+                 adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> None:
         super().__init__()
         self._flax = module
         self._name = name
+        self._adapter = adapter
         # torch parameter name -> the variable's path in the module's split state
         self._paths: dict[str, tuple[Any, ...]] = {}
         for path, variable in _reached_params(module).items():
@@ -75,7 +86,7 @@ class FlaxLayer(nn.Module):
             self._paths[".".join(str(key) for key in path)] = path
         # called the way the NNX module's __call__ is (the swap binds the caller's arguments
         # to this signature): an instance's forward, signed like that __call__
-        signature = inspect.signature(module.__call__)
+        signature = inspect.signature(module.__call__ if adapter is None else _any_call)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._call(args, kwargs)
@@ -103,7 +114,11 @@ class FlaxLayer(nn.Module):
 
     def _call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         tensors: list[torch.Tensor] = []
-        shape = _slots((args, kwargs), tensors)
+        if self._adapter is None:
+            shape = _slots((args, kwargs), tensors)
+        else:  # by argument path, as the adapter takes them in replay
+            shape = [(path, _slots(value, tensors))
+                     for path, value in call_arguments(args, kwargs)]
         names = list(self._paths)
         params = [self.get_parameter(name) for name in names]
         box: list[Any] = []
@@ -112,6 +127,10 @@ class FlaxLayer(nn.Module):
         structure, kinds = box[0]
         it = iter(flat)
         return _unflatten(structure, [next(it) if kind else value for kind, value in kinds])
+
+
+def _any_call(*args: Any, **kwargs: Any) -> Any:
+    """The signature of a layer whose call adapter makes its call: it takes anything."""
 
 
 class _Slot:
@@ -155,12 +174,25 @@ class _Runner:
     def forward(self, tensors: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...]
                 ) -> tuple[list[Any], Callable[..., Any], list[Any]]:
         """The outputs' arrays, the vjp, and the output leaves (for cotangents' shapes)."""
-        values = [(str(i), to_jax(tensor)) for i, tensor in enumerate(tensors)]
-        leaves = {arg: value for arg, value in values if _floating(value)}
+        arrays = [to_jax(tensor) for tensor in tensors]
+        module, adapter = self.layer.flax_module, self.layer._adapter
+        if adapter is None:  # keyed by the tensor's number, put back into the skeleton
+            self.keys = [str(i) for i in range(len(arrays))]
+            values = list(zip(self.keys, arrays, strict=True))
+
+            def caller(fresh: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
+                return _filled(self.shape, dict(fresh))
+
+        else:  # keyed by argument path, rebuilt by the adapter as replay's caller does
+            self.keys = [path for path, value in self.shape if isinstance(value, _Slot)]
+            values = [(path, arrays[value.index] if isinstance(value, _Slot) else value)
+                      for path, value in self.shape]
+            caller = _AdapterCaller(adapter, module, self.layer._name, values)
+        wanted = set(self.keys)
+        leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
         paths = {self.layer._paths[name]: to_jax(param)
                  for name, param in zip(self.names, params, strict=True)}
-        pure = _pure_call(self.layer.flax_module, values, set(paths), {},
-                          lambda fresh: _filled(self.shape, dict(fresh)), set())
+        pure = _pure_call(module, values, set(paths), {}, caller, set())
         with jax.default_matmul_precision(MATMUL_PRECISION):
             outputs, vjp, draws = jax.vjp(pure, paths, leaves, has_aux=True)
         if bool(draws):
@@ -186,7 +218,7 @@ class _FlaxCall(torch.autograd.Function):
         ctx.vjp, ctx.flat, ctx.structure = vjp, flat, runner.box[-1][0]
         ctx.names, ctx.paths = runner.names, runner.layer._paths
         ctx.places = [(t.dtype, t.device) for t in tensors]
-        ctx.count = count
+        ctx.count, ctx.keys = count, runner.keys
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
         return outputs
 
@@ -208,7 +240,7 @@ class _FlaxCall(torch.autograd.Function):
         structure = _unflatten(ctx.structure, cotangents)
         with jax.default_matmul_precision(MATMUL_PRECISION):
             param_grads, input_grads = ctx.vjp(structure)
-        found = [input_grads.get(str(i)) for i in range(ctx.count)]
+        found = [input_grads.get(key) for key in ctx.keys]
         found += [param_grads.get(ctx.paths[name]) for name in ctx.names]
         return (None, None, *(None if grad is None or not needed else
                               to_torch(grad).to(device=device, dtype=dtype)
@@ -237,13 +269,15 @@ def to_torch(array: Any) -> torch.Tensor:
     return torch.from_numpy(value)
 
 
-def flax_layer(model: nnx.Module, module_path: str) -> FlaxLayer:
+def flax_layer(model: nnx.Module, module_path: str,
+               adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> FlaxLayer:
     """The submodule of ``model`` at ``module_path`` (``block.fc1``, ``<root>``), as named by
-    :class:`~layerdiff.flax.graph.ModelGraph`, wrapped for torch."""
+    :class:`~layerdiff.flax.graph.ModelGraph`, wrapped for torch (``adapter``: the mapping's
+    call adapter for the site, see :class:`FlaxLayer`)."""
     modules = dict(ModelGraph.of(model).modules)
     if module_path not in modules:
         raise KeyError(f"the Flax model has no module {module_path!r}")
-    return FlaxLayer(modules[module_path], module_path)
+    return FlaxLayer(modules[module_path], module_path, adapter)
 
 
 def module_paths(model: nnx.Module) -> list[str]:

@@ -438,12 +438,13 @@ class Swapper:
                                      "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map,
                                  replaced=replaced)
-        layer = port_layer_for(donor, port_module)
-        return LayerAdapter(ref_module, layer, args_map,
+        layer, call = port_layer_for(donor, port_module, self.calls.get(ref_module))
+        # a call adapter makes the whole call (in torch, or in JAX inside a Flax layer)
+        return LayerAdapter(ref_module, layer, {} if ref_module in self.calls else args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
                             sizes=self.reference_sizes.get(ref_module),
-                            call=self.calls.get(ref_module), replaced=replaced,
+                            call=call, replaced=replaced,
                             output=self._output_conversion(ref_module, layer))
 
     def _output_conversion(self, ref_module: str, port_layer: nn.Module, *,
@@ -763,16 +764,19 @@ def _load_port(port: Any, reference: dict[str, np.ndarray], mapping: Mapping) ->
         load_weights_from(port.model, reference, mapping)
 
 
-def port_layer_for(port: Any, module_path: str) -> nn.Module:
+def port_layer_for(port: Any, module_path: str, call: tuple[CodeRef, Any] | None = None
+                   ) -> tuple[nn.Module, tuple[CodeRef, Any] | None]:
     """The port's layer at ``module_path`` as a torch module, from a port case already holding
-    the reference's weights (:func:`_load_port`): a torch port's own module, or a Flax NNX
-    port's module run through its ``jax.vjp``
-    (:class:`layerdiff.replay.flax_in_torch.FlaxLayer`)."""
+    the reference's weights (:func:`_load_port`), and the mapping's call adapter for the site
+    (``call``) left for :class:`LayerAdapter` to apply in torch: a torch port's own module,
+    or a Flax NNX port's module run through its ``jax.vjp``
+    (:class:`layerdiff.replay.flax_in_torch.FlaxLayer`), which applies the adapter itself, to
+    JAX arrays as replay does (None left)."""
     if is_nnx_module(port.model):
         from layerdiff.replay.flax_in_torch import flax_layer
 
-        return flax_layer(port.model, module_path)
-    return get_module(port.model, module_path)
+        return flax_layer(port.model, module_path, call), None
+    return get_module(port.model, module_path), call
 
 
 def _modules(case: Any) -> list[str]:
