@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,3 +132,21 @@ def test_bfloat16_crosses_by_its_bits():
     assert array.dtype == jnp.bfloat16
     back = to_torch(array)
     assert back.dtype == torch.bfloat16 and torch.equal(back, values)
+
+
+@pytest.mark.slow
+def test_an_independent_flax_ports_backward_only_slip_breaks_its_swap_in_gradients_alone():
+    """The Gemma validation pair (tests/validation/): a norm whose forward is right and whose
+    backward drops d(rsqrt)/dx breaks the reference through its weight gradients alone; an
+    output projection called through the mapping's call adapter (which reshapes JAX arrays)
+    swaps in within tolerance. (bisect names layers.1.pre_attention_norm in 7 probes.)"""
+    pytest.importorskip("transformers")
+    cases = "tests.validation.gemma_cases"
+    mapping = Path(__file__).parent / "validation" / "gemma.map.toml"
+    swapper = Swapper(_factory(f"{cases}:reference"), _factory(f"{cases}:bug_norm_backward"),
+                      mapping)
+    slip = swapper.run(["model.layers.1.input_layernorm"])
+    assert slip.breaks, slip.describe()
+    assert {r.role for r in slip.rows if r.judged and r.ratio > 1} == {"weight_grad"}
+    adapted = swapper.run(["model.layers.0.self_attn.o_proj"])
+    assert adapted.outcome == SwapOutcome.WITHIN, adapted.describe()
