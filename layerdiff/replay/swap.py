@@ -217,7 +217,7 @@ class Swapper:
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
         _refuse_flax_reference(probe_ref, probe_port)
-        self.port_is_flax = is_nnx_module(getattr(probe_port, "model", None))
+        self.port_is_flax = _is_flax(probe_port)
         self.port_name = getattr(probe_port, "name", None) or "the port"
         self.reference_modules = _modules(probe_ref)
         self.port_modules = _port_modules(probe_port)
@@ -740,10 +740,16 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
             "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
 
 
+def _is_flax(case: Any) -> bool:
+    """Whether ``case`` is a Flax NNX model's: the one test of a framework by name here (the
+    Flax branches below are where a framework interface would answer instead)."""
+    return is_nnx_module(getattr(case, "model", None))
+
+
 def _refuse_flax_reference(reference: Any, port: Any) -> None:
     """Swap and bisect run port layers inside the reference's torch autograd: the reference
     must be torch (a Flax port's layers go into it, :func:`port_layer_for`)."""
-    if is_nnx_module(getattr(reference, "model", None)):
+    if _is_flax(reference):
         raise DiffError(f"case {reference.name or '?'} is a Flax NNX model, and swap and bisect "
                         "run port layers inside the reference's torch autograd, so the "
                         "reference must be a torch model; give the torch model as the "
@@ -756,7 +762,7 @@ def _load_port(port: Any, reference: dict[str, np.ndarray], mapping: Mapping) ->
     port's layers get theirs per layer)."""
     if isinstance(port, ExternalCase):
         return
-    if is_nnx_module(port.model):
+    if _is_flax(port):
         from layerdiff.flax.weights import load_nnx_arrays
 
         load_nnx_arrays(port.model, reference, mapping)
@@ -772,7 +778,7 @@ def port_layer_for(port: Any, module_path: str, call: tuple[CodeRef, Any] | None
     or a Flax NNX port's module run through its ``jax.vjp``
     (:class:`layerdiff.replay.flax_in_torch.FlaxLayer`), which applies the adapter itself, to
     JAX arrays as replay does (None left)."""
-    if is_nnx_module(port.model):
+    if _is_flax(port):
         from layerdiff.replay.flax_in_torch import flax_layer
 
         return flax_layer(port.model, module_path, call), None
@@ -789,7 +795,7 @@ def _port_modules(port: Any) -> list[str]:
             raise DiffError(f"case {port.name} gives no per-site layers to swap in; give the "
                             "ExternalCase a 'layers' dict of forward/backward callables")
         return list(port.layers)
-    if is_nnx_module(port.model):
+    if _is_flax(port):
         from layerdiff.replay.flax_in_torch import module_paths as nnx_module_paths
 
         return nnx_module_paths(port.model)
