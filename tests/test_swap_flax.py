@@ -16,9 +16,12 @@ import torch
 pytest.importorskip("flax")
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from torch.nn import functional as F
 
-from layerdiff import DiffError, load_case
+from layerdiff import Case, DiffError, load_case
+from layerdiff.mapping import Mapping
 from layerdiff.replay import Swapper, bisect
 from layerdiff.replay.flax_in_torch import FlaxLayer, to_jax, to_torch
 from layerdiff.replay.swap import SwapOutcome
@@ -132,6 +135,68 @@ def test_bfloat16_crosses_by_its_bits():
     assert array.dtype == jnp.bfloat16
     back = to_torch(array)
     assert back.dtype == torch.bfloat16 and torch.equal(back, values)
+
+
+class _TiedTorch(torch.nn.Module):
+    """A head tied to the token embedding (GPT-2's lm_head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(11, 8)
+        self.lm_head = torch.nn.Linear(8, 11, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.wte(ids)))
+
+
+class _Head(nnx.Module):
+    def __init__(self, wte: nnx.Embed) -> None:
+        self.wte = wte
+
+    def __call__(self, x):
+        return self.wte.attend(x)
+
+
+class _TiedFlax(nnx.Module):
+    """The port: its head module holds the embedding module and attends with it."""
+
+    def __init__(self) -> None:
+        self.wte = nnx.Embed(11, 8, rngs=nnx.Rngs(0))
+        self.lm_head = _Head(self.wte)
+
+    def __call__(self, ids):
+        return self.lm_head(jnp.tanh(self.wte(ids)))
+
+
+_IDS = np.random.default_rng(0).integers(0, 11, size=(3, 5))
+
+
+def _tied_reference() -> Case:
+    torch.manual_seed(0)
+    targets = torch.from_numpy((_IDS + 1) % 11)
+    return Case(model=_TiedTorch(), inputs=(torch.from_numpy(_IDS),),
+                loss_fn=lambda out: F.cross_entropy(out.reshape(-1, 11), targets.reshape(-1)),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="tied-ref")
+
+
+def _tied_port() -> Case:
+    targets = jnp.asarray((_IDS + 1) % 11)
+    return Case(model=_TiedFlax(), inputs=(_IDS,), name="tied-port",
+                loss_fn=lambda out: optax.softmax_cross_entropy_with_integer_labels(
+                    out, targets).mean(), optimizer=optax.sgd(0.1))
+
+
+def test_a_flax_head_tied_to_the_embedding_shares_the_references_parameter():
+    """The swapped head's embedding is the host's tied parameter, so the embedding's gradient
+    sums the head's use and the lookup's, as in the reference (a copy of its own would leave
+    wte.weight's gradient without the head's part: a break)."""
+    mapping = Mapping.from_text('version = 1\n[[param]]\nport = "*.embedding"\n'
+                                'reference = "*.weight"\n', "tied.map.toml")
+    swapper = Swapper(_tied_reference, _tied_port, mapping)
+    result = swapper.run(["lm_head"], steps=2)
+    assert result.outcome == SwapOutcome.WITHIN, result.describe()
+    assert any(row.what.startswith("weight_grad wte.weight") for row in result.rows)
 
 
 @pytest.mark.slow

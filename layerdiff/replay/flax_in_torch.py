@@ -49,6 +49,7 @@ from layerdiff.replay.flax_replay import (
     _reached_params,
     _unflatten,
 )
+from layerdiff.trace import schema
 from layerdiff.trace.arguments import flatten
 
 
@@ -64,11 +65,14 @@ class FlaxLayer(nn.Module):
     arguments (``forward(*args, **kwargs)``)."""
 
     def __init__(self, module: nnx.Module, name: str,
-                 adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> None:
+                 adapter: tuple[CodeRef, Callable[..., Any]] | None = None, *,
+                 aliases: dict[str, list[str]] | None = None) -> None:
         super().__init__()
         self._flax = module
         self._name = name
         self._adapter = adapter
+        # full name in the port -> every full name of that variable (a tied one has several)
+        self._aliases = aliases or {}
         # torch parameter name -> the variable's path in the module's split state
         self._paths: dict[str, tuple[Any, ...]] = {}
         for path, variable in _reached_params(module).items():
@@ -98,6 +102,14 @@ class FlaxLayer(nn.Module):
     @property
     def flax_module(self) -> nnx.Module:
         return self._flax
+
+    def port_names(self, name: str) -> list[str]:
+        """Every full name in the port of the variable behind parameter ``name``: the layer's
+        own path first, then the other paths of a variable the port ties (GPT-2's
+        ``lm_head.wte.embedding`` is ``transformer.wte.embedding``), by which a swap finds
+        the host's parameter to share."""
+        own = name if self._name == schema.ROOT_MODULE else f"{self._name}.{name}"
+        return [own, *(other for other in self._aliases.get(own, []) if other != own)]
 
     def extra_repr(self) -> str:
         return f"{type(self._flax).__name__} at {self._name}"
@@ -274,10 +286,12 @@ def flax_layer(model: nnx.Module, module_path: str,
     """The submodule of ``model`` at ``module_path`` (``block.fc1``, ``<root>``), as named by
     :class:`~layerdiff.flax.graph.ModelGraph`, wrapped for torch (``adapter``: the mapping's
     call adapter for the site, see :class:`FlaxLayer`)."""
-    modules = dict(ModelGraph.of(model).modules)
+    graph = ModelGraph.of(model)
+    modules = dict(graph.modules)
     if module_path not in modules:
         raise KeyError(f"the Flax model has no module {module_path!r}")
-    return FlaxLayer(modules[module_path], module_path, adapter)
+    aliases = {name: names for _, names in graph.shared for name in names}
+    return FlaxLayer(modules[module_path], module_path, adapter, aliases=aliases)
 
 
 def module_paths(model: nnx.Module) -> list[str]:

@@ -718,18 +718,23 @@ def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping
         shared.setdefault(id(param), []).append(name)
     tied = {names[0]: names for names in shared.values() if len(names) > 1}
     by_name = dict(host.named_parameters(remove_duplicate=False))
+    # a Flax layer names every path of a variable the port ties (its lm head's
+    # ``lm_head.wte.embedding`` is ``transformer.wte.embedding``): the mapping sources one
+    port_names = getattr(layer.wrapped, "port_names", lambda name: [f"{port_module}.{name}"])
     for name, param in list(layer.wrapped.named_parameters()):
-        source = mapping.param_source(f"{port_module}.{name}", {port_module: module})
-        refs = source.reference if source is not None else [f"{module}.{name}"]
-        plain = source is None or all(step == "copy" for step in source.transforms)
-        if len(refs) != 1 or not plain:
-            continue
-        users = next((names for names in tied.values() if refs[0] in names), None)
-        host_param = by_name.get(refs[0])
-        if users and host_param is not None and host_param.shape == param.shape:
-            owner, _, leaf = name.rpartition(".")
-            setattr(layer.wrapped.get_submodule(owner) if owner else layer.wrapped, leaf,
-                    host_param)
+        for full in port_names(name):
+            source = mapping.param_source(full, {port_module: module})
+            refs = source.reference if source is not None else [f"{module}.{name}"]
+            plain = source is None or all(step == "copy" for step in source.transforms)
+            if len(refs) != 1 or not plain:
+                continue
+            users = next((names for names in tied.values() if refs[0] in names), None)
+            host_param = by_name.get(refs[0])
+            if users and host_param is not None and host_param.shape == param.shape:
+                owner, _, leaf = name.rpartition(".")
+                setattr(layer.wrapped.get_submodule(owner) if owner else layer.wrapped, leaf,
+                        host_param)
+                break
 
 
 def _statistics(values: np.ndarray) -> dict[str, float]:
