@@ -194,8 +194,10 @@ def test_a_flax_head_tied_to_the_embedding_shares_the_references_parameter():
     mapping = Mapping.from_text('version = 1\n[[param]]\nport = "*.embedding"\n'
                                 'reference = "*.weight"\n', "tied.map.toml")
     swapper = Swapper(_tied_reference, _tied_port, mapping)
-    result = swapper.run(["lm_head"], steps=2)
-    assert result.outcome == SwapOutcome.WITHIN, result.describe()
+    # the head alone, and with the embedding swapped in before it (then both share it)
+    for modules in (["lm_head"], ["wte", "lm_head"]):
+        result = swapper.run(modules, steps=2)
+        assert result.outcome == SwapOutcome.WITHIN, result.describe()
     assert any(row.what.startswith("weight_grad wte.weight") for row in result.rows)
 
 

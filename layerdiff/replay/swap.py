@@ -392,12 +392,15 @@ class Swapper:
                                 "reference instead")
             load_weights_from(host.model, self._reference_state, self.mapping)
         adapters = []
+        # the host's parameters by name before any is replaced: a tie between two swapped
+        # layers (GPT-2's wte and lm_head) is found by the reference's names of both
+        host_params = dict(host.model.named_parameters(remove_duplicate=False))
         for module in modules:
             port_module, args_map = self.pairs[module]
             if into == SwapDirection.REFERENCE:
                 replaced = get_module(host.model, module)
                 layer = self._port_layer(donor, port_module, args_map, module, replaced)
-                _tie_shared(host.model, module, layer, self.mapping, port_module)
+                _tie_shared(host_params, module, layer, self.mapping, port_module)
                 _replace(host.model, module, layer)
             else:
                 if module in self.calls:
@@ -706,18 +709,18 @@ def _where(exc: BaseException) -> str:
     return f"at {Path(last.filename).name}:{last.lineno} in {last.name}"
 
 
-def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,
-                port_module: str) -> None:
+def _tie_shared(by_name: dict[str, nn.Parameter], module: str, layer: nn.Module,
+                mapping: Mapping, port_module: str) -> None:
     """A port layer standing in for a module whose parameter is tied to another module's
     (GPT-2's lm_head and token embedding) takes the host's own parameter, so the tie holds and
-    its gradient sums over every user, as in the reference."""
+    its gradient sums over every user, as in the reference. ``by_name``: the host's
+    parameters (``named_parameters(remove_duplicate=False)``) before the swap."""
     if not isinstance(layer, LayerAdapter):
         return
     shared: dict[int, list[str]] = {}
-    for name, param in host.named_parameters(remove_duplicate=False):
+    for name, param in by_name.items():
         shared.setdefault(id(param), []).append(name)
     tied = {names[0]: names for names in shared.values() if len(names) > 1}
-    by_name = dict(host.named_parameters(remove_duplicate=False))
     # a Flax layer names every path of a variable the port ties (its lm head's
     # ``lm_head.wte.embedding`` is ``transformer.wte.embedding``): the mapping sources one
     port_names = getattr(layer.wrapped, "port_names", lambda name: [f"{port_module}.{name}"])
