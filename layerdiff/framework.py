@@ -65,6 +65,12 @@ class Framework(Protocol):
         """A recorded tensor (a torch tensor) as this framework's own array, for the call
         adapters of a mapping, which rebuild a port layer's arguments."""
 
+    def swap_donor(self, case: Any) -> Any:
+        """How its layers run inside a torch reference for swap and bisect: None where they
+        go in as they are (torch modules; a self-recording port's per-site callables), else an
+        object with ``module_paths``, ``observe``, ``leaf_paths``, ``load_arrays`` and
+        ``layer`` (see :class:`layerdiff.flax.in_torch.FlaxDonor`)."""
+
 
 def _is_torch(model: Any) -> bool:
     nn = sys.modules.get("torch.nn")

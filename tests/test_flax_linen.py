@@ -1,4 +1,4 @@
-"""Flax Linen ports (layerdiff/flax/linen.py, layerdiff/replay/linen_replay.py): a Linen port of
+"""Flax Linen ports (layerdiff/flax/linen.py, layerdiff/flax/linen_replay.py): a Linen port of
 a torch reference captured, diffed, replayed and map-checked as an NNX port is, its planted
 slips named at their sites."""
 

@@ -1,4 +1,4 @@
-"""Replay into a Flax NNX port (layerdiff/replay/flax_replay.py): each NNX module run on the
+"""Replay into a Flax NNX port (layerdiff/flax/replay.py): each NNX module run on the
 torch reference's recorded inputs, its backward through jax.vjp on the recorded output
 gradients, judged as a torch port's replay is."""
 
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layerdiff import Case, capture, seed_everything
-from layerdiff.errors import CaseError, DiffError, MappingError
+from layerdiff.errors import CaseError, MappingError
 from layerdiff.mapping import Mapping
-from layerdiff.replay import Swapper, replay
-from reference_models import flax_mlp, flax_mlp_reference
+from layerdiff.replay import replay
+from reference_models import flax_mlp
 from reference_models.catalog import HERE, find
 
 MAP = HERE / "flax_mlp.map.toml"   # kernel <- weight transposed, scale <- weight: any model
@@ -166,12 +166,6 @@ def test_replay_leaves_the_port_models_random_streams_as_they_were(tiny_referenc
     replay(tiny_reference, _port_case(model, "tiny-dropout"), mapping=MAP, propagated=False)
     after = _random_state(model)
     assert before and all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
-
-
-def test_swap_and_bisect_refuse_an_nnx_port_in_one_sentence():
-    port = _port_case(flax_mlp.parts().model, "reference_models.flax_mlp:port")
-    with pytest.raises(DiffError, match=r"Flax NNX model and swap and bisect.*layerdiff replay"):
-        Swapper(flax_mlp_reference.reference, lambda: port, MAP)
 
 
 def test_a_bfloat16_reference_is_replayed_in_bfloat16(tmp_path):

@@ -3,8 +3,8 @@ independent Flax NNX port in the gemma library's layout (Einsum projections givi
 blocks and attention returning (cache, x), a tied head called as a method from the root),
 wired with a case file and a mapping only. The faithful port passes diff, replay and
 map-check; each planted slip is named at its site and pass; a q conversion that fits the
-shapes but loads the wrong layout fails map-check; swap, bisect and diverge refuse the Flax
-port in one sentence that carries the mapping."""
+shapes but loads the wrong layout fails map-check; diverge refuses the Flax port in one
+sentence (swap and bisect take it: tests/test_swap_flax.py)."""
 
 from __future__ import annotations
 
@@ -132,15 +132,10 @@ def test_map_check_passes_the_mapping_of_a_port_whose_norm_is_wrong(ref):
     assert "model.layers.0.post_attention_layernorm#0 inside it" in entry.note, entry.note
 
 
-@pytest.mark.parametrize("command", ["swap", "bisect", "diverge"])
-def test_flax_port_refused_in_one_sentence(run, command):
-    extra = {"swap": ["--site", "model.layers.0.mlp"], "bisect": [],
-             "diverge": ["--steps", "2"]}[command]
-    result = run(command, f"{CASES}:reference", f"{CASES}:port", "--map", MAP, *extra)
+def test_flax_port_refused_by_diverge_in_one_sentence(run):
+    result = run("diverge", f"{CASES}:reference", f"{CASES}:port", "--map", MAP, "--steps", "2")
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "Flax NNX model" in result.output
-    if command != "diverge":   # the replay it offers carries the mapping
-        assert f"--map {MAP}`" in result.output, result.output
 
 
 def test_replay_feeds_each_output_gradient_where_the_diff_pairs_it():

@@ -43,7 +43,7 @@ def under_called(path: tuple[Any, ...], called: set[tuple[Any, ...]]) -> bool:
     """Whether a variable at ``path`` in a module's state (``nnx.iter_graph``'s) lies under a
     submodule whose ``__call__`` ran during the module's call (``called``: their paths there).
     Then that submodule's calls make the variable's gradient, not the module's own code: the
-    one rule by which replay sums a variable's gradient (``replay/flax_replay.py``) and by
+    one rule by which replay sums a variable's gradient (``flax/replay.py``) and by
     which a read of it is found outside every call that makes it (``flax/reads.py``)."""
     return any(path[:depth] in called for depth in range(1, len(path)))
 

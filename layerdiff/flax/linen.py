@@ -21,7 +21,7 @@ How a Linen step is recorded, with what :mod:`layerdiff.flax.capture` uses for N
 
 The module paths and classes come from one abstract run (``jax.eval_shape``: no arithmetic)
 with every method call seen; modules exist only while Linen applies them, so an unbound clone
-of each is kept for replay (:mod:`layerdiff.replay.linen_replay`). The same run finds the
+of each is kept for replay (:mod:`layerdiff.flax.linen_replay`). The same run finds the
 parameters a module's code uses through another module's method (a tied head,
 ``self.tok.attend(x)`` in the root's code, after the root called ``tok``): replay of no call
 makes that part of the recorded gradient (:mod:`layerdiff.flax.reads` for NNX, same rule).

@@ -2,7 +2,7 @@
 its gradient: the counterpart of :mod:`layerdiff.replay.uses` for NNX ports.
 
 The reference records a parameter's gradient once a step, as a total over every use. Replay
-sums, for each variable, what the replayed calls make of it (``replay/flax_replay.py``): a
+sums, for each variable, what the replayed calls make of it (``flax/replay.py``): a
 module's call makes the gradient of a variable it reaches unless the variable lies under a
 submodule that call called (:func:`layerdiff.flax.graph.under_called`: then that submodule's
 calls make it). A tied head ``self.tok.attend(x)`` in the root's own code reads ``tok``'s

@@ -51,11 +51,19 @@ def load_nnx_weights(model: nnx.Module, trace_path: str | os.PathLike,
     for a shape that does not fit or a variable nothing in the reference gives."""
     with open_trace(trace_path) as trace:
         reference = trace_weights(trace)
+    return load_nnx_arrays(model, reference, mapping, source=str(trace_path))
+
+
+def load_nnx_arrays(model: nnx.Module, reference: dict[str, np.ndarray],
+                    mapping: str | os.PathLike | Mapping | None = None, *,
+                    source: str = "the reference") -> WeightsReport:
+    """:func:`load_nnx_weights` from a live reference's arrays (name -> array: swap's
+    reference has no trace); ``source`` names the reference in errors."""
     mapping = as_mapping(mapping)
     variables = nnx_variables(model)
     aliases = _aliases(ModelGraph.of(model), variables)
-    assignments = resolve_nnx(model, reference, mapping, str(trace_path))
-    refuse_unloadable(assignments, reference, mapping, str(trace_path))
+    assignments = resolve_nnx(model, reference, mapping, source)
+    refuse_unloadable(assignments, reference, mapping, source)
     report = WeightsReport({found.port: found.source.reference for found in assignments
                             if found.problem != PORT_OWN},
                            unused_reference(reference, assignments),

@@ -2,7 +2,7 @@
 through custom-VJP taps (:mod:`layerdiff.flax.capture`; Linen's through its method interceptor,
 :mod:`layerdiff.flax.linen`), weights set through a mapping (:mod:`layerdiff.flax.weights`; a
 Linen case's ``params`` replaced), layers replayed as pure functions under ``jax.vjp``
-(:mod:`layerdiff.replay.flax_replay`, :mod:`layerdiff.replay.linen_replay`). JAX is imported
+(:mod:`layerdiff.flax.replay`, :mod:`layerdiff.flax.linen_replay`). JAX is imported
 only once a Flax case is in hand.
 
 Linen is dispatched here rather than given a framework of its own: both write the same trace
@@ -74,11 +74,11 @@ class FlaxFramework:
         self.load_weights(case, reference.path, mapping)
         if _is_linen(case.model):
             from layerdiff.flax.linen import LinenGraph, jax_inputs, plain
-            from layerdiff.replay.linen_replay import LinenPort
+            from layerdiff.flax.linen_replay import LinenPort
 
             graph = LinenGraph.of(case.model, plain(case.params), jax_inputs(case.inputs))
             return LinenPort(graph, lambda: case.params, reference)
-        from layerdiff.replay.flax_replay import FlaxPort
+        from layerdiff.flax.replay import FlaxPort
 
         port = FlaxPort(case.model, reference)
         port.watch_uses(case)
@@ -86,10 +86,10 @@ class FlaxFramework:
 
     def port_model(self, case: Any, command: str) -> Any:
         if _is_linen(case.model):
-            from layerdiff.replay.linen_replay import LinenModel
+            from layerdiff.flax.linen_replay import LinenModel
 
             return LinenModel(case)
-        from layerdiff.replay.ports import FlaxModel
+        from layerdiff.flax.model import FlaxModel
 
         return FlaxModel(case)
 
@@ -97,6 +97,16 @@ class FlaxFramework:
         from layerdiff.flax.port import as_jax
 
         return as_jax(tensor)
+
+    def swap_donor(self, case: Any) -> Any:
+        if _is_linen(case.model):
+            raise CaseError(f"case {case.name or '?'} is a Flax Linen model, whose layers "
+                            "swap and bisect cannot run inside the torch reference yet (they "
+                            "take Flax NNX and torch ports); run layerdiff replay to find the "
+                            "layer whose own error it is")
+        from layerdiff.flax.in_torch import FlaxDonor
+
+        return FlaxDonor()
 
 
 def _is_linen(model: Any) -> bool:

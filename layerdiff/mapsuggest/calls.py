@@ -10,7 +10,7 @@ import numpy as np
 
 from layerdiff.errors import CaseError
 from layerdiff.mapsuggest.names import module_kind
-from layerdiff.replay.ports import FlaxModel, TorchModel
+from layerdiff.replay.ports import PortModel
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, schema
 from layerdiff.trace.schema import CALL_ROLES, Pass, Role
@@ -90,7 +90,7 @@ class _PortRun:
     and ``module.forward(...)`` alike), through the port model's ``watch``: torch's or Flax's
     (:mod:`layerdiff.replay.ports`)."""
 
-    def __init__(self, port: TorchModel | FlaxModel) -> None:
+    def __init__(self, port: PortModel) -> None:
         self.port = port
         self.paths = port.modules()   # module path -> class name
 

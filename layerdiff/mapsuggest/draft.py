@@ -41,7 +41,7 @@ from layerdiff.mapsuggest.values import (
     _output_error,
 )
 from layerdiff.replay.calling import CannotCall, bind_call
-from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
+from layerdiff.replay.ports import PortModel, port_model
 from layerdiff.signature import Signature
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.arguments import describe_value, map_argument
@@ -65,7 +65,7 @@ def suggest_mapping(ref_trace: str | os.PathLike, port_case: Case) -> MapSuggest
 
 
 class _Drafter:
-    def __init__(self, ref: Trace, ref_path: str, port: TorchModel | FlaxModel,
+    def __init__(self, ref: Trace, ref_path: str, port: PortModel,
                  weights: dict[str, np.ndarray], refs: list[_Call]) -> None:
         self.ref, self.ref_path, self.port, self.weights, self.refs = (ref, ref_path, port,
                                                                        weights, refs)

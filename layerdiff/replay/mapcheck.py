@@ -38,7 +38,7 @@ from layerdiff.compare.result import Unjudgeable
 from layerdiff.compare.shapes import as_shape
 from layerdiff.errors import LayerdiffError, TraceError
 from layerdiff.mapping import Mapping, ParamSource
-from layerdiff.replay.ports import FlaxModel, TorchModel, port_model
+from layerdiff.replay.ports import PortModel, port_model
 from layerdiff.replay.recorded import RecordedCall, read_array, recorded_calls
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.schema import Role
@@ -173,7 +173,7 @@ def _unjudgeable(ref: Trace, case: Case, mapping: Mapping) -> tuple[list[Unjudge
 
 
 
-def _checked_entries(ref: Trace, port: TorchModel | FlaxModel, mapping: Mapping,
+def _checked_entries(ref: Trace, port: PortModel, mapping: Mapping,
                      assignments: list[Assignment],
                      reference: dict[str, np.ndarray]) -> list[MapEntry]:
     for found in assignments:  # the declared load, so each module runs as the port would
@@ -268,7 +268,7 @@ def _transposed_fits(found: Assignment) -> bool:
     return value is not None and value.ndim == 2 and tuple(value.T.shape) == found.shape
 
 
-def _check_transpose(entry: MapEntry, found: Assignment, port: TorchModel | FlaxModel,
+def _check_transpose(entry: MapEntry, found: Assignment, port: PortModel,
                      runner: _SiteRunner) -> None:
     """Flag a square matrix whose transpose reproduces the reference's output far better."""
     if np.array_equal(found.value, found.value.T):
@@ -305,7 +305,7 @@ class _ConversionProbe:
     built-in steps alone: a RoPE permutation of q without that of k shows nothing), against
     the reference's recorded outputs; once per module."""
 
-    def __init__(self, assignments: list[Assignment], port: TorchModel | FlaxModel,
+    def __init__(self, assignments: list[Assignment], port: PortModel,
                  runner: _SiteRunner, reference: dict[str, np.ndarray]) -> None:
         self.port, self.runner = port, runner
         self.plain: dict[str, np.ndarray] = {}   # port tensor -> its load without conversions
@@ -506,7 +506,7 @@ class _SiteRunner:
     one) and measures its outputs against the recorded ones, paired as the diff pairs them
     (the mapping's ``outputs`` renames, the same path, then a shape no other output has)."""
 
-    def __init__(self, ref: Trace, model: TorchModel | FlaxModel, mapping: Mapping) -> None:
+    def __init__(self, ref: Trace, model: PortModel, mapping: Mapping) -> None:
         self.ref, self.mapping, self.model = ref, mapping, model
         self.port = model.replayer(ref)
         self._calls = self._paired_calls()  # an adapter that does not import: refused here

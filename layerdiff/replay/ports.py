@@ -1,21 +1,20 @@
 """What the mapping tools need of a port model: ``port_model(case)`` asks the case's framework
 (:func:`layerdiff.framework.framework_of`) for a small object with what ``map-check`` and
-``map-suggest`` need of a port model, whatever it is
-written in -- its module paths and classes, its tensors' names and shapes resolved through a
-mapping, a tensor set and everything put back, one module run on the reference's recorded
-call (``replayer``), its case's forward with every module call seen, and the arrays of what a
-module returned as numpy.
+``map-suggest`` need of a port model, whatever it is written in (:class:`PortModel`): its module
+paths and classes, its tensors' names and shapes resolved through a mapping, a tensor set and
+everything put back, one module run on the reference's recorded call (``replayer``), its case's
+forward with every module call seen, and the arrays of what a module returned as numpy.
 
-:class:`TorchModel` serves a ``torch.nn.Module``; :class:`FlaxModel` a Flax NNX module (JAX is
-imported only when one is made). A port that records itself is refused by its framework in one
-sentence (:class:`~layerdiff.errors.CaseError`: exit 2 on the command line).
+:class:`TorchModel` serves a ``torch.nn.Module``; :class:`layerdiff.flax.model.FlaxModel` a Flax
+NNX module (JAX is imported only when one is made). A port that records itself is refused by its
+framework in one sentence (:class:`~layerdiff.errors.CaseError`: exit 2 on the command line).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,16 +23,38 @@ from layerdiff.errors import CaseError
 from layerdiff.framework import framework_of
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace
-from layerdiff.trace.arguments import flatten
 from layerdiff.weights import Assignment
-
-CONV_KERNEL = "layerdiff.flax.layouts:conv_kernel"
 
 # hook(module path, class name, run, args, kwargs) -> what run(*args, **kwargs) returns
 Hook = Callable[[str, str, Callable[..., Any], tuple, dict], Any]
 
 
-def port_model(case: Any, command: str) -> TorchModel | FlaxModel:
+class PortModel(Protocol):
+    """What the mapping tools use of a port model (:class:`TorchModel` is the reference
+    implementation; each framework gives its own through ``port_model``)."""
+
+    framework: str
+    name: str
+
+    def modules(self) -> dict[str, str]: ...
+    def resolve(self, reference: dict[str, np.ndarray],
+                mapping: Mapping) -> list[Assignment]: ...
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+    def buffers(self) -> set[str]: ...
+    def ties(self) -> list[list[str]]: ...
+    def set(self, name: str, value: np.ndarray) -> None: ...
+    def restored(self) -> contextlib.AbstractContextManager[None]: ...
+    def replayer(self, ref: Trace) -> Any: ...
+    def leaves(self, value: Any) -> list[tuple[str, Any]]: ...
+    def is_array(self, value: Any) -> bool: ...
+    def arrays(self, value: Any) -> list[tuple[str, Any]]: ...
+    def eps(self, value: Any) -> float: ...
+    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]: ...
+    def dense_layout(self, type_name: str) -> str | None: ...
+    def watch(self, hook: Hook) -> Any: ...
+
+
+def port_model(case: Any, command: str) -> PortModel:
     """The port model of ``case`` for ``command`` (named in the refusal), from its framework."""
     if not hasattr(case, "name") or isinstance(case, (str, bytes)):
         raise CaseError(f"{command} needs a layerdiff.Case whose model is a torch or Flax "
@@ -176,79 +197,6 @@ class TorchModel:
                     del module.forward
                 else:
                     module.forward = before
-
-
-class FlaxModel:
-    """A Flax NNX port model (see the module's docstring); its functions are
-    :mod:`layerdiff.flax.port`'s and :mod:`layerdiff.flax.weights`'."""
-
-    framework = "flax"
-
-    def __init__(self, case: Case) -> None:
-        from layerdiff.flax import port, weights
-
-        self.case, self.model = case, case.model
-        self._port, self._weights = port, weights
-        self._variables = weights.nnx_variables(self.model)
-
-    @property
-    def name(self) -> str:
-        return self.case.name or type(self.model).__name__
-
-    def modules(self) -> dict[str, str]:
-        return self._port.module_paths(self.model)
-
-    def resolve(self, reference: dict[str, np.ndarray], mapping: Mapping) -> list[Assignment]:
-        return self._weights.resolve_nnx(self.model, reference, mapping, "the reference trace")
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return self._weights.variable_shapes(self.model)
-
-    def buffers(self) -> set[str]:
-        return self._port.state_names(self.model)
-
-    def ties(self) -> list[list[str]]:
-        return self._port.tied_names(self.model)
-
-    def set(self, name: str, value: np.ndarray) -> None:
-        self._weights.set_variable(self.model, name, value, self._variables)
-
-    def restored(self) -> contextlib.AbstractContextManager[None]:
-        return self._port.restored(self.model)
-
-    def replayer(self, ref: Trace) -> Any:
-        from layerdiff.replay.flax_replay import FlaxPort
-
-        return FlaxPort(self.model, ref)
-
-    def leaves(self, value: Any) -> list[tuple[str, Any]]:
-        return list(flatten(value))
-
-    def is_array(self, value: Any) -> bool:
-        return self._port.is_array(value)
-
-    def arrays(self, value: Any) -> list[tuple[str, Any]]:
-        return [(arg, self._port.to_numpy(leaf) if self._port.is_array(leaf) else leaf)
-                for arg, leaf in flatten(value)]
-
-    def eps(self, value: Any) -> float:
-        return max([float(np.finfo(self._port.to_numpy(leaf).dtype).eps)
-                    for _, leaf in flatten(value) if self._port.is_array(leaf)
-                    and np.issubdtype(self._port.to_numpy(leaf).dtype, np.floating)],
-                   default=0.0)
-
-    def layout_conversions(self) -> list[tuple[str, Callable[[tuple[int, ...]], Any]]]:
-        """A convolution's kernel: torch's (out, in, *spatial) as Flax's (*spatial, in, out),
-        :func:`layerdiff.flax.layouts.conv_kernel`."""
-        return [(CONV_KERNEL, lambda shape: (*shape[2:], shape[1], shape[0])
-                 if 3 <= len(shape) <= 5 else None)]
-
-    def dense_layout(self, type_name: str) -> str | None:
-        """nnx.Linear keeps its kernel (in, out)."""
-        return "in_out" if type_name in ("Linear", "LinearGeneral", "Einsum") else None
-
-    def watch(self, hook: Hook) -> Any:
-        return self._port.watched_forward(self.case, hook)
 
 
 def _torch_numpy(tensor: Any) -> np.ndarray:

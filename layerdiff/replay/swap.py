@@ -6,8 +6,11 @@ A port layer goes in holding the reference's weights (through the mapping), behi
 own signature (or the mapping's call adapter for the site), its own dtype, the replaced
 layer's output structure. A layer that is not torch
 (per-site numpy callables) goes in through a ``torch.autograd.Function`` around its forward and
-backward, with its weights as parameters so the optimizer trains them. The reverse direction
-(``into="port"``) puts reference layers into the port, to confirm a fix.
+backward, with its weights as parameters so the optimizer trains them; a Flax NNX port's layer
+goes in the same way, its ``jax.vjp`` making the backward
+(:mod:`layerdiff.flax.in_torch`, given by the port's framework as its swap donor and
+used in one place: :func:`port_layer_for`). The
+reverse direction (``into="port"``) puts reference layers into a torch port, to confirm a fix.
 
 Every comparison is keyed like a trace record (step, site, role, argument) and judged by
 :mod:`layerdiff.compare.judge` with the tolerance a diff of those records would use: the
@@ -41,7 +44,6 @@ from layerdiff.capture.modules import (
 )
 from layerdiff.capture.routes import RouteForcer, RouteRecorder, StepsOf, describe
 from layerdiff.capture.run import run_case
-from layerdiff.case import ExternalCase
 from layerdiff.compare import judge
 from layerdiff.compare.baseline import FACTOR, Baseline
 from layerdiff.compare.matching import port_site_for
@@ -215,17 +217,25 @@ class Swapper:
         self._baseline_judges: dict[int, Baseline] = {}
         self._baseline: Baseline | None = None  # the one judging the current run
         probe_ref, probe_port = self.make_reference(), self.make_port()
-        _refuse_flax(probe_ref, probe_port, mapping=self.mapping)
+        _refuse_reference(probe_ref, probe_port)
+        # how the port's layers run inside the torch reference: None where they go in as
+        # they are (torch modules, a self-recording port's callables)
+        self.donor = framework_of(probe_port).swap_donor(probe_port)
+        self.port_name = getattr(probe_port, "name", None) or "the port"
+        self.port_title = framework_of(probe_port).title
         self.reference_modules = _modules(probe_ref)
-        self.port_modules = _port_modules(probe_port)
+        self.port_modules = _port_modules(probe_port, self.donor)
         # what each model's modules return, and in which order they are first called
         self.order, self.reference_outputs, _, self.reference_sizes = _observe(
             self.make_reference())
         self.port_order, self.port_outputs, self.port_sizes = list(self.port_modules), {}, {}
         self._port_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-        if not isinstance(probe_port, ExternalCase):
-            # a port that cannot run whole may still swap layer by layer: then every module
-            # counts as called
+        # a port that cannot run whole may still swap layer by layer: then every module
+        # counts as called
+        if self.donor is not None:
+            with contextlib.suppress(Exception):
+                self.port_order, self._port_shapes = self.donor.observe(self.make_port())
+        elif not framework_of(probe_port).records_itself:
             with contextlib.suppress(Exception):
                 (self.port_order, self.port_outputs, self._port_shapes,
                  self.port_sizes) = _observe(self.make_port())
@@ -288,6 +298,10 @@ class Swapper:
             into: SwapDirection | str = SwapDirection.REFERENCE) -> SwapResult:
         """The host case with ``modules`` (reference names) swapped, against the reference."""
         into = SwapDirection.parse(into)
+        if into == SwapDirection.PORT and self.donor is not None:
+            raise DiffError(f"case {self.port_name} is {self.port_title}, and a torch "
+                            "reference layer cannot run inside its computation (--into "
+                            "port); swap its layers into the reference instead")
         modules = _outermost([self.resolve(m) for m in modules])
         if steps is not None and steps < 1:
             raise DiffError(f"--steps must be at least 1 (got {steps})")
@@ -370,23 +384,25 @@ class Swapper:
         if into == SwapDirection.REFERENCE:
             host = self.make_reference()
             donor = self.make_port()  # one port for all the swapped layers of this run
-            if not isinstance(donor, ExternalCase):
-                load_weights_from(donor.model, self._reference_state, self.mapping)
+            _load_port(donor, self._reference_state, self.mapping, self.donor)
         else:
             donor = self.make_reference()
             host = self.make_port()
-            if isinstance(host, ExternalCase):
+            if framework_of(host).records_itself:
                 raise DiffError(f"case {host.name} is not a torch model, so reference layers "
                                 "cannot go into it (--into port); swap its layers into the "
                                 "reference instead")
             load_weights_from(host.model, self._reference_state, self.mapping)
         adapters = []
+        # the host's parameters by name before any is replaced: a tie between two swapped
+        # layers (GPT-2's wte and lm_head) is found by the reference's names of both
+        host_params = dict(host.model.named_parameters(remove_duplicate=False))
         for module in modules:
             port_module, args_map = self.pairs[module]
             if into == SwapDirection.REFERENCE:
                 replaced = get_module(host.model, module)
                 layer = self._port_layer(donor, port_module, args_map, module, replaced)
-                _tie_shared(host.model, module, layer, self.mapping, port_module)
+                _tie_shared(host_params, module, layer, self.mapping, port_module)
                 _replace(host.model, module, layer)
             else:
                 if module in self.calls:
@@ -410,7 +426,7 @@ class Swapper:
 
     def _port_layer(self, donor: Any, port_module: str, args_map: dict[str, str],
                     ref_module: str, replaced: nn.Module) -> nn.Module:
-        if isinstance(donor, ExternalCase):
+        if framework_of(donor).records_itself:
             prefix = "" if ref_module == schema.ROOT_MODULE else ref_module + "."
             nested = [n for n in self._reference_state
                       if n.startswith(prefix) and "." in n[len(prefix):]]
@@ -427,12 +443,14 @@ class Swapper:
                                      "layer takes its inputs by argument path")
             return CallableLayer(ref_module, donor.layers[port_module], weights, args_map,
                                  replaced=replaced)
-        layer = get_module(donor.model, port_module)
-        return LayerAdapter(ref_module, layer, args_map,
+        layer, call = port_layer_for(donor, port_module, self.calls.get(ref_module),
+                                     self.donor)
+        # a call adapter makes the whole call (in torch, or in JAX inside a Flax layer)
+        return LayerAdapter(ref_module, layer, {} if ref_module in self.calls else args_map,
                             caller=Signature.of(replaced.forward),
                             expected=self.reference_outputs.get(ref_module),
                             sizes=self.reference_sizes.get(ref_module),
-                            call=self.calls.get(ref_module), replaced=replaced,
+                            call=call, replaced=replaced,
                             output=self._output_conversion(ref_module, layer))
 
     def _output_conversion(self, ref_module: str, port_layer: nn.Module, *,
@@ -576,9 +594,11 @@ class Swapper:
     def leaves(self) -> list[str]:
         """Reference modules whose port partner is a leaf of the port, in execution order."""
         port = self.make_port()
-        if isinstance(port, ExternalCase):
+        if framework_of(port).records_itself:
             names = set(port.layers)
             port_leaves = {n for n in names if not any(o.startswith(n + ".") for o in names)}
+        elif self.donor is not None:
+            port_leaves = self.donor.leaf_paths(port) - {schema.ROOT_MODULE}
         else:
             port_leaves = {path for path, module in named_modules(port.model)
                            if path != schema.ROOT_MODULE and is_leaf(module)}
@@ -690,30 +710,35 @@ def _where(exc: BaseException) -> str:
     return f"at {Path(last.filename).name}:{last.lineno} in {last.name}"
 
 
-def _tie_shared(host: nn.Module, module: str, layer: nn.Module, mapping: Mapping,
-                port_module: str) -> None:
+def _tie_shared(by_name: dict[str, nn.Parameter], module: str, layer: nn.Module,
+                mapping: Mapping, port_module: str) -> None:
     """A port layer standing in for a module whose parameter is tied to another module's
     (GPT-2's lm_head and token embedding) takes the host's own parameter, so the tie holds and
-    its gradient sums over every user, as in the reference."""
+    its gradient sums over every user, as in the reference. ``by_name``: the host's
+    parameters (``named_parameters(remove_duplicate=False)``) before the swap."""
     if not isinstance(layer, LayerAdapter):
         return
     shared: dict[int, list[str]] = {}
-    for name, param in host.named_parameters(remove_duplicate=False):
+    for name, param in by_name.items():
         shared.setdefault(id(param), []).append(name)
     tied = {names[0]: names for names in shared.values() if len(names) > 1}
-    by_name = dict(host.named_parameters(remove_duplicate=False))
+    # a Flax layer names every path of a variable the port ties (its lm head's
+    # ``lm_head.wte.embedding`` is ``transformer.wte.embedding``): the mapping sources one
+    port_names = getattr(layer.wrapped, "port_names", lambda name: [f"{port_module}.{name}"])
     for name, param in list(layer.wrapped.named_parameters()):
-        source = mapping.param_source(f"{port_module}.{name}", {port_module: module})
-        refs = source.reference if source is not None else [f"{module}.{name}"]
-        plain = source is None or all(step == "copy" for step in source.transforms)
-        if len(refs) != 1 or not plain:
-            continue
-        users = next((names for names in tied.values() if refs[0] in names), None)
-        host_param = by_name.get(refs[0])
-        if users and host_param is not None and host_param.shape == param.shape:
-            owner, _, leaf = name.rpartition(".")
-            setattr(layer.wrapped.get_submodule(owner) if owner else layer.wrapped, leaf,
-                    host_param)
+        for full in port_names(name):
+            source = mapping.param_source(full, {port_module: module})
+            refs = source.reference if source is not None else [f"{module}.{name}"]
+            plain = source is None or all(step == "copy" for step in source.transforms)
+            if len(refs) != 1 or not plain:
+                continue
+            users = next((names for names in tied.values() if refs[0] in names), None)
+            host_param = by_name.get(refs[0])
+            if users and host_param is not None and host_param.shape == param.shape:
+                owner, _, leaf = name.rpartition(".")
+                setattr(layer.wrapped.get_submodule(owner) if owner else layer.wrapped, leaf,
+                        host_param)
+                break
 
 
 def _statistics(values: np.ndarray) -> dict[str, float]:
@@ -724,29 +749,54 @@ def _statistics(values: np.ndarray) -> dict[str, float]:
             "l2": float(np.sqrt(np.sum(finite ** 2))), "numel": values.size}
 
 
-def _refuse_flax(*cases: Any, mapping: Mapping | None = None) -> None:
-    """Swap and bisect run port layers inside the torch reference's autograd: torch only. The
-    replay command offered instead carries the mapping, which it needs as much."""
-    with_map = f" --map {mapping.path}" if mapping is not None and mapping.path else ""
-    for case in cases:
-        if framework_of(case).name == "flax":
-            raise DiffError(f"case {case.name or '?'} is a Flax NNX model and swap and bisect "
-                            "run port layers inside a torch model, so they take torch cases "
-                            "only; run `layerdiff replay REF.h5 "
-                            f"{case.name or 'PORT'}{with_map}` to find the layer whose own "
-                            "error it is")
+def _refuse_reference(reference: Any, port: Any) -> None:
+    """Swap and bisect run port layers inside the reference's torch autograd: the reference
+    must be torch (a port's layers of another framework go into it through its donor)."""
+    framework = framework_of(reference)
+    if framework.name != "torch":
+        raise DiffError(f"case {reference.name or '?'} is {framework.title}, and swap and bisect "
+                        "run port layers inside the reference's torch autograd, so the "
+                        "reference must be a torch model; give the torch model as the "
+                        f"reference and {getattr(port, 'name', None) or 'the port'} as the "
+                        "port")
+
+
+def _load_port(port: Any, reference: dict[str, np.ndarray], mapping: Mapping,
+               donor: Any) -> None:
+    """The reference's weights into the port through the mapping (a port that records itself
+    gets its per layer; a port of another framework through its ``donor``)."""
+    if framework_of(port).records_itself:
+        return
+    if donor is not None:
+        donor.load_arrays(port, reference, mapping)
+    else:
+        load_weights_from(port.model, reference, mapping)
+
+
+def port_layer_for(port: Any, module_path: str, call: tuple[CodeRef, Any] | None,
+                   donor: Any) -> tuple[nn.Module, tuple[CodeRef, Any] | None]:
+    """The port's layer at ``module_path`` as a torch module, from a port case already holding
+    the reference's weights (:func:`_load_port`), and the mapping's call adapter for the site
+    (``call``) left for :class:`LayerAdapter` to apply in torch: a torch port's own module, or
+    the layer its framework's ``donor`` makes (a Flax NNX module run through its ``jax.vjp``,
+    which applies the adapter itself, to JAX arrays as replay does: none left)."""
+    if donor is not None:
+        return donor.layer(port, module_path, call)
+    return get_module(port.model, module_path), call
 
 
 def _modules(case: Any) -> list[str]:
     return module_paths(case.model)
 
 
-def _port_modules(port: Any) -> list[str]:
-    if isinstance(port, ExternalCase):
+def _port_modules(port: Any, donor: Any) -> list[str]:
+    if framework_of(port).records_itself:
         if not port.layers:
             raise DiffError(f"case {port.name} gives no per-site layers to swap in; give the "
                             "ExternalCase a 'layers' dict of forward/backward callables")
         return list(port.layers)
+    if donor is not None:
+        return donor.module_paths(port)
     return _modules(port)
 
 

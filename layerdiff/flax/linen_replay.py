@@ -1,5 +1,5 @@
 """Replaying calls into a Flax Linen port's modules, and what the mapping tools need of a Linen
-port model: :mod:`layerdiff.replay.flax_replay` and :class:`layerdiff.replay.ports.FlaxModel`
+port model: :mod:`layerdiff.flax.replay` and :class:`layerdiff.flax.model.FlaxModel`
 for Linen.
 
 A Linen module is a description; its variables live in the case (``case.params``). Each
@@ -32,8 +32,8 @@ from flax import linen as nn
 from layerdiff.case import Case
 from layerdiff.flax import linen
 from layerdiff.flax.graph import under_called
-from layerdiff.mapping import Mapping as LoadMapping
-from layerdiff.replay.flax_replay import (
+from layerdiff.flax.model import FlaxModel
+from layerdiff.flax.replay import (
     MATMUL_PRECISION,
     FlaxPort,
     NotReplayable,
@@ -43,7 +43,7 @@ from layerdiff.replay.flax_replay import (
     _unflatten,
     _vjp,
 )
-from layerdiff.replay.ports import FlaxModel
+from layerdiff.mapping import Mapping as LoadMapping
 from layerdiff.replay.recorded import RecordedCall, grad_outputs_at_port, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
 from layerdiff.trace.arguments import flatten, map_argument
