@@ -14,10 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import h5py
@@ -27,51 +26,17 @@ import torch
 
 from layerdiff import CaptureError, TraceWriter, capture, open_trace
 from layerdiff.trace.h5file import TraceFile
+from tests import children
+from tests.children import finished, popen, two_at_a_time
 
 ROOT = Path(__file__).parent.parent
 MLP = "reference_models.mlp:reference"
 TRANSFORMER = "reference_models.transformer:reference"
 
 
-# Most tests here run a capture in a child process of its own and wait for it: one core waits
-# while the child works on the other. Their children start together, two at a time, in a
-# fixture of the module, and each test checks its own child's outcome.
-_STARTING = threading.Lock()  # one child forked at a time (preexec_fn runs Python in the child)
-
-
-def _popen(command: list[str], **options) -> subprocess.Popen:
-    with _STARTING:
-        return subprocess.Popen(command, **options)
-
-
-def _finished(command: list[str], timeout: float, **options) -> subprocess.CompletedProcess:
-    """subprocess.run's capture_output=True, text=True, timeout, through :func:`_popen`."""
-    process = _popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                     **options)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def _two_at_a_time(jobs: dict) -> dict[object, Future]:
-    """Run ``jobs`` (key: a function of no arguments that runs a child process), two at a time;
-    returns their futures by key. A test reads its own with ``.result()``, which raises what
-    its job raised."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {key: pool.submit(job) for key, job in jobs.items()}
-
-
-def _folders(tmp_path_factory, keys, name: str) -> dict[object, Path]:
-    return {key: tmp_path_factory.mktemp(name) for key in keys}
-
-
 def _capture_under_limit(case: str, target: Path, kib: int) -> subprocess.CompletedProcess:
     """``ulimit -f`` as a user sets it (the shell's unit is KiB), then the capture."""
-    return _finished(
+    return finished(
         ["bash", "-c", f'ulimit -f {kib}; exec "$0" -m layerdiff capture "$1" -o "$2"',
          sys.executable, case, str(target)],
         cwd=ROOT, timeout=300)
@@ -90,7 +55,7 @@ def _library_capture_under_limit(target: Path) -> subprocess.CompletedProcess:
         "    print(error)\n"
         "gc.collect()\n"
         "print('lived')\n")
-    return _finished(["bash", "-c", 'ulimit -f 1000; exec "$0" -c "$1"', sys.executable,
+    return finished(["bash", "-c", 'ulimit -f 1000; exec "$0" -c "$1"', sys.executable,
                       script], cwd=ROOT, timeout=300)
 
 
@@ -109,12 +74,12 @@ LIMITS = [
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory) -> dict[object, tuple[Future, Path]]:
     """The captures under a file size limit (``LIMITS``, and "library"): (outcome, folder)."""
-    folders = _folders(tmp_path_factory, [*LIMITS, "library"], "limited")
+    folders = children.folders(tmp_path_factory, [*LIMITS, "library"], "limited")
     jobs: dict[object, Callable] = {
         (case, kib): (lambda c=case, k=kib: _capture_under_limit(c, folders[c, k] / "t.h5", k))
         for case, kib in LIMITS}
     jobs["library"] = lambda: _library_capture_under_limit(folders["library"] / "t.h5")
-    done = _two_at_a_time(jobs)
+    done = two_at_a_time(jobs)
     return {key: (done[key], folders[key]) for key in jobs}
 
 
@@ -224,7 +189,7 @@ main()
 
 
 def _interrupted_capture(target: Path, points: str) -> subprocess.CompletedProcess:
-    return _finished([sys.executable, "-c", _INTERRUPTING, points, MLP, str(target)],
+    return finished([sys.executable, "-c", _INTERRUPTING, points, MLP, str(target)],
                      cwd=ROOT, timeout=60,
                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -263,9 +228,8 @@ def _timed(job: Callable) -> tuple[object, float]:
 @pytest.fixture(scope="module")
 def at_stage(tmp_path_factory) -> dict[str, tuple[Future, Path]]:
     """The captures Ctrl-C'd at each of ``STAGES``: ((outcome, seconds), target)."""
-    targets = {points: folder / "t.h5"
-               for points, folder in _folders(tmp_path_factory, STAGES, "stage").items()}
-    done = _two_at_a_time({points: lambda p=points: _timed(
+    targets = children.targets(tmp_path_factory, STAGES, "stage")
+    done = two_at_a_time({points: lambda p=points: _timed(
         lambda: _interrupted_capture(targets[p], p)) for points in STAGES})
     return {points: (done[points], targets[points]) for points in STAGES}
 
@@ -283,7 +247,7 @@ def test_ctrl_c_at_any_stage_ends_the_capture_and_publishes_only_complete(at_sta
 def _ctrl_c_after(target: Path, delay: float) -> subprocess.CompletedProcess | None:
     """The capture command, Ctrl-C'd ``delay`` seconds after its file is created, as a user
     presses it; None if it hung after that."""
-    process = _popen(
+    process = popen(
         [sys.executable, "-m", "layerdiff", "capture", MLP, "-o", str(target)], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -312,9 +276,8 @@ DELAYS = [0.0, 0.15, 0.5, 1.2, 1.8]
 @pytest.fixture(scope="module")
 def from_outside(tmp_path_factory) -> dict[float, tuple[Future, Path]]:
     """The captures Ctrl-C'd at each of ``DELAYS``: (outcome, target)."""
-    targets = {delay: folder / "t.h5"
-               for delay, folder in _folders(tmp_path_factory, DELAYS, "outside").items()}
-    done = _two_at_a_time({delay: lambda d=delay: _ctrl_c_after(targets[d], d)
+    targets = children.targets(tmp_path_factory, DELAYS, "outside")
+    done = two_at_a_time({delay: lambda d=delay: _ctrl_c_after(targets[d], d)
                            for delay in DELAYS})
     return {delay: (done[delay], targets[delay]) for delay in DELAYS}
 
@@ -461,7 +424,7 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
               "    w._recorder.flush()\n    w.step()\n")
 
     def killed(target: Path, delay: float) -> None:
-        writer = _popen([sys.executable, "-c", script, str(target)], cwd=ROOT,
+        writer = popen([sys.executable, "-c", script, str(target)], cwd=ROOT,
                         stdout=subprocess.PIPE, text=True)
         said = writer.stdout.readline().strip()
         time.sleep(delay)
@@ -471,7 +434,7 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
 
     delays = [0.0, 0.02, 0.1, 0.3, 0.6]
     targets = [tmp_path / f"k{number}.h5" for number in range(len(delays))]
-    done = _two_at_a_time({target: lambda t=target, d=delay: killed(t, d)
+    done = two_at_a_time({target: lambda t=target, d=delay: killed(t, d)
                            for target, delay in zip(targets, delays, strict=True)})
     for target in targets:
         done[target].result()
@@ -484,7 +447,7 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
 
 def _killed_after(target: Path, delay: float) -> None:
     """A six-step capture, SIGKILLed ``delay`` seconds after its file is created."""
-    process = _popen([sys.executable, "-m", "layerdiff", "capture",
+    process = popen([sys.executable, "-m", "layerdiff", "capture",
                       "reference_models.schedule_port:reference", "-o", str(target)],
                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     partial = Path(f"{target}.partial")
@@ -506,9 +469,8 @@ KILL_DELAYS = [0.3, 1.0, 1.8]
 @pytest.fixture(scope="module")
 def killed_captures(tmp_path_factory) -> dict[float, tuple[Future, Path]]:
     """The captures SIGKILLed at each of ``KILL_DELAYS``: (outcome, target)."""
-    targets = {delay: folder / "t.h5"
-               for delay, folder in _folders(tmp_path_factory, KILL_DELAYS, "killed").items()}
-    done = _two_at_a_time({delay: lambda d=delay: _killed_after(targets[d], d)
+    targets = children.targets(tmp_path_factory, KILL_DELAYS, "killed")
+    done = two_at_a_time({delay: lambda d=delay: _killed_after(targets[d], d)
                            for delay in KILL_DELAYS})
     return {delay: (done[delay], targets[delay]) for delay in KILL_DELAYS}
 
