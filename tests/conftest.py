@@ -53,6 +53,15 @@ def reference_traces(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def rank_captures(tmp_path_factory):
+    """The 2-rank captures of tests/rank_captures.py (and their one-process reference), by
+    name: one group of 2 spawned processes for the session."""
+    from tests.rank_captures import capture_all
+
+    return capture_all(tmp_path_factory.mktemp("ranks"))
+
+
 @pytest.fixture
 def screenshot(tmp_path):
     """``screenshot(page, height)``: a headless Chromium's picture of an HTML file, as RGB floats

@@ -5,7 +5,6 @@ ends in one sentence that says what is on disk (issue 38, item 2)."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 from layerdiff import capture, diff, load_case, open_trace
 from layerdiff.errors import TraceError
 from reference_models import op_bugs
+from tests import children
+from tests.children import finished
 
 REFERENCE = f"{op_bugs.MODULE}:reference"
 
@@ -95,21 +96,37 @@ def _interrupted_capture(case: str, out: Path, at_start: bool = False):
     """``layerdiff capture CASE -o OUT --nproc 2`` in a process group of its own (the cases
     send SIGINT to it), SIGINT handled as a terminal's is."""
     command = (["-c", _AT_START] if at_start else ["-m", "layerdiff"])
-    done = subprocess.run([sys.executable, *command, "capture", case, "-o", str(out), "--nproc",
-                           "2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          start_new_session=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    done = finished([sys.executable, *command, "capture", case, "-o", str(out), "--nproc", "2"],
+                    cwd=ROOT, timeout=300, start_new_session=True,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, \
         done.stderr[-3000:]
     assert "Aborted" not in done.stderr
     return done
 
 
-@pytest.mark.parametrize("case", ["interrupt_group_after_manifest",
-                                  "interrupt_rank_one_after_manifest"])
-def test_ctrl_c_after_the_manifest_was_published_says_it_was(tmp_path, case):
-    out = tmp_path / "port.h5"
-    done = _interrupted_capture(f"tests.dist_cases:{case}", out)
+AFTER_MANIFEST = ["interrupt_group_after_manifest", "interrupt_rank_one_after_manifest"]
+MID_RUN = ["interrupt_group_mid_run", "interrupt_command_mid_run"]
+AT_START = "at_start"
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """Each interrupted capture (the cases of tests/dist_cases.py, and REFERENCE interrupted
+    as its ranks start), two commands at a time: (outcome, output path)."""
+    keys = [*AFTER_MANIFEST, *MID_RUN, AT_START]
+    outs = children.targets(tmp_path_factory, keys, "interrupted", "port.h5")
+    jobs = {case: lambda c=case: _interrupted_capture(f"tests.dist_cases:{c}", outs[c])
+            for case in [*AFTER_MANIFEST, *MID_RUN]}
+    jobs[AT_START] = lambda: _interrupted_capture(REFERENCE, outs[AT_START], at_start=True)
+    done = children.two_at_a_time(jobs)
+    return {key: (done[key], outs[key]) for key in keys}
+
+
+@pytest.mark.parametrize("case", AFTER_MANIFEST)
+def test_ctrl_c_after_the_manifest_was_published_says_it_was(interrupted, case):
+    outcome, out = interrupted[case]
+    done = outcome.result()
     assert done.returncode == 0, done.stderr
     assert f"wrote manifest {out} naming 2 rank files" in done.stdout
     assert done.stderr == ""
@@ -117,31 +134,31 @@ def test_ctrl_c_after_the_manifest_was_published_says_it_was(tmp_path, case):
         assert len(trace.rank_paths) == 2
 
 
-@pytest.mark.parametrize("case", ["interrupt_group_mid_run", "interrupt_command_mid_run"])
-def test_ctrl_c_mid_run_is_one_sentence_naming_what_is_on_disk(tmp_path, case):
-    out = tmp_path / "port.h5"
-    done = _interrupted_capture(f"tests.dist_cases:{case}", out)
+@pytest.mark.parametrize("case", MID_RUN)
+def test_ctrl_c_mid_run_is_one_sentence_naming_what_is_on_disk(interrupted, case):
+    outcome, out = interrupted[case]
+    done, folder = outcome.result(), out.parent
     assert done.returncode == 130
     assert done.stderr.count("\n") == 1, done.stderr
-    partial = tmp_path / "port.rank0.h5.partial"
+    partial = folder / "port.rank0.h5.partial"
     assert done.stderr.startswith(f"interrupted: no manifest was published at {out}; ")
     assert str(partial) in done.stderr and "--allow-incomplete" in done.stderr
     assert not out.exists() and partial.exists()
     # rank 1 runs on: it finished its file, or was stopped too; the sentence says which
-    rank1 = tmp_path / "port.rank1.h5"
+    rank1 = folder / "port.rank1.h5"
     assert (f"{rank1} was published" in done.stderr) == rank1.exists()
     assert (f"{rank1}.partial" in done.stderr) == Path(f"{rank1}.partial").exists()
     with open_trace(partial, allow_incomplete=True) as trace:
         assert not trace.complete
 
 
-def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path):
-    out = tmp_path / "port.h5"
-    done = _interrupted_capture(REFERENCE, out, at_start=True)
+def test_ctrl_c_while_the_ranks_start_is_one_line(interrupted):
+    outcome, out = interrupted[AT_START]
+    done = outcome.result()
     assert done.returncode == 130
     assert done.stderr == (f"interrupted: no manifest was published at {out}; no rank recorded "
                            "anything yet\n")
-    assert list(tmp_path.iterdir()) == []
+    assert list(out.parent.iterdir()) == []
 
 
 def _torchrun_rank(rank: int, world: int, port: int, spec: str, output: str, said: str) -> None:

@@ -15,40 +15,16 @@ from layerdiff.trace.gather import gather
 from reference_models import tensor_parallel as tp
 from reference_models.catalog import find
 
-pytestmark = pytest.mark.slow  # each 2-rank capture starts two processes (a few seconds)
+pytestmark = pytest.mark.slow  # the 2-rank captures start two processes (a few seconds)
 MAP = str(tp.MAP_FILE)
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    """One-process reference and 2-rank ports (full and summary), captured once."""
-    from click.testing import CliRunner
-
-    from layerdiff.cli import main
-
-    folder = tmp_path_factory.mktemp("tp")
-
-    def capture(case: str, name: str, *extra: str) -> str:
-        out = folder / name
-        result = CliRunner().invoke(main, ["capture", case, "-o", str(out), *extra])
-        assert result.exit_code == 0, result.output
-        return str(out)
-
-    reference = capture(f"{tp.MODULE}:reference", "ref.h5")
-    return {
-        "reference": reference,
-        "reference_summary": capture(f"{tp.MODULE}:reference", "ref_summary.h5", "--summary"),
-        "port": capture(f"{tp.MODULE}:port", "port.h5", "--nproc", "2"),
-        "port_summary": capture(f"{tp.MODULE}:port", "port_summary.h5", "--nproc", "2",
-                                "--summary"),
-        "bias": capture(f"{tp.MODULE}:bug_bias_before_allreduce", "bias.h5", "--nproc", "2"),
-        "dropout": capture(f"{tp.MODULE}:bug_dropout_per_rank", "dropout.h5", "--nproc", "2"),
-        "rank_one": capture("tests.dist_cases:tp_gelu_tanh_on_rank_one", "rank_one.h5",
-                            "--nproc", "2"),
-        "own_weights": capture("tests.dist_cases:tp_port_own_weights", "own.h5", "--nproc",
-                               "2", "--weights-from", reference, "--map", MAP),
-        "folder": folder,
-    }
+def traces(rank_captures, tmp_path_factory):
+    """One-process reference and 2-rank ports (full and summary), captured once for the
+    session (tests/rank_captures.py)."""
+    return {**{name: str(path) for name, path in rank_captures.items()},
+            "folder": tmp_path_factory.mktemp("gather")}
 
 
 def test_gathered_trace_holds_the_whole_tensors_of_the_reference(traces, tmp_path):

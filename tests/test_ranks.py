@@ -1,6 +1,6 @@
 """``layerdiff ranks``: the replicated records of a multi-rank capture must agree on every rank.
 
-Captured on 2 gloo processes, once per case for the module: the faithful tensor-parallel port
+Captured on 2 gloo processes, once per case for the session: the faithful tensor-parallel port
 agrees (with its shard rules; without them its sharded tensors are flagged, and the user is
 told to add rules); its per-rank dropout is found at the dropout's output; a data-parallel toy
 of this file whose first layer's gradients are never all-reduced is found at that layer's
@@ -24,7 +24,8 @@ from layerdiff.compare.ranks import Reason, check_ranks
 from layerdiff.errors import TraceError
 from layerdiff.report.findings import render
 from reference_models import tensor_parallel as tp
-from tests.gloo import free_port, gloo_unavailable
+from tests.gloo import gloo_unavailable
+from tests.rank_captures import CAPTURES
 
 TP = tp.MODULE
 DP = "tests.test_ranks"
@@ -96,44 +97,16 @@ def dp_first_layer_unreduced() -> Case:
     return _data_parallel("dp_first_layer_unreduced", ("fc1.weight", "fc1.bias"))
 
 
-# ---- captures, once for the module
-
-# (spec, steps): each bug shows at step 0; the faithful port runs both steps, so its replicas
-# are also checked after an update from all-reduced gradients
-CAPTURES = {"port": (f"{TP}:port", None), "dropout": (f"{TP}:bug_dropout_per_rank", 1),
-            "dp": (f"{DP}:dp_first_layer_unreduced", None)}
-
-
-def _capture_each(rank: int, world: int, port: int, jobs: list[tuple[str, str, int | None]]):
-    """One rank of a 2-process group capturing every case in turn, as under torchrun (one
-    process start for all of them: each start costs seconds of imports)."""
-    import os
-
-    from layerdiff.capture.distributed import capture_ranks
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for spec, output, steps in jobs:
-            capture_ranks(spec, output, nproc=None, steps=steps)
-    finally:
-        dist.destroy_process_group()
+# ---- captures, once for the session (tests/rank_captures.py): the faithful port runs both
+# steps, so its replicas are also checked after an update from all-reduced gradients; the
+# dropout bug shows at step 0, captured for one step
 
 
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory):
-    """The manifests of 2-rank captures of :data:`CAPTURES`, by name."""
-    import torch.multiprocessing as mp
-
-    folder = tmp_path_factory.mktemp("ranks")
-    paths = {name: folder / f"{name}.h5" for name in CAPTURES}
-    jobs = [(spec, str(paths[name]), steps) for name, (spec, steps) in CAPTURES.items()]
-    port = free_port()
-    mp.start_processes(_capture_each, args=(2, port, jobs), nprocs=2, start_method="spawn")
-    assert all(path.exists() for path in paths.values())
-    return paths
+def captured(rank_captures):
+    """The manifests of the 2-rank captures this module reads, by name."""
+    return {"port": rank_captures["port"], "dropout": rank_captures["dropout_one_step"],
+            "dp": rank_captures["dp"]}
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +159,7 @@ def test_without_shard_rules_sharded_tensors_are_flagged_and_rules_suggested(cap
 
 def test_a_per_rank_dropout_is_found_at_the_dropouts_output(captured, tp_rules):
     bug = next(b for b in tp.BUGS if b.found_by == "ranks")
-    assert bug.spec == CAPTURES["dropout"][0]
+    assert bug.spec == CAPTURES["dropout_one_step"][0]
     manifest = captured["dropout"]
     for tolerance in (False, True):
         result = check_ranks(manifest, mapping=tp_rules, tolerance=tolerance)

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import h5py
@@ -24,6 +26,8 @@ import torch
 
 from layerdiff import CaptureError, TraceWriter, capture, open_trace
 from layerdiff.trace.h5file import TraceFile
+from tests import children
+from tests.children import finished, popen, two_at_a_time
 
 ROOT = Path(__file__).parent.parent
 MLP = "reference_models.mlp:reference"
@@ -32,56 +36,77 @@ TRANSFORMER = "reference_models.transformer:reference"
 
 def _capture_under_limit(case: str, target: Path, kib: int) -> subprocess.CompletedProcess:
     """``ulimit -f`` as a user sets it (the shell's unit is KiB), then the capture."""
-    return subprocess.run(
+    return finished(
         ["bash", "-c", f'ulimit -f {kib}; exec "$0" -m layerdiff capture "$1" -o "$2"',
          sys.executable, case, str(target)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, timeout=300)
+
+
+def _library_capture_under_limit(target: Path) -> subprocess.CompletedProcess:
+    """The Python API under ``ulimit -f 1000``: a capture that raises, then a garbage
+    collection and the interpreter's exit."""
+    script = (
+        "import gc, sys\n"
+        "from layerdiff import capture\n"
+        "from layerdiff.errors import CaptureError\n"
+        "try:\n"
+        f"    capture('reference_models.schedule_port:reference', {str(target)!r})\n"
+        "except CaptureError as error:\n"
+        "    print(error)\n"
+        "gc.collect()\n"
+        "print('lived')\n")
+    return finished(["bash", "-c", 'ulimit -f 1000; exec "$0" -c "$1"', sys.executable,
+                      script], cwd=ROOT, timeout=300)
 
 
 # --- a full disk, a file size limit -----------------------------------------------------------
 
-
-@pytest.mark.parametrize("case, kib", [
+LIMITS = [
     (MLP, 16),            # before the file's skeleton is on disk (the first flush)
     (MLP, 120),           # late: the last segments, or the tables at the close (a 0.2 MiB file)
     (TRANSFORMER, 2048),  # in the middle of the tensor data (an 11 MiB file)
     # after five steps' flushes (a 1.0 MiB file): libhdf5 retried the failed metadata at exit
     # and crashed the process (SIGSEGV) before the writer stopped touching the file
     ("reference_models.schedule_port:reference", 1000),
-])
-def test_a_file_size_limit_is_one_sentence_exit_2_and_nothing_left(tmp_path, case, kib):
-    target = tmp_path / "t.h5"
-    result = _capture_under_limit(case, target, kib)
+]
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory) -> dict[object, tuple[Future, Path]]:
+    """The captures under a file size limit (``LIMITS``, and "library"): (outcome, folder)."""
+    folders = children.folders(tmp_path_factory, [*LIMITS, "library"], "limited")
+    jobs: dict[object, Callable] = {
+        (case, kib): (lambda c=case, k=kib: _capture_under_limit(c, folders[c, k] / "t.h5", k))
+        for case, kib in LIMITS}
+    jobs["library"] = lambda: _library_capture_under_limit(folders["library"] / "t.h5")
+    done = two_at_a_time(jobs)
+    return {key: (done[key], folders[key]) for key in jobs}
+
+
+@pytest.mark.parametrize("case, kib", LIMITS)
+def test_a_file_size_limit_is_one_sentence_exit_2_and_nothing_left(limited, case, kib):
+    outcome, folder = limited[case, kib]
+    result, target = outcome.result(), folder / "t.h5"
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     lines = result.stderr.strip().splitlines()
     assert lines == [f"error: cannot write trace {target}: writing {target}.partial failed "
                      "(File too large: a file size limit (ulimit -f) was reached); nothing was "
                      "published; free space or choose another -o path"], result.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []  # no trace, no .partial, no .lock
+    assert list(folder.iterdir()) == []  # no trace, no .partial, no .lock
 
 
-def test_a_library_capture_over_the_file_size_limit_raises_and_the_process_lives_on(tmp_path):
+def test_a_library_capture_over_the_file_size_limit_raises_and_the_process_lives_on(limited):
     """The Python API (no command line to end the process early): the capture raises its
     sentence, and the process goes on through a garbage collection and its exit. (A write
     libhdf5 fails leaves a file it will not close, whose objects, freed later, crashed the
     process: a segment the limit cannot take is now refused before libhdf5 writes it, and
     the objects of a file it will not close are kept.)"""
-    script = (
-        "import gc, sys\n"
-        "from layerdiff import capture\n"
-        "from layerdiff.errors import CaptureError\n"
-        "try:\n"
-        f"    capture('reference_models.schedule_port:reference', {str(tmp_path / 't.h5')!r})\n"
-        "except CaptureError as error:\n"
-        "    print(error)\n"
-        "gc.collect()\n"
-        "print('lived')\n")
-    result = subprocess.run(["bash", "-c", 'ulimit -f 1000; exec "$0" -c "$1"', sys.executable,
-                             script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    outcome, folder = limited["library"]
+    result = outcome.result()
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "a file size limit (ulimit -f) was reached" in result.stdout
     assert result.stdout.strip().endswith("lived")
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == []
 
 
 def _failing_after(monkeypatch, calls: int, number: int) -> None:
@@ -164,9 +189,9 @@ main()
 
 
 def _interrupted_capture(target: Path, points: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _INTERRUPTING, points, MLP, str(target)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return finished([sys.executable, "-c", _INTERRUPTING, points, MLP, str(target)],
+                     cwd=ROOT, timeout=60,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _check_interrupted(target: Path, result: subprocess.CompletedProcess) -> None:
@@ -191,30 +216,47 @@ def _check_interrupted(target: Path, result: subprocess.CompletedProcess) -> Non
             trace.index  # noqa: B018 - it reads
 
 
-@pytest.mark.parametrize("points", ["flush", "write_segment", "append_rows", "close",
-                                    "replace", "flush,write_segment,append_rows,close,replace"])
-def test_ctrl_c_at_any_stage_ends_the_capture_and_publishes_only_complete(tmp_path, points):
-    target = tmp_path / "t.h5"
+STAGES = ["flush", "write_segment", "append_rows", "close", "replace",
+          "flush,write_segment,append_rows,close,replace"]
+
+
+def _timed(job: Callable) -> tuple[object, float]:
     start = time.monotonic()
-    result = _interrupted_capture(target, points)
-    assert time.monotonic() - start < 60
+    return job(), time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def at_stage(tmp_path_factory) -> dict[str, tuple[Future, Path]]:
+    """The captures Ctrl-C'd at each of ``STAGES``: ((outcome, seconds), target)."""
+    targets = children.targets(tmp_path_factory, STAGES, "stage")
+    done = two_at_a_time({points: lambda p=points: _timed(
+        lambda: _interrupted_capture(targets[p], p)) for points in STAGES})
+    return {points: (done[points], targets[points]) for points in STAGES}
+
+
+@pytest.mark.parametrize("points", STAGES)
+def test_ctrl_c_at_any_stage_ends_the_capture_and_publishes_only_complete(at_stage, points):
+    outcome, target = at_stage[points]
+    result, seconds = outcome.result()
+    assert seconds < 60
     _check_interrupted(target, result)
     if points in ("flush", "write_segment", "append_rows"):  # while the steps run
         assert result.returncode != 0 and Path(f"{target}.partial").exists()
 
 
-# from the file's creation to the end, sampled: each stage is also hit on purpose above
-@pytest.mark.parametrize("delay", [0.0, 0.15, 0.5, 1.2, 1.8])
-def test_ctrl_c_from_outside_at_any_moment_ends_the_process(tmp_path, delay):
-    """As a user presses it: at delays from the file's creation to the end of the capture."""
-    target = tmp_path / "t.h5"
-    process = subprocess.Popen(
+def _ctrl_c_after(target: Path, delay: float) -> subprocess.CompletedProcess | None:
+    """The capture command, Ctrl-C'd ``delay`` seconds after its file is created, as a user
+    presses it; None if it hung after that."""
+    process = popen(
         [sys.executable, "-m", "layerdiff", "capture", MLP, "-o", str(target)], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not Path(f"{target}.partial").exists() and process.poll() is None:
-        assert time.monotonic() < deadline
+        if time.monotonic() > deadline:
+            process.kill()
+            process.communicate()
+            raise AssertionError(f"the capture made no {target}.partial in 60 s")
         time.sleep(0.001)
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
@@ -223,9 +265,31 @@ def test_ctrl_c_from_outside_at_any_moment_ends_the_process(tmp_path, delay):
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
+        return None
+    return subprocess.CompletedProcess([], process.returncode, stdout, stderr)
+
+
+# from the file's creation to the end, sampled: each stage is also hit on purpose above
+DELAYS = [0.0, 0.15, 0.5, 1.2, 1.8]
+
+
+@pytest.fixture(scope="module")
+def from_outside(tmp_path_factory) -> dict[float, tuple[Future, Path]]:
+    """The captures Ctrl-C'd at each of ``DELAYS``: (outcome, target)."""
+    targets = children.targets(tmp_path_factory, DELAYS, "outside")
+    done = two_at_a_time({delay: lambda d=delay: _ctrl_c_after(targets[d], d)
+                           for delay in DELAYS})
+    return {delay: (done[delay], targets[delay]) for delay in DELAYS}
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_ctrl_c_from_outside_at_any_moment_ends_the_process(from_outside, delay):
+    """As a user presses it: at delays from the file's creation to the end of the capture."""
+    outcome, target = from_outside[delay]
+    result = outcome.result()
+    if result is None:
         pytest.fail(f"capture hung after Ctrl-C at {delay} s")
-    _check_interrupted(target, subprocess.CompletedProcess([], process.returncode, stdout,
-                                                           stderr))
+    _check_interrupted(target, result)
 
 
 # --- planted symbolic links -------------------------------------------------------------------
@@ -358,14 +422,22 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
               "        with w.site(f'layer{i}') as s:\n"
               "            w.record(s, 'output', np.full(64, i, np.float32))\n"
               "    w._recorder.flush()\n    w.step()\n")
-    for number, delay in enumerate([0.0, 0.02, 0.1, 0.3, 0.6]):
-        target = tmp_path / f"k{number}.h5"
-        writer = subprocess.Popen([sys.executable, "-c", script, str(target)], cwd=ROOT,
-                                  stdout=subprocess.PIPE, text=True)
-        assert writer.stdout.readline().strip() == "go"
+
+    def killed(target: Path, delay: float) -> None:
+        writer = popen([sys.executable, "-c", script, str(target)], cwd=ROOT,
+                        stdout=subprocess.PIPE, text=True)
+        said = writer.stdout.readline().strip()
         time.sleep(delay)
         writer.kill()
-        writer.wait()
+        writer.communicate()
+        assert said == "go"
+
+    delays = [0.0, 0.02, 0.1, 0.3, 0.6]
+    targets = [tmp_path / f"k{number}.h5" for number in range(len(delays))]
+    done = two_at_a_time({target: lambda t=target, d=delay: killed(t, d)
+                           for target, delay in zip(targets, delays, strict=True)})
+    for target in targets:
+        done[target].result()
         partial = Path(f"{target}.partial")
         told = run("show", target).output
         assert "--allow-incomplete" in told
@@ -373,23 +445,44 @@ def test_a_partial_left_by_a_killed_writer_opens_as_the_message_says(tmp_path, r
         assert shown.exit_code == 0 or "--allow-incomplete" not in shown.output, shown.output
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.0, 1.8])
-def test_a_killed_capture_leaves_a_partial_that_opens_as_every_message_says(tmp_path, run,
-                                                                             delay):
-    """SIGKILL into a six-step capture; diff and show name the command that opens what it
-    left, and that command opens it (or the file holds nothing yet, and says so)."""
-    target = tmp_path / "t.h5"
-    process = subprocess.Popen([sys.executable, "-m", "layerdiff", "capture",
-                                "reference_models.schedule_port:reference", "-o", str(target)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _killed_after(target: Path, delay: float) -> None:
+    """A six-step capture, SIGKILLed ``delay`` seconds after its file is created."""
+    process = popen([sys.executable, "-m", "layerdiff", "capture",
+                      "reference_models.schedule_port:reference", "-o", str(target)],
+                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     partial = Path(f"{target}.partial")
     deadline = time.monotonic() + 60
     while not partial.exists() and process.poll() is None:
-        assert time.monotonic() < deadline
+        if time.monotonic() > deadline:
+            process.kill()
+            process.communicate()
+            raise AssertionError(f"the capture made no {partial} in 60 s")
         time.sleep(0.001)
     time.sleep(delay)
     process.kill()
     process.communicate()
+
+
+KILL_DELAYS = [0.3, 1.0, 1.8]
+
+
+@pytest.fixture(scope="module")
+def killed_captures(tmp_path_factory) -> dict[float, tuple[Future, Path]]:
+    """The captures SIGKILLed at each of ``KILL_DELAYS``: (outcome, target)."""
+    targets = children.targets(tmp_path_factory, KILL_DELAYS, "killed")
+    done = two_at_a_time({delay: lambda d=delay: _killed_after(targets[d], d)
+                           for delay in KILL_DELAYS})
+    return {delay: (done[delay], targets[delay]) for delay in KILL_DELAYS}
+
+
+@pytest.mark.parametrize("delay", KILL_DELAYS)
+def test_a_killed_capture_leaves_a_partial_that_opens_as_every_message_says(killed_captures,
+                                                                             run, delay):
+    """SIGKILL into a six-step capture; diff and show name the command that opens what it
+    left, and that command opens it (or the file holds nothing yet, and says so)."""
+    outcome, target = killed_captures[delay]
+    outcome.result()
+    partial = Path(f"{target}.partial")
     if target.exists():  # it finished first
         return
     advice = f"`layerdiff show {partial} --allow-incomplete`"
