@@ -69,7 +69,16 @@ def capture_all(folder: Path) -> dict[str, Path]:
              {key: str(paths["reference"]) if value == "reference" else value
               for key, value in options.items()})
             for name, (spec, options) in CAPTURES.items()]
-    mp.start_processes(_capture_each, args=(2, free_port(), jobs), nprocs=2,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_capture_each, args=(2, free_port(), jobs), nprocs=2,
+                           start_method="spawn")
+    except mp.ProcessExitedException:
+        # a rank killed by a signal (seen once in eight runs at load 7: gloo's
+        # "terminate called without an active exception", SIGABRT, no Python error) says
+        # nothing of the traces these tests read: one more group, from scratch
+        for path in [*folder.glob("*.rank*"), *(paths[name] for name in CAPTURES)]:
+            path.unlink(missing_ok=True)
+        mp.start_processes(_capture_each, args=(2, free_port(), jobs), nprocs=2,
+                           start_method="spawn")
     assert all(path.exists() for path in paths.values())
     return paths
