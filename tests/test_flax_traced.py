@@ -255,3 +255,13 @@ def test_two_jitted_steps_compile_once_and_match_the_references_second_step(
     assert result.passed, result.origins
     with open_trace(port) as trace:
         assert set(trace.index["step"]) == {0, 1}
+
+
+def test_replay_says_in_one_sentence_that_it_does_not_run_a_stacks_layers(reference, mapping):
+    result = layerdiff.replay(reference, port_case(), mapping=mapping)
+    skipped = dict(result.skipped)
+    for k in range(LAYERS):
+        for site in (f"layers.{k}#0", f"layers.{k}.fc#0"):
+            assert "a layer of the port's stack" in skipped[site], skipped
+            assert "\n" not in skipped[site]
+    assert "proj#0" not in skipped and "head#0" not in skipped  # the rest is replayed

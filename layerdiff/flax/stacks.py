@@ -107,3 +107,17 @@ def first_value(module: Any) -> list[Any]:
         if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState):
             return [node.get_value()]
     return []
+
+
+def stacked_module(module: str, modules: Iterable[str]) -> str | None:
+    """The stacked module a per-layer name stands for (``layers.1.fc`` -> ``layers.fc``) when
+    ``modules`` has it and not the name itself; None otherwise."""
+    paths = set(modules)
+    if module in paths:
+        return None
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        stacked = ".".join(parts[:i] + parts[i + 1:])
+        if part.isdigit() and stacked in paths:
+            return stacked
+    return None
