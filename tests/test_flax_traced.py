@@ -265,3 +265,22 @@ def test_replay_says_in_one_sentence_that_it_does_not_run_a_stacks_layers(refere
             assert "a layer of the port's stack" in skipped[site], skipped
             assert "\n" not in skipped[site]
     assert "proj#0" not in skipped and "head#0" not in skipped  # the rest is replayed
+
+
+class Rematted(nnx.Module):
+    def __init__(self) -> None:
+        self.a = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+        self.b = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.b(nnx.remat(lambda a, x: jnp.tanh(a(x)))(self.a, x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_module_under_nnx_remat_is_recorded_once_with_its_gradients(tmp_path, jit):
+    case = layerdiff.Case(model=Rematted(), inputs=(X,), loss_fn=mean_square, jit=jit)
+    with open_trace(layerdiff.capture(case, tmp_path / "remat.h5", progress=False)) as trace:
+        rows = [(r.site, r.role) for r in trace.index.itertuples()]
+    assert rows.count(("a#0", "output")) == 1  # not again when the backward recomputes it
+    assert {("a#0", "grad_output"), ("a#0", "weight_grad")} <= set(rows)
+    assert "a#1" not in {site for site, _ in rows}
