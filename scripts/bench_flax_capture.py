@@ -4,10 +4,10 @@
 ``layerdiff.capture`` of it, eager and under ``jax.jit`` (``Case.jit``).
 
 Two ratios per mode: a one-step run as a user runs it (the capture with its file opened,
-written and published; under jit both sides trace and compile once), and each later step
-(from a 1-step and a ``--steps`` run: (T(steps) - T(1)) / (steps - 1)). The best of
-``--repeats`` (the fastest of them: this machine's noise only ever adds), the bare and
-captured runs interleaved so that machine drift hits both.
+written and published; under jit both sides trace and compile once), and a later step of a
+``--steps`` run (timed from one step's end to the next: under jit, the compiled step reused).
+The best of ``--repeats`` (this machine's noise only ever adds), the bare and captured runs
+interleaved so that machine drift hits both.
 
     python scripts/bench_flax_capture.py
     python scripts/bench_flax_capture.py --cases tests.test_flax_traced:port_case  # nnx.scan
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import tempfile
 import time
@@ -31,9 +32,10 @@ DEFAULT_CASES = [
 ]
 
 
-def bare_run(case: Any, steps: int, jit: bool) -> None:
+def bare_run(case: Any, steps: int, jit: bool, ticks: list[float]) -> None:
     """What capture runs, less the recording: the model split, each step's copy merged, one
-    jax.vjp and its backward (under jax.jit when asked), the optax update."""
+    jax.vjp and its backward (under jax.jit when asked), the optax update; ``ticks`` gets
+    the time at each step's end."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -64,51 +66,67 @@ def bare_run(case: Any, steps: int, jit: bool) -> None:
             if tx is not None:
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
+            ticks.append(time.perf_counter())
     nnx.update(model, params, rest)
 
 
-def timed(spec: str, steps: int, jit: bool, capture: bool, directory: Path) -> float:
+def timed(spec: str, steps: int, jit: bool, capture: bool, directory: Path
+          ) -> tuple[float, list[float]]:
+    """The whole run's time, and each step's after the first (from the step ends: the
+    capture's progress bar advances once a step)."""
     import layerdiff
+    import layerdiff.flax.capture as flax_capture
 
     case = layerdiff.load_case(spec)
     case.jit = jit
+    ticks: list[float] = []
     gc.collect()
     start = time.perf_counter()
     if capture:
-        layerdiff.capture(case, directory / "trace.h5", steps=steps, progress=False)
+        progress = flax_capture.StepProgress
+
+        class Ticking(progress):
+            def advance(self, *args: Any, **kwargs: Any) -> None:
+                ticks.append(time.perf_counter())
+                super().advance(*args, **kwargs)
+
+        flax_capture.StepProgress = Ticking
+        try:
+            layerdiff.capture(case, directory / "trace.h5", steps=steps, progress=False)
+        finally:
+            flax_capture.StepProgress = progress
     else:
-        bare_run(case, steps, jit)
-    return time.perf_counter() - start
+        bare_run(case, steps, jit, ticks)
+    total = time.perf_counter() - start
+    return total, [b - a for a, b in itertools.pairwise(ticks)]
 
 
 def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict[str, float]:
-    kinds = [(jit, capture, n) for jit in (False, True) for capture in (False, True)
-             for n in (1, steps)]
-    times: dict[tuple[bool, bool, int], list[float]] = {kind: [] for kind in kinds}
+    kinds = [(jit, capture) for jit in (False, True) for capture in (False, True)]
+    runs: dict[tuple[bool, bool], list[float]] = {kind: [] for kind in kinds}
+    later: dict[tuple[bool, bool], list[float]] = {kind: [] for kind in kinds}
     timed(spec, 1, False, True, directory)  # imports, first compilations: not measured
     timed(spec, 1, True, True, directory)
     for _ in range(repeats):
-        for kind in kinds:
-            times[kind].append(timed(spec, kind[2], kind[0], kind[1], directory))
-    best = {kind: min(found) for kind, found in times.items()}
+        for jit, capture in kinds:
+            runs[(jit, capture)].append(timed(spec, 1, jit, capture, directory)[0])
+            later[(jit, capture)].extend(timed(spec, steps, jit, capture, directory)[1])
     row = {}
     for jit in (False, True):
         mode = "jit" if jit else "eager"
-        bare1, cap1 = best[(jit, False, 1)], best[(jit, True, 1)]
-        bare_n, cap_n = best[(jit, False, steps)], best[(jit, True, steps)]
-        later_bare = (bare_n - bare1) / (steps - 1)
-        later_cap = (cap_n - cap1) / (steps - 1)
-        row[f"{mode} bare 1 step ms"] = bare1 * 1e3
-        row[f"{mode} x 1 step"] = cap1 / bare1
-        row[f"{mode} bare later step ms"] = later_bare * 1e3
-        row[f"{mode} x later step"] = later_cap / later_bare if later_bare > 0 else float("nan")
+        bare1, cap1 = min(runs[(jit, False)]), min(runs[(jit, True)])
+        bare_n, cap_n = min(later[(jit, False)]), min(later[(jit, True)])
+        row[f"{mode} bare 1-step run ms"] = bare1 * 1e3
+        row[f"{mode} x 1-step run"] = cap1 / bare1
+        row[f"{mode} bare later step ms"] = bare_n * 1e3
+        row[f"{mode} x later step"] = cap_n / bare_n
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     columns = None
