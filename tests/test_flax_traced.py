@@ -234,6 +234,7 @@ def test_one_layers_weights_loaded_wrong_is_named_at_that_layer(work, reference)
     assert origins(reference, port) == [("layers.1.fc#0", "forward", "output")]
 
 
+@pytest.mark.slow
 def test_a_slip_in_the_scanned_block_is_named_at_its_first_layer(work, reference, mapping):
     port = capture(port_case(tanh_slip=True), work / "bug_block.h5", reference, mapping)
     assert origins(reference, port)[:1] == [("layers.0#0", "forward", "output")]
@@ -248,7 +249,8 @@ def test_a_slip_only_traced_code_takes_passes_eager_and_is_named_under_jit(work,
     assert origins(reference, jitted) == [("mask_rows#0", "forward", "output")]
 
 
-def test_two_jitted_steps_compile_once_and_match_the_references_second_step(
+@pytest.mark.slow
+def test_two_jitted_steps_match_the_references_two_steps(
         work, reference, mapping):
     port = capture(port_case(jit=True, steps=2), work / "two.h5", reference, mapping, steps=2)
     result = layerdiff.diff(reference, port)
