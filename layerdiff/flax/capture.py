@@ -7,15 +7,23 @@ model computes:
 - Every submodule call is seen by replacing its class's ``__call__`` for the length of the
   capture (:mod:`layerdiff.flax.intercept`); the site is the module's attribute path
   (``blocks.0.attn#0``, ``<root>#0``), counted per call as torch's are.
-- The forward runs under ``jax.vjp`` of the loss as a function of the parameters. Every input
-  and output of a call that depends on a parameter passes through a *tap*: an identity with a
-  custom VJP. Its forward rule sees the concrete value (recorded as ``input``/``output``); its
-  backward rule sees the cotangent arriving at exactly that point (recorded as ``grad_input``
-  when the tap sits on an input inside the call, ``grad_output`` when it sits on an output
-  after the call returned). JAX calls a backward rule only where a cotangent flows, so an
-  output nothing uses gets no ``grad_output``, as in torch; a value that depends on no
-  parameter (the case's inputs, token ids) is not tapped and gets no gradient record, as a
-  torch tensor that does not require grad. The taps return their input unchanged, bit for bit.
+- The forward runs under ``jax.vjp`` of the loss as a function of the parameters (the whole
+  step under ``jax.jit`` when the case asks: ``Case.jit``). Each call's inputs and outputs
+  are sent, without their gradient (``jax.lax.stop_gradient``), to the host side
+  (:mod:`layerdiff.flax.records`): directly where the code runs eagerly, through an ordered
+  ``jax.debug.callback`` where JAX traces it (under jit, in an ``nnx.scan`` body), so they
+  arrive in program order either way. Every input and output a gradient can reach passes
+  through a *tap*: an identity with a custom VJP whose backward rule sends the cotangent
+  arriving at exactly that point (``grad_input`` when the tap sits on an input inside the
+  call, ``grad_output`` on an output after the call returned). JAX calls a backward rule only
+  where a cotangent flows, so an output nothing uses gets no ``grad_output``, as in torch; a
+  value no parameter reaches (the case's inputs, token ids) takes the tap's plain path and
+  gets no gradient record, as a torch tensor that does not require grad. The taps return
+  their input unchanged, bit for bit.
+- A layer of a stack run by ``nnx.scan`` is a copy of the stacked module holding one slice of
+  its variables: each module of the step's copy carries its path as an attribute, which the
+  copies transforms make keep, and :mod:`layerdiff.flax.stacks` names the layer
+  (``layers.K``); the host counts which iteration it is.
 - Weights are recorded at the first call of the module that owns them (or, for a module never
   called, at the end of its nearest called ancestor's first call), and weight gradients after
   the backward, in reverse order, as :mod:`layerdiff.capture.hooks` does.
