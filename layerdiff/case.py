@@ -50,6 +50,7 @@ class Case:
     clip_grad_norm: float | None = None
     name: str = ""
     params: Any = None
+    jit: bool = False  # a Flax model's step (forward and backward) run under jax.jit
 
     def __post_init__(self) -> None:
         framework_of(self).check_case(self)  # a model no framework takes: refused here

@@ -286,25 +286,17 @@ def test_matmul_precision_is_recorded_and_can_be_the_frameworks_default(tmp_path
         layerdiff.capture(flax_case(), tmp_path / "other.h5", matmul_precision="fast")
 
 
-def test_layers_stacked_by_nnx_scan_are_refused_in_one_sentence(tmp_path):
-    class Stacked(nnx.Module):
+def test_a_module_made_during_the_call_is_refused_in_one_sentence(tmp_path):
+    # (layers stacked by nnx.vmap and run by nnx.scan are captured: tests/test_flax_traced.py)
+    class MakesOne(nnx.Module):
         def __init__(self) -> None:
-            @nnx.split_rngs(splits=2)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(rngs):
-                return nnx.Linear(4, 4, rngs=rngs)
-
-            self.layers = make(nnx.Rngs(0))
+            self.fc = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
 
         def __call__(self, x):
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def body(x, layer):
-                return layer(x)
+            return nnx.Linear(4, 4, rngs=nnx.Rngs(1))(self.fc(x))
 
-            return body(x, self.layers)
-
-    case = layerdiff.Case(model=Stacked(), inputs=(X,), loss_fn=mean_square, name="stacked")
-    with pytest.raises(CaptureError, match=r"nnx\.scan") as refused:
+    case = layerdiff.Case(model=MakesOne(), inputs=(X,), loss_fn=mean_square, name="makes")
+    with pytest.raises(CaptureError, match=r"made during the call") as refused:
         layerdiff.capture(case, tmp_path / "port.h5")
     assert "\n" not in str(refused.value)
 

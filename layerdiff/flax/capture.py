@@ -7,15 +7,23 @@ model computes:
 - Every submodule call is seen by replacing its class's ``__call__`` for the length of the
   capture (:mod:`layerdiff.flax.intercept`); the site is the module's attribute path
   (``blocks.0.attn#0``, ``<root>#0``), counted per call as torch's are.
-- The forward runs under ``jax.vjp`` of the loss as a function of the parameters. Every input
-  and output of a call that depends on a parameter passes through a *tap*: an identity with a
-  custom VJP. Its forward rule sees the concrete value (recorded as ``input``/``output``); its
-  backward rule sees the cotangent arriving at exactly that point (recorded as ``grad_input``
-  when the tap sits on an input inside the call, ``grad_output`` when it sits on an output
-  after the call returned). JAX calls a backward rule only where a cotangent flows, so an
-  output nothing uses gets no ``grad_output``, as in torch; a value that depends on no
-  parameter (the case's inputs, token ids) is not tapped and gets no gradient record, as a
-  torch tensor that does not require grad. The taps return their input unchanged, bit for bit.
+- The forward runs under ``jax.vjp`` of the loss as a function of the parameters (the whole
+  step under ``jax.jit`` when the case asks: ``Case.jit``). Each call's inputs and outputs
+  are sent, without their gradient (``jax.lax.stop_gradient``), to the host side
+  (:mod:`layerdiff.flax.records`): directly where the code runs eagerly, through an ordered
+  ``jax.debug.callback`` where JAX traces it (under jit, in an ``nnx.scan`` body), so they
+  arrive in program order either way. Every input and output a gradient can reach passes
+  through a *tap*: an identity with a custom VJP whose backward rule sends the cotangent
+  arriving at exactly that point (``grad_input`` when the tap sits on an input inside the
+  call, ``grad_output`` on an output after the call returned). JAX calls a backward rule only
+  where a cotangent flows, so an output nothing uses gets no ``grad_output``, as in torch; a
+  value no parameter reaches (the case's inputs, token ids) takes the tap's plain path and
+  gets no gradient record, as a torch tensor that does not require grad. The taps return
+  their input unchanged, bit for bit.
+- A layer of a stack run by ``nnx.scan`` is a copy of the stacked module holding one slice of
+  its variables: each module of the step's copy carries its path as an attribute, which the
+  copies transforms make keep, and :mod:`layerdiff.flax.stacks` names the layer
+  (``layers.K``); the host counts which iteration it is.
 - Weights are recorded at the first call of the module that owns them (or, for a module never
   called, at the end of its nearest called ancestor's first call), and weight gradients after
   the backward, in reverse order, as :mod:`layerdiff.capture.hooks` does.
@@ -30,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import os
 import platform
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +59,16 @@ from layerdiff.case import (
     seed_everything,
 )
 from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
-from layerdiff.flax.graph import ModelGraph, Owned
+from layerdiff.flax import records, stacks
+from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.intercept import intercepted
+from layerdiff.flax.records import Call, HostRecords, Leaf
+from layerdiff.flax.stacks import Stack
 from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
 from layerdiff.trace import schema
-from layerdiff.trace.schema import Pass, Role
+from layerdiff.trace.schema import Role
 from layerdiff.trace.writer import TraceWriter, check_writable
 
 PRODUCER = "layerdiff.capture (flax)"
@@ -87,7 +100,8 @@ def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) ->
     progress, weights, queue_bytes = options.progress, options.weights, options.queue_bytes
     writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
                          producer=PRODUCER)
-    sink = _CallRecorder(writer, graph, selected, weights=weights)
+    sink = _CallRecorder(writer, graph, selected, weights=weights,
+                         jit=bool(getattr(case, "jit", False)))
     try:
         with StepProgress(steps, enabled=progress, label=f"capture {case.name}") as bar:
             _train(case, graph, sink, writer, steps, loss_scale, precision, bar)
@@ -172,7 +186,8 @@ def _precision(name: str) -> Iterator[None]:
 
 def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWriter,
            steps: int, loss_scale: float, precision: str, bar: StepProgress) -> None:
-    """The steps: forward and backward under one ``jax.vjp``, then the optimizer's update."""
+    """The steps: forward and backward under one ``jax.vjp`` (the two under ``jax.jit`` when
+    the case asks), then the optimizer's update."""
     seed_everything(case.seed)
     model = case.model
     inputs = jax.tree.map(lambda v: jnp.asarray(v) if isinstance(v, np.ndarray) else v,
@@ -181,35 +196,49 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params) if tx is not None else None
     modules = [module for _, module in graph.modules]
+    # the inputs' arrays are the step's arguments, their other leaves (None, flags) stay Python
+    leaves, treedef = jax.tree.flatten(inputs)
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def step_fn(params: Any, rest: Any, arrays: list[Any], scale: Any) -> tuple[Any, ...]:
+        given = list(leaves)
+        for i, array in zip(dynamic, arrays, strict=True):
+            given[i] = array
+        call_inputs = jax.tree.unflatten(treedef, given)
+
+        def forward(params: Any) -> tuple[Any, Any]:
+            copy = nnx.merge(graphdef, params, rest, copy=True)
+            sink.bind(copy)
+            with intercepted(modules, sink):
+                output = (copy(**call_inputs) if isinstance(call_inputs, dict)
+                          else copy(*call_inputs))
+                loss = case.loss_fn(output)
+            return loss, nnx.state(copy, nnx.Not(nnx.Param))
+
+        sink.phase = "forward"
+        loss, backward, new_rest = jax.vjp(forward, params, has_aux=True)
+        sink.phase = "loss"
+        if getattr(loss, "shape", None) != ():
+            raise CaptureError(f"case {case.name}: loss_fn returned {type(loss).__name__} of "
+                               f"shape {getattr(loss, 'shape', '?')}, not a scalar JAX array")
+        sink.emit_loss(loss)
+        sink.phase = "backward"
+        (grads,) = backward(jnp.asarray(scale, dtype=loss.dtype))
+        return loss, grads, new_rest
+
+    run = jax.jit(step_fn) if sink.jit else step_fn
     for step in range(steps):
         if step:
             writer.step(step)
         sink.begin_step(_arrays(params) | _arrays(rest))
-        sink.phase = "forward"
-
-        def forward(params: Any, rest: Any = rest) -> tuple[Any, Any]:  # this step's state
-            copy = nnx.merge(graphdef, params, rest, copy=True)
-            sink.bind(copy)
-            with intercepted(modules, sink):
-                output = (copy(**inputs) if isinstance(inputs, dict) else copy(*inputs))
-                loss = case.loss_fn(output)
-            return loss, nnx.state(copy, nnx.Not(nnx.Param))
-
         with _precision(precision):
-            loss, backward, rest = jax.vjp(forward, params, has_aux=True)
-            sink.phase = "loss"
-            if getattr(loss, "shape", None) != ():
-                raise CaptureError(f"case {case.name}: loss_fn returned "
-                                   f"{type(loss).__name__} of shape "
-                                   f"{getattr(loss, 'shape', '?')}, not a scalar JAX array")
-            with writer.site("<loss>", "loss") as site:
-                writer.record(site, Role.OUTPUT, np.asarray(loss))
-            sink.phase = "backward"
-            scale = jnp.asarray(loss_scale, dtype=loss.dtype)
-            if loss_scale != 1.0:
-                check_scaled_loss(case.name, writer.current_step, float(loss),
-                                  float(loss * scale), str(loss.dtype), loss_scale)
-            (grads,) = backward(scale)
+            loss, grads, rest = run(params, rest, [leaves[i] for i in dynamic], loss_scale)
+        jax.effects_barrier()  # every record of the step has arrived
+        sink.raise_kept()
+        if loss_scale != 1.0:
+            check_scaled_loss(case.name, writer.current_step, float(loss),
+                              float(loss * jnp.asarray(loss_scale, loss.dtype)),
+                              str(loss.dtype), loss_scale)
         sink.record_weight_grads(_arrays(grads))
         sink.phase = "optimizer step"
         if tx is not None:
@@ -218,7 +247,6 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
             params = _apply(params, updates)
         nnx.update(model, params, rest)
         bar.advance()  # writer.step() checkpoints: a crash in a later step keeps this one
-
 
 def _unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:
     if loss_scale != 1.0:
@@ -261,14 +289,69 @@ def _rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
     return leaf(prefix or "0", value)
 
 
+# the attribute each module of the step's copy carries, its path: NNX keeps a module's plain
+# attributes in its graph definition, so the copies a transform makes (nnx.scan's layer, a
+# module under nnx.remat) carry it too
+TAG = "_layerdiff_path"
+
+
+@dataclass(frozen=True, eq=False)
+class _Grad:
+    """Where a tap's cotangent goes: the host's grad event for one call, role and argument."""
+
+    records: HostRecords
+    call: Call
+    role: str
+    arg: str
+
+    def emit(self, cotangent: Any) -> None:
+        _send(self.records, self.records.grad, (self.call, self.role, self.arg), [cotangent],
+              staged=isinstance(cotangent, jax.core.Tracer))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(where: _Grad, x: Any) -> Any:
+    """``x`` unchanged; the cotangent that reaches it is sent to ``where``."""
+    return x
+
+
+def _tap_forward(where: _Grad, x: Any) -> tuple[Any, None]:
+    return x, None
+
+
+def _tap_backward(where: _Grad, _: None, cotangent: Any) -> tuple[Any]:
+    where.emit(cotangent)
+    return (cotangent,)
+
+
+_tap.defvjp(_tap_forward, _tap_backward)
+
+
+def _send(records: HostRecords, event: Callable[..., None], static: tuple, values: list[Any],
+          *, staged: bool) -> None:
+    """Hand an event to the host: now, in eager code (after whatever compiled code still runs
+    has sent its own: jax.effects_barrier, about a microsecond), or from the compiled code
+    when it runs, in program order (an ordered debug callback)."""
+    if staged:
+        jax.debug.callback(functools.partial(records.staged, event, *static), *values,
+                           ordered=True)
+    else:
+        jax.effects_barrier()
+        event(*static, *values)
+
+
 class _CallRecorder:
-    """Records each intercepted call of one step (see the module's docstring)."""
+    """The traced side of a capture (see the module's docstring): each intercepted call made a
+    :class:`Call`, its inputs and outputs sent to the host's :class:`HostRecords`, and a tap
+    put on each value a gradient can reach."""
 
     def __init__(self, writer: TraceWriter, graph: ModelGraph, selected: set[str], *,
-                 weights: bool) -> None:
+                 weights: bool, jit: bool = False) -> None:
         self.writer = writer
         self.graph = graph
         self.selected = selected
+        self.jit = jit
+        self.modules = dict(graph.modules)
         self.owned = ({path: owned for path, owned in graph.owned.items() if path in selected}
                       if weights else {})
         # owners under each selected module, with their names relative to it (nearest first)
@@ -282,148 +365,149 @@ class _CallRecorder:
                 if ancestor in selected:
                     self.below.setdefault(ancestor, []).append(
                         (owner, ".".join(parts[depth:]) + "."))
+        self.host = HostRecords(writer, self.owned, self.below)
         self.paths: dict[int, str] = {}
+        self.copies: dict[int, tuple[str, Stack | None]] = {}
+        self.original_shapes: dict[str, dict[tuple, tuple[int, ...]]] = {}
         self.stack: list[int] = []
-        self.sites: list[str] = []     # the recorded calls open now, innermost last
-        self.values: dict[tuple, Any] = {}
-        self.recorded: set[str] = set()
-        self.weight_sites: list[tuple[str, str, list[Owned]]] = []
-        self.calls: dict[str, int] = {}
+        self.calls: list[Call] = []    # the recorded calls open now, innermost last
         self.phase = "setup"
         self.failed = ""
 
     def begin_step(self, values: dict[tuple, Any]) -> None:
-        self.values = values
-        self.recorded.clear()
-        self.weight_sites.clear()
-        self.calls.clear()
+        self.host.begin_step(values)
 
     def bind(self, model: nnx.Module) -> None:
-        """The copy of the model this step runs: its modules' identities, by path."""
+        """The copy of the model this step runs: its modules' identities and paths, each
+        module tagged with its path for the copies transforms make of it."""
         self.paths = self.graph.module_names(model)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module) and id(node) in self.paths:
+                setattr(node, TAG, self.paths[id(node)])
+        self.copies.clear()
         self.stack.clear()
-        self.sites.clear()
+        self.calls.clear()
+
+    def emit_loss(self, loss: Any) -> None:
+        _send(self.host, self.host.loss, (), [jax.lax.stop_gradient(loss)],
+              staged=self.jit or isinstance(jax.lax.stop_gradient(loss), jax.core.Tracer))
+
+    def raise_kept(self) -> None:
+        """What a callback of the compiled step raised, raised here."""
+        error, self.host.error = self.host.error, None
+        if error is not None:
+            raise error
+
+    def record_weight_grads(self, grads: dict[tuple, Any]) -> None:
+        self.host.record_weight_grads(grads)
 
     # ---- the intercepted call
+    def _identify(self, module: Any) -> tuple[str, Stack | None]:
+        key = id(module)
+        path = self.paths.get(key)
+        stack = None
+        if path is None:
+            if key in self.copies:
+                return self.copies[key]
+            path = vars(module).get(TAG)
+            if path is None:
+                where = f" inside {self.calls[-1].path}" if self.calls else ""
+                raise CaptureError(
+                    f"a {type(module).__name__} that the model does not hold as an attribute "
+                    f"was called{where}: a module made during the call; layerdiff names sites "
+                    "by attribute path, so make it in __init__")
+            if path not in self.original_shapes:
+                self.original_shapes[path] = stacks.shapes(self.modules[path])
+            found = stacks.sliced_axis(self.original_shapes[path], stacks.shapes(module), path)
+            if found is not None:
+                axis, n = found
+                stack = Stack(stacks.stack_root(self.modules, path, axis, n), n, axis)
+        if stack is None:  # a submodule of a layer with no variables of its own (an act)
+            stack = next((c.stack for c in reversed(self.calls) if c.stack is not None
+                          and records.under(path, c.stack.root)), None)
+        if key not in self.paths:
+            self.copies[key] = (path, stack)
+        return path, stack
+
     def call(self, original: Callable[..., Any], module: Any, args: tuple,
              kwargs: dict) -> Any:
         key = id(module)
-        path = self.paths.get(key)
-        if path is None:
-            where = f" inside {self.sites[-1]}" if self.sites else ""
-            raise CaptureError(
-                f"a {type(module).__name__} that the model does not hold as an attribute was "
-                f"called{where}: a copy made by an NNX transform (a layer of a stack that "
-                "nnx.scan or nnx.vmap slices, or a module under nnx.remat or nnx.jit) or a "
-                "module made during the call; layerdiff names sites by attribute path, so "
-                "capture without the transform (a stack unrolled into an nnx.List of layers)")
+        path, stack = self._identify(module)
         if (self.stack and self.stack[-1] == key) or path not in self.selected:
             self.stack.append(key)  # super().__call__, or a module left out: not a site
             try:
                 return original(module, *args, **kwargs)
             finally:
                 self.stack.pop()
-        writer = self.writer
-        site = writer.enter(path, type(module).__name__)
-        call = schema.split_site(site)[1]
+        call = Call(path, type(module).__name__, stack)
         self.stack.append(key)
-        self.sites.append(site)
+        self.calls.append(call)
         try:
-            args, kwargs = self._inputs(site, args, kwargs)
-            if call == 0 and path in self.owned and path not in self.recorded:
-                self._record_weights(site, "", path)
+            args, kwargs = self._inputs(call, module, args, kwargs)
             output = original(module, *args, **kwargs)
-            if call == 0:
-                for owner, prefix in self.below.get(path, ()):
-                    if owner not in self.recorded:  # never called yet: recorded here
-                        self._record_weights(site, prefix, owner)
-            output = _rebuild(output, "", lambda arg, v: self._leaf(site, Role.OUTPUT, arg, v))
+            output = self._outputs(call, module, output)
         except LayerdiffError:
             raise
         except Exception:
-            self.failed = self.failed or f"{site} ({type(module).__name__})"
+            self.failed = self.failed or f"{path} ({type(module).__name__})"
             raise
         finally:
             self.stack.pop()
-            self.sites.pop()
-        writer.exit(site)
+            self.calls.pop()
         return output
 
-    def _inputs(self, site: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _inputs(self, call: Call, module: Any, args: tuple, kwargs: dict
+                ) -> tuple[tuple, dict]:
         # a value passed under several argument paths (attn(x, x, x)) is one value with one
         # gradient: its grad_input is recorded under its first path, as torch does
         first: dict[int, Any] = {}
+        leaves: list[Leaf] = []
+        values: list[Any] = []
 
         def leaf(arg: str, value: Any) -> Any:
-            if _differentiable(value):
-                if id(value) in first:  # recorded here, its gradient counted at the first
-                    return self._tap(site, Role.INPUT, arg, first[id(value)], grad=False)
-                tapped = self._tap(site, Role.INPUT, arg, value)
-                first[id(value)] = tapped
-                return tapped
-            self._record(site, Role.INPUT, arg, value)
-            return value
+            self._keep(arg, value, leaves, values)
+            if not _differentiable(value):
+                return value
+            if id(value) not in first:
+                first[id(value)] = _tap(_Grad(self.host, call, Role.GRAD_INPUT, arg), value)
+            return first[id(value)]
 
         args = tuple(_rebuild(value, str(i), leaf) for i, value in enumerate(args))
         kwargs = {key: _rebuild(value, key, leaf) for key, value in kwargs.items()}
+        self._send(self.host.begin, call, module, leaves, values)
         return args, kwargs
 
-    def _leaf(self, site: str, role: str, arg: str, value: Any) -> Any:
-        if _differentiable(value):
-            return self._tap(site, role, arg, value)
-        self._record(site, role, arg, value)
-        return value
+    def _outputs(self, call: Call, module: Any, output: Any) -> Any:
+        leaves: list[Leaf] = []
+        values: list[Any] = []
 
-    def _record(self, site: str, role: str, arg: str, value: Any,
-                pass_: str | None = None) -> None:
+        def leaf(arg: str, value: Any) -> Any:
+            self._keep(arg, value, leaves, values)
+            if _differentiable(value):
+                return _tap(_Grad(self.host, call, Role.GRAD_OUTPUT, arg), value)
+            return value
+
+        output = _rebuild(output, "", leaf)
+        self._send(self.host.end, call, module, leaves, values)
+        return output
+
+    @staticmethod
+    def _keep(arg: str, value: Any, leaves: list[Leaf], values: list[Any]) -> None:
         if _is_array(value):
-            if isinstance(value, jax.core.Tracer):  # an integer computed from a parameter
-                self.writer.record(site, role, {"traced": f"{value.dtype}{list(value.shape)}"},
-                                   arg=arg, pass_=pass_)
-                return
-            value = np.asarray(value)
-        self.writer.record(site, role, value, arg=arg, pass_=pass_)
+            leaves.append((arg, len(values), None))
+            # the value without its gradient: concrete in eager code (its primal)
+            values.append(jax.lax.stop_gradient(value) if isinstance(value, jax.Array)
+                          else value)
+        else:
+            leaves.append((arg, -1, value))
 
-    def _tap(self, site: str, role: str, arg: str, value: Any, *, grad: bool = True) -> Any:
-        """``value`` unchanged, its forward value recorded as ``role`` and (``grad``) the
-        cotangent that reaches it as the matching gradient role."""
-        grad_role = Role.GRAD_INPUT if role == Role.INPUT else Role.GRAD_OUTPUT
-        record = self._record
-
-        @jax.custom_vjp
-        def tap(x: Any) -> Any:
-            return x
-
-        def tap_forward(x: Any) -> tuple[Any, None]:
-            record(site, role, arg, x)
-            return x, None
-
-        def tap_backward(_: None, cotangent: Any) -> tuple[Any]:
-            if grad:
-                record(site, grad_role, arg, cotangent, Pass.BACKWARD)
-            return (cotangent,)
-
-        tap.defvjp(tap_forward, tap_backward)
-        return tap(value)
-
-    # ---- weights
-    def _record_weights(self, site: str, prefix: str, owner: str) -> None:
-        self.recorded.add(owner)
-        owned = self.owned[owner]
-        for variable in owned:
-            self._record(site, Role.WEIGHT, prefix + variable.name,
-                         self.values[variable.state_path], Pass.FORWARD)
-        self.weight_sites.append((site, prefix, owned))
-
-    def record_weight_grads(self, grads: dict[tuple, Any]) -> None:
-        """Each parameter's gradient at the site that recorded it, in reverse order."""
-        for site, prefix, owned in reversed(self.weight_sites):
-            for variable in owned:
-                grad = grads.get(variable.state_path) if variable.param else None
-                if grad is not None:
-                    self._record(site, Role.WEIGHT_GRAD, prefix + variable.name, grad,
-                                 Pass.BACKWARD)
-
+    def _send(self, event: Callable[..., None], call: Call, module: Any, leaves: list[Leaf],
+              values: list[Any]) -> None:
+        staged = self.jit or any(isinstance(v, jax.core.Tracer) for v in values)
+        if staged and call.stack is not None and not values:
+            # no loop-varying operand: JAX would hoist the callback out of the scan
+            values = [jnp.ravel(v)[:1] for v in stacks.first_value(module)]
+        _send(self.host, event, (call, leaves), values, staged=staged)
 
 def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
     """What only a Flax capture knows of its run (the options' part: ``options.meta``)."""
@@ -452,6 +536,8 @@ def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
         # how matmuls and convolutions ran: "float32" pinned (jax.default_matmul_precision),
         # or "default", the framework's own (TF32 or bf16 passes on accelerators)
         "matmul_precision": precision,
+        # the step ran compiled (jax.jit), its records sent from inside the computation
+        "jit": bool(getattr(case, "jit", False)),
         "uncalled_weights": "ancestor",
         Role.GRAD_OUTPUT: "outside",
         "signatures": signatures,

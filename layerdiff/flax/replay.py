@@ -118,6 +118,16 @@ class FlaxPort:
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
 
+    def why_unpaired(self, site: str) -> str | None:
+        """Why a reference site has no port layer, where the port says more than nothing
+        does: a layer of a stack the port runs with nnx.scan (``layers.1#0``)."""
+        from layerdiff.flax.stacks import stacked_module
+
+        stacked = stacked_module(site.partition("#")[0], self.modules)
+        return (f"a layer of the port's stack {stacked} (one module holding every layer, run "
+                "by nnx.scan), which replay does not run one layer at a time yet; the diff "
+                "of a capture judges it") if stacked else None
+
     def watch_uses(self, case: Case) -> None:
         """Find the parameters the port's code reads outside every call whose replay makes
         their gradient, from one forward of the case (``flax/reads.py``): replay does not

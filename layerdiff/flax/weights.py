@@ -9,6 +9,14 @@ where torch's weight is ``(out, in)``: ``transform = "transpose"``; a ``Conv`` k
 transpose (all axes reversed: WHIO) does not give: ``transform =
 "layerdiff.flax.layouts:conv_kernel"`` does, for 1, 2 and 3 spatial axes. ``Embed.embedding``
 and LayerNorm's ``scale`` (torch's ``weight``) keep torch's layout and need a rename only.
+
+A layer stack (one module whose variables hold N layers along their first axis, built with
+``nnx.vmap`` and run with ``nnx.scan``: ``layers.fc.kernel`` of shape ``(N, in, out)``) loads
+from the reference's per-layer tensors by the same rules as an unrolled port: a stacked
+variable that no rule sources under its own name is N layers ``layers.0.fc.kernel`` ...
+``layers.{N-1}.fc.kernel`` (:func:`layerdiff.flax.stacks.layer_names`), each resolved through
+the mapping as any variable is (``*.kernel`` from ``*.weight``, transposed) and the N results
+stacked; capture records each layer under the same names.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from layerdiff.errors import MappingError
+from layerdiff.flax import stacks
 from layerdiff.flax.graph import ModelGraph, path_name
 from layerdiff.mapping import Mapping
 from layerdiff.trace import open_trace
@@ -69,16 +78,25 @@ def load_nnx_arrays(model: nnx.Module, reference: dict[str, np.ndarray],
                            unused_reference(reference, assignments),
                            kept={found.port: found.note.removeprefix(KEPT)
                                  for found in assignments if found.problem == PORT_OWN})
+    layers: dict[str, dict[int, np.ndarray]] = {}
     for found in assignments:
         if found.problem == PORT_OWN:
             continue
-        variable = variables[_canonical(found.port, aliases)]
+        name, k = _slot(_canonical(found.port, aliases), variables)
+        variable = variables[name]
         target = variable.get_value().dtype
         value = np.asarray(found.value)
         if np.issubdtype(value.dtype, np.floating) and value.dtype != target:
             how = f"{value.dtype} -> {target}"
             report.cast[how] = report.cast.get(how, 0) + 1
-        variable.set_value(jnp.asarray(value, dtype=target))
+        if k is None:
+            variable.set_value(jnp.asarray(value, dtype=target))
+        else:
+            layers.setdefault(name, {})[k] = value
+    for name, parts in layers.items():  # a stack's layers, set together
+        variable = variables[name]
+        variable.set_value(jnp.asarray(np.stack([parts[k] for k in sorted(parts)]),
+                                       dtype=variable.get_value().dtype))
     return report
 
 
@@ -98,9 +116,43 @@ def resolve_nnx(model: nnx.Module, reference: dict[str, np.ndarray], mapping: Ma
     variables = nnx_variables(model)
     graph = ModelGraph.of(model)
     modules = {path for path, _ in graph.modules}
-    return _one_per_variable(
-        resolve_shapes(variable_shapes(model), modules, reference, mapping, world=(0, 1)),
-        _aliases(graph, variables), source)
+    found = resolve_shapes(variable_shapes(model), modules, reference, mapping, world=(0, 1))
+    found = [layer for one in found
+             for layer in (_layers(one, modules, reference, mapping) or [one])]
+    return _one_per_variable(found, _aliases(graph, variables), source)
+
+
+def _layers(found: Assignment, modules: set[str], reference: dict[str, np.ndarray],
+            mapping: Mapping) -> list[Assignment]:
+    """A variable no rule sources under its own name, as the layers of a stack: one
+    assignment per layer (``layers.K.fc.kernel``, its shape without the first axis) when the
+    mapping sources every layer, for the highest module above it that makes that so."""
+    if found.problem != NO_SOURCE:
+        return []
+    for root, names in stacks.layer_names(found.port, modules, found.shape):
+        below = [m for m in modules if m == root or m.startswith(root + ".")]
+        layer_modules = {stacks.Stack(root, len(names), 0).name(m, k)
+                         for k in range(len(names)) for m in below}
+        layers = resolve_shapes({name: found.shape[1:] for name in names},
+                                modules | layer_modules, reference, mapping, world=(0, 1))
+        if all(layer.problem != NO_SOURCE for layer in layers):
+            return layers
+    return []
+
+
+def _slot(name: str, variables: dict[str, nnx.Variable]) -> tuple[str, int | None]:
+    """The variable a name sets, and the layer of its stack when it names one
+    (``layers.3.fc.kernel``: layer 3 of ``layers.fc.kernel``)."""
+    if name in variables:
+        return name, None
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        stacked = ".".join(parts[:i] + parts[i + 1:])
+        if part.isdigit() and stacked in variables and (
+                np.ndim(variables[stacked].get_value()) > 0
+                and int(part) < np.shape(variables[stacked].get_value())[0]):
+            return stacked, int(part)
+    return name, None
 
 
 def set_variable(model: nnx.Module, name: str, value: np.ndarray,
@@ -110,8 +162,10 @@ def set_variable(model: nnx.Module, name: str, value: np.ndarray,
     variables = nnx_variables(model) if variables is None else variables
     if name not in variables:
         name = _canonical(name, _aliases(ModelGraph.of(model), variables))
+    name, k = _slot(name, variables)
     variable = variables[name]
-    variable.set_value(jnp.asarray(np.asarray(value), dtype=variable.get_value().dtype))
+    value = jnp.asarray(np.asarray(value), dtype=variable.get_value().dtype)
+    variable.set_value(value if k is None else variable.get_value().at[k].set(value))
 
 
 def _aliases(graph: ModelGraph, variables: dict[str, nnx.Variable]) -> dict[str, list[str]]:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from layerdiff.errors import CaseError
+
 if TYPE_CHECKING:
     from layerdiff.options import CaptureOptions
     from layerdiff.weights import WeightsReport
@@ -19,7 +21,12 @@ class TorchFramework:
     records_itself = False
 
     def check_case(self, case: Any) -> None:
-        pass  # a torch case needs nothing beyond what Case checks of every case
+        if getattr(case, "jit", False) or getattr(case, "params", None) is not None:
+            which = "jit" if getattr(case, "jit", False) else "params"
+            raise CaseError(f"case {case.name or '?'}: {which} is for a Flax model (jit runs its "
+                            "step under jax.jit; params holds a Linen module's variables); a "
+                            "torch model holds its own parameters and compiles itself "
+                            "(torch.compile in the case)")
 
     def cast(self, case: Any, dtype: str) -> None:
         from layerdiff.capture.precision import cast_case

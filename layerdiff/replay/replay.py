@@ -197,7 +197,8 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
         for call in calls:
             target = port_site_for(call.site, mapping, backend.modules)
             if target is None:
-                log.skipped.append((call.site, "no port layer pairs with it"))
+                why = getattr(backend, "why_unpaired", lambda site: None)(call.site)
+                log.skipped.append((call.site, why or "no port layer pairs with it"))
                 continue
             while open_calls and not open_calls[-1][0].contains(call):
                 writer.exit(open_calls.pop()[1])
