@@ -269,6 +269,17 @@ def test_replay_says_in_one_sentence_that_it_does_not_run_a_stacks_layers(refere
     assert "proj#0" not in skipped and "head#0" not in skipped  # the rest is replayed
 
 
+def test_replay_never_blames_the_root_for_a_slip_in_a_stack_it_cannot_run_alone(reference,
+                                                                                 mapping):
+    """The root's replay runs the stack whole: a slip in the block would be the root's
+    'own' error. The root is skipped, naming the layer it holds, and nothing is blamed."""
+    result = layerdiff.replay(reference, port_case(tanh_slip=True), mapping=mapping,
+                              propagated=False)
+    skipped = dict(result.skipped)
+    assert "it holds layers.0#0, which replay cannot run alone" in skipped["<root>#0"]
+    assert result.origin is None
+
+
 class Rematted(nnx.Module):
     def __init__(self) -> None:
         self.a = nnx.Linear(5, 4, rngs=nnx.Rngs(0))

@@ -193,12 +193,19 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     meta = {"case": port.name, "replay_of": str(ref.path), "loss_scale": ref.loss_scale,
             "steps": 1}
     open_calls: list[tuple[RecordedCall, str]] = []
+    unreplayable = _unreplayable(calls, mapping, backend)
     with TraceWriter(path, meta=meta, producer="layerdiff.replay") as writer:
         for call in calls:
             target = port_site_for(call.site, mapping, backend.modules)
             if target is None:
-                why = getattr(backend, "why_unpaired", lambda site: None)(call.site)
-                log.skipped.append((call.site, why or "no port layer pairs with it"))
+                why = unreplayable.get(call.site) or "no port layer pairs with it"
+                log.skipped.append((call.site, why))
+                continue
+            held = next((inner for inner in unreplayable
+                         if call.contains(_call_of(calls, inner))), None)
+            if held is not None:  # its own error could not be told from that layer's
+                log.skipped.append((call.site, f"it holds {held}, which replay cannot run "
+                                    "alone: its error would be that layer's too"))
                 continue
             while open_calls and not open_calls[-1][0].contains(call):
                 writer.exit(open_calls.pop()[1])
@@ -390,6 +397,25 @@ def _complete_modules(ref: Trace, log: ReplayLog) -> set[str]:
                                 f"{len(calls.get(module, ()))} calls replayed: the reference's "
                                 "weight gradient sums them all, so it is not compared"))
     return complete
+
+
+def _unreplayable(calls: list[RecordedCall], mapping: Mapping, backend) -> dict[str, str]:
+    """Reference sites whose port layer exists but cannot be replayed alone (a layer of a
+    stack the port runs with nnx.scan), with the backend's reason."""
+    why_unpaired = getattr(backend, "why_unpaired", lambda site: None)
+    found = {}
+    for call in calls:
+        if port_site_for(call.site, mapping, backend.modules) is None:
+            module, number = schema.split_site(call.site)
+            renamed = mapping.rename(module)  # the port's name for it, though it has no module
+            why = why_unpaired(schema.site_name(renamed[0] if renamed else module, number))
+            if why:
+                found[call.site] = why
+    return found
+
+
+def _call_of(calls: list[RecordedCall], site: str) -> RecordedCall:
+    return next(call for call in calls if call.site == site)
 
 
 def _backend(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
