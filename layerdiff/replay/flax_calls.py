@@ -117,6 +117,16 @@ class CallRunner:
         self._programs: dict[tuple[Any, ...], _Program] = {}
         self._eager: set[tuple[Any, ...]] = set()   # keys whose calls run eagerly
 
+    @property
+    def programs(self) -> int:
+        """How many compiled programs are kept (one per module structure and call shape)."""
+        return len(self._programs)
+
+    @property
+    def eager_shapes(self) -> int:
+        """How many call shapes run eagerly (their code needs concrete values)."""
+        return len(self._eager)
+
     def run(self, call: Call) -> Ran:
         key = _key(call) if self.compiled else None
         if key is not None and key not in self._eager:
