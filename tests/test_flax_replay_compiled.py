@@ -127,3 +127,15 @@ def test_code_that_needs_concrete_values_is_replayed_eagerly(stack_reference):
     local = {site for site, verdict in _verdicts(bug).items() if verdict == "LOCAL ERROR"}
     assert {site for site, _ in local} == {"blocks.0#0"}, bug.local
 
+
+
+def test_a_site_the_mapping_leaves_unmatched_is_skipped_with_its_reason(stack_reference,
+                                                                        tmp_path):
+    mapping = tmp_path / "unmatched.map.toml"
+    mapping.write_text(MAP.read_text() + '\n[[unmatched]]\nreference = "blocks.2"\n'
+                       'why = "the port fuses it into its root"\n')
+    port = Case(model=Stack(), inputs=(), loss_fn=lambda out: out.sum(), name="stack-port")
+    result = replay(stack_reference, port, mapping=mapping, propagated=False)
+    assert dict(result.skipped)["blocks.2#0"] == ("no port layer pairs with it (the port fuses "
+                                                  "it into its root)")
+    assert ("blocks.2.fc#0", "blocks.2.fc#0") in result.replayed

@@ -195,8 +195,10 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     with TraceWriter(path, meta=meta, producer="layerdiff.replay") as writer:
         for call in calls:
             target = port_site_for(call.site, mapping, backend.modules)
-            if target is None:
-                log.skipped.append((call.site, "no port layer pairs with it"))
+            if target is None:   # the mapping's reason, where it declares one
+                why = mapping.why_unmatched("reference", call.site)
+                log.skipped.append((call.site, "no port layer pairs with it"
+                                    + (f" ({why})" if why else "")))
                 continue
             while open_calls and not open_calls[-1][0].contains(call):
                 writer.exit(open_calls.pop()[1])
