@@ -31,6 +31,7 @@ imports them only for an NNX case.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +126,11 @@ class FlaxPort:
         from layerdiff.flax.reads import outside_reads
 
         try:
-            found = outside_reads(case)
+            found = _abstract_reads(case, outside_reads)
+        except Exception:   # code that needs concrete values: the forward runs op by op
+            found = None
+        try:
+            found = outside_reads(case) if found is None else found
         except Exception as exc:  # the replay goes on; the one thing unknown is said
             self.notes.append(f"could not look for parameters used outside their modules' "
                               f"calls (the port's forward raised {type(exc).__name__}: {exc}); "
@@ -311,6 +316,34 @@ class FlaxPort:
                                     else None)
             values.append((port_arg, value))
         return values
+
+
+def _abstract_reads(case: Case, reads: Callable[[Case], dict[int, list[str]]]
+                    ) -> dict[int, list[str]] | None:
+    """``reads(case)`` (:func:`layerdiff.flax.reads.outside_reads`) on a copy of the model
+    under ``jax.eval_shape``: which variable is read in which module's call is Python's, the
+    same whether values are there or not, and nothing is computed or compiled (op by op, the
+    Gemma pair's forward took 4-7 s compiling each operation; so, 0.2 s). Keyed by the
+    model's own parameters; None where the copy's modules are named otherwise."""
+    model = case.model
+    found: list[dict[tuple[Any, ...], list[str]]] = []
+
+    def run() -> None:
+        graphdef, state = nnx.split(model)
+        # fresh variables, made inside the trace: the forward may write them there (random
+        # streams, running statistics, and putting them back at its end)
+        copy = nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))
+        if ModelGraph.of(copy).names != ModelGraph.of(model).names:
+            return
+        paths = {id(node): tuple(path) for path, node in nnx.iter_graph(copy)}
+        found.append({paths[key]: sites for key, sites in
+                      reads(dataclasses.replace(case, model=copy)).items()})
+
+    jax.eval_shape(run)
+    if not found:
+        return None
+    nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
+    return {id(nodes[path]): sites for path, sites in found[0].items()}
 
 
 class _AdapterCaller:
