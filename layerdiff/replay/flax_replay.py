@@ -125,8 +125,8 @@ class FlaxPort:
         make that part of the reference's recorded gradient."""
         from layerdiff.flax.reads import outside_reads
 
-        try:
-            found = _abstract_reads(case, outside_reads)
+        try:   # op by op where replay is (the benchmark's before)
+            found = _abstract_reads(case, outside_reads) if self.calls.compiled else None
         except Exception:   # code that needs concrete values: the forward runs op by op
             found = None
         try:
