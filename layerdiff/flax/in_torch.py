@@ -5,7 +5,7 @@
 parameters become torch parameters under the Flax names (``kernel``, ``fc1.kernel``), so the
 host's optimizer trains them and swap compares their gradients through the mapping as it does
 a torch port layer's. Each call runs the module as a pure function of those parameters and of
-the call's tensors (``_pure_call`` of :mod:`layerdiff.flax.replay`: the module merged
+the call's tensors (``pure_call`` of :mod:`layerdiff.flax.calls`: the module merged
 afresh from its split state, so the model itself never changes) under ``jax.vjp``; a
 ``torch.autograd.Function`` hands the vjp the cotangents torch sends back and returns the
 input and parameter gradients. Tensors cross by a copy through numpy, keeping their dtype
@@ -17,9 +17,8 @@ The layer runs in the torch mode of the module it replaces (``train()``/``eval()
 that is on) raises, as replay refuses it: its output cannot match the reference's. Matmuls run
 at full float32 precision, as capture and replay run them.
 
-Imported only once a Flax case is in hand (swap imports it inside the function). It lives in
-``replay/`` beside ``flax_replay.py``, whose pure call it reuses (``flax/`` sits below
-``replay/``).
+Imported only once a Flax case is in hand (the Flax framework's swap donor imports it), beside
+``flax/replay.py``, whose pure call it reuses.
 """
 
 from __future__ import annotations
@@ -38,16 +37,11 @@ from torch import nn
 
 from layerdiff.capture.hooks import call_arguments
 from layerdiff.case import Case
+from layerdiff.flax.calls import MATMUL_PRECISION, pure_call, reached_params, unflatten
+from layerdiff.flax.calls import floating as _floating
 from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.port import watched_forward
-from layerdiff.flax.replay import (
-    MATMUL_PRECISION,
-    _AdapterCaller,
-    _floating,
-    _pure_call,
-    _reached_params,
-    _unflatten,
-)
+from layerdiff.flax.replay import _AdapterCaller
 from layerdiff.mapping.code import CodeRef
 from layerdiff.trace import schema
 from layerdiff.trace.arguments import flatten
@@ -75,7 +69,7 @@ class FlaxLayer(nn.Module):
         self._aliases = aliases or {}
         # torch parameter name -> the variable's path in the module's split state
         self._paths: dict[str, tuple[Any, ...]] = {}
-        for path, variable in _reached_params(module).items():
+        for path, variable in reached_params(module).items():
             value = variable[...]
             if not _floating(value):
                 continue  # an integer "parameter" takes no gradient: it stays in the state
@@ -138,7 +132,7 @@ class FlaxLayer(nn.Module):
                                *params)
         structure, kinds = box[0]
         it = iter(flat)
-        return _unflatten(structure, [next(it) if kind else value for kind, value in kinds])
+        return unflatten(structure, [next(it) if kind else value for kind, value in kinds])
 
 
 def _any_call(*args: Any, **kwargs: Any) -> Any:
@@ -204,7 +198,7 @@ class _Runner:
         leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
         paths = {self.layer._paths[name]: to_jax(param)
                  for name, param in zip(self.names, params, strict=True)}
-        pure = _pure_call(module, values, set(paths), {}, caller, set())
+        pure = pure_call(module, values, set(paths), {}, caller, set())
         with jax.default_matmul_precision(MATMUL_PRECISION):
             outputs, vjp, draws = jax.vjp(pure, paths, leaves, has_aux=True)
         if bool(draws):
@@ -249,7 +243,7 @@ class _FlaxCall(torch.autograd.Function):
                 cotangents.append(jnp.zeros_like(value))
             else:
                 cotangents.append(to_jax(grad).astype(value.dtype).reshape(value.shape))
-        structure = _unflatten(ctx.structure, cotangents)
+        structure = unflatten(ctx.structure, cotangents)
         with jax.default_matmul_precision(MATMUL_PRECISION):
             param_grads, input_grads = ctx.vjp(structure)
         found = [input_grads.get(key) for key in ctx.keys]

@@ -31,18 +31,11 @@ from flax import linen as nn
 
 from layerdiff.case import Case
 from layerdiff.flax import linen
+from layerdiff.flax.calls import MATMUL_PRECISION, unflatten, vjp_with_draws
+from layerdiff.flax.calls import floating as _floating
 from layerdiff.flax.graph import under_called
 from layerdiff.flax.model import FlaxModel
-from layerdiff.flax.replay import (
-    MATMUL_PRECISION,
-    FlaxPort,
-    NotReplayable,
-    _floating,
-    _numpy,
-    _shared,
-    _unflatten,
-    _vjp,
-)
+from layerdiff.flax.replay import FlaxPort, NotReplayable, _numpy, _shared
 from layerdiff.mapping import Mapping as LoadMapping
 from layerdiff.replay.recorded import RecordedCall, grad_outputs_at_port, read_value
 from layerdiff.trace import Trace, TraceWriter, schema
@@ -110,7 +103,7 @@ class LinenPort(FlaxPort):
         pure = _pure_call(self.modules[module_name], module_name, variables, values,
                           _shared(call, args_map, values, leaves), caller, called)
         with jax.default_matmul_precision(MATMUL_PRECISION):
-            (outputs, _), vjp = _vjp(pure, params, leaves)
+            (outputs, _), vjp = vjp_with_draws(pure, params, leaves)
         flat = list(flatten(outputs))
         for arg, value in flat:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
@@ -132,7 +125,7 @@ class LinenPort(FlaxPort):
                 cotangents.append(jnp.zeros_like(value) if _floating(value) else
                                   np.zeros(np.shape(value), dtype=float0))
         with jax.default_matmul_precision(MATMUL_PRECISION):
-            param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
+            param_grads, input_grads = vjp(unflatten(outputs, cotangents))
         for arg, grad in input_grads.items():
             writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)

@@ -3,8 +3,10 @@
 Each call runs the port module as a pure function of its own parameters and of the
 reference's recorded inputs (``nnx.split`` / ``nnx.merge``: the model itself is never changed,
 so a container's replay cannot touch its children, and a BatchNorm's running statistics stay as
-they were), under ``jax.vjp``. The backward applies that vjp to the reference's recorded output
-gradients: what arrives from outside the call, which is all a pure function's output can get.
+they were), under ``jax.vjp``, compiled once per module structure and call shape
+(``flax/calls.py``: the blocks of a model share one program). The backward applies
+that vjp to the reference's recorded output gradients: what arrives from outside the call,
+which is all a pure function's output can get.
 Input gradients are recorded under the reference's argument names (mapped by the site's
 ``args``), and weight gradients by the module's own parameter names (``kernel``), summed over
 the module's calls, as the reference records them; the diff maps them through the mapping's
@@ -20,15 +22,16 @@ as "cannot judge alone", never a local error.
 A call whose module draws random numbers (an ``nnx.Dropout`` that is on) cannot be replayed
 exactly and is skipped, saying why, as torch replay does. A mapping's call adapter gets the
 reference's arguments as JAX arrays and may return numpy, JAX or torch arrays (see
-:class:`_AdapterCaller`). Matmuls run at full float32 precision (``MATMUL_PRECISION``), as
-capture runs them.
+:class:`_AdapterCaller`). Matmuls run at full float32 precision
+(``flax_calls.MATMUL_PRECISION``), as capture runs them.
 
-The only replay module that imports JAX; :mod:`layerdiff.replay.replay` imports it only for an
-NNX case.
+With ``flax_calls.py``, the only replay modules that import JAX; :mod:`layerdiff.replay.replay`
+imports them only for an NNX case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +41,8 @@ import numpy as np
 from flax import nnx
 
 from layerdiff.case import Case
+from layerdiff.flax.calls import Call, CallRunner, Split, floating
 from layerdiff.flax.graph import ModelGraph, under_called
-from layerdiff.flax.intercept import intercepted
 from layerdiff.flax.port import as_jax
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.alone import ReferenceAlone, split_outside
@@ -55,11 +58,6 @@ from layerdiff.trace.arguments import (
     recorded_value,
 )
 from layerdiff.trace.schema import Pass, Role
-
-# Full float32 matmuls and convolutions, as capture pins them: JAX's default on accelerators
-# computes float32 dots in TF32 (NVIDIA from Ampere) or bfloat16 passes (TPU), ~1e-3 relative,
-# which would be every layer's "own error" against a float32 reference.
-MATMUL_PRECISION = "float32"
 
 
 class NotReplayable(Exception):
@@ -84,7 +82,7 @@ class FlaxPort:
     """A Flax NNX port's modules, replayed one recorded call at a time (the model must hold
     the reference's weights: :func:`layerdiff.flax.weights.load_nnx_weights`)."""
 
-    def __init__(self, model: nnx.Module, ref: Trace) -> None:
+    def __init__(self, model: nnx.Module, ref: Trace, *, compiled: bool = True) -> None:
         graph = ModelGraph.of(model)
         self.modules = dict(graph.modules)
         # each variable's owner and name there, by identity: a tied variable (GPT-2's lm head
@@ -114,6 +112,9 @@ class FlaxPort:
         self._partner: dict[str, str] = {}  # port module -> the reference module it replayed
         # reference site -> the mapping's outputs renames (reference output -> port output)
         self.output_renames: dict[str, dict[str, str]] = {}
+        # each call compiled once per module structure and call shape (flax_calls.py)
+        self.calls = CallRunner(compiled)
+        self._splits: dict[str, Split] = {}
 
     def type_of(self, module: str) -> str:
         return type(self.modules[module]).__name__
@@ -134,8 +135,12 @@ class FlaxPort:
         make that part of the reference's recorded gradient."""
         from layerdiff.flax.reads import outside_reads
 
+        try:   # op by op where replay is (the benchmark's before)
+            found = _abstract_reads(case, outside_reads) if self.calls.compiled else None
+        except Exception:   # code that needs concrete values: the forward runs op by op
+            found = None
         try:
-            found = outside_reads(case)
+            found = outside_reads(case) if found is None else found
         except Exception as exc:  # the replay goes on; the one thing unknown is said
             self.notes.append(f"could not look for parameters used outside their modules' "
                               f"calls (the port's forward raised {type(exc).__name__}: {exc}); "
@@ -159,57 +164,54 @@ class FlaxPort:
             writer.record(site, Role.INPUT, _numpy(value), arg=arg)
         if adapter is None:  # the adapter gets every argument (None for what is not data)
             values = taken
-        own = own_variables(module)
-        reached = _reached_params(module)
+        split = self._split_of(module_name)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
-            for name, variable in own.items():
+            for name, variable in own_variables(module).items():
                 writer.record(site, Role.WEIGHT, _numpy(variable[...]), arg=name,
                               pass_=Pass.FORWARD)
         wanted = {map_argument(a, args_map) for a in call.grad_input_args}
-        leaves = {arg: value for arg, value in values if arg in wanted and _floating(value)}
-        params = {path: variable[...] for path, variable in reached.items()
-                  if _floating(variable[...])}
-        called: set[tuple[Any, ...]] = set()
-        pure = _pure_call(module, values, set(params), _shared(call, args_map, values, leaves),
-                          caller, called)
-        with jax.default_matmul_precision(MATMUL_PRECISION):
-            (outputs, draws), vjp = _vjp(pure, params, leaves)
-        if draws:
+        leaves = {arg: value for arg, value in values if arg in wanted and floating(value)}
+        # every recorded output gradient, read once: which outputs they pair with is known
+        # when the outputs are (in the compiled program, while it is traced)
+        grads = {arg: read_value(self.ref, row) for arg, row in call.grad_outputs.items()}
+        renames = self.output_renames.get(call.site, {})
+        ran = self.calls.run(Call(
+            split, values, leaves, _shared(call, args_map, values, leaves), caller,
+            _caller_key(call, args_map, adapter), _pairing(call, renames),
+            (tuple(sorted(renames.items())),
+             tuple((arg, str(row["shape"])) for arg, row in call.grad_outputs.items())),
+            grads))
+        if ran.draws:
             raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
                                 "that is on): its output cannot match the reference's")
-        flat = list(flatten(outputs))
+        flat = list(flatten(ran.outputs))
         for arg, value in flat:
             writer.record(site, Role.OUTPUT, _numpy(value), arg=arg)
-        recorded = grad_outputs_at_port(call, flat, self.output_renames.get(call.site, {}))
-        if not recorded:
+        if ran.grads is None:
             return dropped
-        cotangents = []
         for arg, value in flat:
-            if arg in recorded and _floating(value):
-                grad = read_value(self.ref, recorded[arg])
-                writer.record(site, Role.GRAD_OUTPUT, grad, arg=arg)
-                cotangents.append(jnp.asarray(grad, dtype=value.dtype).reshape(value.shape))
-            elif value is None:  # an output returned as None (an attention's weights)
-                cotangents.append(None)
-            else:
-                # no gradient came to it; an integer output takes float0's empty cotangent
-                cotangents.append(jnp.zeros_like(value) if _floating(value) else
-                                  np.zeros(np.shape(value), dtype=jax.dtypes.float0))
-        with jax.default_matmul_precision(MATMUL_PRECISION):
-            param_grads, input_grads = vjp(_unflatten(outputs, cotangents))
+            if arg in ran.paired and floating(value):
+                writer.record(site, Role.GRAD_OUTPUT, grads[ran.paired[arg]], arg=arg)
+        param_grads, input_grads = ran.grads
         for arg, grad in input_grads.items():
             writer.record(site, Role.GRAD_INPUT, _numpy(grad), arg=arg)
         self._first_site.setdefault(module_name, site)
         for path, grad in param_grads.items():
             # a variable reached through a child this call called is that child's to sum
-            if under_called(path, called):
+            if under_called(path, ran.called):
                 continue
-            owner, name = self._owner[id(reached[path])]
+            owner, name = self._owner[id(split.params[path])]
             self._contributors.setdefault((owner, name), set()).add(module_name)
             sums = self._grad_sums.setdefault(owner, {})
             sums[name] = grad if name not in sums else sums[name] + grad
         return dropped
+
+    def _split_of(self, module_name: str) -> Split:
+        """The module's split, made once: the model does not change while replay runs."""
+        if module_name not in self._splits:
+            self._splits[module_name] = Split.of(self.modules[module_name])
+        return self._splits[module_name]
 
     def inputs(self, call: RecordedCall, args_map: dict[str, str]) -> list[tuple[str, Any]]:
         """The reference's recorded inputs of ``call`` under the port's argument names, as
@@ -222,21 +224,20 @@ class FlaxPort:
         the model holds now, called the way its ``__call__`` takes them or through
         ``adapter``; what ``map-check`` measures. Raises :class:`NotReplayable` for a module
         that draws random numbers."""
-        module = self.modules[module_name]
-        caller, dropped = self._caller(call, module_name, {} if adapter else args_map, values,
-                                       adapter)
+        args_map = {} if adapter else args_map
+        caller, dropped = self._caller(call, module_name, args_map, values, adapter)
         if adapter is None:
             left_out = {head for head, _ in dropped}
             values = [(arg, value) for arg, value in values
                       if arg.partition(".")[0] not in left_out]
-        params = {tuple(path): variable[...] for path, variable in _reached_params(module).items()}
-        pure = _pure_call(module, values, set(params), {}, caller, set())
-        with jax.default_matmul_precision(MATMUL_PRECISION):
-            outputs, draws = pure(params, {})
-        if draws:
+        # split afresh: map-check sets the variables between calls
+        ran = self.calls.run(Call(Split.of(self.modules[module_name]), values, {}, {}, caller,
+                                  _caller_key(call, args_map, adapter), _pairing(call, {}),
+                                  (), {}))
+        if ran.draws:
             raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
                                 "that is on): its output cannot match the reference's")
-        return outputs
+        return ran.outputs
 
     def _caller(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
                 values: list[tuple[str, Any]], adapter: Any
@@ -327,6 +328,34 @@ class FlaxPort:
         return values
 
 
+def _abstract_reads(case: Case, reads: Callable[[Case], dict[int, list[str]]]
+                    ) -> dict[int, list[str]] | None:
+    """``reads(case)`` (:func:`layerdiff.flax.reads.outside_reads`) on a copy of the model
+    under ``jax.eval_shape``: which variable is read in which module's call is Python's, the
+    same whether values are there or not, and nothing is computed or compiled (op by op, the
+    Gemma pair's forward took 4-7 s compiling each operation; so, 0.2 s). Keyed by the
+    model's own parameters; None where the copy's modules are named otherwise."""
+    model = case.model
+    found: list[dict[tuple[Any, ...], list[str]]] = []
+
+    def run() -> None:
+        graphdef, state = nnx.split(model)
+        # fresh variables, made inside the trace: the forward may write them there (random
+        # streams, running statistics, and putting them back at its end)
+        copy = nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))
+        if ModelGraph.of(copy).names != ModelGraph.of(model).names:
+            return
+        paths = {id(node): tuple(path) for path, node in nnx.iter_graph(copy)}
+        found.append({paths[key]: sites for key, sites in
+                      reads(dataclasses.replace(case, model=copy)).items()})
+
+    jax.eval_shape(run)
+    if not found:
+        return None
+    nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
+    return {id(nodes[path]): sites for path, sites in found[0].items()}
+
+
 class _AdapterCaller:
     """The reference's arguments, rebuilt as they were passed (JAX arrays; what capture kept
     only as a repr is None), through the mapping's call adapter; what it returns (numpy, JAX
@@ -345,6 +374,9 @@ class _AdapterCaller:
         self.where = f"port layer {module_name}"
         self.concrete = [(arg, None if isinstance(value, NotPlainData) else value)
                          for arg, value in values]
+        # whether a call was made from the recorded values: a compiled program then holds
+        # them, and is not reused for another call
+        self.concrete_used = False
 
     def _adapt(self, values: list[tuple[str, Any]]) -> tuple[tuple, dict[str, Any]]:
         args, kwargs = rebuild_call(values)
@@ -363,6 +395,7 @@ class _AdapterCaller:
         traced = {id(concrete[arg]): value for arg, value in fresh
                   if concrete.get(arg) is not None}
         made = self._adapt(self.concrete)
+        self.concrete_used = True
         return as_jax(_replace_leaves(made, lambda leaf: traced.get(id(leaf), leaf)))
 
 
@@ -375,13 +408,6 @@ def _replace_leaves(value: Any, swap: Callable[[Any], Any]) -> Any:
     return swap(value)
 
 
-def _vjp(pure: Callable[..., Any], params: dict[str, jax.Array],
-         leaves: dict[str, jax.Array]) -> tuple[tuple[Any, bool], Callable[..., Any]]:
-    """``jax.vjp`` of the call, with whether it advanced a random stream beside the output."""
-    outputs, vjp, draws = jax.vjp(pure, params, leaves, has_aux=True)
-    return (outputs, bool(draws)), vjp
-
-
 def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str, Any]],
             leaves: dict[str, jax.Array]) -> dict[str, str]:
     """Arguments that were one tensor in the reference's call (``attn(x, x, x)``) -> the
@@ -391,7 +417,7 @@ def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str
     shared = {}
     for arg, value in values:
         row = rows.get(arg)
-        if arg in leaves or not _floating(value) or row is None or not row["digest"]:
+        if arg in leaves or not floating(value) or row is None or not row["digest"]:
             continue
         first = next((other for other in leaves if other in rows
                       and rows[other]["digest"] == row["digest"]
@@ -402,81 +428,22 @@ def _shared(call: RecordedCall, args_map: dict[str, str], values: list[tuple[str
     return shared
 
 
-def _reached_params(module: nnx.Module) -> dict[tuple[Any, ...], nnx.Variable]:
-    """The parameters a module reaches, its children's too, by path in its split state."""
-    return {tuple(path): node for path, node in nnx.iter_graph(module)
-            if isinstance(node, nnx.Param)}
+def _caller_key(call: RecordedCall, args_map: dict[str, str],
+                adapter: Any) -> tuple[Any, ...]:
+    """What decides how a call's recorded arguments become the module's: the call adapter, or
+    the reference's signature (by its type) and the arguments the mapping drops."""
+    if adapter is not None:
+        return ("adapter", adapter[0].spec)
+    return ("bind", call.type, tuple(sorted(dropped_arguments(args_map))))
 
 
-class _CalledChildren:
-    """Records the path (in the copy) of every submodule whose ``__call__`` runs."""
-
-    def __init__(self, copy: nnx.Module, called: set[tuple[Any, ...]]) -> None:
-        self.paths = {id(node): tuple(path) for path, node in nnx.iter_graph(copy)
-                      if isinstance(node, nnx.Module)}
-        self.called = called
-
-    def call(self, original: Callable[..., Any], module: Any, args: tuple,
-             kwargs: dict) -> Any:
-        path = self.paths.get(id(module))
-        if path:
-            self.called.add(path)
-        return original(module, *args, **kwargs)
-
-
-def _pure_call(module: nnx.Module, values: list[tuple[str, Any]],
-               param_paths: set[tuple[Any, ...]], shared: dict[str, str],
-               caller: Callable[[list[tuple[str, Any]]], tuple[tuple, dict[str, Any]]],
-               called: set[tuple[Any, ...]]) -> Callable[..., Any]:
-    """(params, differentiated inputs) -> (outputs, whether a random stream moved): the module
-    merged afresh from its split state with ``params`` in place, called on the inputs."""
-    graphdef, state = nnx.split(module)
-    counts_before = _rng_counts(module)
-
-    def pure(params: dict[str, jax.Array], leaves: dict[str, jax.Array]):
-        # rebuilt inside the trace: variables made outside it may not be written in it
-        fresh = jax.tree.map(lambda leaf: leaf, state)
-        for path in param_paths:
-            holder = fresh
-            for key in path[:-1]:
-                holder = holder[key]
-            holder[path[-1]] = holder[path[-1]].replace(params[path])
-        copy = nnx.merge(graphdef, fresh)
-        args, kwargs = caller([(arg, leaves.get(shared.get(arg, arg), value))
-                               for arg, value in values])
-        with intercepted([node for _, node in nnx.iter_graph(copy)
-                          if isinstance(node, nnx.Module)], _CalledChildren(copy, called)):
-            outputs = copy(*args, **kwargs)
-        after = _rng_counts(copy)
-        draws = any(not np.array_equal(np.asarray(a), np.asarray(b))
-                    for a, b in zip(counts_before, after, strict=True))
-        return outputs, draws
-
-    return pure
-
-
-def _rng_counts(module: nnx.Module) -> list[Any]:
-    return [node[...] for _, node in nnx.iter_graph(module) if isinstance(node, nnx.RngCount)]
-
-
-def _unflatten(structure: Any, leaves: list[Any]) -> Any:
-    """``leaves`` (in :func:`~layerdiff.trace.arguments.flatten`'s order) put back into
-    ``structure``'s shape."""
-    it = iter(leaves)
-
-    def build(node: Any) -> Any:
-        if isinstance(node, (tuple, list)):
-            return type(node)(build(item) for item in node)
-        if isinstance(node, dict):
-            return {key: build(item) for key, item in node.items()}
-        return next(it)
-
-    return build(structure)
-
-
-def _floating(value: Any) -> bool:
-    return isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype,
-                                                                          jnp.floating)
+def _pairing(call: RecordedCall, renames: dict[str, str]) -> Callable[..., dict[str, str]]:
+    """(flat outputs, output gradients) -> {port output: reference output}, by the diff's rule
+    (:func:`~layerdiff.replay.recorded.grad_outputs_at_port`)."""
+    def pair(flat: list[tuple[str, Any]], grads: dict[str, Any]) -> dict[str, str]:
+        return {port: row["arg"] for port, row in grad_outputs_at_port(call, flat,
+                                                                        renames).items()}
+    return pair
 
 
 def _numpy(value: Any) -> Any:

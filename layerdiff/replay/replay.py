@@ -197,8 +197,10 @@ def write_replay(ref: Trace, port: Case | ExternalCase, mapping: Mapping,
     with TraceWriter(path, meta=meta, producer="layerdiff.replay") as writer:
         for call in calls:
             target = port_site_for(call.site, mapping, backend.modules)
-            if target is None:
-                why = unreplayable.get(call.site) or "no port layer pairs with it"
+            if target is None:   # the stack's reason, or the mapping's where it declares one
+                declared = mapping.why_unmatched("reference", call.site)
+                why = unreplayable.get(call.site) or ("no port layer pairs with it"
+                                                      + (f" ({declared})" if declared else ""))
                 log.skipped.append((call.site, why))
                 continue
             held = next((inner for inner in unreplayable
