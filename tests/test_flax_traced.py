@@ -280,6 +280,24 @@ def test_replay_never_blames_the_root_for_a_slip_in_a_stack_it_cannot_run_alone(
     assert result.origin is None
 
 
+def test_bisect_never_says_nothing_to_find_while_a_stacks_layers_are_unjudged(mapping):
+    """Swap cannot put one layer of a scanned stack in: bisect lists each layer as not judged
+    and cannot conclude, where it said "nothing to find" from the layers around the stack."""
+    from layerdiff.replay.bisect import BisectOutcome, bisect
+    from layerdiff.replay.swap import Swapper
+
+    def reference_case():
+        return layerdiff.Case(model=TorchStack(), inputs=(torch.from_numpy(X),
+                                                          torch.from_numpy(KEEP)),
+                              loss_fn=lambda y: (y ** 2).mean(), name="torch_stack")
+
+    result = bisect(Swapper(reference_case, lambda: port_case(tanh_slip=True), mapping))
+    assert result.outcome == BisectOutcome.CANNOT_CONCLUDE
+    unjudged = {entry.layers[0]: entry.why for entry in result.cannot_judge}
+    assert set(unjudged) == {f"layers.{k}" for k in range(LAYERS)}
+    assert all("a layer of the port's stack layers" in why for why in unjudged.values())
+
+
 class Rematted(nnx.Module):
     def __init__(self) -> None:
         self.a = nnx.Linear(5, 4, rngs=nnx.Rngs(0))

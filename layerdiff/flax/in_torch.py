@@ -339,6 +339,16 @@ class FlaxDonor:
 
         load_nnx_arrays(case.model, arrays, mapping)
 
+    def why_unswappable(self, case: Case, module_path: str) -> str | None:
+        """Why the port has no module ``module_path`` that could go in alone: a layer of a
+        stack it runs with nnx.scan (``layers.1``)."""
+        from layerdiff.flax.stacks import stacked_module
+
+        stacked = stacked_module(module_path, module_paths(case.model))
+        return (f"a layer of the port's stack {stacked} (one module holding every layer, run "
+                "by nnx.scan), which swap cannot put in one layer at a time yet; diff a "
+                "capture of the port to judge it") if stacked else None
+
     def layer(self, case: Case, module_path: str, call: Any) -> tuple[nn.Module, Any]:
         """The layer, and the call adapter left for swap to apply in torch (none: it applies
         it itself, to JAX arrays as replay does)."""

@@ -129,6 +129,10 @@ def bisect(swapper: Swapper, *, granularity: str = "auto",
         raise DiffError("no layer of the port pairs with a layer of the reference; give a "
                         "mapping file (--map)")
     search = _Search(swapper, on_probe)
+    # layers the port holds only inside a module of several (a scanned stack): never searched,
+    # so never "nothing to find" while they are unjudged
+    search.cannot_judge += [CannotJudge([port], why, [module])
+                            for module, (port, why) in swapper.unswappable.items()]
     result = BisectResult(everything, probes=search.probes, cannot_judge=search.cannot_judge)
     whole = search.breaks(everything)
     result.reproduced = whole is True

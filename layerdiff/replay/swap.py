@@ -240,6 +240,8 @@ class Swapper:
                 (self.port_order, self.port_outputs, self._port_shapes,
                  self.port_sizes) = _observe(self.make_port())
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
+        # reference module -> (port name, why no port module of that name can go in alone)
+        self.unswappable = self._unswappable(probe_port)
         # reference module -> (call adapter, its function), imported now: a name that does not
         # import is bad input, refused before any run
         self.calls = self._call_adapters()
@@ -275,6 +277,23 @@ class Swapper:
                 if ref not in functions:
                     functions[ref] = ref.resolve()
                 found[module] = (ref, functions[ref])
+        return found
+
+    def _unswappable(self, port: Any) -> dict[str, tuple[str, str]]:
+        """Reference modules with no port partner because the port's layer exists only
+        inside a module that holds several (a layer of a scanned stack), outermost only."""
+        found: dict[str, tuple[str, str]] = {}
+        why_unswappable = getattr(self.donor, "why_unswappable", None)
+        if why_unswappable is None:
+            return found
+        for module in self.order:
+            if module in self.pairs or any(module.startswith(f + ".") for f in found):
+                continue
+            renamed = self.mapping.rename(module)
+            name = renamed[0] if renamed else module
+            why = why_unswappable(port, name)
+            if why:
+                found[module] = (name, why)
         return found
 
     def resolve(self, name: str) -> str:
