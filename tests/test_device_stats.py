@@ -108,14 +108,14 @@ def test_a_capture_through_the_device_path_records_what_the_host_path_does(
     recorder's threads), forced onto CPU tensors: the same index and the same bytes."""
     import functools
 
-    from layerdiff.capture import torch_capture
+    from layerdiff.capture import capture, torch_capture
     from layerdiff.capture.stage import Stager
     from layerdiff.trace.reader import open_trace
 
     spec = "reference_models.transformer:reference"
-    host = torch_capture.capture(spec, tmp_path / "host.h5", summary=summary, steps=2)
+    host = capture(spec, tmp_path / "host.h5", summary=summary, steps=2)
     monkeypatch.setattr(torch_capture, "Stager", functools.partial(Stager, device_stats=True))
-    device = torch_capture.capture(spec, tmp_path / "device.h5", summary=summary, steps=2)
+    device = capture(spec, tmp_path / "device.h5", summary=summary, steps=2)
     with open_trace(host) as a, open_trace(device) as b:
         rows_a, rows_b = a.index.sort_values("seq"), b.index.sort_values("seq")
         assert len(rows_a) == len(rows_b) > 100

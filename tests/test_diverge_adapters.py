@@ -42,7 +42,10 @@ def adapters(tmp_path) -> Path:
 
 def _checked(result):
     json.dumps(result.as_json(), allow_nan=False)
-    assert all(len(line) <= 100 for line in render(result).splitlines())
+    # a line over 100 columns holds one word a shell command cannot break (a long temporary
+    # path, as pytest-xdist's workers make them)
+    assert all(len(line) <= 100 or len(line.rstrip(" \\").split()) == 1
+               for line in render(result).splitlines())
     return result
 
 
