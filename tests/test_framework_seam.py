@@ -97,3 +97,15 @@ def test_no_stage_tests_for_a_framework_by_name():
                     and re.search(r"flax|nnx|jax|ExternalCase", line)):
                 found.append(f"{relative}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_options_a_framework_does_not_take_are_refused_when_the_case_is_made():
+    with pytest.raises(CaseError, match=r"case t: jit is for a Flax model .*torch\.compile"):
+        Case(model=torch.nn.Linear(3, 2), inputs=(), loss_fn=sum, jit=True, name="t")
+    linen = pytest.importorskip("flax.linen")
+    import jax
+
+    dense = linen.Dense(2)
+    params = dense.init(jax.random.key(0), jax.numpy.zeros((1, 3)))
+    with pytest.raises(CaseError, match=r"case l: jit runs a Flax NNX port's step .* leave jit"):
+        Case(model=dense, params=params, inputs=(), loss_fn=sum, jit=True, name="l")

@@ -511,14 +511,23 @@ class _CallRecorder:
 
 def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
     """What only a Flax capture knows of its run (the options' part: ``options.meta``)."""
+    params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(case.model, nnx.Param))]
+    return flax_meta(case, params, [m for _, m in graph.modules], "flax.nnx.", precision)
+
+
+def flax_meta(case: Case, params: list[Any], modules: list[Any], builtin: str,
+              precision: str) -> dict[str, Any]:
+    """A Flax capture's meta (NNX's and Linen's): ``params`` the parameters' arrays,
+    ``modules`` the model's modules, a type from the ``builtin`` package (``"flax.nnx."``)
+    being one that runs one op (the diff suggests --ops only where a module's own code can
+    hold more)."""
     import flax
 
-    params = [v for _, v in nnx.to_flat_state(nnx.state(case.model, nnx.Param))]
-    first = params[0].get_value() if params else None
-    model_dtype = next((str(p.get_value().dtype) for p in params
-                        if jnp.issubdtype(p.get_value().dtype, jnp.floating)), "")
+    first = params[0] if params else None
+    model_dtype = next((str(p.dtype) for p in params if jnp.issubdtype(p.dtype, jnp.floating)),
+                       "")
     signatures: dict[str, Any] = {}
-    for _, module in graph.modules:
+    for module in modules:
         name = type(module).__name__
         if name not in signatures and "__call__" in dir(type(module)):
             signature = Signature.of(module.__call__)
@@ -541,8 +550,8 @@ def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
         "uncalled_weights": "ancestor",
         Role.GRAD_OUTPUT: "outside",
         "signatures": signatures,
-        "builtin_types": sorted({type(m).__name__ for _, m in graph.modules
-                                 if type(m).__module__.startswith("flax.nnx.")}),
+        "builtin_types": sorted({type(m).__name__ for m in modules
+                                 if type(m).__module__.startswith(builtin)}),
         "versions": {**_versions(), "jax": jax.__version__, "flax": flax.__version__},
     }
 

@@ -30,7 +30,6 @@ makes that part of the recorded gradient (:mod:`layerdiff.flax.reads` for NNX, s
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,13 +52,12 @@ from layerdiff.flax.capture import (
     _precision,
     _select,
     _unscaled_and_clipped,
-    _versions,
+    flax_meta,
 )
 from layerdiff.flax.graph import Owned
 from layerdiff.mapping import Mapping as LoadMapping
 from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
-from layerdiff.signature import Signature
 from layerdiff.trace import open_trace, schema
 from layerdiff.trace.schema import Role
 from layerdiff.trace.writer import TraceWriter, check_writable
@@ -421,39 +419,11 @@ def _train(case: Case, variables: dict[str, Any], inputs: tuple | dict, sink: Li
 
 def _meta(case: Case, graph: LinenGraph, variables: dict[str, Any],
           precision: str) -> dict[str, Any]:
-    """What only a Linen capture knows of its run, as NNX's ``_meta`` records it."""
-    import flax
-
+    """What only a Linen capture knows of its run: NNX's meta, and which Flax API."""
     leaves = [value for value in flat_variables({PARAMS: variables[PARAMS]}).values()
               if isinstance(value, jax.Array | np.ndarray)]
-    first = leaves[0] if leaves else None
-    model_dtype = next((str(v.dtype) for v in leaves if jnp.issubdtype(v.dtype, jnp.floating)),
-                       "")
-    signatures: dict[str, Any] = {}
-    for _, clone in graph.clones.items():
-        name = type(clone).__name__
-        if name not in signatures:
-            signature = Signature.of(clone.__call__)
-            if signature is not None:
-                signatures[name] = signature.as_json()
-    return {
-        "case": case.name,
-        "seed": case.seed,
-        "framework": "flax",
-        "flax_api": "linen",
-        "device": str(next(iter(first.devices()))) if isinstance(first, jax.Array) else "cpu",
-        "default_dtype": "float64" if jax.config.jax_enable_x64 else "float32",
-        "model_dtype": model_dtype,
-        "autocast": None,
-        "machine": platform.machine(),
-        "matmul_precision": precision,
-        "uncalled_weights": "ancestor",
-        Role.GRAD_OUTPUT: "outside",
-        "signatures": signatures,
-        "builtin_types": sorted({type(m).__name__ for m in graph.clones.values()
-                                 if type(m).__module__.startswith("flax.linen.")}),
-        "versions": {**_versions(), "jax": jax.__version__, "flax": flax.__version__},
-    }
+    return {**flax_meta(case, leaves, list(graph.clones.values()), "flax.linen.", precision),
+            "flax_api": "linen"}
 
 
 # ---- weights from a torch reference

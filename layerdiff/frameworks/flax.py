@@ -38,6 +38,10 @@ class FlaxFramework:
             from layerdiff.flax.linen import check_variables
 
             check_variables(case)
+            if getattr(case, "jit", False):
+                raise CaseError(f"case {case.name or '?'}: jit runs a Flax NNX port's step "
+                                "under jax.jit; a Linen port's capture runs eagerly for now: "
+                                "leave jit out")
         elif getattr(case, "params", None) is not None:
             raise CaseError(f"case {case.name or '?'}: {type(case.model).__name__} is a Flax "
                             "NNX module, which holds its own variables: leave the Case's "
