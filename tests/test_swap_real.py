@@ -211,6 +211,7 @@ class _Fake:
     def __init__(self, order, leaves, bugs=(), raises=(), together=()):
         self.order, self._leaves = order, leaves
         self.pairs = {m: (m, {}) for m in order}
+        self.unswappable = {}  # no layer held only inside a stack
         self.bugs, self.raises, self.together = set(bugs), set(raises), set(together)
         self.runs = []
 
