@@ -109,3 +109,27 @@ def test_options_a_framework_does_not_take_are_refused_when_the_case_is_made():
     params = dense.init(jax.random.key(0), jax.numpy.zeros((1, 3)))
     with pytest.raises(CaseError, match=r"case l: jit runs a Flax NNX port's step .* leave jit"):
         Case(model=dense, params=params, inputs=(), loss_fn=sum, jit=True, name="l")
+
+
+def test_a_flax_model_that_raises_is_named_at_its_site_and_nothing_is_published(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+    import jax.numpy as jnp
+
+    class Broken(nnx.Module):
+        def __call__(self, x):
+            raise ValueError("shapes do not fit")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.fc = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.broken = Broken()
+
+        def __call__(self, x):
+            return self.broken(self.fc(x))
+
+    case = Case(model=Model(), inputs=(jnp.ones((1, 3)),), loss_fn=jnp.sum, name="m")
+    with pytest.raises(CaptureError, match=r"^case m: the model raised ValueError: shapes do "
+                                           r"not fit inside site broken \(Broken\) during the "
+                                           r"forward"):
+        capture(case, tmp_path / "m.h5")
+    assert not (tmp_path / "m.h5").exists()

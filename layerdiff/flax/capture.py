@@ -102,9 +102,19 @@ def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) ->
                          producer=PRODUCER)
     sink = _CallRecorder(writer, graph, selected, weights=weights,
                          jit=bool(getattr(case, "jit", False)))
+    with failures_named(writer, case.name, sink), StepProgress(
+            steps, enabled=progress, label=f"capture {case.name}") as bar:
+        _train(case, graph, sink, writer, steps, loss_scale, precision, bar)
+    return writer.close()
+
+
+@contextlib.contextmanager
+def failures_named(writer: TraceWriter, case: str, sink: Any) -> Iterator[None]:
+    """A Flax capture's steps (NNX's and Linen's): whatever fails closes the trace unpublished;
+    the model's exception becomes one sentence naming the site (``sink.failed``), the phase
+    and the step, and a Ctrl-C wrapped on its way out is the user's Ctrl-C again."""
     try:
-        with StepProgress(steps, enabled=progress, label=f"capture {case.name}") as bar:
-            _train(case, graph, sink, writer, steps, loss_scale, precision, bar)
+        yield
     except LayerdiffError:
         writer.close(complete=False)
         raise
@@ -114,13 +124,12 @@ def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) ->
             raise KeyboardInterrupt from exc  # the user's Ctrl-C, wrapped on its way
         where = f" inside site {sink.failed}" if sink.failed else ""
         raise CaptureError(
-            f"case {case.name}: the model raised {type(exc).__name__}: {exc}{where} during the "
+            f"case {case}: the model raised {type(exc).__name__}: {exc}{where} during the "
             f"{sink.phase} of step {writer.current_step}; no trace was published ({partial} "
             "holds what was recorded up to there)") from exc
     except BaseException:
         writer.close(complete=False)
         raise
-    return writer.close()
 
 
 def _check_options(case: Case, steps: int, loss_scale: float) -> None:

@@ -52,6 +52,7 @@ from layerdiff.flax.capture import (
     _precision,
     _select,
     _unscaled_and_clipped,
+    failures_named,
     flax_meta,
 )
 from layerdiff.flax.graph import Owned
@@ -304,25 +305,9 @@ def capture_linen(case: Case, path: str | os.PathLike, options: CaptureOptions) 
     writer = TraceWriter(path, meta=meta, summary=options.summary,
                          queue_bytes=options.queue_bytes, producer=PRODUCER)
     sink = LinenRecorder(writer, graph, selected, weights=options.weights)
-    try:
-        with StepProgress(steps, enabled=options.progress,
-                          label=f"capture {case.name}") as bar:
-            _train(case, variables, inputs, sink, writer, steps, options, bar)
-    except LayerdiffError:
-        writer.close(complete=False)
-        raise
-    except Exception as exc:
-        partial = writer.close(complete=False)
-        if interrupt_inside(exc) is not None:
-            raise KeyboardInterrupt from exc
-        where = f" inside site {sink.failed}" if sink.failed else ""
-        raise CaptureError(
-            f"case {case.name}: the model raised {type(exc).__name__}: {exc}{where} during the "
-            f"{sink.phase} of step {writer.current_step}; no trace was published ({partial} "
-            "holds what was recorded up to there)") from exc
-    except BaseException:
-        writer.close(complete=False)
-        raise
+    with failures_named(writer, case.name, sink), StepProgress(
+            steps, enabled=options.progress, label=f"capture {case.name}") as bar:
+        _train(case, variables, inputs, sink, writer, steps, options, bar)
     return writer.close()
 
 
