@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("replay", "debug", "ci"),
     ("flax",),
     ("frameworks",),
-    ("mapsuggest",),
+    ("mapsuggest", "health"),
     ("report",),
     ("show", "demo", "pytest_plugin"),
     ("cli",),

@@ -6,6 +6,7 @@ parses its arguments, calls one library function and emits the result
     replay.py   replay, swap, bisect, map-check, map-suggest
     session.py  session (the interactive shell)
     debug.py    nan, determinism, batch-independence, diverge
+    health.py   health (the trainability checklist)
     ranks.py    ranks                      ci.py       golden, check
     demo.py     demo, cases
 
@@ -20,7 +21,7 @@ import sys
 try:
     import click
 
-    from layerdiff.cli import capture, ci, debug, demo, diff, ranks, replay, session
+    from layerdiff.cli import capture, ci, debug, demo, diff, health, ranks, replay, session
     from layerdiff.errors import Interrupted, LayerdiffError
 except KeyboardInterrupt:  # Ctrl-C while the command loads: the same line as a moment later
     sys.stderr.write("interrupted: nothing was published\n")
@@ -61,7 +62,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.obj = {"debug": debug}
 
 
-for _family in (capture, diff, replay, session, debug, ranks, ci, demo):
+for _family in (capture, diff, replay, session, debug, health, ranks, ci, demo):
     for _command in _family.COMMANDS:
         main.add_command(_command)
 

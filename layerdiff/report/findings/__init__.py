@@ -25,6 +25,7 @@ _RENDERERS: dict[str, tuple[str, str]] = {
     "layerdiff.debug.batch.BatchResult": (".debug", "batch_text"),
     "layerdiff.debug.batch.Mixing": (".debug", "describe_mixing"),
     "layerdiff.debug.determinism.DeterminismResult": (".debug", "determinism_text"),
+    "layerdiff.health.result.HealthResult": (".health", "health_text"),
     "layerdiff.debug.optimizer_update.UpdateEvidence": (".debug", "update_text"),
     "layerdiff.replay.mapcheck.MapCheck": (".replay", "mapcheck_text"),
     "layerdiff.replay.replay.ReplayResult": ("layerdiff.report.terminal", "format_replay"),
