@@ -58,9 +58,11 @@ def gradient_flow(record: Record) -> Check:
     high = max(factor, key=factor.get)
     worst = low if 1 / factor[low] >= factor[high] else high
     off = factor[worst] if worst == high else 1 / factor[worst]
+    # a layer far below the others has a vanishing gradient; one far above, an exploding
+    # one (or, at the output end, the others' gradients vanish on their way back)
     kind = "exploding" if worst == high else "vanishing"
     step = _worst_step(record.grad_rms[worst], worst == high)
-    said = (f"{worst}'s gradient RMS {typical[worst]:.3g} is {off:.3g}x "
+    said = (f"gradient RMS {typical[worst]:.3g}, {off:.3g}x "
             f"{'above' if kind == 'exploding' else 'below'} the median layer's {median:.3g}")
     if off >= FLOW_FAIL:
         return Check("gradient-flow", Verdict.FAIL, f"{kind}: {said} (> {FLOW_FAIL:g}x)",
@@ -73,11 +75,11 @@ def gradient_flow(record: Record) -> Check:
     if spikes:
         layer, at, times = spikes[0]
         return Check("gradient-flow", Verdict.WARN,
-                     f"{layer}'s gradient norm spikes to {times:.3g}x its median at step {at}",
+                     f"gradient norm spikes to {times:.3g}x its median at step {at}",
                      layer, at, details)
     return Check("gradient-flow", Verdict.PASS,
                  f"{len(typical)} layers within {off:.3g}x of the median gradient RMS "
-                 f"{median:.3g} (widest: {worst})", worst, step, details)
+                 f"{median:.3g} (the site: the farthest)", worst, step, details)
 
 
 def _worst_step(values: list[float], highest: bool) -> int | None:
@@ -141,7 +143,7 @@ def update_ratio(record: Record) -> Check:
         if factor >= RELATIVE_FAIL:
             value = record.update_ratios[fastest][step]
             return Check("update-ratio", Verdict.FAIL,
-                         f"{fastest} updates {value:.3g} of its norm at step {step}, "
+                         f"updates {value:.3g} of its norm at step {step}, "
                          f"{factor:.3g}x the other layers' median (> {RELATIVE_FAIL:g}x): its "
                          "learning rate or scale is off", fastest, step, details)
     high = max(typical, key=typical.get)
@@ -150,17 +152,17 @@ def update_ratio(record: Record) -> Check:
     if outside:
         layer = max(outside, key=lambda name: abs(math.log10(outside[name] / IDEAL_RATIO)))
         return Check("update-ratio", Verdict.WARN,
-                     f"{layer} updates {outside[layer]:.3g} of its norm a step (median over "
+                     f"updates {outside[layer]:.3g} of its norm a step (median over "
                      f"steps), outside [{BAND[0]:g}, {BAND[1]:g}] (ideal ~{IDEAL_RATIO:g}); "
                      f"{len(outside)} of {len(typical)} layers outside",
                      layer, _worst_step(record.update_ratios[layer],
                                         outside[layer] > BAND[1]), details)
     if len(typical) >= 3 and typical[low] <= RELATIVE_LOW * median:
         return Check("update-ratio", Verdict.WARN,
-                     f"{low} updates {typical[low]:.3g} of its norm a step, "
+                     f"updates {typical[low]:.3g} of its norm a step, "
                      f"{median / typical[low]:.3g}x below the median layer's {median:.3g}",
                      low, _worst_step(record.update_ratios[low], False), details)
     return Check("update-ratio", Verdict.PASS,
                  f"median {median:.3g} a step over {len(typical)} layers, within "
-                 f"[{BAND[0]:g}, {BAND[1]:g}]; highest {high} at {typical[high]:.3g}",
+                 f"[{BAND[0]:g}, {BAND[1]:g}]; the highest (the site) {typical[high]:.3g}",
                  high, _worst_step(record.update_ratios[high], True), details)

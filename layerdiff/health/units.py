@@ -29,8 +29,8 @@ def dead_units(record: Record) -> Check:
                                           for u in units}}
     worst = max(units, key=lambda u: fractions[u.site])
     share = fractions[worst.site]
-    said = (f"{worst.dead} of {len(worst.fired)} units of {worst.site} ({worst.type}) never "
-            f"fired over {worst.rows} outputs x {steps} step(s) ({share:.0%})")
+    said = (f"{worst.dead} of {len(worst.fired)} units ({worst.type}) never fired over "
+            f"{worst.rows} outputs x {steps} step(s) ({share:.0%})")
     chance = 0.5 ** worst.rows
     if worst.rows < MIN_ROWS:
         said += f"; by chance alone {chance:.2g} of them would be"
@@ -41,5 +41,5 @@ def dead_units(record: Record) -> Check:
     if share >= WARN_FRACTION and share > 10 * chance:
         return Check("dead-units", Verdict.WARN, said, worst.site, None, details)
     return Check("dead-units", Verdict.PASS,
-                 f"{len(units)} ReLU-family site(s); the most dead: {said}", worst.site, None,
-                 details)
+                 f"{len(units)} ReLU-family site(s); the most dead (the site): {said}",
+                 worst.site, None, details)
