@@ -39,7 +39,8 @@ class BatchCentre(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, *, detach: bool = False, nan: bool = False, mix: bool = False) -> None:
+    def __init__(self, *, detach: bool = False, nan: bool = False, mix: bool = False,
+                 detach_after: str = "fc1", functional: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN, HIDDEN)
         self.act1 = nn.ReLU()
@@ -47,13 +48,18 @@ class MLP(nn.Module):
         self.act2 = nn.ReLU()
         self.extra = NanFrom(NAN_STEP) if nan else (BatchCentre() if mix else nn.Identity())
         self.head = nn.Linear(HIDDEN, CLASSES)
-        self.detach = detach
+        self.detach = detach_after if detach else ""
+        self.functional = functional
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act1(self.fc1(x))
-        if self.detach:  # BUG: cuts the graph, so fc1 never learns
+        h = self.fc1(x)
+        h = F.relu(h) if self.functional else self.act1(h)
+        if self.detach == "fc1":  # BUG: cuts the graph, so fc1 never learns
             h = h.detach()
-        return self.head(self.extra(self.act2(self.fc2(h))))
+        h = self.fc2(h)
+        if self.detach == "fc2":  # BUG: cuts the graph after fc2: fc1 and fc2 never learn
+            h = h.detach()
+        return self.head(self.extra(self.act2(h)))
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +97,28 @@ def head_too_large() -> Case:
 
 def detached() -> Case:
     return _case("detached", detach=True)
+
+
+def detached_after_fc2() -> Case:
+    return _case("detached_after_fc2", detach=True, detach_after="fc2")
+
+
+def not_in_optimizer() -> Case:
+    """fc2 left out of the optimizer: it gets gradients, and never moves."""
+    seed_everything(SEED)
+    model = MLP()
+    left_out = {id(p) for p in model.fc2.parameters()}
+    return _case("not_in_optimizer", model,
+                 lambda params: _adam([p for p in params if id(p) not in left_out]))
+
+
+def functional_dead_relu() -> Case:
+    """Dead ReLUs applied with F.relu in the model's own code: seen at the call that reads
+    them, fc2's."""
+    case = _case("functional_dead_relu", functional=True)
+    with torch.no_grad():
+        case.model.fc1.bias.fill_(-100.0)
+    return case
 
 
 def frozen() -> Case:
@@ -136,8 +164,11 @@ def no_optimizer() -> Case:
 
 PLANTED = {  # case -> (the check that must fail, the site it must name)
     "head_too_large": ("initial-loss", "head#0"),
-    "detached": ("overfit", "fc1.weight"),
-    "frozen": ("overfit", "fc2.weight"),
+    "detached": ("overfit", "fc1"),
+    "detached_after_fc2": ("overfit", "fc2"),
+    "frozen": ("overfit", "fc2"),
+    "not_in_optimizer": ("overfit", "fc2"),
+    "functional_dead_relu": ("dead-units", "fc2#0 input"),
     "fast_layer": ("update-ratio", "fc2"),
     "dead_relu": ("dead-units", "act1#0"),
     "nan_from_step": ("nonfinite", "extra#0"),

@@ -46,11 +46,9 @@ def test_a_healthy_mlp_passes_every_check(results):
 
 
 def test_a_healthy_transformer_passes():
-    """The bundled attention classifier: nothing fails or warns (it has no ReLU: dead units
-    are not looked for)."""
+    """The bundled attention classifier: nothing fails or warns."""
     result = health("reference_models.batch_mixing:reference", STEPS, checks=FAST)
-    verdicts = {c.name: str(c.verdict) for c in result.checks}
-    assert verdicts == {**dict.fromkeys(FAST, "pass"), "dead-units": "skip"}
+    assert {c.name: str(c.verdict) for c in result.checks} == dict.fromkeys(FAST, "pass")
 
 
 @pytest.mark.parametrize("name", sorted(cases.PLANTED))
@@ -69,6 +67,18 @@ def test_overfit_names_the_blocked_parameters(results):
     frozen = results("frozen")["overfit"]
     assert frozen.details["frozen"] == ["fc2.weight", "fc2.bias"]
     assert "requires_grad False" in frozen.evidence
+
+
+def test_a_cut_is_named_at_the_layer_just_before_it(results):
+    check = results("detached_after_fc2")["overfit"]
+    assert check.site == "fc2"
+    assert check.details["no_gradient"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+
+def test_parameters_the_optimizer_never_moves_are_named(results):
+    check = results("not_in_optimizer")["overfit"]
+    assert check.details["not_updated"] == ["fc2.weight", "fc2.bias"]
+    assert "param groups" in check.evidence
 
 
 def test_the_nan_is_named_at_its_step(results):

@@ -89,17 +89,19 @@ def overfit(record: Record, allow_frozen: Sequence[str] = ()) -> Check:
     details = {"losses": losses, "frozen": frozen, "no_gradient": record.absent,
                "zero_gradient": record.zero, "allowed_frozen": sorted(set(record.frozen)
                                                                       - set(frozen))}
-    blocked = [*record.absent, *frozen]
-    if blocked:
-        first = blocked[0]
+    details["not_updated"] = record.unmoved
+    if record.absent or frozen or record.unmoved:
         kinds = []
         if record.absent:
             kinds.append(f"{len(record.absent)} with no gradient at any step "
-                         f"({_names(record.absent)}: the graph is cut before them, a detach)")
+                         f"({_names(record.absent)}: the graph is cut after them, a detach)")
         if frozen:
             kinds.append(f"{len(frozen)} frozen, requires_grad False ({_names(frozen)})")
+        if record.unmoved:
+            kinds.append(f"{len(record.unmoved)} with a gradient that the optimizer never "
+                         f"moves ({_names(record.unmoved)}: not in its param groups, or lr 0)")
         return Check("overfit", Verdict.FAIL, "learning is blocked: parameters "
-                     + "; ".join(kinds), first, None, details)
+                     + "; ".join(kinds), _blocked_site(record, frozen), None, details)
     if len(losses) < 2:
         return Check("overfit", Verdict.SKIP, f"only {len(losses)} finite step "
                      f"({record.stopped or 'one step asked'}): nothing to fit", None, None,
@@ -121,6 +123,16 @@ def overfit(record: Record, allow_frozen: Sequence[str] = ()) -> Check:
         return Check("overfit", Verdict.WARN, f"{fell}" + zero + ": they do not learn",
                      record.zero[0], at, details)
     return Check("overfit", Verdict.PASS, f"{fell}: it fits its batch", None, at, details)
+
+
+def _blocked_site(record: Record, frozen: list[str]) -> str:
+    """Where learning is blocked: for a cut graph, the layer called last among those with no
+    gradient (the cut lies just after it: everything before it is cut off too); else the first
+    frozen or unmoved parameter's layer."""
+    if record.absent:
+        layers = [record.layer_of(name) for name in record.absent]
+        return max(layers, key=lambda layer: record.order.get(layer, -1))
+    return record.layer_of((frozen or record.unmoved)[0])
 
 
 def _names(names: Sequence[str], shown: int = 3) -> str:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import layerdiff.rng as rng
-from layerdiff.capture.modules import ModuleHooks, named_modules
+from layerdiff.capture.modules import ModuleHooks, is_leaf, named_modules
 from layerdiff.capture.run import run_case
 from layerdiff.case import Case
 from layerdiff.errors import CaptureError, LayerdiffError
@@ -78,11 +78,18 @@ class Record:
     update_ratios: dict[str, list[float]]     # layer -> per step (NaN: undefined)
     frozen: list[str]                         # requires_grad False
     absent: list[str]                         # requires_grad, but no gradient at any step
+    unmoved: list[str]                        # a gradient, but the optimizer never moved it
     zero: list[str]                           # a gradient, exactly zero at every step
     units: list[Units]
     logits: Logits | None
     stopped: str | None = None                # why the run ended before ``asked`` steps
     trained: bool = True                      # False: no optimizer, one backward only
+    order: dict[str, int] = field(default_factory=dict)  # module path -> first call's end
+
+    def layer_of(self, parameter: str) -> str:
+        """The layer (module path) that holds ``parameter``."""
+        return next((layer for layer, names in self.layers.items() if parameter in names),
+                    parameter.rpartition(".")[0])
     notes: list[str] = field(default_factory=list)
 
 
@@ -160,33 +167,58 @@ def _unit_axis(output: torch.Tensor) -> int:
 
 
 class _UnitsWatch:
-    def __init__(self, model: nn.Module) -> None:
+    """Which units fired: the output of each ReLU-family module, and the first input of every
+    other leaf module that no watched module produced (a ``F.relu`` in a module's own code
+    shows there, at the call that reads it), the model's own inputs excepted."""
+
+    def __init__(self, model: nn.Module, inputs: list[torch.Tensor]) -> None:
         self.hooks = ModuleHooks()
         self.units: dict[str, Units] = {}
         self.calls: dict[str, int] = {}
+        self.inputs = {id(t) for t in inputs}
+        self.relu_outputs: set[int] = set()
         for path, module in named_modules(model):
             if isinstance(module, RELU_FAMILY):
-                self.hooks.after(module, self._hook(path, type(module).__name__))
+                self.hooks.after(module, self._output_hook(path, type(module).__name__))
+            elif is_leaf(module):
+                self.hooks.before(module, self._input_hook(path, type(module).__name__))
 
-    def _hook(self, path: str, kind: str):
+    def _site(self, path: str) -> str:
+        number = self.calls.get(path, 0)
+        self.calls[path] = number + 1
+        return schema.site_name(path, number)
+
+    def _output_hook(self, path: str, kind: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not isinstance(output, torch.Tensor) or output.dim() < 1:
-                return
-            number = self.calls.get(path, 0)
-            self.calls[path] = number + 1
-            site = schema.site_name(path, number)
-            axis = _unit_axis(output)
-            moved = output.detach().movedim(axis, -1).reshape(-1, output.shape[axis])
-            fired = (moved != 0).any(dim=0).cpu().numpy()
-            entry = self.units.get(site)
-            if entry is None or entry.fired.shape != fired.shape:
-                self.units[site] = Units(site, kind, axis, fired, int(moved.shape[0]))
-            else:
-                entry.fired |= fired
+            site = self._site(path)
+            if isinstance(output, torch.Tensor) and output.dim() >= 1:
+                self.relu_outputs.add(id(output))
+                self._fired(site, kind, output)
         return hook
+
+    def _input_hook(self, path: str, kind: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            site = self._site(path)
+            value = args[0] if args else None
+            if (isinstance(value, torch.Tensor) and value.dim() >= 2
+                    and value.is_floating_point() and id(value) not in self.relu_outputs
+                    and id(value) not in self.inputs):
+                self._fired(f"{site} input", f"input of {kind}", value)
+        return hook
+
+    def _fired(self, site: str, kind: str, output: torch.Tensor) -> None:
+        axis = _unit_axis(output)
+        moved = output.detach().movedim(axis, -1).reshape(-1, output.shape[axis])
+        fired = (moved != 0).any(dim=0).cpu().numpy()
+        entry = self.units.get(site)
+        if entry is None or entry.fired.shape != fired.shape:
+            self.units[site] = Units(site, kind, axis, fired, int(moved.shape[0]))
+        else:
+            entry.fired |= fired
 
     def next_step(self) -> None:
         self.calls.clear()
+        self.relu_outputs.clear()
 
 
 class _OutputSites:
@@ -196,6 +228,7 @@ class _OutputSites:
         self.hooks = ModuleHooks()
         self.made: dict[int, tuple[str, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}
+        self.order: dict[str, int] = {}   # module path -> when its first call ended
         for path, module in named_modules(model):
             self.hooks.after(module, self._hook(path))
 
@@ -203,6 +236,7 @@ class _OutputSites:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             number = self.calls.get(path, 0)
             self.calls[path] = number + 1
+            self.order.setdefault(path, len(self.order))
             if isinstance(output, torch.Tensor) and id(output) not in self.made:
                 self.made[id(output)] = (schema.site_name(path, number), output)
         return hook
@@ -243,7 +277,8 @@ def record(case: Case, steps: int) -> Record:
     trained = case.optimizer is not None
     steps = steps if trained else 1
     observer = _Observer(model, trained)
-    units = _UnitsWatch(model)
+    items = case.inputs.values() if isinstance(case.inputs, dict) else case.inputs
+    units = _UnitsWatch(model, [t for t in items if isinstance(t, torch.Tensor)])
     sites = _OutputSites(model)
     seen: dict[str, Any] = {}
 
@@ -279,7 +314,9 @@ def record(case: Case, steps: int) -> Record:
         model.zero_grad(set_to_none=True)
     logits = _logits(seen, sites)
     sites.made.clear()
-    return _assemble(observer, units, logits, steps, trained)
+    found = _assemble(observer, units, logits, steps, trained)
+    found.order = dict(sites.order)
+    return found
 
 
 def _uniform_loss(case: Case, output: Any) -> float:
@@ -318,6 +355,9 @@ def _assemble(observer: _Observer, units: _UnitsWatch, logits: Logits | None, as
     zero = [name for i, (name, _) in enumerate(observer.named)
             if learning[i] and done and not np.isnan(grads[:, i]).all()
             and np.nan_to_num(grads[:, i]).max() == 0.0]
+    unmoved = [name for i, (name, _) in enumerate(observer.named)
+               if learning[i] and trained and len(deltas) and np.nan_to_num(grads[:, i]).max() > 0
+               and deltas[:, i].max() == 0.0]
     grad_norms, grad_rms, ratios = {}, {}, {}
     for layer, names in observer.layers.items():
         cols = [observer.index[n] for n in names if learning[observer.index[n]]]
@@ -337,5 +377,5 @@ def _assemble(observer: _Observer, units: _UnitsWatch, logits: Logits | None, as
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratios[layer] = np.where(size > 0, moved / size, np.nan).tolist()
     return Record(done, asked, list(observer.losses[:done]), observer.layers, grad_norms,
-                  grad_rms, ratios, frozen, absent, zero, list(units.units.values()), logits,
-                  observer.stopped, trained)
+                  grad_rms, ratios, frozen, absent, unmoved, zero,
+                  list(units.units.values()), logits, observer.stopped, trained)

@@ -108,8 +108,8 @@ def _explain(results: dict[str, Check]) -> None:
     blocked parameter (overfit's own finding) is never explained away."""
     for name, causes in EXPLAINED_BY.items():
         check = results.get(name)
-        if check is None or not check.failed or check.details.get("no_gradient") or (
-                check.details.get("frozen")):
+        if check is None or not check.failed or any(
+                check.details.get(key) for key in ("no_gradient", "frozen", "not_updated")):
             continue
         cause = next((c for c in causes if c in results and results[c].failed), None)
         if cause is not None:

@@ -1,6 +1,8 @@
 """``dead-units``: ReLU-family units whose output was exactly zero for every sample (and
-position) at every step of the run: they pass no gradient, so they never come back. Thresholds,
-with why: docs/health.md."""
+position) at every step of the run: they pass no gradient, so they never come back. Watched at
+each ReLU-family module's output, and at the first input of each other leaf module that no
+watched module produced (a ``F.relu`` in a module's own code shows there, named ``fc2#0
+input``). Thresholds, with why: docs/health.md."""
 
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ MIN_ROWS = 20
 def dead_units(record: Record) -> Check:
     units = [u for u in record.units if len(u.fired)]
     if not units:
-        return Check("dead-units", Verdict.SKIP, "no ReLU-family module (nn.ReLU, ReLU6, "
-                     "Threshold) was called: dead units are looked for in those only")
+        return Check("dead-units", Verdict.SKIP, "no activation was seen: no ReLU-family "
+                     "module was called and no leaf module read another's output")
     steps = max(record.steps, 1)
     fractions = {u.site: u.dead / len(u.fired) for u in units}
     details = {"steps": steps, "modules": {u.site: {"type": u.type, "units": len(u.fired),
                                                    "dead": u.dead, "rows": u.rows}
                                           for u in units}}
-    worst = max(units, key=lambda u: fractions[u.site])
+    # a ReLU module's own site before the input of the call that reads it (same units)
+    worst = max(units, key=lambda u: (fractions[u.site], not u.site.endswith(" input")))
     share = fractions[worst.site]
     said = (f"{worst.dead} of {len(worst.fired)} units ({worst.type}) never fired over "
             f"{worst.rows} outputs x {steps} step(s) ({share:.0%})")
@@ -41,5 +44,5 @@ def dead_units(record: Record) -> Check:
     if share >= WARN_FRACTION and share > 10 * chance:
         return Check("dead-units", Verdict.WARN, said, worst.site, None, details)
     return Check("dead-units", Verdict.PASS,
-                 f"{len(units)} ReLU-family site(s); the most dead (the site): {said}",
+                 f"{len(units)} activation(s) watched; the most dead (the site): {said}",
                  worst.site, None, details)
