@@ -28,10 +28,10 @@ STUCK_FRACTION = 0.99  # the best loss within 1% of the first: learning is block
 
 def initial_loss(record: Record, expected: float | None = None) -> Check:
     """Step 0's loss against ln C (C from the logits' last axis), or against ``expected``."""
-    if not record.losses:
+    if record.initial is None:
         return Check("initial-loss", Verdict.SKIP, f"no finite loss at step 0 "
                      f"({record.stopped}); the nonfinite check says where it came from", step=0)
-    measured = record.losses[0]
+    measured = record.initial
     logits = record.logits
     site = logits.site if logits else None
     if expected is None:
@@ -62,9 +62,9 @@ def initial_loss(record: Record, expected: float | None = None) -> Check:
     said = f"loss {measured:.4g} vs {basis} ({excess:+.3g} nats"
     if excess > FAIL_EXCESS:
         return Check("initial-loss", Verdict.FAIL,
-                     f"{said}, > {FAIL_EXCESS:g}): the logits start ~{spread:.3g}x too "
-                     "spread (softmax saturated): the output layer's initial scale is too "
-                     "large, or the final layer is wrong", site, 0, details)
+                     f"{said}, > {FAIL_EXCESS:g}): the logits start with a spread of "
+                     f"~{spread:.3g} (softmax saturated): the output layer's initial scale is "
+                     "too large, or the final layer is wrong", site, 0, details)
     if excess > WARN_EXCESS:
         return Check("initial-loss", Verdict.WARN,
                      f"{said}, > {WARN_EXCESS:g}): the logits start more confident than "

@@ -85,6 +85,7 @@ class Record:
     stopped: str | None = None                # why the run ended before ``asked`` steps
     trained: bool = True                      # False: no optimizer, one backward only
     order: dict[str, int] = field(default_factory=dict)  # module path -> first call's end
+    initial: float | None = None              # step 0's loss (finite), whatever came after
 
     def layer_of(self, parameter: str) -> str:
         """The layer (module path) that holds ``parameter``."""
@@ -120,6 +121,7 @@ class _Observer:
         self.weight_sq: list[list[float]] = []
         self.before: list[torch.Tensor] = []
         self.stopped: str | None = None
+        self.initial: float | None = None   # step 0's loss, kept if its backward then fails
 
     def begin_step(self, step: int) -> None:
         if self.trained:
@@ -131,6 +133,8 @@ class _Observer:
             self.stopped = f"the loss is {value} at step {len(self.losses)}"
             raise _Stop
         self.losses.append(value)
+        if self.initial is None:
+            self.initial = value
 
     def after_backward(self) -> None:
         norms = [p.grad.detach().double().square().sum() if p.grad is not None else None
@@ -316,6 +320,7 @@ def record(case: Case, steps: int) -> Record:
     sites.made.clear()
     found = _assemble(observer, units, logits, steps, trained)
     found.order = dict(sites.order)
+    found.initial = observer.initial
     return found
 
 
