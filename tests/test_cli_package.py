@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # `layerdiff --help` before the split into layerdiff/cli/ (issue 30): none may go missing
 COMMANDS = ["batch-independence", "bisect", "capture", "cases", "check", "demo", "determinism",
-            "diff", "diverge", "gather", "golden", "map-check", "map-suggest", "nan", "ranks",
-            "replay", "session", "show", "swap"]
+            "diff", "diverge", "gather", "golden", "health", "map-check", "map-suggest", "nan",
+            "ranks", "replay", "session", "show", "swap"]
 
 TRANSFORMER = "reference_models.transformer:reference"
 TRANSFORMER_BUG = "reference_models.transformer_port:bug_softmax_axis"
