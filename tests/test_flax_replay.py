@@ -143,6 +143,15 @@ def test_a_module_that_draws_random_numbers_is_skipped_saying_why(tiny_reference
                     mapping=MAP, propagated=False)
     skipped = dict(result.skipped)
     assert "drop#0" in skipped and "random numbers" in skipped["drop#0"]
+    # a pass says how many sites it judged, and how many it skipped
+    from layerdiff.report.terminal import format_replay
+
+    assert result.passed
+    replayed, left = len(result.replayed), len(result.skipped_sites)
+    assert left >= 1 and "drop#0" in result.skipped_sites
+    assert format_replay(result).splitlines()[0] == (
+        f"PASS  no replayed layer has a local error ({replayed} of {replayed + left} sites "
+        f"replayed; {left} skipped)")
 
 
 def test_a_parameter_the_mapping_cannot_source_is_refused_in_one_sentence(tiny_reference):

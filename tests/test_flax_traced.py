@@ -101,8 +101,10 @@ class MaskRows(nnx.Module):
 
 
 class ScannedStack(nnx.Module):
-    def __init__(self, *, tanh_slip: bool = False, bf16_slip: bool = False) -> None:
+    def __init__(self, *, tanh_slip: bool = False, bf16_slip: bool = False,
+                 remat: bool = False) -> None:
         rngs = nnx.Rngs(0)
+        self.remat = remat
         self.proj = nnx.Linear(5, D, rngs=rngs)
 
         @nnx.split_rngs(splits=LAYERS)
@@ -117,7 +119,7 @@ class ScannedStack(nnx.Module):
     def __call__(self, x, keep):
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run(x, block):
-            return block(x)
+            return nnx.remat(lambda block, x: block(x))(block, x) if self.remat else block(x)
 
         return self.mask_rows(self.head(run(self.proj(x), self.layers)), keep)
 
@@ -259,43 +261,99 @@ def test_two_jitted_steps_match_the_references_two_steps(
         assert set(trace.index["step"]) == {0, 1}
 
 
-def test_replay_says_in_one_sentence_that_it_does_not_run_a_stacks_layers(reference, mapping):
-    result = layerdiff.replay(reference, port_case(), mapping=mapping)
-    skipped = dict(result.skipped)
+def reference_case():
+    return layerdiff.Case(model=TorchStack(), inputs=(torch.from_numpy(X),
+                                                      torch.from_numpy(KEEP)),
+                          loss_fn=lambda y: (y ** 2).mean(), name="torch_stack")
+
+
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_replay_runs_each_layer_of_a_scanned_stack_alone_and_the_root_whole(reference,
+                                                                             mapping, remat):
+    """Each layer is its slice of the stack, replayed on the reference's recorded call; the
+    root runs the scan whole (each layer under nnx.remat too). Nothing is skipped, and each
+    layer's weight gradient is judged against the reference's."""
+    result = layerdiff.replay(reference, port_case(remat=remat), mapping=mapping,
+                              propagated=False)
+    assert result.passed, result.origin
+    assert result.skipped == [] and result.cannot_judge == []
+    replayed = {port for _, port in result.replayed}
     for k in range(LAYERS):
-        for site in (f"layers.{k}#0", f"layers.{k}.fc#0"):
-            assert "a layer of the port's stack" in skipped[site], skipped
-            assert "\n" not in skipped[site]
-    assert "proj#0" not in skipped and "head#0" not in skipped  # the rest is replayed
+        assert {f"layers.{k}#0", f"layers.{k}.norm#0", f"layers.{k}.fc#0"} <= replayed
+    assert "<root>#0" in replayed
+    rows = result.diff.rows
+    grads = rows[rows["role"] == "weight_grad"]
+    assert {f"layers.{k}.fc#0" for k in range(LAYERS)} <= set(grads["site"])
 
 
-def test_replay_never_blames_the_root_for_a_slip_in_a_stack_it_cannot_run_alone(reference,
-                                                                                 mapping):
-    """The root's replay runs the stack whole: a slip in the block would be the root's
-    'own' error. The root is skipped, naming the layer it holds, and nothing is blamed."""
+def test_replay_names_a_slip_in_the_scanned_blocks_code_at_its_first_layer(reference,
+                                                                             mapping):
+    """Every layer runs the block's code, so each has the local error; the first is named,
+    and the root, which runs them all, only holds one."""
     result = layerdiff.replay(reference, port_case(tanh_slip=True), mapping=mapping,
                               propagated=False)
-    skipped = dict(result.skipped)
-    assert "it holds layers.0#0, which replay cannot run alone" in skipped["<root>#0"]
-    assert result.origin is None
+    origin = result.origin
+    assert (origin.site, origin.pass_, origin.role) == ("layers.0#0", "forward", "output")
+    local = result.local
+    forward = local[local["pass"] == "forward"].set_index("site")["verdict"]
+    assert {site for site, verdict in forward.items() if verdict == "LOCAL ERROR"} == {
+        f"layers.{k}#0" for k in range(LAYERS)}
+    assert forward["<root>#0"] == "holds one"
+    assert result.skipped == []
 
 
-def test_bisect_never_says_nothing_to_find_while_a_stacks_layers_are_unjudged(mapping):
-    """Swap cannot put one layer of a scanned stack in: bisect lists each layer as not judged
-    and cannot conclude, where it said "nothing to find" from the layers around the stack."""
+@pytest.mark.slow
+def test_replay_names_the_one_layer_whose_slice_was_loaded_wrong(work, reference):
+    path = work / "layer1_replay.map.toml"
+    path.write_text(UNTRANSPOSED_LAYER_1)
+    result = layerdiff.replay(reference, port_case(), mapping=path, propagated=False)
+    local = result.local
+    errors = set(local[local["verdict"] == "LOCAL ERROR"]["site"])
+    assert errors == {"layers.1.fc#0"}, errors
+
+
+def test_bisect_searches_a_scanned_stacks_layers_and_names_the_first_with_the_slip(mapping):
     from layerdiff.replay.bisect import BisectOutcome, bisect
     from layerdiff.replay.swap import Swapper
 
-    def reference_case():
-        return layerdiff.Case(model=TorchStack(), inputs=(torch.from_numpy(X),
-                                                          torch.from_numpy(KEEP)),
-                              loss_fn=lambda y: (y ** 2).mean(), name="torch_stack")
-
     result = bisect(Swapper(reference_case, lambda: port_case(tanh_slip=True), mapping))
-    assert result.outcome == BisectOutcome.CANNOT_CONCLUDE
-    unjudged = {entry.layers[0]: entry.why for entry in result.cannot_judge}
-    assert set(unjudged) == {f"layers.{k}" for k in range(LAYERS)}
-    assert all("a layer of the port's stack layers" in why for why in unjudged.values())
+    assert result.outcome == BisectOutcome.CULPRITS
+    assert result.cannot_judge == []
+    assert result.culprits[0] == ("layers.0", "layers.0")
+    assert {port for _, port in result.culprits} <= {f"layers.{k}" for k in range(LAYERS)}
+
+
+def test_one_faithful_stack_layer_swapped_in_is_within_with_its_slices_gradients(mapping):
+    from layerdiff.replay.swap import swap
+
+    result = swap(reference_case(), port_case(), ["layers.1"], mapping=mapping)
+    assert result, result.describe()
+    judged = {row.what.split(",")[0] for row in result.rows}
+    assert "weight_grad layers.1.fc.weight (port layers.1.fc.kernel)" in judged, judged
+
+
+def test_map_suggest_drafts_per_layer_rules_that_map_check_passes_with_transposes(work,
+                                                                                   reference):
+    from layerdiff.mapsuggest import suggest_mapping
+    from layerdiff.replay.mapcheck import SUSPICIOUS, map_check
+
+    draft = suggest_mapping(reference, port_case())
+    assert "UNSURE" not in draft.text, draft.text
+    assert ('port = "layers.*.fc.kernel"\nreference = "layers.*.fc.weight"\n'
+            'transform = "transpose"') in draft.text, draft.text
+    path = work / "drafted.map.toml"
+    path.write_text(draft.text)
+    check = map_check(reference, port_case(), path, sites=False)
+    assert check.passed
+    entries = {entry.port: entry for entry in check.entries}
+    for k in range(LAYERS):
+        assert entries[f"layers.{k}.fc.kernel"].note.startswith("transpose checked at "
+                                                                f"layers.{k}.fc#0")
+    wrong = work / "layer1_check.map.toml"
+    wrong.write_text(UNTRANSPOSED_LAYER_1)
+    check = map_check(reference, port_case(), wrong, sites=False)
+    flagged = [entry.port for entry in check.entries if entry.status == SUSPICIOUS]
+    assert flagged == ["layers.1.fc.kernel"]
 
 
 class Rematted(nnx.Module):

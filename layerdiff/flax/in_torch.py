@@ -278,10 +278,14 @@ def to_torch(array: Any) -> torch.Tensor:
 def flax_layer(model: nnx.Module, module_path: str,
                adapter: tuple[CodeRef, Callable[..., Any]] | None = None) -> FlaxLayer:
     """The submodule of ``model`` at ``module_path`` (``block.fc1``, ``<root>``), as named by
-    :class:`~layerdiff.flax.graph.ModelGraph`, wrapped for torch (``adapter``: the mapping's
+    :class:`~layerdiff.flax.graph.ModelGraph`, or one layer of a stack the model runs with
+    nnx.scan (``layers.1``, ``layers.1.fc``: that layer's slice of the stack's variables,
+    :class:`~layerdiff.flax.stacks.WithLayers`), wrapped for torch (``adapter``: the mapping's
     call adapter for the site, see :class:`FlaxLayer`)."""
+    from layerdiff.flax.stacks import WithLayers
+
     graph = ModelGraph.of(model)
-    modules = dict(graph.modules)
+    modules = WithLayers(dict(graph.modules))
     if module_path not in modules:
         raise KeyError(f"the Flax model has no module {module_path!r}")
     aliases = {name: names for _, names in graph.shared for name in names}
@@ -340,14 +344,29 @@ class FlaxDonor:
         load_nnx_arrays(case.model, arrays, mapping)
 
     def why_unswappable(self, case: Case, module_path: str) -> str | None:
-        """Why the port has no module ``module_path`` that could go in alone: a layer of a
-        stack it runs with nnx.scan (``layers.1``)."""
+        """Why the port has no module ``module_path`` that could go in alone: a name of a layer
+        of a stack it runs with nnx.scan that the stack does not have (``layers.7`` of 4)."""
         from layerdiff.flax.stacks import stacked_module
 
+        if self.stacked(case, module_path):
+            return None
         stacked = stacked_module(module_path, module_paths(case.model))
-        return (f"a layer of the port's stack {stacked} (one module holding every layer, run "
-                "by nnx.scan), which swap cannot put in one layer at a time yet; diff a "
-                "capture of the port to judge it") if stacked else None
+        return (f"named as a layer of the port's stack {stacked} (one module holding every "
+                "layer, run by nnx.scan), but the stack has no such layer: not every variable "
+                "of it has a first axis longer than the layer's number") if stacked else None
+
+    def stacked(self, case: Case, module_path: str) -> str | None:
+        """The stacked module (``layers.fc``) whose layer ``module_path`` is (``layers.1.fc``),
+        where swap can put that layer in alone (its slice of the stack); None for a module of
+        the model's own or no layer of a stack."""
+        from layerdiff.flax.stacks import find_layer
+
+        if getattr(self, "_modules", (None,))[0] is not case.model:  # one walk per model
+            self._modules = (case.model, dict(ModelGraph.of(case.model).modules))
+        layer = find_layer(module_path, self._modules[1])
+        if layer is None:
+            return None
+        return layer.root + (f".{layer.below}" if layer.below else "")
 
     def layer(self, case: Case, module_path: str, call: Any) -> tuple[nn.Module, Any]:
         """The layer, and the call adapter left for swap to apply in torch (none: it applies

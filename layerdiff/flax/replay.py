@@ -44,6 +44,7 @@ from layerdiff.case import Case
 from layerdiff.flax.calls import Call, CallRunner, Split, floating
 from layerdiff.flax.graph import ModelGraph, under_called
 from layerdiff.flax.port import as_jax
+from layerdiff.flax.stacks import WithLayers
 from layerdiff.mapping.code import CodeRef
 from layerdiff.replay.alone import ReferenceAlone, split_outside
 from layerdiff.replay.calling import BoundCall, CannotCall, Signature, adapted_call, bind_call
@@ -84,7 +85,8 @@ class FlaxPort:
 
     def __init__(self, model: nnx.Module, ref: Trace, *, compiled: bool = True) -> None:
         graph = ModelGraph.of(model)
-        self.modules = dict(graph.modules)
+        # a scanned stack's layers too, sliced on first ask (``layers.1.fc``)
+        self.modules = WithLayers(dict(graph.modules))
         # each variable's owner and name there, by identity: a tied variable (GPT-2's lm head
         # reaching wte's embedding through wte.attend) gets its gradient from every module
         # using it, summed where its owner records it, as capture's whole-model gradient does
@@ -121,13 +123,14 @@ class FlaxPort:
 
     def why_unpaired(self, site: str) -> str | None:
         """Why a reference site has no port layer, where the port says more than nothing
-        does: a layer of a stack the port runs with nnx.scan (``layers.1#0``)."""
+        does: a per-layer name of a stack the port runs with nnx.scan that is no layer of it
+        (``layers.7#0`` of a stack of 4, or one whose variables are not all stacked)."""
         from layerdiff.flax.stacks import stacked_module
 
-        stacked = stacked_module(site.partition("#")[0], self.modules)
-        return (f"a layer of the port's stack {stacked} (one module holding every layer, run "
-                "by nnx.scan), which replay does not run one layer at a time yet; the diff "
-                "of a capture judges it") if stacked else None
+        stacked = stacked_module(site.partition("#")[0], self.modules.model_modules)
+        return (f"named as a layer of the port's stack {stacked} (one module holding every "
+                "layer, run by nnx.scan), but the stack has no such layer: not every variable "
+                "of it has a first axis longer than the layer's number") if stacked else None
 
     def watch_uses(self, case: Case) -> None:
         """Find the parameters the port's code reads outside every call whose replay makes
@@ -201,7 +204,8 @@ class FlaxPort:
             # a variable reached through a child this call called is that child's to sum
             if under_called(path, ran.called):
                 continue
-            owner, name = self._owner[id(split.params[path])]
+            key = id(split.params[path])
+            owner, name = self._owner.get(key) or self.modules.owners[key]
             self._contributors.setdefault((owner, name), set()).add(module_name)
             sums = self._grad_sums.setdefault(owner, {})
             sums[name] = grad if name not in sums else sums[name] + grad
@@ -231,7 +235,8 @@ class FlaxPort:
             values = [(arg, value) for arg, value in values
                       if arg.partition(".")[0] not in left_out]
         # split afresh: map-check sets the variables between calls
-        ran = self.calls.run(Call(Split.of(self.modules[module_name]), values, {}, {}, caller,
+        ran = self.calls.run(Call(Split.of(self.modules.fresh(module_name)), values, {}, {},
+                                  caller,
                                   _caller_key(call, args_map, adapter), _pairing(call, {}),
                                   (), {}))
         if ran.draws:

@@ -121,3 +121,120 @@ def stacked_module(module: str, modules: Iterable[str]) -> str | None:
         if part.isdigit() and stacked in paths:
             return stacked
     return None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Layer ``k`` of the stack under ``root`` (``n`` layers along the first axis), and the
+    path below the layer of the module a per-layer name stands for ("" for the layer itself,
+    ``fc`` for ``layers.K.fc``)."""
+
+    root: str
+    k: int
+    n: int
+    below: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.root}.{self.k}" + (f".{self.below}" if self.below else "")
+
+
+def find_layer(name: str, modules: dict[str, Any]) -> Layer | None:
+    """The stack layer a per-layer module name stands for (``layers.1.fc``: layer 1 of the
+    stack ``layers``, its ``fc``) where ``modules`` (the model's, by path) has the stack and
+    not the name itself; None otherwise. A stack is a module every variable of which has the
+    same first axis, longer than the layer's number (as the weight load reads one), whose
+    path with the layer's number is the name."""
+    if name in modules:
+        return None
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if not parts[i].isdigit():
+            continue
+        root, below = ".".join(parts[:i]), ".".join(parts[i + 1:])
+        if root not in modules or root == schema.ROOT_MODULE:
+            continue
+        if below and ".".join(parts[:i] + parts[i + 1:]) not in modules:
+            continue
+        found = list(shapes(modules[root]).values())
+        n = found[0][0] if found and found[0] else 0
+        if int(parts[i]) < n and _all_stacked(found, 0, n):
+            return Layer(root, int(parts[i]), n, below)
+    return None
+
+
+def layer_slice(stacked: Any, k: int, n: int) -> Any:
+    """A stacked module's layer ``k`` as a module of its own: the same graph definition over
+    slice ``k`` of every leaf of its state whose first axis is the stack's ``n`` (its random
+    streams' keys and counts too, as nnx.split_rngs split them). A copy: setting its variables
+    leaves the stack as it was."""
+    import jax
+
+    graphdef, state = nnx.split(stacked)
+    sliced = jax.tree.map(
+        lambda leaf: leaf[k] if np.ndim(leaf) and np.shape(leaf)[0] == n else leaf, state)
+    return nnx.merge(graphdef, sliced)
+
+
+def below(module: Any, path: str) -> Any:
+    """The submodule of ``module`` at the dotted ``path`` ("" for itself)."""
+    for key in path.split(".") if path else []:
+        module = module[int(key)] if key.isdigit() and not hasattr(module, key) else getattr(
+            module, key)
+    return module
+
+
+class WithLayers(dict):
+    """A model's modules by path (:class:`~layerdiff.flax.graph.ModelGraph`'s names), and
+    each layer of a stack under its per-layer name (``layers.1``, ``layers.1.fc``), made on
+    first ask as a slice of the stack (:func:`layer_slice`) and kept: replay and swap run a
+    layer of a scanned stack as any other module. ``owners`` gives each sliced variable's
+    owner and name (``layers.1.fc``, ``kernel``) by its identity, as the model's graph does."""
+
+    def __init__(self, modules: dict[str, Any]) -> None:
+        super().__init__(modules)
+        self.model_modules = dict(modules)
+        self.owners: dict[int, tuple[str, str]] = {}
+        self._slices: dict[tuple[str, int], Any] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or (isinstance(name, str) and self._add(name))
+
+    def __missing__(self, name: str) -> Any:
+        if self._add(name):
+            return dict.__getitem__(self, name)
+        raise KeyError(name)
+
+    def layer(self, name: str) -> Layer | None:
+        return find_layer(name, self.model_modules)
+
+    def fresh(self, name: str) -> Any:
+        """The module at ``name``; a stack's layer sliced anew from the stack's variables now
+        (map-check sets them between calls)."""
+        layer = self.layer(name)
+        if layer is None:
+            return self[name]
+        return below(layer_slice(self.model_modules[layer.root], layer.k, layer.n), layer.below)
+
+    def _add(self, name: str) -> bool:
+        layer = self.layer(name)
+        if layer is None:
+            return False
+        key = (layer.root, layer.k)
+        if key not in self._slices:
+            self._slices[key] = sliced = layer_slice(self.model_modules[layer.root], layer.k,
+                                                     layer.n)
+            self._own(sliced, f"{layer.root}.{layer.k}")
+        self[name] = below(self._slices[key], layer.below)
+        return True
+
+    def _own(self, sliced: Any, prefix: str) -> None:
+        from layerdiff.flax.graph import ModelGraph
+
+        graph = ModelGraph.of(sliced)
+        nodes = {tuple(path): node for path, node in nnx.iter_graph(sliced)}
+        for owner, owned in graph.owned.items():
+            full = prefix if owner == schema.ROOT_MODULE else f"{prefix}.{owner}"
+            for variable in owned:
+                if variable.state_path in nodes:
+                    self.owners[id(nodes[variable.state_path])] = (full, variable.name)

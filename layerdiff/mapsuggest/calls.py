@@ -124,8 +124,13 @@ class _PortRun:
             first = next((v for _, v in ins if port.is_array(v)), None)
             call.input = tuple(first.shape) if first is not None else None
             if keep_values:  # copied to numpy only when the values are evidence
-                values[site] = (_tensors(port.arrays(args) + port.arrays(kwargs)),
-                                _tensors(port.arrays(out)))
+                given = port.arrays(args) + port.arrays(kwargs)
+                made = port.arrays(out)
+                # an array the port model gives no value of (a scanned layer's, traced) makes
+                # the call no evidence: kept out, not taken as an argument left None
+                if all(isinstance(v, np.ndarray) or not port.is_array(v)
+                       for _, v in given + made):
+                    values[site] = (_tensors(given), _tensors(made))
             return out
 
         try:

@@ -622,7 +622,8 @@ class _SiteRunner:
         calls: dict[str, tuple[RecordedCall, str, dict[str, str], Any]] = {}
         functions: dict[Any, Any] = {}
         for call in recorded_calls(self.ref):
-            target = port_site_for(call.site, self.mapping, set(self.port.modules))
+            # the container itself: a Flax port's also holds a scanned stack's layers by name
+            target = port_site_for(call.site, self.mapping, self.port.modules)
             module = None if target is None else schema.split_site(target[0])[0]
             if target is None or module in calls:
                 continue

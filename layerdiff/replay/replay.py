@@ -90,6 +90,12 @@ class ReplayResult:
         return _local_table(self.diff.rows, self.propagated)
 
     @property
+    def skipped_sites(self) -> list[str]:
+        """The reference sites that were skipped (not replayable), without the weight
+        gradients set aside, which ``skipped`` lists too."""
+        return [site for site, _ in self.skipped if " " not in site]
+
+    @property
     def outcome(self) -> ReplayOutcome:
         if not self.diff.passed:
             return ReplayOutcome.FAIL

@@ -24,7 +24,7 @@ import copy
 import os
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -239,6 +239,11 @@ class Swapper:
             with contextlib.suppress(Exception):
                 (self.port_order, self.port_outputs, self._port_shapes,
                  self.port_sizes) = _observe(self.make_port())
+        # port module -> the stacked module it is a layer of (``layers.1.fc`` -> ``layers.fc``),
+        # for a port that runs a stack of layers as one module (Flax's nnx.scan)
+        stacked = getattr(self.donor, "stacked", None)
+        self.stacked = (lambda name: stacked(probe_port, name)) if stacked else (
+            lambda name: None)
         self.pairs = self._pairs()  # reference module -> (port module, argument map)
         # reference module -> (port name, why no port module of that name can go in alone)
         self.unswappable = self._unswappable(probe_port)
@@ -256,7 +261,9 @@ class Swapper:
         (explicit pairs, same names, rename rules) applied to each module's first call. Only
         modules that both models call: a container the port never calls (a ModuleDict) cannot
         stand in for a layer."""
-        called_ref, called_port = set(self.order), set(self.port_order)
+        called_ref = set(self.order)
+        # a stack's layer is called when the stack is: its forward runs them all
+        called_port = _Called(set(self.port_order), self.stacked)
         pairs: dict[str, tuple[str, dict[str, str]]] = {}
         for ref_site in [*self.mapping.pairs, *(schema.site_name(m, 0)
                                                 for m in self.reference_modules)]:
@@ -621,7 +628,8 @@ class Swapper:
         else:
             port_leaves = {path for path, module in named_modules(port.model)
                            if path != schema.ROOT_MODULE and is_leaf(module)}
-        return [m for m in self.order if m in self.pairs and self.pairs[m][0] in port_leaves]
+        return [m for m in self.order if m in self.pairs and (
+            self.pairs[m][0] in port_leaves or self.stacked(self.pairs[m][0]) in port_leaves)]
 
     def containers(self) -> list[str]:
         """Paired reference modules that are not :meth:`leaves`, in execution order: layers
@@ -817,6 +825,17 @@ def _port_modules(port: Any, donor: Any) -> list[str]:
     if donor is not None:
         return donor.module_paths(port)
     return _modules(port)
+
+
+class _Called:
+    """The port modules a forward calls: those seen called, and each layer of a stack the
+    port runs as one module (``stacked`` names its stacked module), which its forward runs."""
+
+    def __init__(self, seen: set[str], stacked: Callable[[str], str | None]) -> None:
+        self.seen, self.stacked = seen, stacked
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.seen or (isinstance(name, str) and self.stacked(name) is not None)
 
 
 def _outermost(modules: Sequence[str]) -> list[str]:

@@ -416,7 +416,11 @@ def format_replay(result, *, verbose: bool = False, width: int = WIDTH) -> str:
     table = result.local
     local = table[table["verdict"] == LocalVerdict.LOCAL_ERROR]
     unjudged = result.cannot_judge
-    if result.outcome == ReplayOutcome.PASS:
+    skipped = len(getattr(result, "skipped_sites", ()))
+    if result.outcome == ReplayOutcome.PASS and skipped:  # a pass says what it did not judge
+        head = (f"PASS  no replayed layer has a local error ({len(result.replayed)} of "
+                f"{len(result.replayed) + skipped} sites replayed; {skipped} skipped)")
+    elif result.outcome == ReplayOutcome.PASS:
         head = ("PASS  no layer has a local error: each is within tolerance on the reference's "
                 "inputs")
     elif result.outcome == ReplayOutcome.CANNOT_JUDGE:
