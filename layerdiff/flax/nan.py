@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import traceback
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ CHECKIFY = "jax.experimental.checkify (nan and division checks)"
 DEBUG_INFS = "jax_debug_infs"
 # the frames of these packages are a library's: the source line named is the user's code
 # calling into them (the library's own frame is kept beside it)
+# primitives that make a NaN only from an Inf operand (inf - inf, 0 * inf, a sum of both)
+_NAN_ONLY_FROM_INF = frozenset({"add", "add_any", "sub", "mul", "dot_general", "reduce_sum",
+                                "cumsum", "conv_general_dilated", "neg", "select_n"})
 _LIBRARIES = ("site-packages", "dist-packages", str(Path(__file__).resolve().parents[1]))
 
 
@@ -108,6 +112,13 @@ def nan_op(case: Any, result: NanResult, *, linen: bool) -> NanOp | None:
         op = _checkify(run, values, site, pass_)
         if op is None and first.kind == NanKind.INF:
             op = _debug_infs(run, values, site, pass_)
+        elif op is not None and op.primitive in _NAN_ONLY_FROM_INF:
+            # finite operands cannot give these a NaN: an Inf made earlier in the call did
+            made = _debug_infs(run, values, site, pass_)
+            if made is not None and made.primitive:
+                op = replace(made, how=f"{CHECKIFY}, then {DEBUG_INFS}", note=(
+                    f"it made an Inf, which `{op.primitive}` at {op.where} turned into the "
+                    "NaN"))
     except LayerdiffError:
         raise
     except Exception as exc:  # the call that ran in the step fails alone: say so, keep nan's

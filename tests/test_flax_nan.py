@@ -1,0 +1,201 @@
+"""layerdiff nan on Flax models: the first non-finite record named by step, pass, site and
+origin through the capture's own call recorder, and the operation and source line that made
+it by re-running the origin's one call under checkify."""
+
+from pathlib import Path
+
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from layerdiff import Case  # noqa: E402
+from layerdiff.debug.nan import find_nan  # noqa: E402
+from layerdiff.report.findings.debug import nan_text  # noqa: E402
+
+HERE = Path(__file__).resolve()
+
+
+def line_of(marker: str) -> int:
+    """The line of this file that carries ``marker`` in its comment."""
+    lines = HERE.read_text(encoding="utf-8").splitlines()
+    return next(n for n, line in enumerate(lines, 1) if line.rstrip().endswith(f"# {marker}"))
+
+
+class Log(nnx.Module):
+    """``log`` of a weight the optimizer lowers by 12 x 0.03 a step: 1, .64, .28, -.08 (step 3)."""
+
+    def __init__(self):
+        self.a = nnx.Param(jnp.array(1.0))
+
+    def __call__(self, x):
+        scale = jnp.log(self.a[...])  # planted log
+        return x + self.a[...] + 0.0 * scale
+
+
+class Root(nnx.Module):
+    """A square root masked by where: finite forward, NaN gradient once the weight is
+    negative (step 3)."""
+
+    def __init__(self):
+        self.a = nnx.Param(jnp.array(1.0))
+
+    def __call__(self, x):
+        a = self.a[...]
+        root = jnp.where(a > 0, jnp.sqrt(a), 0.0)  # planted sqrt
+        return x + a + 0.0 * root
+
+
+class Unit(nnx.Module):
+    """Each row divided by its norm: 0 / 0 for a row of zeros."""
+
+    def __call__(self, x):
+        return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))  # planted div
+
+
+class Model(nnx.Module):
+    def __init__(self, layer):
+        self.inp = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.layer = layer
+        self.out = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.out(self.layer(self.inp(x)))
+
+
+def make(layer, *, x=None, jit=False, lr=0.03, steps=6):
+    if x is None:
+        x = jax.random.normal(jax.random.key(1), (3, 4))
+    model = Model(layer)
+    # the loss sees the layer's output alone, so its weight's gradient is 12 each step
+    return Case(model=model, inputs=(x,), loss_fn=jnp.sum, optimizer=optax.sgd(lr),
+                steps=steps, name=type(layer).__name__.lower(), jit=jit)
+
+
+class Direct(nnx.Module):
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        return self.layer(x)
+
+
+def direct(layer, *, jit=False, x=None):
+    if x is None:
+        x = jax.random.normal(jax.random.key(1), (3, 4))
+    return Case(model=Direct(layer), inputs=(x,), loss_fn=jnp.sum, optimizer=optax.sgd(0.03),
+                steps=6, name=type(layer).__name__.lower(), jit=jit)
+
+
+class Boom(nnx.Module):
+    """``exp`` of a weight the optimizer raises by 6 a step: 80, 86, 92 overflows float32."""
+
+    def __init__(self):
+        self.a = nnx.Param(jnp.array(80.0))
+
+    def __call__(self, x):
+        return x + jnp.exp(self.a[...]) * 0.0 + self.a[...]  # planted exp
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["eager", "jit"])
+def log_found(request, tmp_path_factory):
+    # eager, the failing step is also written out: from the weights it started from
+    output = None if request.param else tmp_path_factory.mktemp("nan") / "failing.h5"
+    return find_nan(direct(Log(), jit=request.param), output=output)
+
+
+def test_a_planted_log_is_named_at_its_site_step_and_line(log_found):
+    result = log_found
+    first = result.first
+    assert (first.site, first.pass_, first.role, first.step, first.kind) == (
+        "layer#0", "forward", "output", 3, "nan")
+    assert result.origin.site == "layer#0" and result.origin.pass_ == "forward"
+    assert result.steps_run == 4
+    op = result.op
+    assert (op.primitive, op.file, op.line, op.site) == ("log", str(HERE), line_of(
+        "planted log"), "layer#0")
+    assert result.producer.op == "log"
+    assert result.as_json()["op"]["line"] == line_of("planted log")
+    if result.trace is not None:
+        from layerdiff.trace import open_trace
+
+        with open_trace(result.trace) as trace:
+            assert trace.meta["nan"]["step"] == 3
+            weight = float(trace.read(trace.find(0, "layer#0", "weight", "a")))
+        assert weight == pytest.approx(-0.08, abs=1e-5)  # step 3's, recorded as step 0
+    assert nan_text(result).splitlines()[0] == (
+        "first NaN: step 3 forward, site layer#0 output, made by `log` at "
+        f"test_flax_nan.py:{line_of('planted log')}")
+
+
+def test_a_nan_gradient_of_a_masked_sqrt_is_named_in_the_backward():
+    result = find_nan(direct(Root()))
+    first = result.first
+    assert (first.site, first.pass_, first.step, first.kind) == ("layer#0", "backward", 3,
+                                                                 "nan")
+    assert result.origin.site == "layer#0" and result.origin.pass_ == "backward"
+    # the vjp re-run names the square root of the negative weight the where masked
+    assert (result.op.primitive, result.op.line, result.op.pass_) == (
+        "sqrt", line_of("planted sqrt"), "backward")
+
+
+def test_a_division_by_a_zero_norm_is_named_inside_a_model_at_step_0():
+    x = jnp.zeros((3, 4)).at[0].set(1.0)  # rows 1 and 2 are zero after no layer: planted
+    model = Direct(Unit())
+    result = find_nan(Case(model=model, inputs=(x,), loss_fn=jnp.sum, steps=1, name="unit"))
+    assert (result.first.site, result.first.step, result.first.pass_) == ("layer#0", 0,
+                                                                          "forward")
+    assert (result.op.primitive, result.op.line) == ("div", line_of("planted div"))
+
+
+def test_nan_in_the_inputs_is_found_with_no_operation_to_name():
+    x = jnp.full((3, 4), jnp.nan)
+    result = find_nan(Case(model=Direct(Unit()), inputs=(x,), loss_fn=jnp.sum, name="unit"))
+    assert (result.first.site, result.first.role) == ("<root>#0", "input")
+    assert result.origin is None
+    assert result.op.primitive is None
+    assert "the case's inputs hold it" in result.op.note
+    assert "operation: not named: no site's own code made it" in nan_text(result)
+
+
+def test_a_finite_flax_model_reports_nothing():
+    result = find_nan(make(Log(), lr=0.001, steps=2))
+    assert not result.found and result.op is None
+    assert result.steps_run == 2 and result.records_per_step > 10
+
+
+def test_a_nan_from_an_overflow_is_named_at_the_operation_that_overflowed():
+    result = find_nan(Case(model=Direct(Boom()), inputs=(jnp.ones((3, 4)),),
+                           loss_fn=lambda out: -jnp.sum(out), optimizer=optax.sgd(0.5),
+                           steps=4, name="boom"))
+    assert (result.first.site, result.first.step, result.first.kind) == ("layer#0", 2, "nan")
+    # checkify names the mul that made inf * 0 a NaN; the Inf it came from is the exp
+    assert (result.op.primitive, result.op.line) == ("exp", line_of("planted exp"))
+    assert "which `mul` at test_flax_nan.py" in result.op.note
+
+
+def test_a_linen_model_is_checked_and_its_operation_not_named_yet():
+    linen = pytest.importorskip("flax.linen")
+
+    class Gate(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            a = self.param("a", lambda key: jnp.array(1.0))
+            return x + a + 0.0 * jnp.log(a)
+
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return Gate(name="gate")(x)
+
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    net = Net()
+    result = find_nan(Case(model=net, params=net.init(jax.random.key(0), x), inputs=(x,),
+                           loss_fn=jnp.sum, optimizer=optax.sgd(0.03), steps=6, name="net"))
+    assert (result.first.site, result.first.step, result.first.role) == ("gate#0", 3,
+                                                                         "output")
+    assert result.origin.site == "gate#0"
+    assert result.op.primitive is None and "a Linen module's call is not re-run" in (
+        result.op.note)
