@@ -649,6 +649,7 @@ class _WriterWatch(_Watch):
             self.framework.run_checked(self.case, self.writer, self.total)
         except _Found as found:
             self.steps_run = found.log.step + 1
+            self.records_per_step = len(found.log.entries)  # up to the failing one
             return self._explain(found)
         except LayerdiffError:
             raise

@@ -83,8 +83,8 @@ def op_line(op: NanOp) -> str:
         return f"operation: not named: {op.note}"
     where = f" at {op.file}:{op.line} ({op.function})" if op.file else ""
     inside = f", inside {op.library}" if op.library else ""
-    return (f"operation: `{op.primitive}`{where}{inside}, in {op.site}'s {op.pass_} re-run "
-            f"alone under {op.how}" + (f"; {op.note}" if op.note else ""))
+    return (f"operation: `{op.primitive}`{where}{inside}, found running {op.site}'s "
+            f"{op.pass_} alone under {op.how}" + (f"; {op.note}" if op.note else ""))
 
 
 def _range(low: float, high: float) -> str:
