@@ -199,3 +199,21 @@ def test_a_linen_model_is_checked_and_its_operation_not_named_yet():
     assert result.origin.site == "gate#0"
     assert result.op.primitive is None and "a Linen module's call is not re-run" in (
         result.op.note)
+
+
+def test_a_nan_made_inside_a_flax_layer_is_named_at_flax_s_line():
+    class Normed(nnx.Module):
+        def __init__(self):
+            # a negative epsilon: rsqrt of a negative variance + epsilon
+            self.norm = nnx.LayerNorm(4, epsilon=-10.0, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    result = find_nan(Case(model=Normed(), inputs=(x,), loss_fn=jnp.sum, name="normed"))
+    assert result.first.site == "norm#0"
+    op = result.op
+    # no line of the user's runs inside the call: Flax's own line, not the caller of find_nan
+    assert op.primitive == "rsqrt" and op.file.endswith("normalization.py")
+    assert op.library is None

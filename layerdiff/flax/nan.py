@@ -44,6 +44,7 @@ DEBUG_INFS = "jax_debug_infs"
 # primitives that make a NaN only from an Inf operand (inf - inf, 0 * inf, a sum of both)
 _NAN_ONLY_FROM_INF = frozenset({"add", "add_any", "sub", "mul", "dot_general", "reduce_sum",
                                 "cumsum", "conv_general_dilated", "neg", "select_n"})
+_THIS = Path(__file__).resolve()
 _LIBRARIES = ("site-packages", "dist-packages", str(Path(__file__).resolve().parents[1]))
 
 
@@ -322,10 +323,19 @@ def _located(site: str, pass_: str, primitive: str | None,
              frames: list[tuple[str, int, str]], how: str) -> NanOp:
     """The op at the innermost frame outside the libraries (the user's line), the innermost
     frame kept beside it when a library's code ran the primitive."""
+    # the frames inside the call: those outside it (this module's, nan's, the user's script
+    # that called find_nan) did not run the primitive
+    inside = []
+    for frame in frames:
+        if Path(frame[0]).resolve() == _THIS:
+            break
+        inside.append(frame)
+    frames = inside
     user = next((f for f in frames if not any(lib in f[0] for lib in _LIBRARIES)), None)
     innermost = frames[0] if frames else None
     library = (f"{innermost[0]}:{innermost[1]} ({innermost[2]})"
-               if innermost is not None and innermost is not user else None)
+               if innermost is not None and user is not None and innermost is not user
+               else None)
     chosen = user or innermost
     if chosen is None:
         return NanOp(site, pass_, primitive, how=how,
