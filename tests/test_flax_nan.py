@@ -217,3 +217,36 @@ def test_a_nan_made_inside_a_flax_layer_is_named_at_flax_s_line():
     # no line of the user's runs inside the call: Flax's own line, not the caller of find_nan
     assert op.primitive == "rsqrt" and op.file.endswith("normalization.py")
     assert op.library is None
+
+
+def test_a_layer_of_an_nnx_scan_stack_is_named_and_its_operation_not():
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.log(self.fc(x))
+
+    class Stacked(nnx.Module):
+        def __init__(self):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Layer(rngs)
+
+            self.layers = make(nnx.Rngs(0))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def body(layer, x):
+                return layer(x)
+
+            return body(self.layers, x)
+
+    result = find_nan(Case(model=Stacked(), inputs=(jnp.ones((2, 4)),), loss_fn=jnp.sum,
+                           name="stacked"))
+    # the layer's record came through a callback of the scan body: it, not the root's output
+    # recorded after it in eager code, is the first
+    assert (result.first.site, result.first.role) == ("layers.0#0", "output")
+    assert result.origin.site == "layers.0#0"
+    assert result.op.primitive is None and "inside a JAX transform" in result.op.note

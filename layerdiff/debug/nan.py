@@ -582,6 +582,7 @@ class _CheckingWriter:
         self._on_step = on_step
         self._calls: Counter[str] = Counter()
         self._stack: list[str] = []
+        self.found: _Found | None = None
 
     def step(self, step: int | None = None) -> None:
         self.log.resolve()
@@ -606,6 +607,10 @@ class _CheckingWriter:
 
     def record(self, site: str, role: str, value: Any, *, arg: str = "0",
                pass_: str | None = None) -> None:
+        if self.found is not None:
+            # a record from compiled code found it and the port held the exception (a
+            # callback's); what still arrives from its eager code is later: the first stands
+            raise self.found
         self.seq += 1
         array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic)) else None
         if array is None or array.dtype.kind != "f" or array.size == 0:
@@ -615,7 +620,8 @@ class _CheckingWriter:
         self.log.add(self.seq, pass_, site, role, arg, array.shape, array.dtype.name, low, high)
         if not _finite(low, high):
             self.log.resolve()
-            raise _Found(self.log, len(self.log.entries) - 1)
+            self.found = _Found(self.log, len(self.log.entries) - 1)
+            raise self.found
 
 
 class _WriterWatch(_Watch):

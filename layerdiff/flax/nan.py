@@ -135,6 +135,11 @@ def nan_op(case: Any, result: NanResult, *, linen: bool) -> NanOp | None:
         "the compiled step's)"))
 
 
+_IN_TRANSFORM = ("{site} is a layer of a stack run inside a JAX transform (an nnx.scan or "
+                 "nnx.vmap body), whose values are not concrete outside it: its call is not "
+                 "re-run alone")
+
+
 class _Stop(Exception):
     """Ends the re-run step once the origin's call (and its gradient) is in hand."""
 
@@ -177,6 +182,8 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
     from layerdiff.flax.graph import ModelGraph
 
     graph = ModelGraph.of(case.model)
+    if schema.split_site(site)[0] not in dict(graph.modules):
+        return _IN_TRANSFORM.format(site=site)
     selected = C._select(graph, (), ())
     writer = _CatchWriter(site)
     kept: dict[str, Any] = {}
@@ -214,8 +221,7 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
         return f"re-running the failing step eagerly never called {site}"
     if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(
             (kept["state"], kept["arguments"]))):
-        return (f"{site} runs inside a JAX transform (an nnx.scan or nnx.vmap body), whose "
-                "values are not concrete outside it: its call cannot be re-run alone")
+        return _IN_TRANSFORM.format(site=site)
     return _as_function(kept, writer.grads if backward else None)
 
 
