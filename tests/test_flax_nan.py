@@ -184,6 +184,7 @@ def test_a_linen_model_is_checked_and_its_operation_not_named_yet():
         result.op.note)
 
 
+@pytest.mark.slow
 def test_a_nan_made_inside_a_flax_layer_is_named_at_flax_s_line():
     class Normed(nnx.Module):
         def __init__(self):
@@ -202,6 +203,7 @@ def test_a_nan_made_inside_a_flax_layer_is_named_at_flax_s_line():
     assert op.library is None
 
 
+@pytest.mark.slow
 def test_a_layer_of_an_nnx_scan_stack_is_named_and_its_operation_not():
     class Layer(nnx.Module):
         def __init__(self, rngs):
