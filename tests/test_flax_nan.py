@@ -235,3 +235,24 @@ def test_a_layer_of_an_nnx_scan_stack_is_named_and_its_operation_not():
     assert (result.first.site, result.first.role) == ("layers.0#0", "output")
     assert result.origin.site == "layers.0#0"
     assert result.op.primitive is None and "inside a JAX transform" in result.op.note
+
+
+class Between(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.b(jnp.sqrt(self.a(x)))  # planted between
+
+
+def test_a_nan_made_between_submodules_is_named_in_the_container_s_code():
+    result = find_nan(Case(model=Direct(Between()), inputs=(jnp.ones((2, 4)) * -1.0,),
+                           loss_fn=jnp.sum, name="between"))
+    assert (result.first.site, result.first.role) == ("layer.b#0", "input")
+    assert (result.op.site, result.op.primitive, result.op.line) == (
+        "layer#0", "sqrt", line_of("planted between"))
+    text = " ".join(nan_text(result).split())  # the headline wraps
+    assert text.startswith("first NaN: step 0 forward, site layer.b#0 input, made by `sqrt` in "
+                           "layer#0's own code at test_flax_nan.py:"
+                           f"{line_of('planted between')} ")

@@ -56,7 +56,9 @@ def nan_text(result: NanResult) -> str:
     if op is not None and op.primitive and op.where:  # the one line to act on, first
         lines.insert(0, f"first {'NaN' if first.kind == 'nan' else 'Inf'}: step {first.step} "
                         f"{first.pass_}, site {first.site} {first.role}{arg}, made by "
-                        f"`{op.primitive}` at {op.where}")
+                        f"`{op.primitive}`"
+                        + (f" in {op.site}'s own code" if op.site != first.site else "")
+                        + f" at {op.where}")
     out = wrap_lines(lines)
     if producer is not None and producer.inputs:
         out.append("  from finite values:")
