@@ -204,13 +204,13 @@ def test_a_nan_made_inside_a_flax_layer_is_named_at_flax_s_line():
 
 
 @pytest.mark.slow
-def test_a_layer_of_an_nnx_scan_stack_is_named_and_its_operation_not():
+def test_a_layer_of_an_nnx_scan_stack_is_named_with_its_operation():
     class Layer(nnx.Module):
         def __init__(self, rngs):
             self.fc = nnx.Linear(4, 4, rngs=rngs)
 
         def __call__(self, x):
-            return jnp.log(self.fc(x))
+            return jnp.log(self.fc(x))  # planted in a stack
 
     class Stacked(nnx.Module):
         def __init__(self):
@@ -228,13 +228,18 @@ def test_a_layer_of_an_nnx_scan_stack_is_named_and_its_operation_not():
 
             return body(self.layers, x)
 
-    result = find_nan(Case(model=Stacked(), inputs=(jnp.ones((2, 4)),), loss_fn=jnp.sum,
+    model = Stacked()
+    # layer 0 takes logs of values near 100, layer 1 of values near -100
+    model.layers.fc.kernel[...] = model.layers.fc.kernel[...] * 0.01
+    model.layers.fc.bias[...] = jnp.array([[100.0] * 4, [-100.0] * 4])
+    result = find_nan(Case(model=model, inputs=(jnp.ones((2, 4)),), loss_fn=jnp.sum,
                            name="stacked"))
     # the layer's record came through a callback of the scan body: it, not the root's output
     # recorded after it in eager code, is the first
-    assert (result.first.site, result.first.role) == ("layers.0#0", "output")
-    assert result.origin.site == "layers.0#0"
-    assert result.op.primitive is None and "inside a JAX transform" in result.op.note
+    assert (result.first.site, result.first.role) == ("layers.1#0", "output")
+    assert result.origin.site == "layers.1#0"
+    # re-run on layer 1's slice of the stacked weights (layer 0's makes no NaN)
+    assert (result.op.primitive, result.op.line) == ("log", line_of("planted in a stack"))
 
 
 class Between(nnx.Module):

@@ -11,7 +11,9 @@ The operation: once nan knows the origin (the site whose own code made the value
 pass), the model stands at the start of that step (the run stopped before the optimizer moved
 it). That step is run once more, eagerly, until the origin's call is reached; its module (its
 variables of that step) and its arguments are kept, and the backward's gradient arriving at
-its outputs when the origin is in the backward. That one call, or its ``jax.vjp`` applied to
+its outputs when the origin is in the backward (a layer of an ``nnx.scan`` stack, traced once
+for all its layers, is given its slice of the stacked variables and the inputs the host
+recorded for it). That one call, or its ``jax.vjp`` applied to
 that gradient, is then run under ``checkify`` with the NaN checks (and division by zero): the
 first primitive whose output is NaN while its inputs were not, and the source line that called
 it. An Inf (an overflow) is not a NaN to checkify; for an Inf the call is run once more with
@@ -153,6 +155,7 @@ class _CatchWriter:
         self.current_step = 0
         self.last = ""
         self.grads: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}   # a stack layer's, which its traced call lacks
         self._calls: Counter[str] = Counter()
 
     def step(self, step: int | None = None) -> None:
@@ -173,6 +176,8 @@ class _CatchWriter:
                pass_: str | None = None) -> None:
         if site == self.target and role == Role.GRAD_OUTPUT:
             self.grads.setdefault(arg, value)
+        elif site == self.target and role == Role.INPUT:
+            self.inputs.setdefault(arg, value)
 
 
 def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]] | str:
@@ -182,8 +187,8 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
     from layerdiff.flax.graph import ModelGraph
 
     graph = ModelGraph.of(case.model)
-    if schema.split_site(site)[0] not in dict(graph.modules):
-        return _IN_TRANSFORM.format(site=site)
+    modules = dict(graph.modules)
+    path, number = schema.split_site(site)
     selected = C._select(graph, (), ())
     writer = _CatchWriter(site)
     kept: dict[str, Any] = {}
@@ -192,12 +197,23 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
         def _inputs(self, call: Any, module: Any, args: tuple, kwargs: dict
                     ) -> tuple[tuple, dict]:
             tapped = super()._inputs(call, module, args, kwargs)
-            if writer.last == site and not kept:
+            if kept:
+                return tapped
+            if call.stack is None and writer.last == site:
                 graphdef, state = nnx.split(module)
                 kept.update(graphdef=graphdef, state=_plain(state),
                             arguments=_plain((args, kwargs)))
                 if not backward:
                     raise _Stop
+            elif call.stack is not None and number == 0:
+                # a layer of a stack run by a transform: traced once for every layer; its
+                # values are the stacked variables' slice and the inputs the host records
+                layer = next((k for k in range(call.stack.n)
+                              if call.stack.name(call.path, k) == path), None)
+                if layer is not None:
+                    graphdef, state = nnx.split(module)
+                    kept.update(graphdef=graphdef, state=state, arguments=(args, kwargs),
+                                stack=(call.stack, layer, call.path))
             return tapped
 
         def record_weight_grads(self, grads: dict) -> None:
@@ -219,10 +235,52 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
         nnx.update(case.model, state_before)
     if not kept:
         return f"re-running the failing step eagerly never called {site}"
+    if "stack" in kept and not _concrete_layer(kept, modules, writer.inputs):
+        return _IN_TRANSFORM.format(site=site)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(
             (kept["state"], kept["arguments"]))):
         return _IN_TRANSFORM.format(site=site)
     return _as_function(kept, writer.grads if backward else None)
+
+
+def _concrete_layer(kept: dict[str, Any], modules: dict[str, Any],
+                    inputs: dict[str, Any]) -> bool:
+    """A stack layer's call made concrete in ``kept``: its variables layer k's slice of the
+    model's stacked ones, its arguments those the host recorded (by argument path). False
+    when one has no concrete value."""
+    from layerdiff.flax.capture import _rebuild
+
+    stack, k, module_path = kept["stack"]
+    stacked = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(modules[module_path]))}
+    flat = []
+    for key, variable in nnx.to_flat_state(kept["state"]):
+        whole = stacked.get(tuple(key))
+        if whole is None:
+            return False
+        value = whole.get_value() if isinstance(whole, nnx.Variable) else whole
+        traced = variable.get_value() if isinstance(variable, nnx.Variable) else variable
+        if getattr(value, "shape", None) != getattr(traced, "shape", None):
+            value = stack.take(value, k)
+        flat.append((key, variable.replace(jnp.asarray(value))
+                      if isinstance(variable, nnx.Variable) else jnp.asarray(value)))
+    missing: list[str] = []
+
+    def recorded(arg: str, value: Any) -> Any:
+        if not isinstance(value, jax.core.Tracer):
+            return value
+        if arg not in inputs:
+            missing.append(arg)
+            return value
+        return jnp.asarray(inputs[arg])
+
+    args, kwargs = kept["arguments"]
+    args = tuple(_rebuild(value, str(i), recorded) for i, value in enumerate(args))
+    kwargs = {key: _rebuild(value, key, recorded) for key, value in kwargs.items()}
+    if missing:
+        return False
+    kept["state"] = nnx.from_flat_state(flat)
+    kept["arguments"] = (args, kwargs)
+    return True
 
 
 def _plain(tree: Any) -> Any:
