@@ -65,6 +65,18 @@ class Framework(Protocol):
         """A recorded tensor (a torch tensor) as this framework's own array, for the call
         adapters of a mapping, which rebuild a port layer's arguments."""
 
+    def run_checked(self, case: Any, writer: Any, steps: int) -> None:
+        """Run the case's ``steps`` training steps with every record sent to ``writer``, a
+        stand-in for a :class:`~layerdiff.trace.TraceWriter` that checks each value as it
+        arrives (``layerdiff nan``); what ``writer`` raises goes up unchanged. A model is
+        trained in place and left where the run stopped. (Torch cases are hooked by nan
+        itself.)"""
+
+    def nan_op(self, case: Any, result: Any) -> Any:
+        """The operation and source line that made ``result``'s first NaN (a
+        :class:`~layerdiff.debug.nan.NanResult`), by re-running its origin's one call, or
+        None where the framework cannot re-run a call (its note then says so)."""
+
     def swap_donor(self, case: Any) -> Any:
         """How its layers run inside a torch reference for swap and bisect: None where they
         go in as they are (torch modules; a self-recording port's per-site callables), else an

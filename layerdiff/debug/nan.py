@@ -49,8 +49,8 @@ from layerdiff.case import Case, ExternalCase, load_case
 from layerdiff.compare import result as R
 from layerdiff.compare.origins import Words
 from layerdiff.debug.origin import Record, find_origin, origin_json, sites_frame
-from layerdiff.errors import CaptureError, CaseError, LayerdiffError
-from layerdiff.framework import framework_of
+from layerdiff.errors import CaptureError, LayerdiffError
+from layerdiff.framework import Framework, framework_of
 from layerdiff.trace import schema
 from layerdiff.trace.schema import COMPUTED_ROLES, PARAM_ROLES, RESULT_ROLES, Pass, Role
 from layerdiff.trace.writer import site_scope
@@ -136,6 +136,40 @@ class Producer:
                 "inputs": [value.as_json() for value in self.inputs], "op": self.op}
 
 
+@dataclass(frozen=True)
+class NanOp:
+    """The operation that made the first NaN, found by re-running the origin site's one call
+    (its recorded arguments, its weights of that step) with every operation checked.
+
+    ``primitive`` is the framework's operation (``log``, ``rsqrt``, ``div``), ``file``,
+    ``line`` and ``function`` the source line that called it (the innermost frame outside the
+    framework's own code), ``library`` the innermost frame when that lies in a library (a
+    Flax layer's ``rsqrt``). When the re-run cannot name one, ``primitive`` is None and
+    ``note`` says why."""
+
+    site: str | None
+    pass_: str
+    primitive: str | None = None
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    library: str | None = None      # "file:line (function)" of the innermost frame
+    how: str = ""                   # what re-ran it: "jax.experimental.checkify (nan_checks)"
+    note: str = ""
+
+    @property
+    def where(self) -> str:
+        """``model.py:41`` (the file's name only), or "" when no line is known."""
+        if self.file is None:
+            return ""
+        return f"{Path(self.file).name}:{self.line}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"site": self.site, "pass": self.pass_, "primitive": self.primitive,
+                "file": self.file, "line": self.line, "function": self.function,
+                "library": self.library, "how": self.how, "note": self.note}
+
+
 @dataclass
 class NanResult:
     """What ``find_nan`` found: true ``found`` when some value was NaN or Inf."""
@@ -152,6 +186,8 @@ class NanResult:
     notes: list[str] = field(default_factory=list)
     # the site whose own code made the first non-finite value, by the diff's origin rule
     origin: R.Origin | None = None
+    # the operation and source line that made it, where the framework can say (Flax NNX)
+    op: NanOp | None = None
 
     @property
     def found(self) -> bool:
@@ -163,6 +199,7 @@ class NanResult:
                 "first": self.first.as_json() if self.first else None,
                 "producer": self.producer.as_json() if self.producer else None,
                 "origin": origin_json(self.origin),
+                "op": self.op.as_json() if self.op else None,
                 "seconds": round(self.seconds, 4),
                 "seconds_per_step": round(self.seconds_per_step, 6),
                 "records_per_step": self.records_per_step, "trace": self.trace,
@@ -193,22 +230,22 @@ def find_nan(case: Case | ExternalCase | str, steps: int | None = None, *,
         check_writable(output)  # before the run, not after thousands of steps
     started = time.perf_counter()
     framework = framework_of(case)
-    if framework.records_itself:
-        watch: _Watch = _ExternalWatch(case, total, progress)
-    elif framework.name != "torch":  # its watch hooks torch modules and runs torch steps
-        raise CaseError(f"case {case.name} is {framework.title}, which nan does not run yet: "
-                        f"capture it for --steps {total} and look for the first non-finite "
-                        "record with layerdiff show, or give an ExternalCase that records "
-                        "itself")
-    else:
+    if framework.name == "torch":  # its watch hooks torch modules and runs torch steps
         check_run_options(case, total, 1.0)
-        watch = _TorchWatch(case, total, progress, keep_start=output is not None)
+        watch: _Watch = _TorchWatch(case, total, progress, keep_start=output is not None)
+    else:  # the framework runs the case into a checking stand-in for its trace writer
+        watch = _WriterWatch(case, framework, total, progress)
     found = watch.run()
     result = NanResult(case.name, total, watch.steps_run, None, None,
                        time.perf_counter() - started, watch.seconds_per_step(),
                        watch.records_per_step, notes=list(watch.notes))
     if found is not None:
         result.first, result.producer, result.origin = found
+        # the operation and source line, where the framework can re-run the origin's call
+        result.op = framework.nan_op(case, result)
+        if result.op is not None and result.producer is not None and (
+                result.op.primitive and result.op.site == result.producer.site):
+            result.producer = replace(result.producer, op=result.op.primitive)
         if output is not None:
             try:
                 result.trace = str(watch.capture_failing_step(output, result))
@@ -545,6 +582,7 @@ class _CheckingWriter:
         self._on_step = on_step
         self._calls: Counter[str] = Counter()
         self._stack: list[str] = []
+        self.found: _Found | None = None
 
     def step(self, step: int | None = None) -> None:
         self.log.resolve()
@@ -569,6 +607,10 @@ class _CheckingWriter:
 
     def record(self, site: str, role: str, value: Any, *, arg: str = "0",
                pass_: str | None = None) -> None:
+        if self.found is not None:
+            # a record from compiled code found it and the port held the exception (a
+            # callback's); what still arrives from its eager code is later: the first stands
+            raise self.found
         self.seq += 1
         array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic)) else None
         if array is None or array.dtype.kind != "f" or array.size == 0:
@@ -578,18 +620,26 @@ class _CheckingWriter:
         self.log.add(self.seq, pass_, site, role, arg, array.shape, array.dtype.name, low, high)
         if not _finite(low, high):
             self.log.resolve()
-            raise _Found(self.log, len(self.log.entries) - 1)
+            self.found = _Found(self.log, len(self.log.entries) - 1)
+            raise self.found
 
 
-class _ExternalWatch(_Watch):
-    def __init__(self, case: ExternalCase, total: int, progress: Progress | None) -> None:
+class _WriterWatch(_Watch):
+    """A case its framework runs into a checking stand-in for the trace writer: a port that
+    records itself, or a Flax model through the framework's own call recorder."""
+
+    def __init__(self, case: Case | ExternalCase, framework: Framework, total: int,
+                 progress: Progress | None) -> None:
         if total < 1:
             raise CaptureError(f"--steps must be at least 1 (got {total}) for case {case.name}")
         self.case = case
+        self.framework = framework
         self.total = total
         self.progress = progress
-        self.notes = ["a port that records itself shows its weights after an optimizer step "
-                      "only when the next step records them: the last step's are not checked"]
+        who = ("a port that records itself" if framework.records_itself else
+               f"{framework.title}, whose weights are recorded at each step's first call,")
+        self.notes = [f"{who} shows its weights after an optimizer step only when the next "
+                      "step records them: the last step's are not checked"]
 
     def _stepped(self, step: int) -> None:
         self.steps_run = step + 1
@@ -602,16 +652,19 @@ class _ExternalWatch(_Watch):
         rng.seed_everything(self.case.seed)
         self.began = [time.perf_counter()]
         try:
-            self.case.run(self.writer, steps=self.total, loss_scale=1.0)
+            self.framework.run_checked(self.case, self.writer, self.total)
         except _Found as found:
             self.steps_run = found.log.step + 1
+            self.records_per_step = len(found.log.entries)  # up to the failing one
             return self._explain(found)
         except LayerdiffError:
             raise
         except Exception as exc:
-            raise CaptureError(f"case {self.case.name}: the port raised {type(exc).__name__}: "
-                               f"{exc} at step {self.writer.current_step}, before any NaN or "
-                               "Inf was seen; fix the port so that it runs") from exc
+            what = "port" if self.framework.records_itself else "model"
+            raise CaptureError(f"case {self.case.name}: the {what} raised "
+                               f"{type(exc).__name__}: {exc} at step "
+                               f"{self.writer.current_step}, before any NaN or Inf was seen; "
+                               f"fix the {what} so that it runs") from exc
         self._stepped(self.writer.current_step)
         return None
 
@@ -628,12 +681,23 @@ class _ExternalWatch(_Watch):
         return explain(log, found.position)
 
     def capture_failing_step(self, output: str | os.PathLike, result: NanResult) -> Path:
-        """A port records itself from its first step: capture every step through the failing
-        one."""
+        """Such a case is captured from its first step: every step through the failing one."""
         from layerdiff.capture import capture
 
         assert result.first is not None
-        return capture(self.case, output, steps=result.first.step + 1)
+        if self.framework.records_itself:
+            return capture(self.case, output, steps=result.first.step + 1)
+        # a model the framework trains in place stopped at the start of the failing step
+        failing = result.first.step
+        if result.first.pass_ == NanPass.OPTIMIZER:
+            raise CaptureError(f"the weights of step {failing + 1} hold it, which the model "
+                               "has been trained to: the optimizer step that made them is not "
+                               "in a trace of one step")
+        meta = {"nan": {"step": failing, "first": result.first.as_json(),
+                        "note": f"this trace holds step {failing} of {self.case.name} alone, "
+                                "recorded as step 0, from the weights it started from (the "
+                                "optimizer's state is not carried over)"}}
+        return capture(replace(self.case, steps=1), output, steps=1, extra_meta=meta)
 
 
 # ---- where it was made ----
@@ -758,5 +822,5 @@ def _json_number(value: float) -> float | str | None:
     return value
 
 
-__all__ = ["FirstNonFinite", "NanKind", "NanPass", "NanResult", "Producer", "ValueRange",
+__all__ = ["FirstNonFinite", "NanKind", "NanOp", "NanPass", "NanResult", "Producer", "ValueRange",
            "find_nan"]

@@ -80,6 +80,12 @@ class ExternalFramework:
     def as_array(self, tensor: Any) -> Any:
         return tensor.numpy()
 
+    def run_checked(self, case: Any, writer: Any, steps: int) -> None:
+        case.run(writer, steps=steps, loss_scale=1.0)
+
+    def nan_op(self, case: Any, result: Any) -> None:
+        return None  # its code is its own: layerdiff cannot re-run one of its calls
+
     def swap_donor(self, case: Any) -> None:
         return None  # its layers go into a torch reference as they are
 

@@ -102,6 +102,16 @@ class FlaxFramework:
 
         return as_jax(tensor)
 
+    def run_checked(self, case: Any, writer: Any, steps: int) -> None:
+        from layerdiff.flax.nan import run_checked
+
+        run_checked(case, writer, steps, linen=_is_linen(case.model))
+
+    def nan_op(self, case: Any, result: Any) -> Any:
+        from layerdiff.flax.nan import nan_op
+
+        return nan_op(case, result, linen=_is_linen(case.model))
+
     def swap_donor(self, case: Any) -> Any:
         if _is_linen(case.model):
             raise CaseError(f"case {case.name or '?'} is a Flax Linen model, whose layers "

@@ -59,6 +59,14 @@ class TorchFramework:
     def as_array(self, tensor: Any) -> Any:
         return tensor
 
+    def run_checked(self, case: Any, writer: Any, steps: int) -> None:
+        # nan hooks a torch model's modules itself (layerdiff.debug.nan._TorchWatch)
+        raise CaseError(f"case {case.name or '?'} is a torch model, which nan checks through "
+                        "its own hooks, not through a checking writer")
+
+    def nan_op(self, case: Any, result: Any) -> None:
+        return None  # op-level capture could say; not done yet
+
     def swap_donor(self, case: Any) -> None:
         return None  # its layers go into a torch reference as they are
 

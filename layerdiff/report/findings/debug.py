@@ -10,7 +10,7 @@ from layerdiff.compare.suggest import wrap_command
 from layerdiff.debug.batch import BatchResult, Evidence, Mixing, MixTest, samples_said
 from layerdiff.debug.determinism import DeterminismResult, DifferenceKind
 from layerdiff.debug.diverge import DivergeResult
-from layerdiff.debug.nan import NanResult
+from layerdiff.debug.nan import NanOp, NanResult
 from layerdiff.debug.optimizer_update import UpdateEvidence, names_said
 from layerdiff.report.findings.diff import describe_origin
 from layerdiff.report.text import WIDTH, clip, number, shape, wrap, wrap_lines
@@ -52,6 +52,13 @@ def nan_text(result: NanResult) -> str:
         lines.append(f"made by: {producer.site or 'the case itself'}"
                      + (f" ({producer.type})" if producer.type else "")
                      + f", {producer.pass_}: {producer.why}")
+    op = result.op
+    if op is not None and op.primitive and op.where:  # the one line to act on, first
+        lines.insert(0, f"first {'NaN' if first.kind == 'nan' else 'Inf'}: step {first.step} "
+                        f"{first.pass_}, site {first.site} {first.role}{arg}, made by "
+                        f"`{op.primitive}`"
+                        + (f" in {op.site}'s own code" if op.site != first.site else "")
+                        + f" at {op.where}")
     out = wrap_lines(lines)
     if producer is not None and producer.inputs:
         out.append("  from finite values:")
@@ -65,9 +72,21 @@ def nan_text(result: NanResult) -> str:
         if len(producer.inputs) > len(shown):
             out.append(f"    ... {len(producer.inputs) - len(shown)} more (--json lists "
                        "them all)")
+    if op is not None:
+        out.extend(wrap_lines([op_line(op)]))
     out.extend(wrap_lines([f"ran {timing}" + (f"; trace of the failing step: {result.trace}"
                                              if result.trace else ""), *result.notes]))
     return "\n".join(line[:WIDTH] for line in out)
+
+
+def op_line(op: NanOp) -> str:
+    """'operation: `log` at /src/model.py:9 (Gate.__call__), ...', or why none is named."""
+    if not op.primitive:
+        return f"operation: not named: {op.note}"
+    where = f" at {op.file}:{op.line} ({op.function})" if op.file else ""
+    inside = f", inside {op.library}" if op.library else ""
+    return (f"operation: `{op.primitive}`{where}{inside}, found running {op.site}'s "
+            f"{op.pass_} alone under {op.how}" + (f"; {op.note}" if op.note else ""))
 
 
 def _range(low: float, high: float) -> str:
