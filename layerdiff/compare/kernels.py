@@ -297,9 +297,10 @@ def _non_finite(ref, port, diff, ratio, ref_bits, port_bits, mask, ulp):
 # out count, the largest ULP distance, then the NaN and Inf counts in _non_finite's order).
 # Only fused handles arrays; the pieces that merge a sub-block's results take and give
 # scalars, which stay in registers as fused's sixteen locals did when it was one function
-# (accumulators in arrays, or arrays passed down one more level, cost 2-5% in cache: the
-# reference counts of each array passed). Each merge makes the same float64 operations in
-# the same order, so every column, the sums included, is the same bit for bit.
+# (accumulators in arrays, with the arrays passed down to per-sub-block functions, measured
+# 5-20% slower in cache: each array passed is reference-counted; docs/benchmarks.md, issue
+# 41). Each merge makes the same float64 operations in the same order, so every column, the
+# sums included, is the same bit for bit (tests/test_kernels_split.py).
 _MAX_ABS, _MAX_REL, _FINITE_RATIO, _BEST = 0, 1, 2, 3  # top
 _WORST, _OUT, _ULP = 0, 1, 2                            # counts (then the 4 NaN and Inf)
 
