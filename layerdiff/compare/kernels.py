@@ -358,10 +358,10 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
                 bad, over, maybe = _screen(a, b, rtol, atol, rel_floor, limit_ratio,
                                            limit_rel, d)
             if bad == 0 and maybe == 0:  # no maximum moves: counts, sums and ULPs only
+                top_d, found = _largest(d), _sums(a, b, d)  # then the ULPs: a, b still in L1
                 ulp = _block_ulps(ref_bits[begin:end], port_bits[begin:end], mask, ulp_width,
                                   counts[_ULP])
-                top, sums, counts = _add_screened(top, sums, counts, over, _largest(d),
-                                                  _sums(a, b, d), ulp)
+                top, sums, counts = _add_screened(top, sums, counts, over, top_d, found, ulp)
                 begin = end
                 continue
         bad = _map(a, b, rtol, atol, rel_floor, d, r, e)
