@@ -292,6 +292,19 @@ def _non_finite(ref, port, diff, ratio, ref_bits, port_bits, mask, ulp):
             port_inf)
 
 
+# What fused carries from one sub-block to the next: three tuples of scalars, ``top`` (float64
+# maxima), ``sums`` (float64, in _sums's order) and ``counts`` (int64: the worst index, the
+# out count, the largest ULP distance, then the NaN and Inf counts in _non_finite's order).
+# Only fused handles arrays; the pieces that merge a sub-block's results take and give
+# scalars, which stay in registers as fused's sixteen locals did when it was one function
+# (accumulators in arrays, with the arrays passed down to per-sub-block functions, measured
+# 5-20% slower in cache: each array passed is reference-counted; docs/benchmarks.md, issue
+# 41). Each merge makes the same float64 operations in the same order, so every column, the
+# sums included, is the same bit for bit (tests/test_kernels_split.py).
+_MAX_ABS, _MAX_REL, _FINITE_RATIO, _BEST = 0, 1, 2, 3  # top
+_WORST, _OUT, _ULP = 0, 1, 2                            # counts (then the 4 NaN and Inf)
+
+
 @numba.njit(**_JIT)
 def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_element,
           batch_ratio, known_ratio, known_finite, known_rel):
@@ -315,19 +328,14 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
     rtol32, atol32, floor32 = _down32(rtol), _down32(atol), _down32(rel_floor)
     mask = (np.int64(1) << np.int64(ulp_width - 1)) - np.int64(1) if ulp_width else np.int64(0)
     n = ref.size
-    diff = np.empty(min(n, SUB))
-    ratio = np.empty(min(n, SUB))
-    rel = np.empty(min(n, SUB))
-    max_abs = max_rel = finite_ratio = 0.0
-    s_abs = s_sq = dot = ref_sq = port_sq = 0.0
-    best = -1.0  # below every ratio: the first element is the worst until a larger one
-    worst = -1
-    out = 0
-    ulp_top = np.int64(0)
-    ref_nan = ref_inf = port_nan = port_inf = 0
+    diff, ratio, rel = np.empty(min(n, SUB)), np.empty(min(n, SUB)), np.empty(min(n, SUB))
+    top = (0.0, 0.0, 0.0, -1.0)  # best -1: the first element is the worst until a larger one
+    sums = (0.0, 0.0, 0.0, 0.0, 0.0)
+    zero = np.int64(0)
+    counts = (np.int64(-1), zero, zero, zero, zero, zero, zero)
     begin = 0
     while begin < n:
-        row = 0
+        row = -1
         end = min(n, begin + SUB)
         if per_element > 0:  # sub-blocks within one batch row
             row = (start + begin) // per_element
@@ -337,11 +345,11 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
         a, b = ref[begin:end], port[begin:end]
         # what an element must exceed to change anything: the ratio (first index of the
         # largest, its batch row's, the finite one) and the relative error, each as merged
-        limit_ratio = min(max(best, known_ratio), max(finite_ratio, known_finite))
-        if per_element > 0:
+        limit_ratio = min(max(top[_BEST], known_ratio), max(top[_FINITE_RATIO], known_finite))
+        if row >= 0:
             limit_ratio = min(limit_ratio, batch_ratio[row])
         if limit_ratio >= 0.0:
-            limit_rel = max(max_rel, known_rel)
+            limit_rel = max(top[_MAX_REL], known_rel)
             if narrow and limit_ratio <= 1.0 and _screen32(
                     a, b, rtol32, atol32, floor32, _down32(limit_ratio), _down32(limit_rel)):
                 _differences(a, b, d)
@@ -350,58 +358,80 @@ def fused(ref, port, ref_bits, port_bits, ulp_width, rtol, atol, start, per_elem
                 bad, over, maybe = _screen(a, b, rtol, atol, rel_floor, limit_ratio,
                                            limit_rel, d)
             if bad == 0 and maybe == 0:  # no maximum moves: counts, sums and ULPs only
-                out += over
-                top_d = _largest(d)
-                max_abs = top_d if top_d > max_abs else max_abs
-                found = _sums(a, b, d)
-                s_abs += found[0]
-                s_sq += found[1]
-                dot += found[2]
-                ref_sq += found[3]
-                port_sq += found[4]
-                if ulp_width:
-                    u = (_ulps_narrow(ref_bits[begin:end], port_bits[begin:end], mask)
-                         if ulp_width <= 32 else
-                         _ulps(ref_bits[begin:end], port_bits[begin:end], mask))
-                    ulp_top = u if u > ulp_top else ulp_top
+                top_d, found = _largest(d), _sums(a, b, d)  # then the ULPs: a, b still in L1
+                ulp = _block_ulps(ref_bits[begin:end], port_bits[begin:end], mask, ulp_width,
+                                  counts[_ULP])
+                top, sums, counts = _add_screened(top, sums, counts, over, top_d, found, ulp)
                 begin = end
                 continue
         bad = _map(a, b, rtol, atol, rel_floor, d, r, e)
         top_r, top_e, top_d, over = _maxima(r, e, d)
-        out += over
-        max_abs = top_d if top_d > max_abs else max_abs
-        max_rel = top_e if top_e > max_rel else max_rel
-        if top_r > best:  # the first element with the largest ratio, as numpy's argmax
-            for j in range(k):
-                if r[j] == top_r:
-                    best = top_r
-                    worst = start + begin + j
-                    break
-        if per_element > 0 and top_r > batch_ratio[row]:
+        worst = counts[_WORST]
+        if top_r > top[_BEST]:  # the first element with the largest ratio, as numpy's argmax
+            worst = start + begin + _first(r, top_r)
+        if row >= 0 and top_r > batch_ratio[row]:
             batch_ratio[row] = top_r
-        if bad == 0:
-            found = _sums(a, b, d)
-            finite_ratio = top_r if top_r > finite_ratio else finite_ratio
-            if ulp_width:
-                u = (_ulps_narrow(ref_bits[begin:end], port_bits[begin:end], mask)
-                     if ulp_width <= 32 else
-                     _ulps(ref_bits[begin:end], port_bits[begin:end], mask))
-                ulp_top = u if u > ulp_top else ulp_top
+        if bad == 0:  # what _non_finite gives, for a sub-block whose values are all finite
+            # numba reads no starred call in a tuple: concatenated
+            found = _sums(a, b, d) + (top_r, _block_ulps(  # noqa: RUF005
+                ref_bits[begin:end], port_bits[begin:end], mask, ulp_width, zero), zero, zero,
+                zero, zero)
         else:
-            rare = _non_finite(a, b, d, r, ref_bits[begin:end], port_bits[begin:end], mask,
-                               ulp_width != 0)
-            found = rare[:5]
-            finite_ratio = rare[5] if rare[5] > finite_ratio else finite_ratio
-            ulp_top = rare[6] if rare[6] > ulp_top else ulp_top
-            ref_nan += rare[7]
-            ref_inf += rare[8]
-            port_nan += rare[9]
-            port_inf += rare[10]
-        s_abs += found[0]
-        s_sq += found[1]
-        dot += found[2]
-        ref_sq += found[3]
-        port_sq += found[4]
+            found = _non_finite(a, b, d, r, ref_bits[begin:end], port_bits[begin:end], mask,
+                                ulp_width != 0)
+        top, sums, counts = _add_divided(top, sums, counts, top_r, top_e, top_d, over, worst,
+                                         found)
         begin = end
-    return (max_abs, max_rel, s_abs, s_sq, dot, ref_sq, port_sq, best, worst, finite_ratio,
-            out, ulp_top, ref_nan, ref_inf, port_nan, port_inf)
+    return (top[_MAX_ABS], top[_MAX_REL], *sums, top[_BEST], counts[_WORST], top[_FINITE_RATIO],
+            counts[_OUT], counts[_ULP], *counts[3:])
+
+
+@numba.njit(inline="always", **_JIT)  # as if written in fused: no call, no reference counts
+def _block_ulps(a_bits, b_bits, mask, ulp_width, top):
+    """The larger of ``top`` and the largest ULP distance of a sub-block whose values are all
+    finite (``ulp_width`` 0: ``top``)."""
+    if ulp_width == 0:
+        return top
+    u = _ulps_narrow(a_bits, b_bits, mask) if ulp_width <= 32 else _ulps(a_bits, b_bits, mask)
+    return u if u > top else top
+
+
+@numba.njit(**_JIT)
+def _first(values, x):
+    """The index of the first element of ``values`` equal to ``x``, one of them."""
+    for j in range(values.size):
+        if values[j] == x:
+            return j
+    return -1
+
+
+@numba.njit(**_JIT)
+def _plus(x, y):
+    """Five sums plus five more, one float64 add each."""
+    return x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3], x[4] + y[4]
+
+
+@numba.njit(**_JIT)
+def _add_screened(top, sums, counts, over, top_d, found, ulp):
+    """``top``, ``sums`` and ``counts`` after a screened sub-block: its ``over`` elements out
+    of tolerance, its largest difference, its sums (_sums) and the largest ULP distance."""
+    max_abs = top_d if top_d > top[_MAX_ABS] else top[_MAX_ABS]
+    return ((max_abs,) + top[1:], _plus(sums, found),  # noqa: RUF005 (numba: no starred)
+            (counts[_WORST], counts[_OUT] + over, ulp) + counts[3:])  # noqa: RUF005
+
+
+@numba.njit(**_JIT)
+def _add_divided(top, sums, counts, top_r, top_e, top_d, over, worst, found):
+    """``top``, ``sums`` and ``counts`` after a sub-block taken with its divisions: its
+    largest ratio, relative error and difference, ``over`` elements out of tolerance, the
+    ``worst`` index so far, and ``found`` as _non_finite gives it (sums, finite ratio, ULP
+    distance, NaN and Inf counts)."""
+    max_abs, max_rel, finite_ratio, best = top
+    max_abs = top_d if top_d > max_abs else max_abs
+    max_rel = top_e if top_e > max_rel else max_rel
+    finite_ratio = found[5] if found[5] > finite_ratio else finite_ratio
+    best = top_r if top_r > best else best
+    ulp = found[6] if found[6] > counts[_ULP] else counts[_ULP]
+    return ((max_abs, max_rel, finite_ratio, best), _plus(sums, found[:5]),
+            (worst, counts[_OUT] + over, ulp, counts[3] + found[7], counts[4] + found[8],
+             counts[5] + found[9], counts[6] + found[10]))
