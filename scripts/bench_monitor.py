@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""The monitor's cost, side by side in one run: bare training steps vs monitored ones.
+
+For each case: a plain training loop (zero_grad, forward, loss, backward, optimizer step) run
+bare, under ``layerdiff.monitor(every=1)`` and under ``layerdiff.monitor(every=10)``,
+interleaved repeat by repeat so that machine drift hits all alike; medians of the repeats, as
+ratios to the bare loop. The steps are timed inside the ``with`` block; writing the window at
+its end is timed apart (``write ms``: once per run, not per step). With ``--peers``, msprobe's
+statistics mode (module-level L0 forward and backward statistics), where it is installed, in
+its own process against a bare loop timed in that process.
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_monitor.py
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_monitor.py --steps 20 --repeats 7 --peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_CASES = [
+    "reference_models.transformer:reference_large",
+    "reference_models.transformer:reference",
+]
+
+
+def _quiet_gc() -> None:
+    """Collect and freeze now: a full collection over torch's objects takes ~90 ms here and
+    would otherwise land at random inside one timed run or another."""
+    gc.collect()
+    gc.freeze()
+
+
+class Loop:
+    """One case's model, optimizer and data, reused by every mode (the optimizer's state
+    carries over: every mode times the same kind of step)."""
+
+    def __init__(self, spec: str) -> None:
+        from layerdiff import load_case
+        self.case = load_case(spec)
+        params = [p for p in self.case.model.parameters() if p.requires_grad]
+        self.optimizer = self.case.optimizer(params)
+
+    def one_step(self) -> None:
+        case = self.case
+        loss = case.loss_fn(case.call_model())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def bare(self, steps: int) -> float:
+        _quiet_gc()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.one_step()
+        return time.perf_counter() - start
+
+    def monitored(self, steps: int, every: int, path: Path) -> tuple[float, float]:
+        """(seconds of the steps, seconds writing the file at the end)."""
+        import layerdiff
+        _quiet_gc()
+        with layerdiff.monitor(self.case.model, path, every=every) as m:
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.one_step()
+                m.step()
+            stepped = time.perf_counter() - start
+        written = time.perf_counter() - start - stepped
+        path.unlink()
+        return stepped, written
+
+
+def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict:
+    loop = Loop(spec)
+    path = directory / "monitor.h5"
+    loop.bare(2)  # warm-up: allocator, first calls, the statistics kernel's load
+    loop.monitored(2, 1, path)
+    times: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
+    writes = []
+    for _ in range(repeats):
+        times["bare"].append(loop.bare(steps))
+        seconds, written = loop.monitored(steps, 1, path)
+        times["every1"].append(seconds)
+        writes.append(written)
+        times["every10"].append(loop.monitored(steps, 10, path)[0])
+    bare = statistics.median(times["bare"])
+    return {"case": spec, "steps": steps, "repeats": repeats,
+            "bare_ms": 1000 * bare / steps,
+            "every1_x": statistics.median(times["every1"]) / bare,
+            "every10_x": statistics.median(times["every10"]) / bare,
+            "write_ms": 1000 * statistics.median(writes)}
+
+
+def msprobe_ratio(spec: str, steps: int, repeats: int, directory: Path) -> float:
+    """msprobe statistics mode over a bare loop, in a fresh process (its debugger is one per
+    process); NaN where it does not run."""
+    out = subprocess.run([sys.executable, __file__, "--child-msprobe", spec, str(steps),
+                          str(repeats), str(directory)], capture_output=True, text=True,
+                         check=False)
+    try:
+        return float(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        print(f"  msprobe did not run on {spec}: {out.stderr.strip().splitlines()[-1:]}",
+              file=sys.stderr)
+        return float("nan")
+
+
+def _msprobe_child(spec: str, steps: int, repeats: int, directory: str) -> None:
+    from msprobe.pytorch import PrecisionDebugger
+    loop = Loop(spec)
+    loop.bare(2)
+    config = Path(directory) / "msprobe-statistics.json"
+    config.write_text(json.dumps({"task": "statistics", "dump_path": str(Path(directory) / "ms"),
+                                  "rank": [], "step": [], "level": "L0"}))
+    debugger = PrecisionDebugger(config_path=str(config))
+
+    def probed() -> float:
+        _quiet_gc()
+        start = time.perf_counter()
+        for _ in range(steps):
+            debugger.start(model=loop.case.model)
+            loop.one_step()
+            debugger.stop()
+            debugger.step()
+        return time.perf_counter() - start
+
+    bare, probe = [], []
+    for _ in range(repeats):
+        bare.append(loop.bare(steps))
+        probe.append(probed())
+    print(statistics.median(probe) / statistics.median(bare))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-msprobe":
+        _msprobe_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peers", action="store_true", help="msprobe too, where installed")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON too")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-monitor-") as tmp:
+        directory = Path(tmp)
+        rows = []
+        for spec in args.cases:
+            row = measure(spec, args.steps, args.repeats, directory)
+            if args.peers:
+                row["msprobe_statistics_x"] = msprobe_ratio(spec, args.steps, args.repeats,
+                                                            directory)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    peers = " msprobe statistics x |" if args.peers else ""
+    print(f"| case | bare step ms | monitor every=1 x | monitor every=10 x | write ms |{peers}")
+    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if args.peers else ""))
+    for row in rows:
+        extra = f" {row['msprobe_statistics_x']:.2f} |" if args.peers else ""
+        print(f"| {row['case']} | {row['bare_ms']:.1f} | {row['every1_x']:.3f} | "
+              f"{row['every10_x']:.3f} | {row['write_ms']:.0f} |{extra}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
