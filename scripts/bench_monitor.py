@@ -100,12 +100,15 @@ def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict:
             "write_ms": 1000 * statistics.median(writes)}
 
 
-def msprobe_ratio(spec: str, steps: int, repeats: int, directory: Path) -> float:
-    """msprobe statistics mode over a bare loop, in a fresh process (its debugger is one per
-    process); NaN where it does not run."""
-    out = subprocess.run([sys.executable, __file__, "--child-msprobe", spec, str(steps),
-                          str(repeats), str(directory)], capture_output=True, text=True,
-                         check=False)
+def msprobe_ratio(spec: str, steps: int, repeats: int, directory: Path,
+                  mode: str = "statistics") -> float:
+    """msprobe over a bare loop, in a fresh process (its debugger and monitor are one per
+    process): ``statistics`` (PrecisionDebugger, L0) or ``monitor`` (TrainerMon: module
+    inputs and outputs, weights and weight gradients, norm/min/max/mean/NaN count); NaN where
+    it does not run."""
+    out = subprocess.run([sys.executable, __file__, f"--child-msprobe-{mode}", spec,
+                          str(steps), str(repeats), str(directory)], capture_output=True,
+                         text=True, check=False)
     try:
         return float(out.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -140,9 +143,31 @@ def _msprobe_child(spec: str, steps: int, repeats: int, directory: str) -> None:
     print(statistics.median(probe) / statistics.median(bare))
 
 
+def _msprobe_monitor_child(spec: str, steps: int, repeats: int, directory: str) -> None:
+    import os
+    os.environ["MONITOR_OUTPUT_DIR"] = str(Path(directory) / "msprobe-monitor")
+    from msprobe.pytorch import TrainerMon
+    loop = Loop(spec)
+    loop.bare(2)
+    config = Path(directory) / "msprobe-monitor.json"
+    config.write_text(json.dumps({
+        "targets": {}, "all_xy": True, "xy_distribution": True, "wg_distribution": True,
+        "param_distribution": True, "ops": ["norm", "min", "max", "mean", "nans"],
+        "format": "csv", "step_interval": 1}))
+    # TrainerMon cannot be switched off once set: the bare loops first, then the monitored
+    bare = [loop.bare(steps) for _ in range(repeats)]
+    monitor = TrainerMon(str(config), params_have_main_grad=False)
+    monitor.set_monitor(loop.case.model, grad_acc_steps=1, optimizer=loop.optimizer)
+    loop.bare(2)
+    probe = [loop.bare(steps) for _ in range(repeats)]  # its optimizer hook ends each step
+    print(statistics.median(probe) / statistics.median(bare))
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child-msprobe":
-        _msprobe_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    if len(sys.argv) > 1 and sys.argv[1].startswith("--child-msprobe-"):
+        child = (_msprobe_child if sys.argv[1].endswith("statistics")
+                 else _msprobe_monitor_child)
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
@@ -157,15 +182,17 @@ def main() -> None:
         for spec in args.cases:
             row = measure(spec, args.steps, args.repeats, directory)
             if args.peers:
-                row["msprobe_statistics_x"] = msprobe_ratio(spec, args.steps, args.repeats,
-                                                            directory)
+                for mode in ("statistics", "monitor"):
+                    row[f"msprobe_{mode}_x"] = msprobe_ratio(spec, args.steps, args.repeats,
+                                                             directory, mode)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    peers = " msprobe statistics x |" if args.peers else ""
+    peers = " msprobe statistics x | msprobe monitor x |" if args.peers else ""
     print(f"| case | bare step ms | monitor every=1 x | monitor every=10 x | write ms |{peers}")
-    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if args.peers else ""))
+    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if args.peers else ""))
     for row in rows:
-        extra = f" {row['msprobe_statistics_x']:.2f} |" if args.peers else ""
+        extra = (f" {row['msprobe_statistics_x']:.2f} | {row['msprobe_monitor_x']:.2f} |"
+                 if args.peers else "")
         print(f"| {row['case']} | {row['bare_ms']:.1f} | {row['every1_x']:.3f} | "
               f"{row['every10_x']:.3f} | {row['write_ms']:.0f} |{extra}")
     if args.json:

@@ -93,14 +93,18 @@ class StepStatistics:
 
     def add_many(self, tensors: list[torch.Tensor]) -> list[int]:
         """Slots for many tensors at once (a step's parameters, its gradients): on the CPU,
-        copied with one ``torch.cat`` per dtype and reduced in one compiled call, where a
-        call per tensor would cost more Python than the bytes take."""
+        the large ones reduced where they lie, the small ones copied with one ``torch.cat``
+        per dtype and reduced in one compiled call, where a call per tensor would cost more
+        Python than their bytes take."""
         slots = list(range(len(self.results), len(self.results) + len(tensors)))
         self.results.extend([None] * len(tensors))
         groups: dict[torch.dtype, list[int]] = {}
         for i, tensor in enumerate(tensors):
+            nbytes = tensor.numel() * tensor.element_size()
             if tensor.device.type != "cpu":
                 self.results[slots[i]] = self._on_device(tensor.detach())
+            elif nbytes >= DIRECT_BYTES:
+                self.results[slots[i]] = self._direct(tensor.detach(), nbytes)
             else:
                 groups.setdefault(tensor.dtype, []).append(i)
         for dtype, chosen in groups.items():
