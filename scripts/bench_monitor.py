@@ -4,8 +4,10 @@
 For each case: a plain training loop (zero_grad, forward, loss, backward, optimizer step) run
 bare, under ``layerdiff.monitor(every=1)`` and under ``layerdiff.monitor(every=10)``,
 interleaved repeat by repeat so that machine drift hits all alike; medians of the repeats, as
-ratios to the bare loop. The steps are timed inside the ``with`` block; writing the window at
-its end is timed apart (``write ms``: once per run, not per step). With ``--peers``, msprobe's
+ratios to the bare loop, of wall time and of this process's CPU time (on a shared machine the
+CPU time is the steadier measure of what the monitor adds). The steps are timed inside the
+``with`` block; writing the window at its end is timed apart (``write ms``: once per run, not
+per step). With ``--peers``, msprobe's
 statistics mode (module-level L0 forward and backward statistics), where it is installed, in
 its own process against a bare loop timed in that process.
 
@@ -58,25 +60,30 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
 
     def bare(self, steps: int) -> float:
+        return self.bare_times(steps)[0]
+
+    def bare_times(self, steps: int) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) of ``steps`` bare steps."""
         _quiet_gc()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.one_step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    def monitored(self, steps: int, every: int, path: Path) -> tuple[float, float]:
-        """(seconds of the steps, seconds writing the file at the end)."""
+    def monitored(self, steps: int, every: int, path: Path) -> tuple[float, float, float]:
+        """(wall seconds of the steps, their CPU seconds, seconds writing the file at the
+        end)."""
         import layerdiff
         _quiet_gc()
         with layerdiff.monitor(self.case.model, path, every=every) as m:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 self.one_step()
                 m.step()
-            stepped = time.perf_counter() - start
+            stepped, cpu = time.perf_counter() - start, time.process_time() - cpu
         written = time.perf_counter() - start - stepped
         path.unlink()
-        return stepped, written
+        return stepped, cpu, written
 
 
 def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict:
@@ -84,19 +91,26 @@ def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict:
     path = directory / "monitor.h5"
     loop.bare(2)  # warm-up: allocator, first calls, the statistics kernel's load
     loop.monitored(2, 1, path)
-    times: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
+    wall: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
+    cpu: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
     writes = []
     for _ in range(repeats):
-        times["bare"].append(loop.bare(steps))
-        seconds, written = loop.monitored(steps, 1, path)
-        times["every1"].append(seconds)
-        writes.append(written)
-        times["every10"].append(loop.monitored(steps, 10, path)[0])
-    bare = statistics.median(times["bare"])
+        seconds, used = loop.bare_times(steps)
+        wall["bare"].append(seconds)
+        cpu["bare"].append(used)
+        for every in (1, 10):
+            seconds, used, written = loop.monitored(steps, every, path)
+            wall[f"every{every}"].append(seconds)
+            cpu[f"every{every}"].append(used)
+            if every == 1:
+                writes.append(written)
+    bare, bare_cpu = statistics.median(wall["bare"]), statistics.median(cpu["bare"])
     return {"case": spec, "steps": steps, "repeats": repeats,
             "bare_ms": 1000 * bare / steps,
-            "every1_x": statistics.median(times["every1"]) / bare,
-            "every10_x": statistics.median(times["every10"]) / bare,
+            "every1_x": statistics.median(wall["every1"]) / bare,
+            "every10_x": statistics.median(wall["every10"]) / bare,
+            "every1_cpu_x": statistics.median(cpu["every1"]) / bare_cpu,
+            "every10_cpu_x": statistics.median(cpu["every10"]) / bare_cpu,
             "write_ms": 1000 * statistics.median(writes)}
 
 
@@ -188,13 +202,16 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     peers = " msprobe statistics x | msprobe monitor x |" if args.peers else ""
-    print(f"| case | bare step ms | monitor every=1 x | monitor every=10 x | write ms |{peers}")
-    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if args.peers else ""))
+    print("| case | bare step ms | monitor every=1 x | monitor every=10 x | every=1 CPU x | "
+          f"every=10 CPU x | write ms |{peers}")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+          + (" ---: | ---: |" if args.peers else ""))
     for row in rows:
         extra = (f" {row['msprobe_statistics_x']:.2f} | {row['msprobe_monitor_x']:.2f} |"
                  if args.peers else "")
         print(f"| {row['case']} | {row['bare_ms']:.1f} | {row['every1_x']:.3f} | "
-              f"{row['every10_x']:.3f} | {row['write_ms']:.0f} |{extra}")
+              f"{row['every10_x']:.3f} | {row['every1_cpu_x']:.3f} | "
+              f"{row['every10_cpu_x']:.3f} | {row['write_ms']:.0f} |{extra}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

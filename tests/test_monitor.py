@@ -58,11 +58,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(path, norm: type[nn.LayerNorm] = Norm, *, steps: int = STEPS, raise_at: int = -1,
-          mark_at: int = -1, **options):
+          mark_at: int = -1, lr_slip_at: int = -1, **options):
     model = Net(norm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with layerdiff.monitor(model, path, **options) as m:
         for step in range(steps):
+            if step == lr_slip_at:  # a port's schedule that moves the rate a step early
+                opt.param_groups[0]["lr"] = 0.09
             if step == mark_at:
                 m.mark()
             if step == raise_at:
@@ -80,7 +82,8 @@ def train(path, norm: type[nn.LayerNorm] = Norm, *, steps: int = STEPS, raise_at
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("monitor")
     return {"ref": train(folder / "ref.h5"), "again": train(folder / "again.h5"),
-            "port": train(folder / "port.h5", FusedNorm)}
+            "port": train(folder / "port.h5", FusedNorm),
+            "schedule": train(folder / "schedule.h5", lr_slip_at=DEPART)}
 
 
 def test_a_port_departing_at_step_20_is_named_there_at_its_layer(runs):
@@ -90,6 +93,16 @@ def test_a_port_departing_at_step_20_is_named_there_at_its_layer(runs):
     assert (first.step, first.site, first.role) == (DEPART, "norm#0", "output")
     assert all(o.step == DEPART for o in found.origins)
     assert {o.site for o in found.origins} == {"norm#0"}
+
+
+def test_an_optimizer_step_that_departs_at_step_20_shows_in_the_weights_of_step_21(runs):
+    """Weights are recorded as the forward sees them: the optimizer step that ends step 20
+    is seen at the start of step 21, and named as the optimizer's."""
+    found = layerdiff.diff(runs["ref"], runs["schedule"])
+    assert not found
+    first = found.origins[0]
+    assert (first.step, first.role) == (DEPART + 1, "weight")
+    assert "optimizer step" in first.reason
 
 
 def test_two_runs_of_one_model_agree(runs):

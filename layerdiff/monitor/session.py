@@ -40,7 +40,7 @@ class Monitor:
 
     def __init__(self, model: torch.nn.Module, path: str | os.PathLike, *, every: int = 1,
                  window: int = 100, optimizer: torch.optim.Optimizer | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, inputs: bool = True) -> None:
         if not isinstance(model, torch.nn.Module):
             raise CaptureError(f"monitor: the model is a {type(model).__name__}, not a "
                                "torch.nn.Module; pass the module you train")
@@ -53,6 +53,9 @@ class Monitor:
         self.every = every
         self.window = window
         self.name = name or type(model).__name__
+        # the inputs' statistics let the diff tell a site's own error from what came into it;
+        # without them it names the first site out, and may name later ones too
+        self.inputs = bool(inputs)
         self.step_number = 0  # the training step now running, from 0
         self._model = model
         self._optimizer = optimizer
@@ -192,9 +195,10 @@ class Monitor:
         current.stack.append((site, path, type_name, call, len(current.record.records), parent))
         if call == 0:
             current.weights_of(path, site, own)
-        current.tensors(Pass.FORWARD, site, Role.INPUT, path, args)
-        if kwargs:
-            current.tensors(Pass.FORWARD, site, Role.INPUT, path, kwargs)
+        if self.inputs:
+            current.tensors(Pass.FORWARD, site, Role.INPUT, path, args)
+            if kwargs:
+                current.tensors(Pass.FORWARD, site, Role.INPUT, path, kwargs)
 
     def _post(self, path: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
         current = self._current
@@ -240,7 +244,7 @@ class Monitor:
             else None,
             "uncalled_weights": "root",
             "recorded_steps": [record.step for record in self._steps],
-            "monitor": {"every": self.every, "window": self.window,
+            "monitor": {"every": self.every, "window": self.window, "inputs": self.inputs,
                         "dropped_steps": self._dropped,
                         "full_steps": [r.step for r in self._steps if r.full]},
         })
@@ -249,13 +253,15 @@ class Monitor:
 
 def monitor(model: torch.nn.Module, path: str | os.PathLike, *, every: int = 1,
             window: int = 100, optimizer: torch.optim.Optimizer | None = None,
-            name: str | None = None) -> Monitor:
+            name: str | None = None, inputs: bool = True) -> Monitor:
     """Monitor ``model``'s training loop into the trace ``path``: statistics of every module
     call's inputs and outputs, every parameter and its gradient, every ``every`` steps,
     keeping the last ``window`` recorded steps. Use as a context manager; call ``m.step()``
     after each optimizer step, or pass ``optimizer=`` to count its steps. ``m.mark()`` keeps a
-    step's tensors in full. See docs/monitor.md."""
-    return Monitor(model, path, every=every, window=window, optimizer=optimizer, name=name)
+    step's tensors in full. ``inputs=False`` leaves out the calls' inputs (cheaper; the diff
+    then cannot tell a site's own error from what came into it). See docs/monitor.md."""
+    return Monitor(model, path, every=every, window=window, optimizer=optimizer, name=name,
+                   inputs=inputs)
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
