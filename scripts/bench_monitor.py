@@ -43,14 +43,28 @@ def _quiet_gc() -> None:
 
 
 class Loop:
-    """One case's model, optimizer and data, reused by every mode (the optimizer's state
-    carries over: every mode times the same kind of step)."""
+    """One case's model, optimizer and data, reused by every mode. ``rewind`` puts the
+    weights and the optimizer's state back where ``keep`` took them, so that every timed run
+    times the same steps: a model trained on drifts in speed (measured: the small
+    transformer's step took 12 ms of CPU at step 50, 20 ms at step 350, and 13 ms again with
+    ``torch.set_flush_denormal(True)``), which would favour whichever mode runs later."""
 
     def __init__(self, spec: str) -> None:
         from layerdiff import load_case
         self.case = load_case(spec)
         params = [p for p in self.case.model.parameters() if p.requires_grad]
         self.optimizer = self.case.optimizer(params)
+        self._kept: tuple[dict, dict] | None = None
+
+    def keep(self) -> None:
+        import copy
+        self._kept = (copy.deepcopy(self.case.model.state_dict()),
+                      copy.deepcopy(self.optimizer.state_dict()))
+
+    def rewind(self) -> None:
+        if self._kept is not None:
+            self.case.model.load_state_dict(self._kept[0])
+            self.optimizer.load_state_dict(self._kept[1])
 
     def one_step(self) -> None:
         case = self.case
@@ -91,19 +105,22 @@ def measure(spec: str, steps: int, repeats: int, directory: Path) -> dict:
     path = directory / "monitor.h5"
     loop.bare(2)  # warm-up: allocator, first calls, the statistics kernel's load
     loop.monitored(2, 1, path)
+    loop.keep()
     wall: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
     cpu: dict[str, list[float]] = {"bare": [], "every1": [], "every10": []}
     writes = []
-    for _ in range(repeats):
-        seconds, used = loop.bare_times(steps)
-        wall["bare"].append(seconds)
-        cpu["bare"].append(used)
-        for every in (1, 10):
-            seconds, used, written = loop.monitored(steps, every, path)
-            wall[f"every{every}"].append(seconds)
-            cpu[f"every{every}"].append(used)
-            if every == 1:
-                writes.append(written)
+    modes = ["bare", "every1", "every10"]
+    for repeat in range(repeats):
+        for mode in modes[repeat % 3:] + modes[:repeat % 3]:  # each mode first in turn
+            loop.rewind()
+            if mode == "bare":
+                seconds, used = loop.bare_times(steps)
+            else:
+                seconds, used, written = loop.monitored(steps, int(mode[5:]), path)
+                if mode == "every1":
+                    writes.append(written)
+            wall[mode].append(seconds)
+            cpu[mode].append(used)
     bare, bare_cpu = statistics.median(wall["bare"]), statistics.median(cpu["bare"])
     return {"case": spec, "steps": steps, "repeats": repeats,
             "bare_ms": 1000 * bare / steps,
@@ -139,8 +156,10 @@ def _msprobe_child(spec: str, steps: int, repeats: int, directory: str) -> None:
     config.write_text(json.dumps({"task": "statistics", "dump_path": str(Path(directory) / "ms"),
                                   "rank": [], "step": [], "level": "L0"}))
     debugger = PrecisionDebugger(config_path=str(config))
+    loop.keep()
 
     def probed() -> float:
+        loop.rewind()
         _quiet_gc()
         start = time.perf_counter()
         for _ in range(steps):
@@ -152,6 +171,7 @@ def _msprobe_child(spec: str, steps: int, repeats: int, directory: str) -> None:
 
     bare, probe = [], []
     for _ in range(repeats):
+        loop.rewind()
         bare.append(loop.bare(steps))
         probe.append(probed())
     print(statistics.median(probe) / statistics.median(bare))
@@ -168,12 +188,18 @@ def _msprobe_monitor_child(spec: str, steps: int, repeats: int, directory: str) 
         "targets": {}, "all_xy": True, "xy_distribution": True, "wg_distribution": True,
         "param_distribution": True, "ops": ["norm", "min", "max", "mean", "nans"],
         "format": "csv", "step_interval": 1}))
+    loop.keep()
+
+    def rewound() -> float:
+        loop.rewind()
+        return loop.bare(steps)
+
     # TrainerMon cannot be switched off once set: the bare loops first, then the monitored
-    bare = [loop.bare(steps) for _ in range(repeats)]
+    bare = [rewound() for _ in range(repeats)]
     monitor = TrainerMon(str(config), params_have_main_grad=False)
     monitor.set_monitor(loop.case.model, grad_acc_steps=1, optimizer=loop.optimizer)
     loop.bare(2)
-    probe = [loop.bare(steps) for _ in range(repeats)]  # its optimizer hook ends each step
+    probe = [rewound() for _ in range(repeats)]  # its optimizer hook ends each step
     print(statistics.median(probe) / statistics.median(bare))
 
 
