@@ -182,3 +182,26 @@ def test_bad_arguments_are_refused_in_one_sentence(tmp_path):
         layerdiff.monitor(Net(Norm), tmp_path / "x.h5", every=0)
     with pytest.raises(CaptureError, match=r"not a torch\.nn\.Module"):
         layerdiff.monitor(object(), tmp_path / "x.h5")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_statistics_on_the_host_and_through_the_device_arenas_agree(dtype):
+    """A GPU's path (device_stats.py's batched reductions, read when the file is written)
+    gives the host path's statistics: run on CPU tensors, as CI can."""
+    from layerdiff.monitor.tensor_stats import StepStatistics, resolve
+    generator = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(shape, generator=generator).to(dtype)
+               for shape in ((3, 5), (64, 300), (7,), (2, 40000))]
+    tensors[1][0, 0] = float("nan")
+    tensors[2][3] = float("inf")
+    found = {}
+    for on_device in (False, True):
+        stats = StepStatistics(reduce_on_device=on_device)
+        slots = [stats.add(t) for t in tensors[:2]] + stats.add_many(tensors[2:])
+        stats.finish()
+        found[on_device] = [resolve(stats.results[s]) for s in slots]
+    for host, device in zip(found[False], found[True], strict=True):
+        assert (host.nan, host.inf, host.min, host.max) == (device.nan, device.inf, device.min,
+                                                            device.max)
+        assert np.allclose([host.mean, host.std, host.l2], [device.mean, device.std, device.l2],
+                           rtol=1e-9, equal_nan=True)

@@ -56,7 +56,11 @@ class StepStatistics:
     once the step is over; ``results`` then holds a Stats (or a device's pending Stats,
     answered when read) per slot."""
 
-    def __init__(self, arena_bytes: int = ARENA_BYTES) -> None:
+    def __init__(self, arena_bytes: int = ARENA_BYTES, *, reduce_on_device: bool = False
+                 ) -> None:
+        # reduce_on_device: CPU tensors too through the device arenas (how a GPU's path is
+        # tested without one: device_stats.py runs the same reductions on CPU tensors)
+        self._all_on_device = reduce_on_device
         self._arena = torch.empty(arena_bytes, dtype=torch.uint8)
         self._raw = self._arena.numpy()
         self._used = 0
@@ -74,7 +78,7 @@ class StepStatistics:
         slot = len(self.results)
         self.results.append(None)
         tensor = tensor.detach()
-        if tensor.device.type != "cpu":
+        if tensor.device.type != "cpu" or self._all_on_device:
             self.results[slot] = self._on_device(tensor)
             return slot
         nbytes = tensor.numel() * tensor.element_size()
@@ -101,7 +105,7 @@ class StepStatistics:
         groups: dict[torch.dtype, list[int]] = {}
         for i, tensor in enumerate(tensors):
             nbytes = tensor.numel() * tensor.element_size()
-            if tensor.device.type != "cpu":
+            if tensor.device.type != "cpu" or self._all_on_device:
                 self.results[slots[i]] = self._on_device(tensor.detach())
             elif nbytes >= DIRECT_BYTES:
                 self.results[slots[i]] = self._direct(tensor.detach(), nbytes)
