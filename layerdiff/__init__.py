@@ -69,23 +69,21 @@ _LAZY = {
     "BisectResult": "layerdiff.replay",
     "Session": "layerdiff.replay",
     "render": "layerdiff.report.findings",
+    "Monitor": "layerdiff.monitor",
 }
 
 # Subpackages that are also their main function (see layerdiff.callable_module): the attribute
 # is always the callable package, whatever was imported first.
-_CALLABLE_PACKAGES = ("capture", "health", "replay")
+_CALLABLE_PACKAGES = ("capture", "health", "monitor", "replay")
 
 __all__ = [  # every name in _LAZY and _CALLABLE_PACKAGES, the errors and __version__
     "BisectResult", "CaptureError", "Case", "CaseError", "Diff", "DiffError", "ExternalCase",
     "Interrupted", "LayerdiffError", "MapCheck", "MapSuggestion", "Mapping", "MappingError",
-    "Origin",
-    "OutputError", "Pass", "ReplayResult",
-    "Role", "RunResult", "Session", "Status", "SwapResult", "Swapper", "Tolerance",
-    "ToleranceError", "Tolerances", "Trace", "TraceError", "TraceWriter", "Verdict",
-    "WeightsReport", "__version__", "bisect", "capture", "diff", "health", "load_case",
-    "load_weights",
-    "map_check", "open_trace", "render", "replay", "run_case", "seed_everything",
-    "suggest_mapping", "swap",
+    "Monitor", "Origin", "OutputError", "Pass", "ReplayResult", "Role", "RunResult", "Session",
+    "Status", "SwapResult", "Swapper", "Tolerance", "ToleranceError", "Tolerances", "Trace",
+    "TraceError", "TraceWriter", "Verdict", "WeightsReport", "__version__", "bisect", "capture",
+    "diff", "health", "load_case", "load_weights", "map_check", "monitor", "open_trace", "render",
+    "replay", "run_case", "seed_everything", "suggest_mapping", "swap",
 ]
 
 

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trace",),
     ("weights", "outputs", "options"),
     ("capture",),
-    ("compare",),
+    ("compare", "monitor"),
     ("replay", "debug", "ci"),
     ("flax",),
     ("frameworks",),
