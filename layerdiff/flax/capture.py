@@ -64,6 +64,7 @@ from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.intercept import intercepted
 from layerdiff.flax.records import Call, HostRecords, Leaf
 from layerdiff.flax.stacks import Stack
+from layerdiff.flax.staging import Staging, Unbatched, current_trace
 from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
@@ -210,12 +211,18 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
     def step_fn(params: Any, rest: Any, arrays: list[Any], scale: Any) -> tuple[Any, ...]:
+        staging = sink.staging
+        if staging is not None:
+            staging.begin_trace()
+            staging.top_level()
         given = list(leaves)
         for i, array in zip(dynamic, arrays, strict=True):
             given[i] = array
         call_inputs = jax.tree.unflatten(treedef, given)
 
         def forward(params: Any) -> tuple[Any, Any]:
+            if staging is not None:
+                staging.top_level()
             copy = nnx.merge(graphdef, params, rest, copy=True)
             sink.bind(copy)
             with intercepted(modules, sink):
@@ -233,17 +240,27 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
         sink.emit_loss(loss)
         sink.phase = "backward"
         (grads,) = backward(jnp.asarray(scale, dtype=loss.dtype))
-        return loss, grads, new_rest
+        if staging is None:
+            return loss, grads, new_rest, None, None
+        staging.check_sent()
+        return loss, grads, new_rest, *staging.outputs()
 
     run = jax.jit(step_fn) if sink.jit else step_fn
     for step in range(steps):
         if step:
             writer.step(step)
         sink.begin_step(_arrays(params) | _arrays(rest))
+        arguments = (params, rest, [leaves[i] for i in dynamic], loss_scale)
         with _precision(precision):
-            loss, grads, rest = run(params, rest, [leaves[i] for i in dynamic], loss_scale)
+            try:
+                loss, grads, rest, plan, values = run(*arguments)
+            except Unbatched:  # traced again, one callback per nested event
+                run = jax.jit(step_fn)
+                loss, grads, rest, plan, values = run(*arguments)
         jax.effects_barrier()  # every record of the step has arrived
         sink.raise_kept()
+        if sink.staging is not None:
+            sink.staging.merge(int(plan), values)
         if loss_scale != 1.0:
             check_scaled_loss(case.name, writer.current_step, float(loss),
                               float(loss * jnp.asarray(loss_scale, loss.dtype)),
@@ -304,18 +321,26 @@ def _rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
 TAG = "_layerdiff_path"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Grad:
-    """Where a tap's cotangent goes: the host's grad event for one call, role and argument."""
+    """Where a tap's cotangent goes: the host's grad event for one call, role and argument;
+    under jit, ``staging`` and whether the cotangent sends what its trace buffered
+    (:mod:`layerdiff.flax.staging`)."""
 
     records: HostRecords
     call: Call
     role: str
     arg: str
+    staging: Staging | None = None
+    flush: bool = True
 
     def emit(self, cotangent: Any) -> None:
-        _send(self.records, self.records.grad, (self.call, self.role, self.arg), [cotangent],
-              staged=isinstance(cotangent, jax.core.Tracer))
+        static = (self.call, self.role, self.arg)
+        if self.staging is not None:
+            self.staging.send(self.records.grad, static, [cotangent], flush=self.flush)
+        else:
+            _send(self.records, self.records.grad, static, [cotangent],
+                  staged=isinstance(cotangent, jax.core.Tracer))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -375,6 +400,9 @@ class _CallRecorder:
                     self.below.setdefault(ancestor, []).append(
                         (owner, ".".join(parts[depth:]) + "."))
         self.host = HostRecords(writer, self.owned, self.below)
+        # under jit: how records leave the compiled step; the trace each open call runs in
+        self.staging = Staging() if jit else None
+        self.traces: list[Any] = []
         self.paths: dict[int, str] = {}
         self.copies: dict[int, tuple[str, Stack | None]] = {}
         self.original_shapes: dict[str, dict[tuple, tuple[int, ...]]] = {}
@@ -398,8 +426,11 @@ class _CallRecorder:
         self.calls.clear()
 
     def emit_loss(self, loss: Any) -> None:
+        if self.staging is not None:
+            self.staging.send_loss(self.host.loss, jax.lax.stop_gradient(loss))
+            return
         _send(self.host, self.host.loss, (), [jax.lax.stop_gradient(loss)],
-              staged=self.jit or isinstance(jax.lax.stop_gradient(loss), jax.core.Tracer))
+              staged=isinstance(jax.lax.stop_gradient(loss), jax.core.Tracer))
 
     def raise_kept(self) -> None:
         """What a callback of the compiled step raised, raised here."""
@@ -449,12 +480,16 @@ class _CallRecorder:
             finally:
                 self.stack.pop()
         call = Call(path, type(module).__name__, stack)
+        trace = current_trace() if self.staging is not None else None
+        # the first recorded call of its trace: under jit, its end sends what the trace holds
+        outermost = trace is not None and not any(t is trace for t in self.traces)
         self.stack.append(key)
         self.calls.append(call)
+        self.traces.append(trace)
         try:
-            args, kwargs = self._inputs(call, module, args, kwargs)
+            args, kwargs = self._inputs(call, module, args, kwargs, outermost)
             output = original(module, *args, **kwargs)
-            output = self._outputs(call, module, output)
+            output = self._outputs(call, module, output, outermost)
         except LayerdiffError:
             raise
         except Exception:
@@ -463,10 +498,11 @@ class _CallRecorder:
         finally:
             self.stack.pop()
             self.calls.pop()
+            self.traces.pop()
         return output
 
-    def _inputs(self, call: Call, module: Any, args: tuple, kwargs: dict
-                ) -> tuple[tuple, dict]:
+    def _inputs(self, call: Call, module: Any, args: tuple, kwargs: dict,
+                outermost: bool = False) -> tuple[tuple, dict]:
         # a value passed under several argument paths (attn(x, x, x)) is one value with one
         # gradient: its grad_input is recorded under its first path, as torch does
         first: dict[int, Any] = {}
@@ -478,26 +514,44 @@ class _CallRecorder:
             if not _differentiable(value):
                 return value
             if id(value) not in first:
-                first[id(value)] = _tap(_Grad(self.host, call, Role.GRAD_INPUT, arg), value)
+                where = self._grad(call, Role.GRAD_INPUT, arg)
+                taps.append(where)
+                first[id(value)] = _tap(where, value)
             return first[id(value)]
 
+        taps: list[_Grad] = []
         args = tuple(_rebuild(value, str(i), leaf) for i, value in enumerate(args))
         kwargs = {key: _rebuild(value, key, leaf) for key, value in kwargs.items()}
+        if outermost and len(taps) == 1:
+            # the one input's cotangent is the last the backward of this call computes:
+            # it sends what the backward's trace buffered (staging's docstring)
+            taps[0].flush = True
+            self.staging.mark_flushing()
         self._send(self.host.begin, call, module, leaves, values)
         return args, kwargs
 
-    def _outputs(self, call: Call, module: Any, output: Any) -> Any:
+    def _grad(self, call: Call, role: str, arg: str) -> _Grad:
+        if self.staging is None:
+            return _Grad(self.host, call, role, arg)
+        # in a nested trace, a cotangent buffers only where a later one sends (a flushing
+        # input tap traced before it); before that, each sends itself
+        flush = not self.staging.has_flushing()
+        return _Grad(self.host, call, role, arg, self.staging, flush)
+
+    def _outputs(self, call: Call, module: Any, output: Any, outermost: bool = False) -> Any:
         leaves: list[Leaf] = []
         values: list[Any] = []
 
         def leaf(arg: str, value: Any) -> Any:
             self._keep(arg, value, leaves, values)
             if _differentiable(value):
-                return _tap(_Grad(self.host, call, Role.GRAD_OUTPUT, arg), value)
+                return _tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
             return value
 
         output = _rebuild(output, "", leaf)
         self._send(self.host.end, call, module, leaves, values)
+        if outermost:
+            self.staging.flush()
         return output
 
     @staticmethod
@@ -516,7 +570,10 @@ class _CallRecorder:
         if staged and call.stack is not None and not values:
             # no loop-varying operand: JAX would hoist the callback out of the scan
             values = [jnp.ravel(v)[:1] for v in stacks.first_value(module)]
-        _send(self.host, event, (call, leaves), values, staged=staged)
+        if self.staging is not None:
+            self.staging.send(event, (call, leaves), values, flush=False)
+        else:
+            _send(self.host, event, (call, leaves), values, staged=staged)
 
 def _meta(case: Case, graph: ModelGraph, precision: str) -> dict[str, Any]:
     """What only a Flax capture knows of its run (the options' part: ``options.meta``)."""
