@@ -192,7 +192,7 @@ class Staging:
 
 # ---- the top-level values as one byte array: each value's bytes, 8-aligned
 _ALIGN = 8
-Layout = list[tuple[int, np.dtype, tuple[int, ...]]]
+Layout = list[tuple[int, int, np.dtype, tuple[int, ...]]]
 
 
 def _layout(values: list[Any]) -> Layout | None:
@@ -203,8 +203,9 @@ def _layout(values: list[Any]) -> Layout | None:
         dtype = np.dtype(value.dtype)
         if dtype.kind not in "biuf" and dtype != np.dtype(jnp.bfloat16):
             return None
-        layout.append((offset, dtype, tuple(value.shape)))
-        offset += -(-value.size * dtype.itemsize // _ALIGN) * _ALIGN
+        nbytes = value.size * dtype.itemsize
+        layout.append((offset, nbytes, dtype, tuple(value.shape)))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
     return layout
 
 
@@ -221,5 +222,5 @@ def _pack(values: list[Any]) -> Any:
 
 
 def _unpack(raw: np.ndarray, layout: Layout) -> list[np.ndarray]:
-    return [raw[offset:offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
-            .view(dtype).reshape(shape) for offset, dtype, shape in layout]
+    return [raw[offset:offset + nbytes].view(dtype).reshape(shape)
+            for offset, nbytes, dtype, shape in layout]
