@@ -9,7 +9,8 @@ so as few as the program's structure allows.
   ``nnx.scan`` body and its transpose, an ``nnx.remat`` body) are buffered per trace and sent
   in one ordered ``jax.debug.callback``: the forward's at the end of the outermost recorded
   call in that trace, the backward's at the cotangent of that call's one differentiable
-  input (the last a backward of the call computes); before either exists, one a event.
+  input (the last a backward of the call computes); a cotangent traced before any such
+  input in its trace is sent alone.
 - Every event carries its place in trace order (its *slot*); the host merges the outputs'
   events with the callbacks' in that order: callbacks arrive in execution order (a scan's
   body N times over between the same two slots), and each output event goes in before the
