@@ -3,8 +3,9 @@ inputs, ended with its outputs, a cotangent reaching a tap, the loss) turned int
 sites and records, in the order they arrive.
 
 Events arrive either directly (eager code, concrete values) or from compiled code through
-ordered ``jax.debug.callback`` (under ``jax.jit``, or inside a transform such as ``nnx.scan``
-that traces its body once and runs it N times). What the traced side cannot know, the host
+ordered ``jax.debug.callback`` (inside a transform such as ``nnx.scan`` that traces its body
+once and runs it N times), or, under ``jax.jit``, after the step, in trace order
+(:mod:`layerdiff.flax.staging`). What the traced side cannot know, the host
 resolves here: the call number (the writer counts), the layer of a stack an iteration is, and
 which site a cotangent belongs to: the k-th cotangent of one traced call's tap belongs to its
 k-th occurrence counted from the last, since the backward runs the forward's calls in reverse.

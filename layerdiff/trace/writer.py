@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -123,7 +124,7 @@ class TraceWriter:
         if isinstance(value, np.ndarray) or (np.isscalar(value) and isinstance(value, np.generic)):
             array = np.asarray(value, order="C")  # ascontiguousarray would make 0-d 1-d
             nbytes = array.nbytes
-            dtype = array.dtype.name
+            dtype = _dtype_name(array.dtype)
             if nbytes > rec.max_staged:
                 rec.submit(self.current_step, pass_, site, role, arg, dtype, array.shape,
                            nbytes=nbytes, array=array)
@@ -147,6 +148,11 @@ class TraceWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(complete=exc_type is None)
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name  # ~6 us a call uncached: a tenth of a small record's cost
 
 
 def check_writable(path: str | os.PathLike) -> None:

@@ -1,0 +1,227 @@
+"""How a jitted step's records leave the compiled computation, cheaply: a host callback costs
+about 0.2 ms a call on CPU, more than a whole millisecond-scale step's work per few of them,
+so as few as the program's structure allows.
+
+- An event traced at the step's own level (the forward under ``jax.vjp``, the backward, the
+  loss) is no callback at all: its values become extra outputs of the jitted step, and the
+  host hands them to the recorder after the step returns.
+- Events traced inside a nested trace that JAX runs several times or elsewhere (an
+  ``nnx.scan`` body and its transpose, an ``nnx.remat`` body) are buffered per trace and sent
+  in one ordered ``jax.debug.callback``: the forward's at the end of the outermost recorded
+  call in that trace, the backward's at the cotangent of that call's one differentiable
+  input (the last a backward of the call computes); a cotangent traced before any such
+  input in its trace is sent alone.
+- Every event carries its place in trace order (its *slot*); the host merges the outputs'
+  events with the callbacks' in that order: callbacks arrive in execution order (a scan's
+  body N times over between the same two slots), and each output event goes in before the
+  first callback traced after it. So the records are the ones, in the order, that one
+  callback per event gave.
+
+Where a callback's buffer could not be sent before another trace's began (a scan inside a
+scan body, a remat inside it), the step is traced again with one callback per event
+(:class:`Unbatched`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from layerdiff.errors import LayerdiffError
+
+
+@dataclass(frozen=True, eq=False)
+class Event:
+    """One host event as traced: its place in trace order, the recorder's method and its
+    static arguments, and how many array values follow them."""
+
+    slot: int
+    method: Callable[..., None]
+    static: tuple
+    count: int
+
+
+class Unbatched(LayerdiffError):
+    """Raised while tracing the step: a nested trace's buffer cannot be sent in order; the
+    step is traced again with one callback per event."""
+
+
+def current_trace() -> Any:
+    """The trace JAX is recording into now. Private in JAX (pyproject pins the minor version):
+    its public kin, ``get_opaque_trace_state``, compares traces but cannot key a buffer."""
+    return core.trace_ctx.trace
+
+
+@dataclass
+class _Buffer:
+    trace: Any
+    events: list[Event] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+
+
+class Staging:
+    """The traced side (see the module's docstring). :meth:`begin_trace` at each trace of the
+    step; the step returns :meth:`outputs`; after it ran, :meth:`merge` hands the host every
+    event in trace order."""
+
+    def __init__(self) -> None:
+        self.batched = True
+        self.plans: dict[int, list[Event]] = {}
+        self._ids = itertools.count()
+        self.arrivals: list[tuple[list[Event], tuple]] = []
+        self.error: BaseException | None = None
+        self.begin_trace()
+
+    def begin_trace(self) -> None:
+        self.slot = 0
+        self.top: list[Any] = []
+        self.deferred: list[Event] = []
+        self.values: list[Any] = []
+        self.buffers: dict[int, _Buffer] = {}
+        # nested traces with a flushing input tap traced (kept: an id is reused once freed)
+        self.flushing: list[Any] = []
+        self.nested_forward = False
+
+    # ---- trace time
+    def top_level(self) -> None:
+        """The trace now current is the step's own (the jit's, the vjp's forward)."""
+        self.top.append(current_trace())
+
+    def mark_flushing(self) -> None:
+        self.flushing.append(current_trace())
+
+    def has_flushing(self) -> bool:
+        trace = current_trace()
+        return any(trace is other for other in self.flushing)
+
+    def send(self, method: Callable[..., None], static: tuple, values: list[Any], *,
+             flush: bool, callback: bool = False) -> None:
+        """One event: an output of the step at the top level; else buffered for its trace,
+        sent with what is buffered when ``flush`` (or whenever unbatched)."""
+        event = Event(self.slot, method, static, len(values))
+        self.slot += 1
+        trace = current_trace()
+        if not callback and any(trace is top for top in self.top):
+            self.deferred.append(event)
+            self.values.extend(values)
+            return
+        buffer = self.buffers.get(id(trace))
+        if buffer is None:
+            if any(other.events for other in self.buffers.values()):
+                self._unbatch()  # another trace's buffer still waits: this one nests in it
+            buffer = self.buffers[id(trace)] = _Buffer(trace)
+        buffer.events.append(event)
+        buffer.values.extend(values)
+        if flush or callback or not self.batched:
+            self.flush(trace)
+
+    def flush(self, trace: Any = None) -> None:
+        """Send what the current (or given) trace buffered, in one ordered callback."""
+        trace = current_trace() if trace is None else trace
+        buffer = self.buffers.pop(id(trace), None)
+        if buffer is None or not buffer.events:
+            return
+        jax.debug.callback(functools.partial(self._arrive, buffer.events), *buffer.values,
+                           ordered=True)
+
+    def send_loss(self, method: Callable[..., None], value: Any) -> None:
+        """The loss: an output of the step, unless a nested trace sent the forward's records by
+        callback; then a callback too, after which whatever a callback sends is the
+        backward's (a remat body run again there is recorded once, by the host)."""
+        nested = self.slot > len(self.deferred)
+        self.send(method, (), [value], flush=False, callback=nested)
+
+    def unsent(self) -> bool:
+        return any(buffer.events for buffer in self.buffers.values())
+
+    def check_sent(self) -> None:
+        """At the end of a trace: everything buffered was sent, else trace unbatched."""
+        if self.unsent():
+            self._unbatch()
+
+    def _unbatch(self) -> None:
+        if not self.batched:
+            raise AssertionError("an unbatched step buffered an event")  # send flushes each
+        self.batched = False
+        raise Unbatched("a nested trace's records could not be sent in one callback")
+
+    def outputs(self) -> tuple[int, Any]:
+        """What the step returns for the host: its plan's number and the top-level values,
+        packed into one byte array where their dtypes allow (one transfer, not one each)."""
+        plan = next(self._ids)
+        values = [jnp.asarray(value) for value in self.values]
+        layout = _layout(values)
+        self.plans[plan] = (self.deferred, layout)
+        return plan, (_pack(values) if layout is not None else values)
+
+    # ---- host
+    def _arrive(self, events: list[Event], *values: Any) -> None:
+        self.arrivals.append((events, values))
+
+    def merge(self, plan: int, values: list[Any]) -> None:
+        """Every event of the step just run, in trace order (see the module's docstring)."""
+        deferred, layout = self.plans[plan]
+        values = _unpack(np.asarray(values), layout) if layout is not None else jax.device_get(
+            values)
+        arrivals, self.arrivals = self.arrivals, []
+        at = 0  # into values
+        pending = iter(deferred)
+        next_event = next(pending, None)
+        for events, sent in arrivals:
+            first = events[0].slot
+            while next_event is not None and next_event.slot < first:
+                next_event.method(*next_event.static, *values[at:at + next_event.count])
+                at += next_event.count
+                next_event = next(pending, None)
+            start = 0
+            for event in events:
+                event.method(*event.static, *sent[start:start + event.count])
+                start += event.count
+        while next_event is not None:
+            next_event.method(*next_event.static, *values[at:at + next_event.count])
+            at += next_event.count
+            next_event = next(pending, None)
+
+
+# ---- the top-level values as one byte array: each value's bytes, 8-aligned
+_ALIGN = 8
+Layout = list[tuple[int, int, np.dtype, tuple[int, ...]]]
+
+
+def _layout(values: list[Any]) -> Layout | None:
+    """Each value's offset, dtype and shape in the packed bytes; None where a dtype is not
+    one whose bytes JAX reinterprets as they are (complex, sub-byte types): sent one by one."""
+    layout, offset = [], 0
+    for value in values:
+        dtype = np.dtype(value.dtype)
+        if dtype.kind not in "biuf" and dtype != np.dtype(jnp.bfloat16):
+            return None
+        nbytes = value.size * dtype.itemsize
+        layout.append((offset, nbytes, dtype, tuple(value.shape)))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return layout
+
+
+def _pack(values: list[Any]) -> Any:
+    pieces = []
+    for value in values:
+        if value.dtype == jnp.bool_:
+            value = value.astype(jnp.uint8)
+        raw = jax.lax.bitcast_convert_type(value, jnp.uint8).reshape(-1)
+        pieces.append(raw)
+        if raw.size % _ALIGN:
+            pieces.append(jnp.zeros(_ALIGN - raw.size % _ALIGN, jnp.uint8))
+    return jnp.concatenate(pieces) if pieces else jnp.zeros(0, jnp.uint8)
+
+
+def _unpack(raw: np.ndarray, layout: Layout) -> list[np.ndarray]:
+    return [raw[offset:offset + nbytes].view(dtype).reshape(shape)
+            for offset, nbytes, dtype, shape in layout]
