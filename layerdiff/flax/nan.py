@@ -194,9 +194,9 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
     kept: dict[str, Any] = {}
 
     class Catcher(C._CallRecorder):
-        def _inputs(self, call: Any, module: Any, args: tuple, kwargs: dict
+        def _inputs(self, call: Any, module: Any, args: tuple, kwargs: dict, *more: Any
                     ) -> tuple[tuple, dict]:
-            tapped = super()._inputs(call, module, args, kwargs)
+            tapped = super()._inputs(call, module, args, kwargs, *more)
             if kept:
                 return tapped
             if call.stack is None and writer.last == site:
