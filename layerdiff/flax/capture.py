@@ -90,12 +90,12 @@ def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) ->
     default; ``"default"`` captures at the framework's own). Returns the published path."""
     options.refuse(ACCEPTED, case.name, "is a Flax model")
     steps = case.steps if options.steps is None else options.steps
-    _check_options(case, steps, options.loss_scale)
+    check_options(case, steps, options.loss_scale)
     if options.dtype is not None:
         cast_nnx_case(case, options.dtype)
     check_writable(path)
     graph = ModelGraph.of(case.model)
-    selected = _select(graph, options.include, options.exclude)
+    selected = selected_modules(graph, options.include, options.exclude)
     meta = _meta(case, graph, options.matmul_precision)
     meta["shared_parameters"] = graph.shared_parameters(selected)
     meta.update(options.meta(steps))
@@ -103,11 +103,11 @@ def capture_nnx(case: Case, path: str | os.PathLike, options: CaptureOptions) ->
     progress, weights, queue_bytes = options.progress, options.weights, options.queue_bytes
     writer = TraceWriter(path, meta=meta, summary=summary, queue_bytes=queue_bytes,
                          producer=PRODUCER)
-    sink = _CallRecorder(writer, graph, selected, weights=weights,
+    sink = CallRecorder(writer, graph, selected, weights=weights,
                          jit=bool(getattr(case, "jit", False)))
     with failures_named(writer, case.name, sink), StepProgress(
             steps, enabled=progress, label=f"capture {case.name}") as bar:
-        _train(case, graph, sink, writer, steps, loss_scale, precision, bar)
+        train_steps(case, graph, sink, writer, steps, loss_scale, precision, bar)
     return writer.close()
 
 
@@ -135,7 +135,7 @@ def failures_named(writer: TraceWriter, case: str, sink: Any) -> Iterator[None]:
         raise
 
 
-def _check_options(case: Case, steps: int, loss_scale: float) -> None:
+def check_options(case: Case, steps: int, loss_scale: float) -> None:
     if steps < 1:
         raise CaptureError(f"--steps must be at least 1 (got {steps}) for case {case.name}")
     if steps > 1 and case.optimizer is None:
@@ -167,7 +167,7 @@ def cast_nnx_case(case: Case, dtype: str) -> None:
     case.inputs = jax.tree.map(cast, case.inputs)
 
 
-def _select(graph: ModelGraph, include: Sequence[str], exclude: Sequence[str]) -> set[str]:
+def selected_modules(graph: ModelGraph, include: Sequence[str], exclude: Sequence[str]) -> set[str]:
     paths = [path for path, _ in graph.modules]
     for pattern in include:
         if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
@@ -192,7 +192,7 @@ def _arrays(state: Any) -> dict[tuple, jax.Array]:
 
 
 @contextlib.contextmanager
-def _precision(name: str) -> Iterator[None]:
+def matmul_precision(name: str) -> Iterator[None]:
     if name == "default":
         yield
     else:
@@ -200,7 +200,7 @@ def _precision(name: str) -> Iterator[None]:
             yield
 
 
-def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWriter,
+def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: TraceWriter,
            steps: int, loss_scale: float, precision: str, bar: StepProgress) -> None:
     """The steps: forward and backward under one ``jax.vjp`` (the two under ``jax.jit`` when
     the case asks), then the optimizer's update."""
@@ -259,7 +259,7 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
                 writer.step(step)
             sink.begin_step(_arrays(params) | _arrays(rest))
             arguments = (params, rest, [leaves[i] for i in dynamic], loss_scale)
-            with _precision(precision):
+            with matmul_precision(precision):
                 try:
                     loss, grads, rest, plan, values = run(*arguments)
                 except Unbatched:  # traced again, one callback per nested event
@@ -276,9 +276,9 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
             sink.record_weight_grads(_arrays(grads))
             sink.phase = "optimizer step"
             if tx is not None:
-                grads = _unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
+                grads = unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
                 updates, opt_state = tx.update(grads, opt_state, params)
-                params = _apply(params, updates)
+                params = apply_updates(params, updates)
             done = (params, rest)
             bar.advance()  # writer.step() checkpoints: a crash in a later step keeps this one
     finally:
@@ -287,7 +287,7 @@ def _train(case: Case, graph: ModelGraph, sink: _CallRecorder, writer: TraceWrit
         nnx.update(model, *done)
 
 
-def _unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:
+def unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:
     if loss_scale != 1.0:
         grads = jax.tree.map(lambda g: g / loss_scale, grads)
     if max_norm is not None:  # as torch.nn.utils.clip_grad_norm_: coefficient capped at 1
@@ -298,7 +298,7 @@ def _unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None)
     return grads
 
 
-def _apply(params: Any, updates: Any) -> Any:
+def apply_updates(params: Any, updates: Any) -> Any:
     import optax
 
     return optax.apply_updates(params, updates)
@@ -313,17 +313,17 @@ def _differentiable(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer) and jnp.issubdtype(value.dtype, jnp.inexact)
 
 
-def _rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
+def rebuild(value: Any, prefix: str, leaf: Callable[[str, Any], Any]) -> Any:
     """``value`` with each leaf replaced by ``leaf(argument path, leaf)``: the paths and their
     order are :func:`layerdiff.trace.arguments.flatten`'s (``0``, ``1.0``, ``mask``)."""
     if isinstance(value, (tuple, list)):
-        items = [_rebuild(item, f"{prefix}.{i}" if prefix else str(i), leaf)
+        items = [rebuild(item, f"{prefix}.{i}" if prefix else str(i), leaf)
                  for i, item in enumerate(value)]
         if hasattr(value, "_fields"):  # a namedtuple
             return type(value)(*items)
         return type(value)(items)
     if isinstance(value, dict):
-        return {key: _rebuild(item, f"{prefix}.{key}" if prefix else str(key), leaf)
+        return {key: rebuild(item, f"{prefix}.{key}" if prefix else str(key), leaf)
                 for key, item in value.items()}
     return leaf(prefix or "0", value)
 
@@ -387,7 +387,7 @@ def _send(records: HostRecords, event: Callable[..., None], static: tuple, value
         event(*static, *values)
 
 
-class _CallRecorder:
+class CallRecorder:
     """The traced side of a capture (see the module's docstring): each intercepted call made a
     :class:`Call`, its inputs and outputs sent to the host's :class:`HostRecords`, and a tap
     put on each value a gradient can reach."""
@@ -533,8 +533,8 @@ class _CallRecorder:
             return first[id(value)]
 
         taps: list[_Grad] = []
-        args = tuple(_rebuild(value, str(i), leaf) for i, value in enumerate(args))
-        kwargs = {key: _rebuild(value, key, leaf) for key, value in kwargs.items()}
+        args = tuple(rebuild(value, str(i), leaf) for i, value in enumerate(args))
+        kwargs = {key: rebuild(value, key, leaf) for key, value in kwargs.items()}
         if outermost and len(taps) == 1:
             # the one input's cotangent is the last the backward of this call computes:
             # it sends what the backward's trace buffered (staging's docstring)
@@ -561,7 +561,7 @@ class _CallRecorder:
                 return _tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
             return value
 
-        output = _rebuild(output, "", leaf)
+        output = rebuild(output, "", leaf)
         self._send(self.host.end, call, module, leaves, values)
         if outermost:
             self.staging.flush()

@@ -46,14 +46,14 @@ from layerdiff.flax.capture import (
     ACCEPTED,
     DTYPES,
     PRODUCER,
-    _apply,
-    _CallRecorder,
-    _check_options,
-    _precision,
-    _select,
-    _unscaled_and_clipped,
+    CallRecorder,
+    apply_updates,
+    check_options,
     failures_named,
     flax_meta,
+    matmul_precision,
+    selected_modules,
+    unscaled_and_clipped,
 )
 from layerdiff.flax.graph import Owned
 from layerdiff.mapping import Mapping as LoadMapping
@@ -291,14 +291,14 @@ def capture_linen(case: Case, path: str | os.PathLike, options: CaptureOptions) 
     docstring); ``case.params`` holds the variables after the steps. Returns the path."""
     options.refuse(ACCEPTED, case.name, "is a Flax model")
     steps = case.steps if options.steps is None else options.steps
-    _check_options(case, steps, options.loss_scale)
+    check_options(case, steps, options.loss_scale)
     if options.dtype is not None:
         cast_linen_case(case, options.dtype)
     check_writable(path)
     variables = plain(case.params)
     inputs = jax_inputs(case.inputs)
     graph = LinenGraph.of(case.model, variables, inputs)
-    selected = _select(graph, options.include, options.exclude)
+    selected = selected_modules(graph, options.include, options.exclude)
     meta = _meta(case, graph, variables, options.matmul_precision)
     meta["shared_parameters"] = []
     meta.update(options.meta(steps))
@@ -307,7 +307,7 @@ def capture_linen(case: Case, path: str | os.PathLike, options: CaptureOptions) 
     sink = LinenRecorder(writer, graph, selected, weights=options.weights)
     with failures_named(writer, case.name, sink), StepProgress(
             steps, enabled=options.progress, label=f"capture {case.name}") as bar:
-        _train(case, variables, inputs, sink, writer, steps, options, bar)
+        train_steps(case, variables, inputs, sink, writer, steps, options, bar)
     return writer.close()
 
 
@@ -332,7 +332,7 @@ def cast_linen_case(case: Case, dtype: str) -> None:
     case.inputs = jax.tree.map(cast, case.inputs)
 
 
-class LinenRecorder(_CallRecorder):
+class LinenRecorder(CallRecorder):
     """NNX's call recorder fed by Linen's method interceptor: a module is known by its scope
     path, set for each call just before the recorder looks it up by identity."""
 
@@ -352,7 +352,7 @@ class LinenRecorder(_CallRecorder):
         return self.call(lambda _module, *a, **k: next_fun(*a, **k), module, args, kwargs)
 
 
-def _train(case: Case, variables: dict[str, Any], inputs: tuple | dict, sink: LinenRecorder,
+def train_steps(case: Case, variables: dict[str, Any], inputs: tuple | dict, sink: LinenRecorder,
            writer: TraceWriter, steps: int, options: CaptureOptions,
            bar: StepProgress) -> None:
     seed_everything(case.seed)
@@ -374,7 +374,7 @@ def _train(case: Case, variables: dict[str, Any], inputs: tuple | dict, sink: Li
                 loss = case.loss_fn(output)
             return loss, updated
 
-        with _precision(options.matmul_precision):
+        with matmul_precision(options.matmul_precision):
             loss, backward, updated = jax.vjp(forward, params, has_aux=True)
             sink.phase = "loss"
             if getattr(loss, "shape", None) != ():
@@ -394,9 +394,9 @@ def _train(case: Case, variables: dict[str, Any], inputs: tuple | dict, sink: Li
         sink.record_weight_grads(flat_variables({PARAMS: grads}))
         sink.phase = "optimizer step"
         if tx is not None:
-            grads = _unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
+            grads = unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
             updates, opt_state = tx.update(grads, opt_state, params)
-            params = _apply(params, updates)
+            params = apply_updates(params, updates)
         rest = {**rest, **updated}
         case.params = {PARAMS: params, **rest}
         bar.advance()

@@ -67,23 +67,23 @@ def run_checked(case: Any, writer: Any, steps: int, *, linen: bool) -> None:
     if linen:
         from layerdiff.flax import linen as L
 
-        L._check_options(case, steps, 1.0)
+        L.check_options(case, steps, 1.0)
         variables = L.plain(case.params)
         inputs = L.jax_inputs(case.inputs)
         graph = L.LinenGraph.of(case.model, variables, inputs)
-        selected = L._select(graph, (), ())
+        selected = L.selected_modules(graph, (), ())
         sink = L.LinenRecorder(writer, graph, selected, weights=True)
-        L._train(case, variables, inputs, sink, writer, steps, options, _Quiet())
+        L.train_steps(case, variables, inputs, sink, writer, steps, options, _Quiet())
         return
     from layerdiff.flax import capture as C
     from layerdiff.flax.graph import ModelGraph
 
-    C._check_options(case, steps, 1.0)
+    C.check_options(case, steps, 1.0)
     graph = ModelGraph.of(case.model)
-    selected = C._select(graph, (), ())
-    recorder = C._CallRecorder(writer, graph, selected, weights=True,
+    selected = C.selected_modules(graph, (), ())
+    recorder = C.CallRecorder(writer, graph, selected, weights=True,
                                jit=bool(getattr(case, "jit", False)))
-    C._train(case, graph, recorder, writer, steps, 1.0, options.matmul_precision, _Quiet())
+    C.train_steps(case, graph, recorder, writer, steps, 1.0, options.matmul_precision, _Quiet())
 
 
 # ---- the operation
@@ -189,11 +189,11 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
     graph = ModelGraph.of(case.model)
     modules = dict(graph.modules)
     path, number = schema.split_site(site)
-    selected = C._select(graph, (), ())
+    selected = C.selected_modules(graph, (), ())
     writer = _CatchWriter(site)
     kept: dict[str, Any] = {}
 
-    class Catcher(C._CallRecorder):
+    class Catcher(C.CallRecorder):
         def _inputs(self, call: Any, module: Any, args: tuple, kwargs: dict, *more: Any
                     ) -> tuple[tuple, dict]:
             tapped = super()._inputs(call, module, args, kwargs, *more)
@@ -222,7 +222,7 @@ def _catch(case: Any, site: str, *, backward: bool) -> tuple[Any, dict[str, Any]
     catcher = Catcher(writer, graph, selected, weights=False, jit=False)
     state_before = nnx.state(case.model)
     try:
-        C._train(case, graph, catcher, writer, 1, 1.0, "default", _Quiet())
+        C.train_steps(case, graph, catcher, writer, 1, 1.0, "default", _Quiet())
     except _Stop:
         pass
     except LayerdiffError:
@@ -248,7 +248,7 @@ def _concrete_layer(kept: dict[str, Any], modules: dict[str, Any],
     """A stack layer's call made concrete in ``kept``: its variables layer k's slice of the
     model's stacked ones, its arguments those the host recorded (by argument path). False
     when one has no concrete value."""
-    from layerdiff.flax.capture import _rebuild
+    from layerdiff.flax.capture import rebuild
 
     stack, k, module_path = kept["stack"]
     stacked = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(modules[module_path]))}
@@ -274,8 +274,8 @@ def _concrete_layer(kept: dict[str, Any], modules: dict[str, Any],
         return jnp.asarray(inputs[arg])
 
     args, kwargs = kept["arguments"]
-    args = tuple(_rebuild(value, str(i), recorded) for i, value in enumerate(args))
-    kwargs = {key: _rebuild(value, key, recorded) for key, value in kwargs.items()}
+    args = tuple(rebuild(value, str(i), recorded) for i, value in enumerate(args))
+    kwargs = {key: rebuild(value, key, recorded) for key, value in kwargs.items()}
     if missing:
         return False
     kept["state"] = nnx.from_flat_state(flat)
@@ -297,7 +297,7 @@ def _as_function(kept: dict[str, Any], grads: dict[str, Any] | None
                  ) -> tuple[Any, dict[str, Any]]:
     """The call as ``run(variables, arguments[, cotangents])`` of its floating leaves: the
     forward's outputs, or under ``grads`` the vjp's gradients of variables and arguments."""
-    from layerdiff.flax.capture import _rebuild
+    from layerdiff.flax.capture import rebuild
 
     graphdef = kept["graphdef"]
     state_leaves, state_def = jax.tree.flatten(kept["state"])
@@ -318,7 +318,7 @@ def _as_function(kept: dict[str, Any], grads: dict[str, Any] | None
         args, kwargs = jax.tree.unflatten(arg_def, fill(arg_leaves, arg_at, arguments))
         output = nnx.merge(graphdef, state)(*args, **kwargs)
         flat: list[tuple[str, Any]] = []
-        _rebuild(output, "", lambda arg, v: flat.append((arg, v)) or v)
+        rebuild(output, "", lambda arg, v: flat.append((arg, v)) or v)
         kept = [(arg, v) for arg, v in flat if _floating_like(v)]
         names[:] = [arg for arg, _ in kept]
         return [v for _, v in kept]
