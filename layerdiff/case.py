@@ -24,8 +24,12 @@ from layerdiff.rng import seed_everything  # noqa: F401  (a case seeds with it: 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+class CaseBase:
+    """What every kind of case is: :func:`is_case` asks for this, never for a kind."""
+
+
 @dataclass
-class Case:
+class Case(CaseBase):
     """A model, its inputs, its loss, and the seed and steps to run it with.
 
     ``inputs`` is a tuple of positional arguments or a dict of keyword arguments for
@@ -72,7 +76,7 @@ class Case:
 
 
 @dataclass
-class ExternalCase:
+class ExternalCase(CaseBase):
     """A port that is not a torch module (numpy, JAX, a C++ binding): it records itself.
 
     ``run(writer, steps=..., loss_scale=...)`` runs the port's training steps on the case's
@@ -93,7 +97,7 @@ class ExternalCase:
 
 def is_case(value: Any) -> bool:
     """Whether ``value`` is a case: a Case, or an ExternalCase that records itself."""
-    return isinstance(value, Case | ExternalCase)
+    return isinstance(value, CaseBase)
 
 
 def _case_names(module: Any) -> list[str]:

@@ -4,10 +4,11 @@ A framework -- torch, Flax, a port that records itself -- implements :class:`Fra
 few things the stages need of it. Capture, replay, swap, map-suggest and map-check ask
 ``framework_of(case)`` once and talk to what it returns; none of them names a framework.
 
-Adding a framework is one entry in ``_FRAMEWORKS`` below (its name, how to recognise its model
-without importing it, the module that implements the interface) and that module, under
-``layerdiff/frameworks/`` (see docs/adding-a-framework.md). The module is imported the first
-time a case of that framework is in hand, so a torch user never loads JAX.
+Adding a framework is one entry in ``_FRAMEWORKS`` below (its name and the module that
+implements the interface) and that module, under ``layerdiff/frameworks/`` (see
+docs/adding-a-framework.md), whose ``owns`` recognises its models without importing the
+framework. The implementing modules import no framework at module level, so asking them costs
+nothing and a torch user never loads JAX.
 
 This is the one place a lower floor reaches a higher one: by the implementing module's name,
 as a plug-in is found, not by an import.
@@ -16,8 +17,6 @@ as a plug-in is found, not by an import.
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from layerdiff.errors import CaseError
@@ -37,6 +36,10 @@ class Framework(Protocol):
     # True for a port that runs and records itself: layerdiff neither runs its model nor sets
     # its weights, and a tool that must (diverge's optimizer rerun, a swap host) leaves it out
     records_itself: bool
+
+    def owns(self, case: Any) -> bool:
+        """Whether ``case`` (a case, or a bare model) is this framework's, without importing
+        the framework: a module that is not yet imported cannot have made the model."""
 
     def check_case(self, case: Any) -> None:
         """Refuse, in one sentence, a case this framework cannot run (when it is made)."""
@@ -84,38 +87,26 @@ class Framework(Protocol):
         ``layer`` (see :class:`layerdiff.flax.in_torch.FlaxDonor`)."""
 
 
-def _is_torch(model: Any) -> bool:
-    nn = sys.modules.get("torch.nn")
-    return nn is not None and isinstance(model, nn.Module)
-
-
-def _is_flax(model: Any) -> bool:
-    # a Flax module exists only once flax is imported: a torch model never pays for JAX
-    nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
-    return ((nnx is not None and isinstance(model, nnx.Module))
-            or (linen is not None and isinstance(model, linen.Module)))
-
-
-# name, whether a case's model is one of its own (importing nothing), the implementing module
-_FRAMEWORKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("torch", _is_torch, "layerdiff.frameworks.torch"),
-    ("flax", _is_flax, "layerdiff.frameworks.flax"),
-)
-# a case without a model runs and records itself (an ExternalCase: numpy, JAX, a C++ binding)
-_RECORDS_ITSELF = "layerdiff.frameworks.external"
+# name -> the module implementing it, asked in this order whether a case's model is its own
+# (``owns``: by ``sys.modules``, importing nothing; the modules themselves import no framework
+# at module level). The last takes a case with no model that runs and records itself.
+_FRAMEWORKS: dict[str, str] = {
+    "torch": "layerdiff.frameworks.torch",
+    "flax": "layerdiff.frameworks.flax",
+    "external": "layerdiff.frameworks.external",
+}
 
 
 def framework_of(case: Any) -> Framework:
     """The framework of ``case`` (a Case, an ExternalCase, or a bare model), or a
     :class:`CaseError` naming what the model is when no framework takes it."""
+    for module in _FRAMEWORKS.values():
+        framework = _implementation(module)
+        if framework.owns(case):
+            return framework
     model = getattr(case, "model", case)
-    for _, recognises, module in _FRAMEWORKS:
-        if recognises(model):
-            return _implementation(module)
-    if model is case and callable(getattr(case, "run", None)):
-        return _implementation(_RECORDS_ITSELF)
     name = getattr(case, "name", "") or "?"
-    known = ", ".join(name for name, _, _ in _FRAMEWORKS)
+    known = ", ".join(name for name in _FRAMEWORKS if name != "external")
     raise CaseError(f"case {name}: its model is a {type(model).__name__}, which no framework "
                     f"layerdiff knows takes ({known}); give a torch.nn.Module or a Flax "
                     "module, or an ExternalCase that records itself")
@@ -123,11 +114,10 @@ def framework_of(case: Any) -> Framework:
 
 def framework_named(name: str) -> Framework:
     """The framework a trace's meta names (``"torch"`` where it names none)."""
-    modules = {name: module for name, _, module in _FRAMEWORKS} | {"external": _RECORDS_ITSELF}
-    if name not in modules:
+    if name not in _FRAMEWORKS:
         raise CaseError(f"a trace names framework {name!r}, which this layerdiff does not know "
-                        f"({', '.join(modules)}); read it with the layerdiff that made it")
-    return _implementation(modules[name])
+                        f"({', '.join(_FRAMEWORKS)}); read it with the layerdiff that made it")
+    return _implementation(_FRAMEWORKS[name])
 
 
 def _implementation(module: str) -> Framework:

@@ -28,6 +28,13 @@ class FlaxFramework:
     title = "a Flax model"
     records_itself = False
 
+    def owns(self, case: Any) -> bool:
+        # a Flax module exists only once flax is imported: a torch model never pays for JAX
+        model = getattr(case, "model", case)
+        nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
+        return ((nnx is not None and isinstance(model, nnx.Module))
+                or (linen is not None and isinstance(model, linen.Module)))
+
     def check_case(self, case: Any) -> None:
         if case.optimizer is not None and not (hasattr(case.optimizer, "init")
                                                and hasattr(case.optimizer, "update")):

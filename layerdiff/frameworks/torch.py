@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,10 @@ class TorchFramework:
     name = "torch"
     title = "a torch model"
     records_itself = False
+
+    def owns(self, case: Any) -> bool:
+        nn = sys.modules.get("torch.nn")
+        return nn is not None and isinstance(getattr(case, "model", case), nn.Module)
 
     def check_case(self, case: Any) -> None:
         if getattr(case, "jit", False) or getattr(case, "params", None) is not None:
