@@ -45,10 +45,10 @@ def test_dead_units_under_adamw_fail_dead_units_only():
     assert result["dead-units"].site == "act2#0"
     ratio = result["update-ratio"]
     assert ratio.verdict != Verdict.FAIL, ratio.evidence
-    assert ratio.details["no_gradient"] == ["conv1", "conv2"]
+    assert ratio.details["zero_gradient_layers"] == ["conv1", "conv2"]
 
 
 def test_the_healthy_cnn_passes_both():
     result = health(_case(dead=False), 20, checks=["update-ratio", "dead-units"])
     assert [c.verdict for c in result.checks] == [Verdict.PASS, Verdict.PASS]
-    assert result["update-ratio"].details["no_gradient"] == []
+    assert result["update-ratio"].details["zero_gradient_layers"] == []

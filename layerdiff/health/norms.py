@@ -144,7 +144,7 @@ def update_ratio(record: Record) -> Check:
     details = {"median": median, "layers": typical, "band": list(BAND),
                "ideal": IDEAL_RATIO,
                "relative": {layer: f for layer, (f, _) in factors.items()},
-               "no_gradient": sorted(still & set(record.update_ratios))}
+               "zero_gradient_layers": sorted(still & set(record.update_ratios))}
     if factors:
         fastest = max(factors, key=lambda layer: factors[layer][0])
         factor, step = factors[fastest]
