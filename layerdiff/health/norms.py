@@ -128,7 +128,14 @@ def update_ratio(record: Record) -> Check:
     if not record.trained:
         return Check("update-ratio", Verdict.SKIP, "the case has no optimizer, so no update "
                      "to measure; give the Case an optimizer")
-    typical = {layer: _typical(r) for layer, r in record.update_ratios.items()}
+    # a layer whose gradient is zero at every step (dead units, a zero mask after it) moves by
+    # weight decay alone (AdamW: lr x decay of itself a step): not learning, so no yardstick
+    # for the others' rates (beside it any layer that learns looks ~100x too fast); it is
+    # overfit's and dead-units' finding
+    still = {layer for layer, rms in record.grad_rms.items()
+             if not math.isfinite(_typical(rms))}
+    typical = {layer: _typical(r) for layer, r in record.update_ratios.items()
+               if layer not in still}
     typical = {layer: v for layer, v in typical.items() if math.isfinite(v)}
     if not typical:
         return Check("update-ratio", Verdict.SKIP, "no layer was updated: see overfit")
@@ -136,7 +143,8 @@ def update_ratio(record: Record) -> Check:
     factors = relative_factors({layer: record.update_ratios[layer] for layer in typical})
     details = {"median": median, "layers": typical, "band": list(BAND),
                "ideal": IDEAL_RATIO,
-               "relative": {layer: f for layer, (f, _) in factors.items()}}
+               "relative": {layer: f for layer, (f, _) in factors.items()},
+               "zero_gradient_layers": sorted(still & set(record.update_ratios))}
     if factors:
         fastest = max(factors, key=lambda layer: factors[layer][0])
         factor, step = factors[fastest]

@@ -155,6 +155,11 @@ class Monitor:
             return
         if not keep:
             return
+        if current.record.full and not current.record.records and not current.stack:
+            # mark() came after this step's forward, which ran unhooked (a step off the
+            # grid): the mark is the next step's, as mark() promises; this one saw no call
+            self._mark_next(current.record.step)
+            return
         self._marks.pop(current.record.step, None)
         if not current.has_gradients:  # no backward seen through the model's output
             current.take_gradients(self._params)
@@ -167,6 +172,14 @@ class Monitor:
         self._steps.append(current.finish())
         if not self._records(self.step_number + 1) or not finished:
             self._remove_hooks()
+
+    def _mark_next(self, step: int) -> None:
+        """Move ``step``'s mark one step on: after the marks that follow it (mark(steps=N))."""
+        keeps = self._marks.pop(step)
+        later = step + 1
+        while later in self._marks:
+            later += 1
+        self._marks[later] = keeps
 
     # ---- hooks (installed on recorded steps only) ----
     def _install_hooks(self) -> None:
