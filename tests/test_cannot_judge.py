@@ -106,3 +106,16 @@ def test_the_faithful_port_with_an_unpaired_input_passes_and_says_what_was_not_c
     result = _two_branches(tmp_path)
     assert result and result.cannot_judge_first is None
     assert format_diff(result).splitlines()[0].endswith("; 1 unpaired, not compared")
+
+
+def test_a_pass_line_too_long_for_the_terminal_is_said_shorter_never_cut_in_its_number(
+        tmp_path):
+    from layerdiff.report.terminal import verdict_line
+
+    result = _two_branches(tmp_path)
+    long = verdict_line(result, width=200)
+    short = verdict_line(result, width=len(long) - 1)
+    assert "…" not in short and len(short) < len(long)
+    # the largest error, the number a reader comes for, is whole in both
+    number = long.split("largest error ")[1].split(" ")[0]
+    assert f"largest {number} of tolerance" in short and short.endswith("; 1 unpaired")

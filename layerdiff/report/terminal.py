@@ -142,12 +142,19 @@ def verdict_line(diff: Diff, width: int = WIDTH) -> str:
         # behind --verbose: a pass says nothing of it
         unpaired = int((~diff.unmatched["declared"].astype(bool)).sum())
         excused = int(sum(padded))
-        return clip_middle(f"PASS  {len(diff.rows):,} records within tolerance (largest "
-                           f"error {number(worst, 3)} of its tolerance)" + (
-                               f"; {excused:,} differ only at padding" if excused
-                               else "") + (
-                               f"; {unpaired:,} unpaired, not compared" if unpaired else ""),
-                           width)
+        # the number is what a reader comes for: say it shorter rather than cut into it
+        for largest, padding, not_compared in (("largest error {} of its tolerance",
+                                                "differ only at padding",
+                                                "unpaired, not compared"),
+                                               ("largest {} of tolerance", "padding only",
+                                                "unpaired")):
+            line = (f"PASS  {len(diff.rows):,} records within tolerance "
+                    f"({largest.format(number(worst, 3))})"
+                    + (f"; {excused:,} {padding}" if excused else "")
+                    + (f"; {unpaired:,} {not_compared}" if unpaired else ""))
+            if len(line) <= width:
+                return line
+        return clip_middle(line, width)
     first = diff.cannot_judge_first
     if first is not None:
         return clip_middle(f"FAIL  cannot judge {first.site}, which holds the first record "
