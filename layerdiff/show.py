@@ -28,6 +28,22 @@ def select_records(trace: Trace, site: str | None = None, role: str | None = Non
     return index[keep]
 
 
+def first_step(trace: Trace) -> int:
+    """The first step the trace holds: 0, unless it keeps a window of later steps (a monitor's)
+    or none at all."""
+    steps = trace.sites["step"]
+    return int(steps.min()) if len(steps) else 0
+
+
+def recorded_steps(trace: Trace) -> str | None:
+    """The steps recorded, said compactly, when they are not simply every step from 0."""
+    steps = sorted({int(step) for step in trace.sites["step"]})
+    if not steps or steps == list(range(len(steps))):
+        return None
+    shown = ", ".join(str(step) for step in steps[:8]) + (" ..." if len(steps) > 8 else "")
+    return f"{len(steps)} steps recorded: {shown}"
+
+
 def site_summary(trace: Trace, step: int = 0) -> pd.DataFrame:
     """One row per site of a step, in call order: type, what was recorded, bytes."""
     sites = trace.sites[trace.sites["step"] == step]
@@ -67,6 +83,9 @@ def _header_lines(trace: Trace) -> list[str]:
         f"{trace.sites['site'].nunique():,} sites",
         f"producer {meta.get('producer', '?')}; {versions}",
     ]
+    steps = recorded_steps(trace)
+    if steps:
+        lines.append(f"steps    {steps}")
     if trace.rank_paths:
         names = ", ".join(path.name for path in trace.rank_paths[:4])
         more = " ..." if len(trace.rank_paths) > 4 else ""

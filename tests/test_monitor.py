@@ -149,6 +149,14 @@ def test_the_window_keeps_the_last_steps_only(tmp_path):
     assert sorted(trace.index["step"].unique()) == [14, 16, 18]
     assert sorted(trace.sites["step"].unique()) == [14, 16, 18]
     assert trace.meta["monitor"]["dropped_steps"] == 7
+    # show lists the window, and its sites table shows the window's first step, not step 0
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    shown = CliRunner().invoke(main, ["show", str(path), "--by-site"])
+    assert shown.exit_code == 0 and "3 steps recorded: 14, 16, 18" in shown.output
+    assert "norm#0" in shown.output
 
 
 def test_a_mark_keeps_that_steps_tensors(tmp_path):

@@ -28,7 +28,8 @@ from layerdiff.report.emit import STDOUT, exit_code, say, strict_line, write_out
 @click.option("--role", type=click.Choice(["input", "output", "weight", "grad_output",
                                            "grad_input", "weight_grad"]))
 @click.option("--step", type=int, help="Only this step.")
-@click.option("--by-site", is_flag=True, help="One line per site (of --step, default 0).")
+@click.option("--by-site", is_flag=True,
+              help="One line per site (of --step, default the first step recorded).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Open a trace whose capture did not finish, to see what it holds.")
@@ -68,7 +69,8 @@ def show_command(trace_path: str, site: str | None, role: str | None, step: int 
         click.echo("\n".join(show.header_lines(trace)))
         click.echo()
         if by_site:
-            click.echo(show.format_sites(show.site_summary(trace, step or 0)))
+            shown = show.first_step(trace) if step is None else step
+            click.echo(show.format_sites(show.site_summary(trace, shown)))
         elif records.empty:
             click.echo("no records yet: the capture stopped before the end of its first step, "
                        "when the tables are first written" if trace.index.empty
