@@ -105,6 +105,17 @@ def test_an_optimizer_step_that_departs_at_step_20_shows_in_the_weights_of_step_
     assert "optimizer step" in first.reason
 
 
+def test_runs_parting_between_recorded_steps_are_not_blamed_on_the_optimizer(tmp_path):
+    """Recorded every 7 steps, the port's weights are first seen apart at step 21; the steps
+    between were not recorded, so the reason says so instead of naming the optimizer."""
+    ref = train(tmp_path / "ref7.h5", every=7)
+    port = train(tmp_path / "port7.h5", FusedNorm, every=7)
+    first = layerdiff.diff(ref, port).origins[0]
+    assert (first.step, first.role) == (21, "weight")
+    assert "first step recorded after step 14" in first.reason
+    assert "not recorded" in first.reason and "optimizer step differs" not in first.reason
+
+
 def test_two_runs_of_one_model_agree(runs):
     found = layerdiff.diff(runs["ref"], runs["again"])
     assert found

@@ -157,7 +157,8 @@ def find_origins(rows: pd.DataFrame, ref_sites: pd.DataFrame, *, independent: bo
     # forward candidate, so the containers around it hold it rather than become origins.
     _, weight_holders = _innermost(weight_origins + forward, parents)
     for site in sorted(weight_origins, key=lambda s: s.order):
-        origin = _origin(rows, site, step, Role.WEIGHT, _weight_reason(step, words))
+        origin = _origin(rows, site, step, Role.WEIGHT,
+                         _weight_reason(step, _previous_step(rows, step), words))
         origin.holders = sorted(weight_holders.get(site.name, []))
         origins.append(origin)
     origins += _pass_origins(rows, forward, backward, weight_origins, parents, sites, step,
@@ -710,8 +711,24 @@ def _backward_reason(site: _Site, parents: dict[str, str], sites: dict[str, _Sit
     return text
 
 
-def _weight_reason(step: int, words: Words = TOLERANCE) -> str:
-    return words.weights[0] if step == 0 else words.weights[1].format(step=step)
+def _previous_step(rows: pd.DataFrame, step: int) -> int | None:
+    """The last step before ``step`` that both sides recorded, if any."""
+    earlier = rows.loc[rows[Column.STEP] < step, Column.STEP]
+    return int(earlier.max()) if len(earlier) else None
+
+
+def _weight_reason(step: int, previous: int | None, words: Words = TOLERANCE) -> str:
+    if step == 0:
+        return words.weights[0]
+    if previous == step - 1:
+        return words.weights[1].format(step=step)
+    # steps in between were not recorded (a monitor's every=K, a window): the runs may have
+    # parted in any of them, in the forward as well as in the optimizer
+    since = "the first step recorded" if previous is None else (
+        f"the first step recorded after step {previous}, which was {words.within}")
+    return (f"its weights differ at the start of step {step}, {since}: the runs parted in a "
+            "step that was not recorded, in its forward, backward or optimizer step; record "
+            f"the steps up to {step} (every=1, or capture --steps {step + 1}) to see where")
 
 
 def _origin(rows: pd.DataFrame, site: _Site, step: int, role: str, reason: str) -> R.Origin:
