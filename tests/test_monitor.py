@@ -116,6 +116,15 @@ def test_runs_parting_between_recorded_steps_are_not_blamed_on_the_optimizer(tmp
     assert "not recorded" in first.reason and "optimizer step differs" not in first.reason
 
 
+def test_runs_recorded_at_different_steps_are_compared_where_both_are_and_warned(runs, tmp_path):
+    every5 = train(tmp_path / "every5.h5", every=5)
+    found = layerdiff.diff(runs["ref"], every5)
+    assert found  # every step of the reference, every 5th of the same model: those agree
+    assert any("only the 10 both recorded were compared (0, 5, 10, 15, 20, 25 ...)" in warning
+               for warning in found.meta["warnings"])
+    assert not layerdiff.diff(runs["ref"], runs["again"]).meta["warnings"]
+
+
 def test_two_runs_of_one_model_agree(runs):
     found = layerdiff.diff(runs["ref"], runs["again"])
     assert found

@@ -270,7 +270,7 @@ def _diff_meta(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances
                                                    "factor": baseline.factor},
         "warnings": ([] if baseline is None else list(baseline.warnings))
         + mapping.unused_site_rules(ref.sites["module"].unique())
-        + tolerances.unmatched(rows) + converted_said,
+        + tolerances.unmatched(rows) + converted_said + _steps_apart(ref, port),
         "precision": None if baseline is not None else _precision_hint(ref, port, rows,
                                                                         mapping, tolerances),
         "routing": [router.as_json() for router in routers if router.flips],
@@ -285,6 +285,23 @@ def _diff_meta(ref: Trace, port: Trace, mapping: Mapping, tolerances: Tolerances
         "full_commands": full_commands(ref, port, origins, first_step,
                                        diff_options(mapping, tolerances)),
     }
+
+
+def _steps_apart(ref: Trace, port: Trace) -> list[str]:
+    """A warning when the two traces recorded different steps (two monitors' every=K or
+    windows, captures of different --steps): only the steps both hold are compared."""
+    steps = [sorted({int(step) for step in trace.sites["step"]}) for trace in (ref, port)]
+    if steps[0] == steps[1]:
+        return []
+    both = sorted(set(steps[0]) & set(steps[1]))
+
+    def said(found: list[int]) -> str:
+        return ", ".join(map(str, found[:6])) + (" ..." if len(found) > 6 else "")
+
+    return [f"the reference recorded steps {said(steps[0])} and the port steps "
+            f"{said(steps[1])}: only the {len(both)} both recorded were compared"
+            + (f" ({said(both)})" if both else "")
+            + "; record the same steps on both sides (the same every= and window=, or --steps)"]
 
 
 def _output_conversions(ref: Trace, port: Trace, sites, mapping: Mapping) -> dict:
