@@ -261,10 +261,12 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             arguments = (params, rest, [leaves[i] for i in dynamic], loss_scale)
             with matmul_precision(precision):
                 try:
-                    loss, grads, rest, plan, values = run(*arguments)
+                    with scans(sink.staging):
+                        loss, grads, rest, plan, values = run(*arguments)
                 except Unbatched:  # traced again, one callback per nested event
                     run = jax.jit(step_fn)
-                    loss, grads, rest, plan, values = run(*arguments)
+                    with scans(sink.staging):
+                        loss, grads, rest, plan, values = run(*arguments)
             jax.effects_barrier()  # every record of the step has arrived
             sink.raise_kept()
             if sink.staging is not None:
@@ -285,6 +287,11 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
         # into the model once, not each step: about 2 ms on a small model, more than its
         # compiled step
         nnx.update(model, *done)
+
+
+def scans(staging: Staging | None) -> contextlib.AbstractContextManager[None]:
+    """Under jit, a scan's body records as the scan's outputs (:meth:`Staging.scans`)."""
+    return staging.scans() if staging is not None else contextlib.nullcontext()
 
 
 def unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:

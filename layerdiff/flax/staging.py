@@ -24,9 +24,10 @@ scan body, a remat inside it), the step is traced again with one callback per ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,27 @@ class _Buffer:
     values: list[Any] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Frame:
+    """A scan body being traced: its own events (not a nested trace's), and whether a
+    callback was traced inside it."""
+
+    trace: Any
+    events: list[Event] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+    mixed: bool = False
+
+
+def _replay(events: list[Event], n: int, reverse: bool, *stacked: Any) -> None:
+    """A scan body's events, each of its ``n`` iterations' in trace order, the iterations in
+    the order the scan ran them; ``stacked`` the events' values stacked over them."""
+    for k in (range(n - 1, -1, -1) if reverse else range(n)):
+        start = 0
+        for event in events:
+            event.method(*event.static, *(v[k] for v in stacked[start:start + event.count]))
+            start += event.count
+
+
 class Staging:
     """The traced side (see the module's docstring). :meth:`begin_trace` at each trace of the
     step; the step returns :meth:`outputs`; after it ran, :meth:`merge` hands the host every
@@ -88,7 +110,8 @@ class Staging:
         self.buffers: dict[int, _Buffer] = {}
         # nested traces with a flushing input tap traced (kept: an id is reused once freed)
         self.flushing: list[Any] = []
-        self.nested_forward = False
+        self.callbacks = 0  # ordered callbacks traced so far in this trace of the step
+        self.frames: list[_Frame] = []  # the scan bodies being traced, innermost last
 
     # ---- trace time
     def top_level(self) -> None:
@@ -113,6 +136,10 @@ class Staging:
             self.deferred.append(event)
             self.values.extend(values)
             return
+        if not callback and self.frames and self.frames[-1].trace is trace:
+            self.frames[-1].events.append(event)  # a scan output (see scanned)
+            self.frames[-1].values.extend(values)
+            return
         buffer = self.buffers.get(id(trace))
         if buffer is None:
             if any(other.events for other in self.buffers.values()):
@@ -129,6 +156,9 @@ class Staging:
         buffer = self.buffers.pop(id(trace), None)
         if buffer is None or not buffer.events:
             return
+        self.callbacks += 1
+        for frame in self.frames:
+            frame.mixed = True  # a callback inside a scan body: its outputs would come late
         jax.debug.callback(functools.partial(self._arrive, buffer.events), *buffer.values,
                            ordered=True)
 
@@ -136,8 +166,51 @@ class Staging:
         """The loss: an output of the step, unless a nested trace sent the forward's records by
         callback; then a callback too, after which whatever a callback sends is the
         backward's (a remat body run again there is recorded once, by the host)."""
-        nested = self.slot > len(self.deferred)
+        nested = self.callbacks > 0
         self.send(method, (), [value], flush=False, callback=nested)
+
+    # ---- a scan's body: its events as extra scan outputs
+    @contextlib.contextmanager
+    def scans(self) -> Iterator[None]:
+        """While the step is traced: ``jax.lax.scan`` (which ``nnx.scan`` calls) runs its body
+        with the events traced at the body's own level returned as extra outputs, stacked
+        over the iterations by the scan itself; after it, they are one event of the
+        enclosing trace that replays them iteration by iteration on the host (:func:`_replay`).
+        A scan costs no callback then. Not once the step is traced unbatched."""
+        original = jax.lax.scan
+        if not self.batched:
+            yield
+            return
+
+        @functools.wraps(original)
+        def scan(f: Callable[..., Any], init: Any, xs: Any = None, length: Any = None,
+                 reverse: bool = False, **kwargs: Any) -> Any:
+            traced: list[_Frame] = []
+
+            def body(carry: Any, x: Any) -> Any:
+                frame = _Frame(current_trace())
+                self.frames.append(frame)
+                try:
+                    carry, y = f(carry, x)
+                finally:
+                    self.frames.remove(frame)
+                if frame.events and frame.mixed:
+                    self._unbatch()  # its outputs would arrive after callbacks run inside
+                traced.append(frame)
+                return carry, (y, [jnp.asarray(v) for v in frame.values])
+
+            carry, (ys, stacked) = original(body, init, xs, length, reverse, **kwargs)
+            frame = traced[-1]  # the body as the scan runs it (it may trace it again)
+            if frame.events:
+                n = length if length is not None else len(jax.tree.leaves(xs)[0])
+                self.send(_replay, (frame.events, n, reverse), list(stacked), flush=False)
+            return carry, ys
+
+        jax.lax.scan = scan
+        try:
+            yield
+        finally:
+            jax.lax.scan = original
 
     def unsent(self) -> bool:
         return any(buffer.events for buffer in self.buffers.values())
