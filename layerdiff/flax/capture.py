@@ -66,7 +66,7 @@ from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.intercept import intercepted
 from layerdiff.flax.records import Call, HostRecords, Leaf
 from layerdiff.flax.stacks import Stack
-from layerdiff.flax.staging import Staging, Unbatched, current_trace
+from layerdiff.flax.staging import Restage, Staging, Unbatched, current_trace
 from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
@@ -225,10 +225,12 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
         for i, array in zip(dynamic, arrays, strict=True):
             given[i] = array
         call_inputs = jax.tree.unflatten(treedef, given)
+        sinks = staging.sink_zeros() if staging is not None else []
 
-        def forward(params: Any) -> tuple[Any, Any]:
+        def forward(params: Any, sinks: list[list[Any]]) -> tuple[Any, Any]:
             if staging is not None:
                 staging.top_level()
+                staging.take_sinks(sinks)
             copy = nnx.merge(graphdef, params, rest, copy=True)
             sink.bind(copy)
             with intercepted(modules, sink):
@@ -238,18 +240,18 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             return loss, nnx.state(copy, nnx.Not(nnx.Param))
 
         sink.phase = "forward"
-        loss, backward, new_rest = jax.vjp(forward, params, has_aux=True)
+        loss, backward, new_rest = jax.vjp(forward, params, sinks, has_aux=True)
         sink.phase = "loss"
         if getattr(loss, "shape", None) != ():
             raise CaptureError(f"case {case.name}: loss_fn returned {type(loss).__name__} of "
                                f"shape {getattr(loss, 'shape', '?')}, not a scalar JAX array")
         sink.emit_loss(loss)
         sink.phase = "backward"
-        (grads,) = backward(jnp.asarray(scale, dtype=loss.dtype))
+        grads, sink_grads = backward(jnp.asarray(scale, dtype=loss.dtype))
         if staging is None:
             return loss, grads, new_rest, None, None
-        staging.check_sent()
-        return loss, grads, new_rest, *staging.outputs()
+        staging.end_trace()
+        return loss, grads, new_rest, *staging.outputs(sink_grads)
 
     run = jax.jit(step_fn) if sink.jit else step_fn
     done = (params, rest)  # the state after the last completed step
@@ -262,7 +264,11 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             with matmul_precision(precision):
                 try:
                     with scans(sink.staging):
-                        loss, grads, rest, plan, values = run(*arguments)
+                        try:
+                            loss, grads, rest, plan, values = run(*arguments)
+                        except Restage:  # traced again, with the sinks its first trace sized
+                            run = jax.jit(step_fn)
+                            loss, grads, rest, plan, values = run(*arguments)
                 except Unbatched:  # traced again, one callback per nested event
                     run = jax.jit(step_fn)
                     with scans(sink.staging):
@@ -353,10 +359,13 @@ class _Grad:
     arg: str
     staging: Staging | None = None
     flush: bool = True
+    sink: tuple[int, int] | None = None  # its sink's place, where its cotangent leaves so
 
     def emit(self, cotangent: Any) -> None:
         static = (self.call, self.role, self.arg)
-        if self.staging is not None:
+        if self.sink is not None:
+            self.staging.send_sunk(self.records.grad, static, self.sink)
+        elif self.staging is not None:
             self.staging.send(self.records.grad, static, [cotangent], flush=self.flush)
         else:
             _send(self.records, self.records.grad, static, [cotangent],
@@ -379,6 +388,25 @@ def _tap_backward(where: _Grad, _: None, cotangent: Any) -> tuple[Any]:
 
 
 _tap.defvjp(_tap_forward, _tap_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sink_tap(where: _Grad, x: Any, sink: Any) -> Any:
+    """``x`` unchanged; the cotangent that reaches it is also ``sink``'s, to leave the step
+    as the sink's gradient (:meth:`Staging.sink_zeros`)."""
+    return x
+
+
+def _sink_tap_forward(where: _Grad, x: Any, sink: Any) -> tuple[Any, None]:
+    return x, None
+
+
+def _sink_tap_backward(where: _Grad, _: None, cotangent: Any) -> tuple[Any, Any]:
+    where.emit(cotangent)
+    return cotangent, cotangent
+
+
+_sink_tap.defvjp(_sink_tap_forward, _sink_tap_backward)
 
 
 def _send(records: HostRecords, event: Callable[..., None], static: tuple, values: list[Any],
@@ -536,7 +564,7 @@ class CallRecorder:
             if id(value) not in first:
                 where = self._grad(call, Role.GRAD_INPUT, arg)
                 taps.append(where)
-                first[id(value)] = _tap(where, value)
+                first[id(value)] = self._tap(where, value)
             return first[id(value)]
 
         taps: list[_Grad] = []
@@ -549,6 +577,14 @@ class CallRecorder:
             self.staging.mark_flushing()
         self._send(self.host.begin, call, module, leaves, values)
         return args, kwargs
+
+    def _tap(self, where: _Grad, value: Any) -> Any:
+        """``value`` tapped; in a scan body under jit, its cotangent handed to a sink."""
+        found = self.staging.sink_for(value) if self.staging is not None else None
+        if found is None:
+            return _tap(where, value)
+        sink, where.sink = found
+        return _sink_tap(where, value, sink)
 
     def _grad(self, call: Call, role: str, arg: str) -> _Grad:
         if self.staging is None:
@@ -565,7 +601,7 @@ class CallRecorder:
         def leaf(arg: str, value: Any) -> Any:
             self._keep(arg, value, leaves, values)
             if _differentiable(value):
-                return _tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
+                return self._tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
             return value
 
         output = rebuild(output, "", leaf)

@@ -50,6 +50,11 @@ class Event:
     count: int
 
 
+class Restage(LayerdiffError):
+    """Raised at the end of the step's first trace: scan bodies tapped values whose cotangents
+    can leave as sinks' gradients (:meth:`Staging.sink_for`); traced again with the sinks."""
+
+
 class Unbatched(LayerdiffError):
     """Raised while tracing the step: a nested trace's buffer cannot be sent in order; the
     step is traced again with one callback per event."""
@@ -74,8 +79,11 @@ class _Frame:
     callback was traced inside it."""
 
     trace: Any
+    scan: int = 0  # which scan of the step's trace, in trace order
+    sinks: list[Any] | None = None  # this iteration's slices of the scan's sinks, if given
     events: list[Event] = field(default_factory=list)
     values: list[Any] = field(default_factory=list)
+    taps: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # shape, dtype
     mixed: bool = False
 
 
@@ -100,6 +108,8 @@ class Staging:
         self._ids = itertools.count()
         self.arrivals: list[tuple[list[Event], tuple]] = []
         self.error: BaseException | None = None
+        # each scan's tapped values' (shape, dtype), in trace order: known after one trace
+        self.sink_shapes: list[list[tuple[tuple[int, ...], Any]]] | None = None
         self.begin_trace()
 
     def begin_trace(self) -> None:
@@ -112,6 +122,10 @@ class Staging:
         self.flushing: list[Any] = []
         self.callbacks = 0  # ordered callbacks traced so far in this trace of the step
         self.frames: list[_Frame] = []  # the scan bodies being traced, innermost last
+        self.scanned: list[tuple[list[tuple[tuple[int, ...], Any]], int, bool]] = []
+        self.sinks: list[list[Any]] = []
+        self.sunk: list[tuple[Any, list[tuple[Event, tuple[int, int]]]]] = []
+        self.called: list[Any] = []  # the nested traces that sent a callback
 
     # ---- trace time
     def top_level(self) -> None:
@@ -157,6 +171,7 @@ class Staging:
         if buffer is None or not buffer.events:
             return
         self.callbacks += 1
+        self.called.append(trace)
         for frame in self.frames:
             frame.mixed = True  # a callback inside a scan body: its outputs would come late
         jax.debug.callback(functools.partial(self._arrive, buffer.events), *buffer.values,
@@ -186,9 +201,13 @@ class Staging:
         def scan(f: Callable[..., Any], init: Any, xs: Any = None, length: Any = None,
                  reverse: bool = False, **kwargs: Any) -> Any:
             traced: list[_Frame] = []
+            scan_index = len(self.scanned)
+            self.scanned.append(([], 0, reverse))  # its place, filled in below
+            sinks = self.sinks[scan_index] if scan_index < len(self.sinks) else []
 
             def body(carry: Any, x: Any) -> Any:
-                frame = _Frame(current_trace())
+                x, sliced = x
+                frame = _Frame(current_trace(), scan_index, list(sliced) if sinks else None)
                 self.frames.append(frame)
                 try:
                     carry, y = f(carry, x)
@@ -196,13 +215,17 @@ class Staging:
                     self.frames.remove(frame)
                 if frame.events and frame.mixed:
                     self._unbatch()  # its outputs would arrive after callbacks run inside
+                if frame.sinks is not None and len(frame.taps) != len(frame.sinks):
+                    self._unbatch()  # traced otherwise than the first time
                 traced.append(frame)
                 return carry, (y, [jnp.asarray(v) for v in frame.values])
 
-            carry, (ys, stacked) = original(body, init, xs, length, reverse, **kwargs)
+            carry, (ys, stacked) = original(body, init, (xs, sinks), length, reverse,
+                                            **kwargs)
             frame = traced[-1]  # the body as the scan runs it (it may trace it again)
+            n = length if length is not None else len(jax.tree.leaves(xs)[0])
+            self.scanned[scan_index] = (frame.taps, n, reverse)
             if frame.events:
-                n = length if length is not None else len(jax.tree.leaves(xs)[0])
                 self.send(_replay, (frame.events, n, reverse), list(stacked), flush=False)
             return carry, ys
 
@@ -211,6 +234,61 @@ class Staging:
             yield
         finally:
             jax.lax.scan = original
+
+    # ---- a scan body's cotangents as the gradients of sinks
+    def sink_zeros(self) -> list[list[Any]]:
+        """The step's sinks: per scan, per value tapped in its body, zeros stacked over its
+        iterations; the step differentiates its loss by them too. A tap there hands its
+        cotangent on as its sink's (:meth:`sink_for`), so the transposed scan stacks the
+        cotangents as it stacks any xs' and the step returns them: no callback either. The
+        shapes are known after one trace of the step (:class:`Restage`)."""
+        if self.sink_shapes is None or not self.batched:
+            return []
+        return [[jnp.zeros((n, *shape), dtype) for shape, dtype in taps]
+                for taps, n in self.sink_shapes]
+
+    def take_sinks(self, sinks: list[list[Any]]) -> None:
+        self.sinks = sinks
+
+    def sink_for(self, value: Any) -> tuple[Any, tuple[int, int]] | None:
+        """For a value tapped at a scan body's own level: its sink's slice and its place
+        (scan, tap), when the step was given sinks; None otherwise (its cotangent is sent)."""
+        frame = self.frames[-1] if len(self.frames) == 1 else None  # not a scan in a scan:
+        if frame is None or frame.trace is not current_trace():  # its sinks would be summed
+            return None
+        place = (frame.scan, len(frame.taps))
+        frame.taps.append((tuple(value.shape), value.dtype))
+        if frame.sinks is None:
+            return None
+        if place[1] >= len(frame.sinks) or frame.sinks[place[1]].shape != value.shape:
+            self._unbatch()
+        return frame.sinks[place[1]], place
+
+    def send_sunk(self, method: Callable[..., None], static: tuple,
+                  place: tuple[int, int]) -> None:
+        """A cotangent that leaves as its sink's gradient: its event, kept with the others of
+        the (transposed) trace it is traced in, to be replayed per iteration in order."""
+        event = Event(self.slot, method, static, 1)
+        self.slot += 1
+        trace = current_trace()
+        for other, events in self.sunk:
+            if other is trace:
+                events.append((event, place))
+                return
+        self.sunk.append((trace, [(event, place)]))
+
+    def end_trace(self) -> None:
+        """After the step's backward was traced: everything buffered was sent (else traced
+        unbatched); after the first trace, traced again if scan bodies tapped values."""
+        if self.unsent():
+            self._unbatch()
+        for trace, _ in self.sunk:
+            if any(trace is other for other in self.called):
+                self._unbatch()  # a callback among the sunk events: the order is lost
+        if self.sink_shapes is None and self.batched:
+            self.sink_shapes = [(taps, n) for taps, n, _ in self.scanned]
+            if any(taps for taps, _ in self.sink_shapes):
+                raise Restage("scan bodies tap values: traced again with their sinks")
 
     def unsent(self) -> bool:
         return any(buffer.events for buffer in self.buffers.values())
@@ -226,11 +304,28 @@ class Staging:
         self.batched = False
         raise Unbatched("a nested trace's records could not be sent in one callback")
 
-    def outputs(self) -> tuple[int, Any]:
+    def outputs(self, sink_grads: list[list[Any]] | None = None) -> tuple[int, Any]:
         """What the step returns for the host: its plan's number and the top-level values,
-        packed into one byte array where their dtypes allow (one transfer, not one each)."""
+        packed into one byte array where their dtypes allow (one transfer, not one each);
+        ``sink_grads`` the sinks' gradients, the cotangents sent by :meth:`send_sunk`."""
         plan = next(self._ids)
-        values = [jnp.asarray(value) for value in self.values]
+        pairs, at = [], 0
+        for event in self.deferred:
+            pairs.append((event, self.values[at:at + event.count]))
+            at += event.count
+        for _, events in self.sunk:
+            events.sort(key=lambda item: item[0].slot)
+            scans = {place[0] for _, place in events}
+            if len(scans) != 1:
+                self._unbatch()  # one transposed trace, cotangents of several scans
+            (scan,) = scans
+            _, n, reverse = self.scanned[scan]
+            group = Event(events[0][0].slot, _replay,
+                          ([event for event, _ in events], n, not reverse), len(events))
+            pairs.append((group, [sink_grads[s][i] for _, (s, i) in events]))
+        pairs.sort(key=lambda pair: pair[0].slot)
+        self.deferred = [event for event, _ in pairs]
+        values = [jnp.asarray(value) for _, group in pairs for value in group]
         layout = _layout(values)
         self.plans[plan] = (self.deferred, layout)
         return plan, (_pack(values) if layout is not None else values)
