@@ -85,15 +85,20 @@ class _Frame:
     values: list[Any] = field(default_factory=list)
     taps: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)  # shape, dtype
     mixed: bool = False
+    layout: Packing | None = None
 
 
-def _replay(events: list[Event], n: int, reverse: bool, *stacked: Any) -> None:
+def _replay(events: list[Event], n: int, reverse: bool, layout: Packing | None,
+            *stacked: Any) -> None:
     """A scan body's events, each of its ``n`` iterations' in trace order, the iterations in
-    the order the scan ran them; ``stacked`` the events' values stacked over them."""
+    the order the scan ran them; ``stacked`` the events' values stacked over them (packed, an
+    array per dtype an iteration, where ``layout``)."""
     for k in (range(n - 1, -1, -1) if reverse else range(n)):
+        values = (_unpack([group[k] for group in stacked], layout) if layout is not None
+                  else [v[k] for v in stacked])
         start = 0
         for event in events:
-            event.method(*event.static, *(v[k] for v in stacked[start:start + event.count]))
+            event.method(*event.static, *values[start:start + event.count])
             start += event.count
 
 
@@ -218,7 +223,9 @@ class Staging:
                 if frame.sinks is not None and len(frame.taps) != len(frame.sinks):
                     self._unbatch()  # traced otherwise than the first time
                 traced.append(frame)
-                return carry, (y, [jnp.asarray(v) for v in frame.values])
+                values = [jnp.asarray(v) for v in frame.values]
+                frame.layout = _layout(values)  # packed: a scan output per dtype, not a value
+                return carry, (y, _pack(values, frame.layout) if frame.layout else values)
 
             carry, (ys, stacked) = original(body, init, (xs, sinks), length, reverse,
                                             **kwargs)
@@ -226,7 +233,8 @@ class Staging:
             n = length if length is not None else len(jax.tree.leaves(xs)[0])
             self.scanned[scan_index] = (frame.taps, n, reverse)
             if frame.events:
-                self.send(_replay, (frame.events, n, reverse), list(stacked), flush=False)
+                self.send(_replay, (frame.events, n, reverse, frame.layout), list(stacked),
+                          flush=False)
             return carry, ys
 
         jax.lax.scan = scan
@@ -321,14 +329,14 @@ class Staging:
             (scan,) = scans
             _, n, reverse = self.scanned[scan]
             group = Event(events[0][0].slot, _replay,
-                          ([event for event, _ in events], n, not reverse), len(events))
+                          ([event for event, _ in events], n, not reverse, None), len(events))
             pairs.append((group, [sink_grads[s][i] for _, (s, i) in events]))
         pairs.sort(key=lambda pair: pair[0].slot)
         self.deferred = [event for event, _ in pairs]
         values = [jnp.asarray(value) for _, group in pairs for value in group]
         layout = _layout(values)
         self.plans[plan] = (self.deferred, layout)
-        return plan, (_pack(values) if layout is not None else values)
+        return plan, (_pack(values, layout) if layout is not None else values)
 
     # ---- host
     def _arrive(self, events: list[Event], *values: Any) -> None:
@@ -337,7 +345,7 @@ class Staging:
     def merge(self, plan: int, values: list[Any]) -> None:
         """Every event of the step just run, in trace order (see the module's docstring)."""
         deferred, layout = self.plans[plan]
-        values = _unpack(np.asarray(values), layout) if layout is not None else jax.device_get(
+        values = _unpack(values, layout) if layout is not None else jax.device_get(
             values)
         arrivals, self.arrivals = self.arrivals, []
         at = 0  # into values
@@ -359,37 +367,40 @@ class Staging:
             next_event = next(pending, None)
 
 
-# ---- the top-level values as one byte array: each value's bytes, 8-aligned
-_ALIGN = 8
-Layout = list[tuple[int, int, np.dtype, tuple[int, ...]]]
+# ---- the top-level values as one array per dtype: each value raveled, concatenated (XLA
+# fuses the concatenation with the ravels: one operation, where bytes took one a value)
+Layout = list[tuple[int, int, int, tuple[int, ...]]]  # (group, offset, size, shape)
+Packing = tuple[list[Any], Layout]  # the groups' dtypes, each value's place
 
 
-def _layout(values: list[Any]) -> Layout | None:
-    """Each value's offset, dtype and shape in the packed bytes; None where a dtype is not
-    one whose bytes JAX reinterprets as they are (complex, sub-byte types): sent one by one."""
-    layout, offset = [], 0
+def _layout(values: list[Any]) -> Packing | None:
+    """The dtypes of the groups, and each value's group, offset and shape in it; None where a
+    dtype is not one numpy holds as it is (sent one by one)."""
+    groups: list[Any] = []
+    sizes: list[int] = []
+    layout: Layout = []
     for value in values:
-        dtype = np.dtype(value.dtype)
-        if dtype.kind not in "biuf" and dtype != np.dtype(jnp.bfloat16):
+        dtype = value.dtype
+        if np.dtype(dtype).kind not in "biuf" and dtype != jnp.bfloat16:
             return None
-        nbytes = value.size * dtype.itemsize
-        layout.append((offset, nbytes, dtype, tuple(value.shape)))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return layout
+        if dtype not in groups:
+            groups.append(dtype)
+            sizes.append(0)
+        group = groups.index(dtype)
+        layout.append((group, sizes[group], int(value.size), tuple(value.shape)))
+        sizes[group] += int(value.size)
+    return groups, layout
 
 
-def _pack(values: list[Any]) -> Any:
-    pieces = []
-    for value in values:
-        if value.dtype == jnp.bool_:
-            value = value.astype(jnp.uint8)
-        raw = jax.lax.bitcast_convert_type(value, jnp.uint8).reshape(-1)
-        pieces.append(raw)
-        if raw.size % _ALIGN:
-            pieces.append(jnp.zeros(_ALIGN - raw.size % _ALIGN, jnp.uint8))
-    return jnp.concatenate(pieces) if pieces else jnp.zeros(0, jnp.uint8)
+def _pack(values: list[Any], packing: Packing) -> list[Any]:
+    groups, layout = packing
+    pieces: list[list[Any]] = [[] for _ in groups]
+    for value, (group, _, _, _) in zip(values, layout, strict=True):
+        pieces[group].append(jnp.ravel(value))
+    return [jnp.concatenate(group) for group in pieces]
 
 
-def _unpack(raw: np.ndarray, layout: Layout) -> list[np.ndarray]:
-    return [raw[offset:offset + nbytes].view(dtype).reshape(shape)
-            for offset, nbytes, dtype, shape in layout]
+def _unpack(packed: list[Any], packing: Packing) -> list[np.ndarray]:
+    arrays = [np.asarray(group) for group in packed]
+    return [arrays[group][offset:offset + size].reshape(shape)
+            for group, offset, size, shape in packing[1]]
