@@ -13,8 +13,9 @@ model computes:
   (:mod:`layerdiff.flax.records`): directly where the code runs eagerly, through an ordered
   ``jax.debug.callback`` where JAX traces it (in an ``nnx.scan`` body), so they arrive in
   program order either way. Under jit, :mod:`layerdiff.flax.staging` sends them cheaper: the
-  step's own level as extra outputs of the step, a nested trace's in one callback per pass,
-  merged on the host in trace order. Every input and output a gradient can reach passes
+  step's own level and an ``nnx.scan`` body's as extra outputs of the step (a scan body's
+  cotangents as the gradients of zero *sinks*), an ``nnx.remat`` body's in one callback per
+  pass, merged on the host in trace order. Every input and output a gradient can reach passes
   through a *tap*: an identity with a custom VJP whose backward rule sends the cotangent
   arriving at exactly that point (``grad_input`` when the tap sits on an input inside the
   call, ``grad_output`` on an output after the call returned). JAX calls a backward rule only

@@ -3,23 +3,33 @@ about 0.2 ms a call on CPU, more than a whole millisecond-scale step's work per 
 so as few as the program's structure allows.
 
 - An event traced at the step's own level (the forward under ``jax.vjp``, the backward, the
-  loss) is no callback at all: its values become extra outputs of the jitted step, and the
-  host hands them to the recorder after the step returns.
-- Events traced inside a nested trace that JAX runs several times or elsewhere (an
-  ``nnx.scan`` body and its transpose, an ``nnx.remat`` body) are buffered per trace and sent
-  in one ordered ``jax.debug.callback``: the forward's at the end of the outermost recorded
-  call in that trace, the backward's at the cotangent of that call's one differentiable
-  input (the last a backward of the call computes); a cotangent traced before any such
-  input in its trace is sent alone.
+  loss) is no callback at all: its values become extra outputs of the jitted step (packed, one
+  array per dtype), and the host hands them to the recorder after the step returns.
+- A scan body (``jax.lax.scan``, which ``nnx.scan`` calls, wrapped while the step is traced:
+  :meth:`Staging.scans`) returns the events traced at its own level as extra outputs, which the
+  scan stacks over its iterations; after the scan they are one event of the enclosing trace,
+  replayed per iteration on the host (:func:`_replay`).
+- Its backward: each value tapped at the body's own level gets a *sink* (zeros stacked over the
+  iterations, extra ``xs`` of the scan, differentiated by the step): the tap's backward hands
+  its cotangent on as the sink's, the transposed scan stacks them and the step returns them as
+  the sinks' gradients (:meth:`Staging.sink_zeros`). The sinks are sized by a first trace of
+  the step (:class:`Restage`).
+- Events traced inside another nested trace (an ``nnx.remat`` body) are buffered per trace and
+  sent in one ordered ``jax.debug.callback``: the forward's at the end of the outermost
+  recorded call in that trace, the backward's at the cotangent of that call's one
+  differentiable input (the last a backward of the call computes); a cotangent traced before
+  any such input in its trace is sent alone.
 - Every event carries its place in trace order (its *slot*); the host merges the outputs'
-  events with the callbacks' in that order: callbacks arrive in execution order (a scan's
-  body N times over between the same two slots), and each output event goes in before the
+  events with the callbacks' in that order: callbacks arrive in execution order (a remat body
+  between the same two slots each time it runs), and each output event goes in before the
   first callback traced after it. So the records are the ones, in the order, that one
   callback per event gave.
 
-Where a callback's buffer could not be sent before another trace's began (a scan inside a
-scan body, a remat inside it), the step is traced again with one callback per event
-(:class:`Unbatched`).
+Where that order cannot be kept (a callback inside a scan body whose own level records too,
+cotangents of two scans in one transposed trace, a nested trace buffered inside another's),
+the step is traced again with one callback per event (:class:`Unbatched`); a scan inside a
+scan body sends its cotangents by callback (its sinks would be summed over the outer
+iterations).
 """
 
 from __future__ import annotations
