@@ -13,8 +13,9 @@ model computes:
   (:mod:`layerdiff.flax.records`): directly where the code runs eagerly, through an ordered
   ``jax.debug.callback`` where JAX traces it (in an ``nnx.scan`` body), so they arrive in
   program order either way. Under jit, :mod:`layerdiff.flax.staging` sends them cheaper: the
-  step's own level as extra outputs of the step, a nested trace's in one callback per pass,
-  merged on the host in trace order. Every input and output a gradient can reach passes
+  step's own level and an ``nnx.scan`` body's as extra outputs of the step (a scan body's
+  cotangents as the gradients of zero *sinks*), an ``nnx.remat`` body's in one callback per
+  pass, merged on the host in trace order. Every input and output a gradient can reach passes
   through a *tap*: an identity with a custom VJP whose backward rule sends the cotangent
   arriving at exactly that point (``grad_input`` when the tap sits on an input inside the
   call, ``grad_output`` on an output after the call returned). JAX calls a backward rule only
@@ -66,7 +67,7 @@ from layerdiff.flax.graph import ModelGraph
 from layerdiff.flax.intercept import intercepted
 from layerdiff.flax.records import Call, HostRecords, Leaf
 from layerdiff.flax.stacks import Stack
-from layerdiff.flax.staging import Staging, Unbatched, current_trace
+from layerdiff.flax.staging import Restage, Staging, Unbatched, current_trace
 from layerdiff.options import CaptureOptions
 from layerdiff.progress import StepProgress
 from layerdiff.signature import Signature
@@ -225,10 +226,12 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
         for i, array in zip(dynamic, arrays, strict=True):
             given[i] = array
         call_inputs = jax.tree.unflatten(treedef, given)
+        sinks = staging.sink_zeros() if staging is not None else []
 
-        def forward(params: Any) -> tuple[Any, Any]:
+        def forward(params: Any, sinks: list[list[Any]]) -> tuple[Any, Any]:
             if staging is not None:
                 staging.top_level()
+                staging.take_sinks(sinks)
             copy = nnx.merge(graphdef, params, rest, copy=True)
             sink.bind(copy)
             with intercepted(modules, sink):
@@ -238,18 +241,18 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             return loss, nnx.state(copy, nnx.Not(nnx.Param))
 
         sink.phase = "forward"
-        loss, backward, new_rest = jax.vjp(forward, params, has_aux=True)
+        loss, backward, new_rest = jax.vjp(forward, params, sinks, has_aux=True)
         sink.phase = "loss"
         if getattr(loss, "shape", None) != ():
             raise CaptureError(f"case {case.name}: loss_fn returned {type(loss).__name__} of "
                                f"shape {getattr(loss, 'shape', '?')}, not a scalar JAX array")
         sink.emit_loss(loss)
         sink.phase = "backward"
-        (grads,) = backward(jnp.asarray(scale, dtype=loss.dtype))
+        grads, sink_grads = backward(jnp.asarray(scale, dtype=loss.dtype))
         if staging is None:
             return loss, grads, new_rest, None, None
-        staging.check_sent()
-        return loss, grads, new_rest, *staging.outputs()
+        staging.end_trace()
+        return loss, grads, new_rest, *staging.outputs(sink_grads)
 
     run = jax.jit(step_fn) if sink.jit else step_fn
     done = (params, rest)  # the state after the last completed step
@@ -261,10 +264,16 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             arguments = (params, rest, [leaves[i] for i in dynamic], loss_scale)
             with matmul_precision(precision):
                 try:
-                    loss, grads, rest, plan, values = run(*arguments)
+                    with scans(sink.staging):
+                        try:
+                            loss, grads, rest, plan, values = run(*arguments)
+                        except Restage:  # traced again, with the sinks its first trace sized
+                            run = jax.jit(step_fn)
+                            loss, grads, rest, plan, values = run(*arguments)
                 except Unbatched:  # traced again, one callback per nested event
                     run = jax.jit(step_fn)
-                    loss, grads, rest, plan, values = run(*arguments)
+                    with scans(sink.staging):
+                        loss, grads, rest, plan, values = run(*arguments)
             jax.effects_barrier()  # every record of the step has arrived
             sink.raise_kept()
             if sink.staging is not None:
@@ -285,6 +294,11 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
         # into the model once, not each step: about 2 ms on a small model, more than its
         # compiled step
         nnx.update(model, *done)
+
+
+def scans(staging: Staging | None) -> contextlib.AbstractContextManager[None]:
+    """Under jit, a scan's body records as the scan's outputs (:meth:`Staging.scans`)."""
+    return staging.scans() if staging is not None else contextlib.nullcontext()
 
 
 def unscaled_and_clipped(grads: Any, loss_scale: float, max_norm: float | None) -> Any:
@@ -346,10 +360,13 @@ class _Grad:
     arg: str
     staging: Staging | None = None
     flush: bool = True
+    sink: tuple[int, int] | None = None  # its sink's place, where its cotangent leaves so
 
     def emit(self, cotangent: Any) -> None:
         static = (self.call, self.role, self.arg)
-        if self.staging is not None:
+        if self.sink is not None:
+            self.staging.send_sunk(self.records.grad, static, self.sink)
+        elif self.staging is not None:
             self.staging.send(self.records.grad, static, [cotangent], flush=self.flush)
         else:
             _send(self.records, self.records.grad, static, [cotangent],
@@ -372,6 +389,25 @@ def _tap_backward(where: _Grad, _: None, cotangent: Any) -> tuple[Any]:
 
 
 _tap.defvjp(_tap_forward, _tap_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sink_tap(where: _Grad, x: Any, sink: Any) -> Any:
+    """``x`` unchanged; the cotangent that reaches it is also ``sink``'s, to leave the step
+    as the sink's gradient (:meth:`Staging.sink_zeros`)."""
+    return x
+
+
+def _sink_tap_forward(where: _Grad, x: Any, sink: Any) -> tuple[Any, None]:
+    return x, None
+
+
+def _sink_tap_backward(where: _Grad, _: None, cotangent: Any) -> tuple[Any, Any]:
+    where.emit(cotangent)
+    return cotangent, cotangent
+
+
+_sink_tap.defvjp(_sink_tap_forward, _sink_tap_backward)
 
 
 def _send(records: HostRecords, event: Callable[..., None], static: tuple, values: list[Any],
@@ -529,7 +565,7 @@ class CallRecorder:
             if id(value) not in first:
                 where = self._grad(call, Role.GRAD_INPUT, arg)
                 taps.append(where)
-                first[id(value)] = _tap(where, value)
+                first[id(value)] = self._tap(where, value)
             return first[id(value)]
 
         taps: list[_Grad] = []
@@ -542,6 +578,14 @@ class CallRecorder:
             self.staging.mark_flushing()
         self._send(self.host.begin, call, module, leaves, values)
         return args, kwargs
+
+    def _tap(self, where: _Grad, value: Any) -> Any:
+        """``value`` tapped; in a scan body under jit, its cotangent handed to a sink."""
+        found = self.staging.sink_for(value) if self.staging is not None else None
+        if found is None:
+            return _tap(where, value)
+        sink, where.sink = found
+        return _sink_tap(where, value, sink)
 
     def _grad(self, call: Call, role: str, arg: str) -> _Grad:
         if self.staging is None:
@@ -558,7 +602,7 @@ class CallRecorder:
         def leaf(arg: str, value: Any) -> Any:
             self._keep(arg, value, leaves, values)
             if _differentiable(value):
-                return _tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
+                return self._tap(self._grad(call, Role.GRAD_OUTPUT, arg), value)
             return value
 
         output = rebuild(output, "", leaf)
