@@ -263,17 +263,8 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             sink.begin_step(_arrays(params) | _arrays(rest))
             arguments = (params, rest, [leaves[i] for i in dynamic], loss_scale)
             with matmul_precision(precision):
-                try:
-                    with scans(sink.staging):
-                        try:
-                            loss, grads, rest, plan, values = run(*arguments)
-                        except Restage:  # traced again, with the sinks its first trace sized
-                            run = jax.jit(step_fn)
-                            loss, grads, rest, plan, values = run(*arguments)
-                except Unbatched:  # traced again, one callback per nested event
-                    run = jax.jit(step_fn)
-                    with scans(sink.staging):
-                        loss, grads, rest, plan, values = run(*arguments)
+                run, (loss, grads, rest, plan, values) = _run_step(run, step_fn, arguments,
+                                                                   sink.staging)
             jax.effects_barrier()  # every record of the step has arrived
             sink.raise_kept()
             if sink.staging is not None:
@@ -294,6 +285,24 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
         # into the model once, not each step: about 2 ms on a small model, more than its
         # compiled step
         nnx.update(model, *done)
+
+
+def _run_step(run: Callable[..., Any], step_fn: Callable[..., Any], arguments: tuple,
+              staging: Staging | None) -> tuple[Callable[..., Any], tuple]:
+    """One step's results, and the (maybe re-traced) step to run the next steps with: traced
+    again once with the sinks its first trace sized, or with one callback per nested event
+    where the records inside a nested trace cannot be staged."""
+    try:
+        with scans(staging):
+            try:
+                return run, run(*arguments)
+            except Restage:
+                run = jax.jit(step_fn)
+                return run, run(*arguments)
+    except Unbatched:
+        run = jax.jit(step_fn)
+        with scans(staging):
+            return run, run(*arguments)
 
 
 def scans(staging: Staging | None) -> contextlib.AbstractContextManager[None]:
