@@ -269,22 +269,32 @@ def train_steps(case: Case, graph: ModelGraph, sink: CallRecorder, writer: Trace
             sink.raise_kept()
             if sink.staging is not None:
                 sink.staging.merge(int(plan), values)
-            if loss_scale != 1.0:
-                check_scaled_loss(case.name, writer.current_step, float(loss),
-                                  float(loss * jnp.asarray(loss_scale, loss.dtype)),
-                                  str(loss.dtype), loss_scale)
-            sink.record_weight_grads(_arrays(grads))
-            sink.phase = "optimizer step"
-            if tx is not None:
-                grads = unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                params = apply_updates(params, updates)
+            params, opt_state = _after_backward(case, sink, writer, loss, grads, params,
+                                                opt_state, loss_scale)
             done = (params, rest)
             bar.advance()  # writer.step() checkpoints: a crash in a later step keeps this one
     finally:
         # into the model once, not each step: about 2 ms on a small model, more than its
         # compiled step
         nnx.update(model, *done)
+
+
+def _after_backward(case: Case, sink: CallRecorder, writer: TraceWriter, loss: Any, grads: Any,
+                    params: Any, opt_state: Any, loss_scale: float) -> tuple[Any, Any]:
+    """The scaled loss checked, the weight gradients recorded, and the optimizer's update:
+    the parameters and optimizer state the next step starts from."""
+    if loss_scale != 1.0:
+        check_scaled_loss(case.name, writer.current_step, float(loss),
+                          float(loss * jnp.asarray(loss_scale, loss.dtype)),
+                          str(loss.dtype), loss_scale)
+    sink.record_weight_grads(_arrays(grads))
+    sink.phase = "optimizer step"
+    tx = case.optimizer
+    if tx is None:
+        return params, opt_state
+    grads = unscaled_and_clipped(grads, loss_scale, case.clip_grad_norm)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
 
 
 def _run_step(run: Callable[..., Any], step_fn: Callable[..., Any], arguments: tuple,
