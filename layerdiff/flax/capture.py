@@ -145,9 +145,9 @@ def check_options(case: Case, steps: int, loss_scale: float) -> None:
     check_loss_scale(loss_scale, "float64" if jax.config.jax_enable_x64 else "float32")
 
 
-def cast_nnx_case(case: Case, dtype: str) -> None:
-    """Cast the model's floating variables (parameters, BatchNorm statistics) and the case's
-    floating inputs to ``dtype``, in place; integer inputs stay as they are."""
+def floating_cast(case: Case, dtype: str) -> Callable[[Any], Any]:
+    """A function casting a floating array to ``dtype`` and leaving anything else as it is,
+    or a refusal naming what is wrong with ``dtype`` for this case (NNX and Linen alike)."""
     if dtype not in DTYPES:
         raise CaptureError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if dtype == "float64" and not jax.config.jax_enable_x64:
@@ -163,6 +163,13 @@ def cast_nnx_case(case: Case, dtype: str) -> None:
             return jnp.asarray(value, dtype=target)
         return value
 
+    return cast
+
+
+def cast_nnx_case(case: Case, dtype: str) -> None:
+    """Cast the model's floating variables (parameters, BatchNorm statistics) and the case's
+    floating inputs to ``dtype``, in place; integer inputs stay as they are."""
+    cast = floating_cast(case, dtype)
     state = nnx.state(case.model, nnx.Not(nnx.RngState))
     nnx.update(case.model, jax.tree.map(cast, state))
     case.inputs = jax.tree.map(cast, case.inputs)

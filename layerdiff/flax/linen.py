@@ -44,13 +44,13 @@ from layerdiff.case import Case, seed_everything
 from layerdiff.errors import CaptureError, CaseError, LayerdiffError, interrupt_inside
 from layerdiff.flax.capture import (
     ACCEPTED,
-    DTYPES,
     PRODUCER,
     CallRecorder,
     apply_updates,
     check_options,
     failures_named,
     flax_meta,
+    floating_cast,
     matmul_precision,
     selected_modules,
     unscaled_and_clipped,
@@ -314,20 +314,7 @@ def capture_linen(case: Case, path: str | os.PathLike, options: CaptureOptions) 
 def cast_linen_case(case: Case, dtype: str) -> None:
     """Cast the case's floating variables and inputs to ``dtype`` (``case.params`` replaced);
     integer inputs stay as they are."""
-    if dtype not in DTYPES:
-        raise CaptureError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if dtype == "float64" and not jax.config.jax_enable_x64:
-        raise CaptureError(f"--dtype float64 needs JAX's 64-bit mode, which is off (JAX would "
-                           f"cast case {case.name} to float32 instead): set JAX_ENABLE_X64=1 "
-                           "before JAX is imported")
-    target = DTYPES[dtype]
-
-    def cast(value: Any) -> Any:
-        if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype,
-                                                                          jnp.floating):
-            return jnp.asarray(value, dtype=target)
-        return value
-
+    cast = floating_cast(case, dtype)
     case.params = jax.tree.map(cast, plain(case.params))
     case.inputs = jax.tree.map(cast, case.inputs)
 

@@ -79,16 +79,8 @@ class LinenPort(FlaxPort):
     def replay(self, call: RecordedCall, site: str, args_map: dict[str, str],
                writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
         module_name = schema.split_site(site)[0]
-        self._partner.setdefault(module_name, call.module)
         args_map = {} if adapter else args_map  # the adapter makes the whole call
-        values = self._inputs(call, args_map)
-        caller, dropped = self._caller(call, module_name, args_map, values, adapter)
-        left_out = {head for head, _ in dropped}
-        taken = [(arg, value) for arg, value in values if arg.partition(".")[0] not in left_out]
-        for arg, value in taken:
-            writer.record(site, Role.INPUT, _numpy(value), arg=arg)
-        if adapter is None:
-            values = taken
+        values, caller, dropped = self._arguments(call, site, args_map, writer, adapter)
         variables = linen.subtree(linen.plain(self._variables()), module_name)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)

@@ -157,16 +157,8 @@ class FlaxPort:
                writer: TraceWriter, adapter: Any = None) -> list[tuple[str, str]]:
         module_name = schema.split_site(site)[0]
         module = self.modules[module_name]
-        self._partner.setdefault(module_name, call.module)
         args_map = {} if adapter else args_map  # the adapter makes the whole call
-        values = self._inputs(call, args_map)
-        caller, dropped = self._caller(call, module_name, args_map, values, adapter)
-        left_out = {head for head, _ in dropped}
-        taken = [(arg, value) for arg, value in values if arg.partition(".")[0] not in left_out]
-        for arg, value in taken:
-            writer.record(site, Role.INPUT, _numpy(value), arg=arg)
-        if adapter is None:  # the adapter gets every argument (None for what is not data)
-            values = taken
+        values, caller, dropped = self._arguments(call, site, args_map, writer, adapter)
         split = self._split_of(module_name)
         if module_name not in self._weights_recorded:
             self._weights_recorded.add(module_name)
@@ -243,6 +235,22 @@ class FlaxPort:
             raise NotReplayable(f"port layer {module_name} draws random numbers (a dropout "
                                 "that is on): its output cannot match the reference's")
         return ran.outputs
+
+    def _arguments(self, call: RecordedCall, site: str, args_map: dict[str, str],
+                   writer: TraceWriter, adapter: Any) -> tuple[list[tuple[str, Any]], Any,
+                                                               list[tuple[str, str]]]:
+        """The call's recorded arguments (those the port's layer takes recorded as its
+        inputs), how to call the layer with them, and the arguments it left out."""
+        module_name = schema.split_site(site)[0]
+        self._partner.setdefault(module_name, call.module)
+        values = self._inputs(call, args_map)
+        caller, dropped = self._caller(call, module_name, args_map, values, adapter)
+        left_out = {head for head, _ in dropped}
+        taken = [(arg, value) for arg, value in values if arg.partition(".")[0] not in left_out]
+        for arg, value in taken:
+            writer.record(site, Role.INPUT, _numpy(value), arg=arg)
+        # the adapter gets every argument (None for what is not data)
+        return (values if adapter is not None else taken), caller, dropped
 
     def _caller(self, call: RecordedCall, module_name: str, args_map: dict[str, str],
                 values: list[tuple[str, Any]], adapter: Any
