@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import layerdiff  # noqa: E402
 from layerdiff.capture.port import capture_port  # noqa: E402
 from layerdiff.trace import open_trace  # noqa: E402
+from tests.flax_traces import assert_same_records  # noqa: E402
 
 LAYERS, D = 3, 8
 X = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
@@ -219,14 +220,7 @@ def test_a_faithful_scanned_port_passes_the_diff_eager_and_jitted(faithful, fait
 
 def test_jit_records_what_eager_records(faithful, faithful_jit):
     with open_trace(faithful) as eager, open_trace(faithful_jit) as jitted:
-        rows = [(r.site, r.role, r.arg) for r in eager.index.itertuples()]
-        assert rows == [(r.site, r.role, r.arg) for r in jitted.index.itertuples()]
-        for (_, row), (_, other) in zip(eager.index.iterrows(), jitted.index.iterrows(),
-                                        strict=True):
-            if row["kind"] == "tensor":
-                np.testing.assert_allclose(np.asarray(eager.read(row)),
-                                           np.asarray(jitted.read(other)), rtol=1e-5,
-                                           atol=1e-6)
+        assert_same_records(eager, jitted)
 
 
 def test_one_layers_weights_loaded_wrong_is_named_at_that_layer(work, reference):
