@@ -47,7 +47,9 @@ def test_faithful_port_passes_and_the_bias_bug_is_found_at_its_layer(traces):
     origin, info = found.origins[0], find(f"{tp.MODULE}:bug_bias_before_allreduce")
     assert (origin.site, origin.pass_, origin.role, origin.step) == (
         info.site, info.pass_, "output", 0)
-    assert origin.ranks is None  # proj's output is all-reduced: replicated, no rank's part
+    # proj's output is all-reduced: replicated, and the bias counts twice in every rank's copy
+    assert origin.ranks == [0, 1] and origin.shards.startswith("replicated")
+    assert "ranks 0, 1' copies" in describe_origin(origin)
     assert found.meta["gathered"]["world_size"] == 2
 
 

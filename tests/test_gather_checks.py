@@ -89,6 +89,7 @@ def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
 
     from layerdiff.compare.pair import PairReader
     from layerdiff.compare.rank_parts import _ranks_out
+    from layerdiff.trace.layout import Layout, Placement
 
     ref_values = np.array([[np.inf, 1.0], [2.0, 3.0]], dtype=np.float32)
     port_values = ref_values.copy()
@@ -103,7 +104,8 @@ def test_a_rank_whose_part_holds_equal_infinities_is_not_named(tmp_path):
                              role="output", arg="0", port_arg="0",
                              metrics={"rtol": 1.3e-6, "atol": 1e-5})
     with write("ref.h5", ref_values) as ref, write("port.h5", port_values) as port:
-        assert _ranks_out(origin, PairReader(ref, port), 0, 2) == [1]
+        split = Layout.one_dim(2, Placement("shard", 0))
+        assert _ranks_out(origin, PairReader(ref, port), split) == [1]
 
 
 @pytest.mark.parametrize("magnitude", [1e-200, 1.0, 1e160, 1e300])

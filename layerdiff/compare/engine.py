@@ -121,8 +121,7 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
                        seq_axis, base_trace, padding_mask)
         result.meta["warnings"] = said + result.meta["warnings"]
         if manifest is not None:
-            attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs),
-                         mapping)
+            attach_ranks(result.origins, PairReader(ref_trace, port_trace, result.pairs))
             result.meta["gathered"] = port_trace.meta["gathered"]
             result.meta["replicas"] = replicas
         return result

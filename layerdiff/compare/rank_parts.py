@@ -25,6 +25,7 @@ from layerdiff.mapping import Mapping
 from layerdiff.outputs import same_file
 from layerdiff.trace import Trace, open_trace, schema
 from layerdiff.trace.gather import gather, gather_key, gathered_path, up_to_date
+from layerdiff.trace.layout import Layout
 
 MAX_ELEMENTS = 1 << 24  # tensors read whole to place an error; beyond, the rank is not named
 
@@ -79,29 +80,53 @@ def replica_disagreement(manifest: Trace, mapping: Mapping) -> dict | None:
             "disagreeing": found.disagreeing}
 
 
-def attach_ranks(origins: list[R.Origin], reader: PairReader, mapping: Mapping) -> None:
-    """Set ``ranks`` on each origin whose port record was cut across ranks: the ranks whose
-    part holds out-of-tolerance elements (the pair read through ``reader``, as the diff
-    compared it)."""
+def attach_ranks(origins: list[R.Origin], reader: PairReader) -> None:
+    """Set ``ranks`` and ``shards`` on each origin of a gathered port: for a record whose parts
+    were joined (a ``[[shard]]`` rule, a DTensor's placements, the data-parallel batch), the
+    ranks whose part holds out-of-tolerance elements; for a replicated record, the ranks whose
+    own copy is out of tolerance (the diff compared rank 0's). The pair is read through
+    ``reader``, as the diff compared it."""
     port = reader.port
-    world = int((port.meta.get("gathered") or {}).get("world_size", 1))
+    gathered = port.meta.get("gathered") or {}
+    world = int(gathered.get("world_size", 1))
     if world < 2 or port.summary or reader.ref.summary:
         return
-    modules = dict(zip(port.sites["site"], port.sites["module"], strict=True))
+    joined = _joined_layouts(gathered)
     for origin in origins:
         site = origin.port_site or origin.site
-        module = modules.get(site) or schema.split_site(site)[0]
-        rule = mapping.shard_rule(module, origin.role, origin.port_arg)
-        if rule is None:
-            continue
-        with contextlib.suppress(LayerdiffError, ValueError):
-            origin.ranks = _ranks_out(origin, reader, rule.dim, world)
+        found = joined.get((site, origin.role, origin.port_arg))
+        with contextlib.suppress(LayerdiffError, ValueError, OSError):
+            if found is None:
+                origin.ranks = _copies_out(origin, reader, gathered.get("manifest"), world)
+                origin.shards = (f"replicated: each of the {world} ranks holds the whole "
+                                 "tensor; the diff compared rank 0's copy")
+                continue
+            layout, why = found
+            origin.ranks = _ranks_out(origin, reader, layout)
+            origin.shards = _shards_sentence(layout, why)
 
 
-def _ranks_out(origin: R.Origin, reader: PairReader, dim: int, world: int) -> list[int] | None:
-    """The ranks whose equal part along ``dim`` of the port's record holds an element out of
-    tolerance; None where the record is not the port's as stored (sliced or transposed: the
-    rule's dim is the stored layout's), or too large to read whole."""
+def _joined_layouts(gathered: dict) -> dict[tuple[str, str, str], tuple[Layout, str]]:
+    found = gathered.get("layouts") or {}
+    table = [(Layout.from_json(entry), str(entry.get("why", "")))
+             for entry in found.get("table", [])]
+    return {(site, role, arg): table[number]
+            for site, role, arg, number in found.get("records", [])}
+
+
+def _shards_sentence(layout: Layout, why: str) -> str:
+    """How the record lies on the ranks, and where it stands to their collectives."""
+    text = f"joined across the ranks: {layout.describe()} ({why})"
+    if layout.reduces:
+        return (text + "; the record is a partial result before its reduction across the "
+                "ranks (the all-reduce or reduce-scatter after it): every rank's term adds to "
+                "every element, so no one rank is named")
+    return text
+
+
+def _comparable(origin: R.Origin, reader: PairReader) -> tuple[np.ndarray, np.ndarray] | None:
+    """The origin's (reference, port) values as the diff compared them, when the port's are
+    its record as stored (not sliced, transposed or converted) and small enough to read."""
     row = origin_row(origin)
     ref_row, port_row = reader.records(row)
     plan = reader.plan(row)
@@ -110,11 +135,61 @@ def _ranks_out(origin: R.Origin, reader: PairReader, dim: int, world: int) -> li
             plan is not None and (plan.ref_slice or plan.port_slice or plan.transpose_port
                                   or plan.match == "converted")):
         return None
-    ref_values, port_values = reader.read(row)  # float64, the port's gradients rescaled
-    dim %= max(ref_values.ndim, 1)
-    if ref_values.ndim == 0 or ref_values.shape[dim] % world:
-        return None
+    return reader.read(row)  # float64, the port's gradients rescaled
+
+
+def _out(origin: R.Origin, ref_values: np.ndarray, port_values: np.ndarray) -> np.ndarray:
     rtol, atol = (float(origin.metrics.get(k) or 0.0) for k in ("rtol", "atol"))
-    out = ~(judge.element_ratios(ref_values, port_values, rtol, atol) <= 1.0)  # the one rule
-    parts = np.split(np.moveaxis(out, dim, 0), world)
-    return [rank for rank, part in enumerate(parts) if part.any()]
+    return ~(judge.element_ratios(ref_values, port_values, rtol, atol) <= 1.0)  # the one rule
+
+
+def _ranks_out(origin: R.Origin, reader: PairReader, layout: Layout) -> list[int] | None:
+    """The ranks whose part of the joined record holds an element out of tolerance; None
+    where no part is one rank's alone (partial terms) or the record cannot be read as
+    stored."""
+    values = _comparable(origin, reader)
+    if values is None:
+        return None
+    out = _out(origin, *values)
+    found = []
+    for rank in layout.ranks:
+        index = layout.part_index(rank, out.shape)
+        if index is None:
+            return None
+        if out[np.ix_(*index)].any():
+            found.append(rank)
+    return found
+
+
+def _copies_out(origin: R.Origin, reader: PairReader, manifest: str | None,
+                world: int) -> list[int] | None:
+    """The ranks whose own copy of a replicated record is out of tolerance against the
+    reference (rank 0's is the one the diff compared)."""
+    values = _comparable(origin, reader)
+    if values is None or not manifest:
+        return None
+    ref_values, port_values = values
+    found = [0] if _out(origin, ref_values, port_values).any() else []
+    row = origin_row(origin)
+    _, port_row = reader.records(row)
+    with open_trace(manifest) as ranks:
+        paths = ranks.rank_paths
+    for rank, path in enumerate(paths[1:world], start=1):
+        with open_trace(path) as trace:
+            index = trace.index
+            match = index[(index["step"] == port_row["step"]) & (index["pass"] == port_row[
+                "pass"]) & (index["site"] == port_row["site"]) & (index["role"] == port_row[
+                    "role"]) & (index["arg"] == port_row["arg"])]
+            if match.empty:
+                continue
+            copy = match.iloc[0]
+            if copy["digest"] and copy["digest"] == port_row["digest"]:
+                wrong = bool(found and found[0] == 0)  # rank 0's bytes: rank 0's verdict
+            else:
+                values = trace.read(copy).astype(np.float64).reshape(port_values.shape)
+                if origin.role in schema.GRAD_ROLES:
+                    values = values * reader.grad_factor  # at the reference's loss scale
+                wrong = bool(_out(origin, ref_values, values).any())
+            if wrong:
+                found.append(rank)
+    return found

@@ -101,6 +101,9 @@ class Origin:
     hint: dict[str, str] | None = None
     # a multi-rank port's record cut across ranks: the ranks whose part holds the error
     ranks: list[int] | None = None
+    # how the port's record lies on the ranks, and where it stands to their collectives
+    # (compare/rank_parts.py); "" for a one-process port
+    shards: str = ""
     # how an op site was paired with a port op of another name: by position, or as a group
     # (see layerdiff.compare.op_alignment); "" when names paired it
     pairing: str = ""

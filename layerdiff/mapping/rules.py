@@ -159,9 +159,11 @@ class ParamRule:
 class ShardRule:
     site: Pattern        # over the port's module paths
     tensor: str          # parameter name, "input", "output", or "input.<arg>" / "output.<arg>"
-    dim: int             # may count from the end (-1: the last dimension)
+    dim: int | None      # may count from the end (-1: the last dimension); None: partial
     line: int | None
     number: int = 0
+    layout: str = "split"  # split | zigzag | partial | replicate | experts (SHARD_LAYOUTS)
+    experts: tuple[tuple[int, ...], ...] = ()  # experts: the expert indices rank r holds
 
     def covers(self, module: str, role: str, arg: str) -> bool:
         if self.site.match(module) is None:
@@ -173,8 +175,10 @@ class ShardRule:
         return side is not None and self.tensor in (side, f"{side}.{arg}")
 
     def describe(self) -> str:
-        return f"shard rule {self.number} (line {self.line}: {self.site.text} {self.tensor} " \
-               f"dim {self.dim})"
+        words = [self.site.text, self.tensor]
+        words += [] if self.layout == "split" else [self.layout]
+        words += [] if self.dim is None else [f"dim {self.dim}"]
+        return f"shard rule {self.number} (line {self.line}: {' '.join(words)})"
 
 
 @dataclass
@@ -524,18 +528,46 @@ def _add_unmatched(mapping: Mapping, config: ConfigFile, entry: dict, number: in
     target.append((_string(config, entry, side, where, line), str(why)))
 
 
+SHARD_LAYOUTS = ("split", "zigzag", "partial", "replicate", "experts")
+
+
 def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> ShardRule:
     where = f"shard rule {number}"
-    config.check_keys(entry, {"site", "tensor", "dim"}, where, line)
+    config.check_keys(entry, {"site", "tensor", "dim", "layout", "experts"}, where, line)
     site, tensor = (_string(config, entry, key, where, line) for key in ("site", "tensor"))
     if "#" in site:
         config.fail(f"{where}: site '{site}' names a call; shard rules take module paths "
                     "(a glob such as 'blocks.*.mlp.fc'), the same for every call", line)
+    layout = entry.get("layout", "split")
+    if layout not in SHARD_LAYOUTS:
+        config.fail(f"{where}: layout {layout!r} is not one of {', '.join(SHARD_LAYOUTS)} "
+                    "(docs/distributed.md says what each means)", line)
     dim = entry.get("dim")
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    if layout in ("partial", "replicate"):
+        if dim is not None:
+            config.fail(f"{where}: a {layout} tensor is not cut along a dim; remove 'dim'", line)
+    elif not isinstance(dim, int) or isinstance(dim, bool):
         config.fail(f"{where} needs 'dim' as an integer (the dimension the ranks' parts are "
                     f"joined along; -1 for the last), got {dim!r}", line)
-    return ShardRule(Pattern(site), tensor, dim, line, number)
+    experts = entry.get("experts")
+    if (layout == "experts") != (experts is not None):
+        config.fail(f"{where}: " + ("layout = \"experts\" needs 'experts', the expert indices "
+                                    "each rank holds in order ([[0, 2], [1, 3]])"
+                                    if layout == "experts" else
+                                    "'experts' goes with layout = \"experts\""), line)
+    held: tuple[tuple[int, ...], ...] = ()
+    if experts is not None:
+        if not (isinstance(experts, list) and experts and all(
+                isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                              for i in ids) for ids in experts)):
+            config.fail(f"{where}: 'experts' lists, for each rank in order, the expert indices "
+                        f"it holds ([[0, 2], [1, 3]]); got {experts!r}", line)
+        held = tuple(tuple(ids) for ids in experts)
+        counted = sorted(i for ids in held for i in ids)
+        if counted != list(range(len(counted))):
+            config.fail(f"{where}: 'experts' must hold each of experts 0..{len(counted) - 1} on "
+                        f"exactly one rank; it holds {counted}", line)
+    return ShardRule(Pattern(site), tensor, dim, line, number, layout, held)
 
 
 def _router_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> RouterRule:

@@ -214,7 +214,7 @@ def _origin_details(origin: Origin, width: int) -> list[str]:
         inside = len(batch) - len(out)
         lines.append(f"batch elements out of tolerance: {ranges(out) or 'none'} "
                      f"({inside} of {len(batch)} within)")
-    lines += list(filter(None, [position_line(origin.positions)]))
+    lines += list(filter(None, [position_line(origin.positions), origin.shards]))
     if origin.holders:
         lines.append(f"inside {', '.join(origin.holders)}")
     if m.get("note"):

@@ -36,21 +36,22 @@ import numpy as np
 import pandas as pd
 
 from layerdiff.errors import TraceError
-from layerdiff.mapping import Mapping, ShardRule
+from layerdiff.mapping import Mapping
 from layerdiff.trace import schema
 from layerdiff.trace.companions import gathered_path  # noqa: F401  (imported from here too)
 from layerdiff.trace.digest import DIGEST_NAME, digest_bytes
 from layerdiff.trace.h5file import TraceFile
+from layerdiff.trace.joins import Join, differs, layout_error, plan_joins, record_key
+from layerdiff.trace.layout import LayoutError, scaled_bits
 from layerdiff.trace.reader import Trace, open_trace
 from layerdiff.trace.stats import Stats, tensor_stats
 from layerdiff.trace.verify import describe
 
 PRODUCER = "layerdiff.gather"
-GATHER_VERSION = 2  # raise when a gathered trace's contents change: kept ones are then redone
+GATHER_VERSION = 3  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
 _KEY = ["step", "pass", "site", "role", "arg"]
-_STAT_COLUMNS = ("min", "max", "mean", "std", "l2", "nan", "inf", "digest")
 
 
 @dataclass
@@ -70,7 +71,7 @@ def gather_key(manifest: Trace, mapping: Mapping) -> str:
     """What a gathered trace was made from: the rank files (their table and meta digests, which
     the manifest records and checks each rank file against), the rules, and how this version
     of gather joins them."""
-    rules = [(r.site.text, r.tensor, r.dim) for r in mapping.shard_rules]
+    rules = [(r.site.text, r.tensor, r.dim, r.layout, r.experts) for r in mapping.shard_rules]
     text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules], sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -116,9 +117,9 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
-        rules = [_rule(mapping, modules, row) for row in index.itertuples(index=False)]
-        cut = [i for i, rule in enumerate(rules) if rule is not None]
         lookups = [_lookup(rank.index) for rank in ranks]
+        joins = plan_joins(ranks, index, modules, mapping, lookups)
+        cut = [i for i, join in enumerate(joins) if join is not None]
         if not cut and len(ranks) > 1:
             notes.append(_all_replicated(ranks, index, lookups, modules, mapping, source))
         checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
@@ -128,19 +129,24 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         meta["gathered"] = {
             "manifest": str(source), "world_size": len(ranks), "mapping": mapping.name,
             "rules": [rule.describe() for rule in mapping.shard_rules],
-            "sharded_records": len(cut), "key": key}  # what up_to_date compares
+            "sharded_records": len(cut), "key": key,  # what up_to_date compares
+            "layouts": _layouts_used(index, joins)}  # where each record's parts lie
         meta["world_size"] = 1
         meta["tensor_digest"] = DIGEST_NAME  # joined records are digested here
         writer = _Packer(TraceFile(output, meta, first.summary))
         try:
-            rows = []
+            rows, dropped = [], 0
             total = len(index)
-            for number, (row, rule) in enumerate(zip(index.to_dict("records"), rules,
+            for number, (row, join) in enumerate(zip(index.to_dict("records"), joins,
                                                      strict=True)):
-                if rule is None:
+                if join is None:
                     rows.append(writer.copy(row, first))
                 else:
-                    rows.append(writer.join(row, rule, ranks, lookups))
+                    joined = writer.join(row, join, ranks, lookups)
+                    if joined is None:
+                        dropped += 1
+                    else:
+                        rows.append(joined)
                 if progress is not None and number % 64 == 0:
                     progress(number, total)
             writer.finish(rows, first.sites)
@@ -151,7 +157,11 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
             raise
         if progress is not None:
             progress(total, total)
-    used = {id(rule) for rule in rules if rule is not None}
+    if dropped:
+        notes.append(f"{dropped} record(s) of {source} are partial sums in summary rank files: "
+                     "a sum's statistics cannot be combined from its terms', so they are left "
+                     "out of the gathered trace (capture without --summary to compare them)")
+    used = {id(join.rule) for join in joins if join is not None and join.rule is not None}
     unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
               "module paths) and tensor name"
               for rule in mapping.shard_rules if id(rule) not in used]
@@ -179,36 +189,12 @@ def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[
             if position is None:
                 continue  # no evidence of a cut: a record missing on a rank stays rank 0's
             other = rows[rank][position]
-            how = _differs(ranks[0], row, ranks[rank], other, rank)
+            how = differs(ranks[0], row, ranks[rank], other, rank)
             if how:
                 raise TraceError(_unjoined(row, other, how, modules, mapping, source))
     return (f"every record of {source} is the same on all {len(ranks)} ranks (shape, dtype, "
             "digest): nothing is cut across ranks, and the gathered trace is rank 0's copies, "
             "which are the whole tensors")
-
-
-def _differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
-             rank: int) -> str:
-    """How rank ``rank``'s copy of a record differs from rank 0's, or ''."""
-    if other["shape"] != row["shape"]:
-        return f"shape ({row['shape']}) on rank 0, ({other['shape']}) on rank {rank}"
-    if other["dtype"] != row["dtype"]:
-        return f"{row['dtype']} on rank 0, {other['dtype']} on rank {rank}"
-    if (row["digest"] and other["digest"]
-            and first.digest_algorithm == trace.digest_algorithm):
-        same = row["digest"] == other["digest"]
-    elif row["segment"] >= 0 and other["segment"] >= 0:
-        same = np.array_equal(first.read(pd.Series(row), raw=True).reshape(-1).view(np.uint8),
-                              trace.read(pd.Series(other), raw=True).reshape(-1).view(
-                                  np.uint8))
-    else:  # summaries without digests: their statistics
-        same = all(_same_number(row[c], other[c]) for c in _STAT_COLUMNS if c != "digest")
-    return "" if same else f"its values differ on rank {rank}"
-
-
-def _same_number(a: Any, b: Any) -> bool:
-    return bool(a == b) or (isinstance(a, float) and isinstance(b, float)
-                            and math.isnan(a) and math.isnan(b))
 
 
 def _unjoined(row: dict[str, Any], other: dict[str, Any], how: str, modules: dict[str, str],
@@ -344,16 +330,28 @@ def _modules(sites: pd.DataFrame) -> dict[str, str]:
     return dict(zip(sites["site"], sites["module"], strict=True))
 
 
-def _rule(mapping: Mapping, modules: dict[str, str], row: Any) -> ShardRule | None:
-    if row.kind != "tensor":
-        return None
-    module = modules.get(row.site) or schema.split_site(row.site)[0]
-    return mapping.shard_rule(module, row.role, row.arg)
-
-
 def _lookup(index: pd.DataFrame) -> dict[tuple, int]:
     keys = zip(*(index[column] for column in _KEY), strict=True)
     return {(int(k[0]), *k[1:]): position for position, k in enumerate(keys)}
+
+
+def _layouts_used(index: pd.DataFrame, joins: list[Join | None]) -> dict[str, list]:
+    """The gathered trace's record of how each joined record's parts lay on the ranks (the
+    form of a capture's ``layouts``, with why and the scale): the diff names ranks from it."""
+    table: list[dict[str, Any]] = []
+    numbers: dict[str, int] = {}
+    records, seen = [], set()
+    for row, join in zip(index.to_dict("records"), joins, strict=True):
+        if join is None or (row["site"], row["role"], row["arg"]) in seen:
+            continue
+        seen.add((row["site"], row["role"], row["arg"]))
+        entry = join.to_json()
+        text = json.dumps(entry, sort_keys=True)
+        if text not in numbers:
+            numbers[text] = len(table)
+            table.append(entry)
+        records.append([row["site"], row["role"], row["arg"], numbers[text]])
+    return {"table": table, "records": records}
 
 
 class _Packer:
@@ -396,41 +394,56 @@ class _Packer:
         segment, offset = self._place(raw.reshape(-1).view(np.uint8))
         return {**row, "segment": segment, "offset": offset}
 
-    def join(self, row: dict[str, Any], rule: ShardRule, ranks: list[Trace],
-             lookups: list[dict[tuple, int]]) -> dict[str, Any]:
-        key = (int(row["step"]), row["pass"], row["site"], row["role"], row["arg"])
-        parts = []
-        for rank, (trace, lookup) in enumerate(zip(ranks, lookups, strict=True)):
-            position = lookup.get(key)
+    def join(self, row: dict[str, Any], join: Join, ranks: list[Trace],
+             lookups: list[dict[tuple, int]]) -> dict[str, Any] | None:
+        """The record joined from the ranks' parts as ``join`` says; None for a summary's
+        partial sum (its statistics cannot be combined from its terms')."""
+        key = record_key(row)
+        parts = {}
+        for rank in join.layout.ranks:
+            position = lookups[rank].get(key) if rank < len(lookups) else None
             if position is None:
-                raise TraceError(f"{trace.path}: rank {rank} has no {describe(row)}, which rank "
-                                 f"0 has and {rule.describe()} cuts across ranks; the ranks ran "
-                                 "different code: capture them again")
-            parts.append(trace.index.iloc[position])
-        shapes = [schema.parse_shape(part["shape"]) for part in parts]
-        dim = _dim(rule, shapes[0], row, ranks[0].path)
-        for rank, (part, shape) in enumerate(zip(parts, shapes, strict=True)):
-            if part["dtype"] != row["dtype"] or len(shape) != len(shapes[0]) or any(
-                    a != b for axis, (a, b) in enumerate(zip(shape, shapes[0], strict=True))
-                    if axis != dim):
-                raise TraceError(
-                    f"{ranks[rank].path}: rank {rank}'s {describe(row)} is {part['dtype']} "
-                    f"{tuple(shape)} and rank 0's {row['dtype']} {tuple(shapes[0])}; "
-                    f"{rule.describe()} joins parts that differ only along dim {rule.dim}: "
-                    "check the rule's dim")
-        shape = list(shapes[0])
-        shape[dim] = sum(s[dim] for s in shapes)
-        numel = math.prod(shape)
-        itemsize = schema.numpy_dtype(row["dtype"]).itemsize
-        joined = {**row, "shape": schema.format_shape(tuple(shape)), "numel": numel,
-                  "nbytes": numel * itemsize}
+                raise TraceError(f"{ranks[min(rank, len(ranks) - 1)].path}: rank {rank} has no "
+                                 f"{describe(row)}, which rank 0 has and {join.why} cuts "
+                                 "across ranks; the ranks ran different code: capture them "
+                                 "again")
+            part = ranks[rank].index.iloc[position]
+            if part["dtype"] != row["dtype"]:
+                raise TraceError(f"{ranks[rank].path}: rank {rank}'s {describe(row)} is "
+                                 f"{part['dtype']} and rank 0's {row['dtype']}; parts of one "
+                                 f"tensor ({join.why}) have one dtype")
+            parts[rank] = part
         if row["segment"] < 0:  # summary: statistics combined, no data
-            return {**joined, **_combined(parts)}
-        arrays = [trace.read(part, raw=True) for trace, part in zip(ranks, parts, strict=True)]
-        whole = np.ascontiguousarray(np.concatenate(arrays, axis=dim))
+            if join.layout.reduces:
+                return None
+            shapes = {rank: np.empty(schema.parse_shape(p["shape"]), np.bool_)
+                      for rank, p in parts.items()}
+            whole = self._unshard(join, shapes, "bool", row, ranks)
+            combined = Stats(*_combined(list(parts.values())).values())
+            return {**self._shaped(row, whole.shape), **_scaled(combined, join.scale)._asdict()}
+        arrays = {rank: ranks[rank].read(part, raw=True) for rank, part in parts.items()}
+        whole = self._unshard(join, arrays, row["dtype"], row, ranks)
+        if join.scale != 1.0:
+            whole = scaled_bits(whole, row["dtype"], join.scale)
         stats = tensor_stats(whole, row["dtype"])
         segment, offset = self._place(whole.reshape(-1).view(np.uint8))
-        return {**joined, **stats._asdict(), "segment": segment, "offset": offset}
+        return {**self._shaped(row, whole.shape), **stats._asdict(), "segment": segment,
+                "offset": offset}
+
+    @staticmethod
+    def _unshard(join: Join, parts: dict[int, np.ndarray], dtype: str, row: dict[str, Any],
+                 ranks: list[Trace]) -> np.ndarray:
+        try:
+            return join.layout.unshard(parts, dtype)
+        except LayoutError as error:
+            raise layout_error(error, ranks[0].path, row, join) from None
+
+    @staticmethod
+    def _shaped(row: dict[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+        numel = math.prod(shape)
+        itemsize = schema.numpy_dtype(row["dtype"]).itemsize
+        return {**row, "shape": schema.format_shape(tuple(shape)), "numel": numel,
+                "nbytes": numel * itemsize}
 
     def finish(self, rows: list[dict[str, Any]], sites: pd.DataFrame) -> None:
         self._flush()
@@ -440,12 +453,12 @@ class _Packer:
                               {name: sites[name].tolist() for name in schema.SITES_COLUMNS})
 
 
-def _dim(rule: ShardRule, shape: tuple[int, ...], row: dict[str, Any], path: Path) -> int:
-    if not -len(shape) <= rule.dim < len(shape):
-        raise TraceError(f"{path}: {rule.describe()} cuts {describe(row)} along dim {rule.dim}, "
-                         f"but it has {len(shape)} dimension(s) {tuple(shape)}; fix the rule's "
-                         "dim or narrow its tensor (e.g. 'input.0')")
-    return rule.dim % len(shape)
+def _scaled(found: Stats, scale: float) -> Stats:
+    """Statistics of the whole multiplied by ``scale`` (> 0)."""
+    if scale == 1.0:
+        return found
+    return found._replace(min=found.min * scale, max=found.max * scale,
+                          mean=found.mean * scale, std=found.std * scale, l2=found.l2 * scale)
 
 
 def _combined(parts: list[pd.Series]) -> dict[str, Any]:

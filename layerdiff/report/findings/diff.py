@@ -29,9 +29,11 @@ def describe_origin(origin: Origin, *, port_name: bool = True) -> str:
             else f": {note.split(' (')[0]}" if note.startswith(DECISION_DIFFERS)
             else ": not finite" if ratio is not None else "")
     arg = "" if origin.arg == "0" else f" '{origin.arg}'"
+    one, many = ("copy", "copies") if origin.shards.startswith("replicated") else (
+        "part", "parts")
     ranks = "" if not origin.ranks else (
-        f", rank {origin.ranks[0]}'s part" if len(origin.ranks) == 1
-        else f", ranks {', '.join(map(str, origin.ranks))}' parts")
+        f", rank {origin.ranks[0]}'s {one}" if len(origin.ranks) == 1
+        else f", ranks {', '.join(map(str, origin.ranks))}' {many}")
     return f"{where}, {origin.pass_} {origin.role}{arg}, step {origin.step}{ranks}{size}"
 
 

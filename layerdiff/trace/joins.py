@@ -1,0 +1,193 @@
+"""Which layout joins each record of a multi-rank capture, and why.
+
+Three sources, the first that speaks wins:
+
+1. a ``[[shard]]`` rule of the mapping (the user's declaration: it also corrects the others);
+2. the layout the capture recorded for a DTensor (rank meta ``layouts``: its mesh and
+   placements, so FSDP2 and ``parallelize_module`` ports need no rule);
+3. data parallelism the capture saw (FSDP2, DDP; rank meta ``data_parallel``): each rank ran
+   its part of the batch. A record that differs across the ranks is cut along dim 0 in rank
+   order; the loss, each rank's mean over its part, is a term of the whole's; a gradient of a
+   tensor every rank holds whole (a position embedding's output) is a sum of the ranks' terms.
+   Every rank's loss stands for 1/f of the whole's (f the gradient divide factor, by default
+   the data-parallel size, that makes the averaged weight gradients the whole batch's), so the
+   loss and the gradients of the activations are divided by f after the join. A record the
+   same on every rank is rank 0's copy.
+
+Records none of these cut are rank 0's copies (replicated). No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerdiff.errors import TraceError
+from layerdiff.mapping import Mapping, ShardRule
+from layerdiff.trace import schema
+from layerdiff.trace.layout import Layout, LayoutError, Placement
+from layerdiff.trace.reader import Trace
+
+STAT_COLUMNS = ("min", "max", "mean", "std", "l2", "nan", "inf", "digest")
+_ACTIVATIONS = ("input", "output", "grad_input", "grad_output")
+_FORWARD_OF = {"grad_input": "input", "grad_output": "output"}
+
+
+@dataclass(frozen=True)
+class Join:
+    """How one record's parts are joined: the layout, where it came from, and a factor the
+    whole is multiplied by (data-parallel gradients: 1/f)."""
+
+    layout: Layout
+    why: str
+    scale: float = 1.0
+    rule: ShardRule | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.layout.to_json(), "why": self.why, "scale": self.scale}
+
+
+def record_key(row: Any) -> tuple:
+    return (int(row["step"]), row["pass"], row["site"], row["role"], row["arg"])
+
+
+def rule_layout(rule: ShardRule, world: int) -> Layout:
+    """A ``[[shard]]`` rule as a layout over every rank of a ``world``-rank job."""
+    kind = {"split": "shard"}.get(rule.layout, rule.layout)
+    if kind == "experts" and len(rule.experts) != world:
+        raise TraceError(f"{rule.describe()} lists the experts of {len(rule.experts)} ranks; "
+                         f"the capture has {world}: write the list for {world} ranks")
+    return Layout.one_dim(world, Placement(kind, rule.dim if kind not in (
+        "partial", "replicate") else None, experts=rule.experts))
+
+
+def recorded_layouts(trace: Trace) -> dict[tuple[str, str, str], Layout]:
+    """The DTensor layouts a rank file's capture recorded, by (site, role, arg)."""
+    found = trace.meta.get("layouts")
+    if not found:
+        return {}
+    try:
+        table = [Layout.from_json(entry) for entry in found["table"]]
+        return {(str(site), str(role), str(arg)): table[int(number)]
+                for site, role, arg, number in found["records"]}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise TraceError(f"{trace.path}: the layouts its capture recorded cannot be read "
+                         f"({exc}); capture it again") from exc
+
+
+def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
+               mapping: Mapping, lookups: list[dict[tuple, int]]) -> list[Join | None]:
+    """For each row of rank 0's ``index`` (in its order), how its parts join, or None: rank
+    0's copy is the whole."""
+    world = len(ranks)
+    recorded = recorded_layouts(ranks[0])
+    data = _DataParallel.of(ranks, index, lookups) if world > 1 else None
+    rows = index.to_dict("records")
+    joins: list[Join | None] = []
+    split: dict[tuple, bool] = {}  # data parallel: (step, site, forward role, arg) -> cut
+    for row in rows:
+        join = None
+        if row["kind"] == "tensor":
+            module = modules.get(row["site"]) or schema.split_site(row["site"])[0]
+            rule = mapping.shard_rule(module, row["role"], row["arg"])
+            layout = recorded.get((row["site"], row["role"], row["arg"]))
+            if rule is not None:
+                join = None if rule.layout == "replicate" else Join(
+                    rule_layout(rule, world), rule.describe(), rule=rule)
+            elif layout is not None:
+                join = None if layout.replicated else Join(
+                    layout, "the DTensor placements recorded at capture")
+            elif data is not None:
+                join = data.join(row, split)
+        joins.append(join)
+    return joins
+
+
+class _DataParallel:
+    """The batch split of a data-parallel capture (see the module docstring)."""
+
+    def __init__(self, ranks: list[Trace], lookups: list[dict[tuple, int]],
+                 factor: float) -> None:
+        self.ranks, self.lookups, self.factor = ranks, lookups, factor
+        self.rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]
+        self.world = len(ranks)
+
+    @classmethod
+    def of(cls, ranks: list[Trace], index: pd.DataFrame,
+           lookups: list[dict[tuple, int]]) -> _DataParallel | None:
+        seen = ranks[0].meta.get("data_parallel")
+        if not isinstance(seen, dict) or sorted(seen.get("ranks") or []) != list(
+                range(len(ranks))):
+            return None  # none seen, or a data-parallel group that is not the whole world
+        factor = seen.get("gradient_divide_factor") or len(ranks)
+        return cls(ranks, lookups, float(factor))
+
+    def differs(self, row: dict[str, Any]) -> bool:
+        key = record_key(row)
+        for rank in range(1, self.world):
+            position = self.lookups[rank].get(key)
+            if position is not None and differs(self.ranks[0], row, self.ranks[rank],
+                                                self.rows[rank][position], rank):
+                return True
+        return False
+
+    def join(self, row: dict[str, Any], split: dict[tuple, bool]) -> Join | None:
+        role = row["role"]
+        if role not in _ACTIVATIONS:
+            return None  # weights and their gradients: the capture's layouts or replicated
+        backward = role in _FORWARD_OF
+        if row["site"] == schema.LOSS_SITE:
+            return self._join(Placement("partial"), "each rank's loss over its part of the "
+                              "batch", 1.0 / self.factor) if self.differs(row) else None
+        if not backward:
+            cut = self.differs(row) and bool(schema.parse_shape(row["shape"]))
+            split[(int(row["step"]), row["site"], role, row["arg"])] = cut
+            return self._join(Placement("shard", 0), "the data-parallel batch") if cut else None
+        forward = split.get((int(row["step"]), row["site"], _FORWARD_OF[role], row["arg"]))
+        if forward:
+            return self._join(Placement("shard", 0), "the data-parallel batch", 1 / self.factor)
+        if self.differs(row):  # the gradient of a tensor every rank holds whole
+            return self._join(Placement("partial"), "the gradient terms of the data-parallel "
+                              "batch", 1.0 / self.factor)
+        return None
+
+    def _join(self, placement: Placement, why: str, scale: float = 1.0) -> Join:
+        layout = Layout((self.world,), tuple(range(self.world)), (placement,), ("data parallel",))
+        scaled = f", divided by {self.factor:g} (the gradient divide factor)" if scale != 1 else ""
+        return Join(layout, f"{why} (data parallel over {self.world} ranks{scaled})", scale)
+
+
+def differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
+            rank: int) -> str:
+    """How rank ``rank``'s copy of a record differs from rank 0's, or ''."""
+    if other["shape"] != row["shape"]:
+        return f"shape ({row['shape']}) on rank 0, ({other['shape']}) on rank {rank}"
+    if other["dtype"] != row["dtype"]:
+        return f"{row['dtype']} on rank 0, {other['dtype']} on rank {rank}"
+    if (row["digest"] and other["digest"]
+            and first.digest_algorithm == trace.digest_algorithm):
+        same = row["digest"] == other["digest"]
+    elif row["segment"] >= 0 and other["segment"] >= 0:
+        same = np.array_equal(first.read(pd.Series(row), raw=True).reshape(-1).view(np.uint8),
+                              trace.read(pd.Series(other), raw=True).reshape(-1).view(
+                                  np.uint8))
+    else:  # summaries without digests: their statistics
+        same = all(_same_number(row[c], other[c]) for c in STAT_COLUMNS if c != "digest")
+    return "" if same else f"its values differ on rank {rank}"
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float)
+                            and math.isnan(a) and math.isnan(b))
+
+
+def layout_error(error: LayoutError, path: Any, row: dict[str, Any], join: Join) -> TraceError:
+    """A join that failed, in one sentence naming the record and where its layout came from."""
+    from layerdiff.trace.verify import describe
+
+    return TraceError(f"{path}: {describe(row)} cannot be joined as {join.layout.describe()} "
+                      f"({join.why}): {error}; check the layout (docs/distributed.md)")
