@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from layerdiff.compare.tolerances import DEFAULTS, Tolerance, Tolerances
 from layerdiff.errors import TraceError
 from layerdiff.mapping import Mapping
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.joins import plan_joins, record_key, record_lookup
 from layerdiff.trace.stats import record_rms
 
 Progress = Callable[[int, int], None]  # (records done, records in all)
@@ -241,17 +241,18 @@ class _Comparer:
         self.progress = progress
         self.read = self.within = 0
         self.done = self.total = 0
-        self.used_rules: set[int] = set()
         self.scratch = Scratch()  # one set of metric work arrays for every pair
 
-        @cache
-        def covered(module: str, role: str, arg: str) -> bool:
-            rule = mapping.shard_rule(module, role, arg)
-            if rule is not None:
-                self.used_rules.add(id(rule))
-            return rule is not None
-
-        self._covered = covered
+        # what gather joins (a [[shard]] rule, a DTensor's recorded placements, the data-
+        # parallel batch) is not expected to agree across ranks; everything else is
+        first = ranks[0]
+        index = first.index.sort_values("seq", kind="stable")
+        plan = plan_joins(ranks, index, dict(zip(first.sites["site"], first.sites["module"],
+                                                 strict=True)), mapping,
+                          [record_lookup(trace.index) for trace in ranks])
+        self.joined = {record_key(row) for row, join in zip(index.to_dict("records"),
+                                                            plan.joins, strict=True) if join}
+        self.used_rules = plan.used_rules
 
     def run(self) -> RanksResult:
         base = self._keyed(self.ranks[0])
@@ -322,11 +323,10 @@ class _Comparer:
             frame["digest"] = ""  # digests of another definition: compare the bytes
         frame["pos"] = np.arange(len(index))
         frame["occurrence"] = frame.groupby(KEY, sort=False).cumcount()
-        modules = dict(zip(trace.sites["site"], trace.sites["module"], strict=True))
         frame["sharded"] = [
-            self._covered(modules.get(site) or schema.split_site(site)[0], role, arg)
-            for site, role, arg in zip(frame["site"], frame["role"], frame["arg"],
-                                       strict=True)]
+            (int(step), pass_, site, role, arg) in self.joined
+            for step, pass_, site, role, arg in zip(frame["step"], frame["pass"], frame["site"],
+                                                    frame["role"], frame["arg"], strict=True)]
         return frame
 
     def _compare(self, rank: int, base: pd.DataFrame, extra: set[tuple]) -> list[dict]:

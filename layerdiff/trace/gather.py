@@ -41,7 +41,14 @@ from layerdiff.trace import schema
 from layerdiff.trace.companions import gathered_path  # noqa: F401  (imported from here too)
 from layerdiff.trace.digest import DIGEST_NAME, digest_bytes
 from layerdiff.trace.h5file import TraceFile
-from layerdiff.trace.joins import Join, differs, layout_error, plan_joins, record_key
+from layerdiff.trace.joins import (
+    Join,
+    differs,
+    layout_error,
+    plan_joins,
+    record_key,
+    record_lookup,
+)
 from layerdiff.trace.layout import LayoutError, scaled_bits
 from layerdiff.trace.reader import Trace, open_trace
 from layerdiff.trace.stats import Stats, tensor_stats
@@ -51,7 +58,6 @@ PRODUCER = "layerdiff.gather"
 GATHER_VERSION = 3  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
-_KEY = ["step", "pass", "site", "role", "arg"]
 
 
 @dataclass
@@ -117,8 +123,9 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
-        lookups = [_lookup(rank.index) for rank in ranks]
-        joins = plan_joins(ranks, index, modules, mapping, lookups)
+        lookups = [record_lookup(rank.index) for rank in ranks]
+        plan = plan_joins(ranks, index, modules, mapping, lookups)
+        joins = plan.joins
         cut = [i for i, join in enumerate(joins) if join is not None]
         if not cut and len(ranks) > 1:
             notes.append(_all_replicated(ranks, index, lookups, modules, mapping, source))
@@ -161,7 +168,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         notes.append(f"{dropped} record(s) of {source} are partial sums in summary rank files: "
                      "a sum's statistics cannot be combined from its terms', so they are left "
                      "out of the gathered trace (capture without --summary to compare them)")
-    used = {id(join.rule) for join in joins if join is not None and join.rule is not None}
+    used = plan.used_rules
     unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
               "module paths) and tensor name"
               for rule in mapping.shard_rules if id(rule) not in used]
@@ -328,11 +335,6 @@ class _opened:
 
 def _modules(sites: pd.DataFrame) -> dict[str, str]:
     return dict(zip(sites["site"], sites["module"], strict=True))
-
-
-def _lookup(index: pd.DataFrame) -> dict[tuple, int]:
-    keys = zip(*(index[column] for column in _KEY), strict=True)
-    return {(int(k[0]), *k[1:]): position for position, k in enumerate(keys)}
 
 
 def _layouts_used(index: pd.DataFrame, joins: list[Join | None]) -> dict[str, list]:

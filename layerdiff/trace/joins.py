@@ -79,15 +79,30 @@ def recorded_layouts(trace: Trace) -> dict[tuple[str, str, str], Layout]:
                          f"({exc}); capture it again") from exc
 
 
+@dataclass
+class JoinPlan:
+    """For each row of rank 0's index (in its order), how its parts join, or None: rank 0's
+    copy is the whole; and the ``[[shard]]`` rules that decided some record (by ``id``)."""
+
+    joins: list[Join | None]
+    used_rules: set[int]
+
+
+def record_lookup(index: pd.DataFrame) -> dict[tuple, int]:
+    """A rank file's index positions by :func:`record_key`."""
+    keys = zip(*(index[column] for column in ("step", "pass", "site", "role", "arg")),
+               strict=True)
+    return {(int(k[0]), *k[1:]): position for position, k in enumerate(keys)}
+
+
 def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
-               mapping: Mapping, lookups: list[dict[tuple, int]]) -> list[Join | None]:
-    """For each row of rank 0's ``index`` (in its order), how its parts join, or None: rank
-    0's copy is the whole."""
+               mapping: Mapping, lookups: list[dict[tuple, int]]) -> JoinPlan:
+    """How each row of rank 0's ``index`` (sorted by seq) is joined from the ranks' parts."""
     world = len(ranks)
     recorded = recorded_layouts(ranks[0])
     data = _DataParallel.of(ranks, index, lookups) if world > 1 else None
     rows = index.to_dict("records")
-    joins: list[Join | None] = []
+    plan = JoinPlan([], set())
     split: dict[tuple, bool] = {}  # data parallel: (step, site, forward role, arg) -> cut
     for row in rows:
         join = None
@@ -96,6 +111,7 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
             rule = mapping.shard_rule(module, row["role"], row["arg"])
             layout = recorded.get((row["site"], row["role"], row["arg"]))
             if rule is not None:
+                plan.used_rules.add(id(rule))
                 join = None if rule.layout == "replicate" else Join(
                     rule_layout(rule, world), rule.describe(), rule=rule)
             elif layout is not None:
@@ -103,8 +119,8 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
                     layout, "the DTensor placements recorded at capture")
             elif data is not None:
                 join = data.join(row, split)
-        joins.append(join)
-    return joins
+        plan.joins.append(join)
+    return plan
 
 
 class _DataParallel:
