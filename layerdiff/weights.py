@@ -25,10 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerdiff.errors import MappingError
+from layerdiff.errors import MappingError, TraceError
 from layerdiff.mapping import CodeRef, Mapping, ParamSource, Slice
 from layerdiff.mapping.code import is_code
 from layerdiff.trace import Trace, open_trace, schema
+from layerdiff.trace.joins import rule_layout
+from layerdiff.trace.layout import LayoutError
 from layerdiff.trace.schema import Role
 
 
@@ -270,20 +272,30 @@ def rank_and_world() -> tuple[int, int]:
 
 def _shard(found: Assignment, mapping: Mapping, world: tuple[int, int]) -> Assignment:
     """This rank's part of a tensor a [[shard]] rule cuts (a tensor-parallel port loading
-    from a one-process reference): part ``rank`` of ``size`` equal parts along the dim."""
+    from a one-process reference): what the rule's layout puts on rank ``rank`` (a split's
+    equal part, a zigzag's two chunks, the experts it holds)."""
     rank, size = world
     module, _, leaf = found.port.rpartition(".")
     rule = mapping.shard_rule(module, Role.WEIGHT, leaf) if size > 1 else None
-    if rule is None or found.value is None:
+    if rule is None or found.value is None or rule.layout == "replicate":
         return found
     value = found.value
-    if not -value.ndim <= rule.dim < value.ndim or value.shape[rule.dim] % size:
+    problem = ""
+    if rule.layout == "partial":
+        problem = "declares a partial sum, which a loaded weight cannot be"
+    elif not -value.ndim <= rule.dim < value.ndim or (
+            rule.layout == "split" and value.shape[rule.dim] % size):
+        problem = f"does not divide it into {size} equal parts along dim {rule.dim}"
+    else:
+        try:
+            index = rule_layout(rule, size).part_index(rank, value.shape)
+            found.value = np.ascontiguousarray(value[np.ix_(*index)])
+        except (LayoutError, TraceError) as error:
+            problem = f"cannot cut it ({error})"
+    if problem:
         found.problem = SHAPE_MISMATCH
-        found.note = (f"{rule.describe()} cuts port {found.port} from reference shape "
-                      f"{tuple(value.shape)} into {size} equal parts along dim {rule.dim}, "
-                      "which it does not divide")
-        return found
-    found.value = np.split(value, size, axis=rule.dim)[rank]
+        found.note = (f"{rule.describe()} {problem}: port {found.port} from reference shape "
+                      f"{tuple(value.shape)}")
     return found
 
 

@@ -104,6 +104,17 @@ def attach_ranks(origins: list[R.Origin], reader: PairReader) -> None:
             layout, why = found
             origin.ranks = _ranks_out(origin, reader, layout)
             origin.shards = _shards_sentence(layout, why)
+        origin.shards = " ".join(filter(None, [origin.shards, _data_parallel(port, origin)]))
+
+
+def _data_parallel(port: Trace, origin: R.Origin) -> str:
+    """What a weight or weight-gradient record of a data-parallel capture means (the capture
+    says: FSDP's all-gathered weight, its reduce-scattered gradient)."""
+    said = port.meta.get("data_parallel")
+    if not isinstance(said, dict):
+        return ""
+    meaning = said.get({"weight": "weights", "weight_grad": "weight_grads"}.get(origin.role, ""))
+    return f"The {origin.role} records of this capture are {meaning}." if meaning else ""
 
 
 def _joined_layouts(gathered: dict) -> dict[tuple[str, str, str], tuple[Layout, str]]:
