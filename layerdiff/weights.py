@@ -29,7 +29,7 @@ from layerdiff.errors import MappingError, TraceError
 from layerdiff.mapping import CodeRef, Mapping, ParamSource, Slice
 from layerdiff.mapping.code import is_code
 from layerdiff.trace import Trace, open_trace, schema
-from layerdiff.trace.joins import rule_layout
+from layerdiff.trace.joins import declared_layout
 from layerdiff.trace.layout import LayoutError
 from layerdiff.trace.schema import Role
 
@@ -276,26 +276,33 @@ def _shard(found: Assignment, mapping: Mapping, world: tuple[int, int]) -> Assig
     equal part, a zigzag's two chunks, the experts it holds)."""
     rank, size = world
     module, _, leaf = found.port.rpartition(".")
-    rule = mapping.shard_rule(module, Role.WEIGHT, leaf) if size > 1 else None
-    if rule is None or found.value is None or rule.layout == "replicate":
+    if size < 2 or found.value is None:
         return found
     value = found.value
+    try:
+        layout, rules = declared_layout(mapping, module, Role.WEIGHT, leaf, size)
+    except TraceError as error:
+        found.problem, found.note = SHAPE_MISMATCH, str(error)
+        return found
+    if layout is None or layout.replicated:
+        return found
     problem = ""
-    if rule.layout == "partial":
+    if layout.reduces:
         problem = "declares a partial sum, which a loaded weight cannot be"
-    elif not -value.ndim <= rule.dim < value.ndim or (
-            rule.layout == "split" and value.shape[rule.dim] % size):
-        problem = f"does not divide it into {size} equal parts along dim {rule.dim}"
+    elif any(p.kind == "shard" and (not -value.ndim <= p.dim < value.ndim
+                                    or value.shape[p.dim] % m)
+             for p, m in zip(layout.placements, layout.mesh, strict=True)):
+        problem = f"does not divide it into equal parts ({layout.describe()})"
     else:
         try:
-            index = rule_layout(rule, size).part_index(rank, value.shape)
-            found.value = np.ascontiguousarray(value[np.ix_(*index)])
-        except (LayoutError, TraceError) as error:
+            found.value = np.ascontiguousarray(value[np.ix_(*layout.part_index(
+                rank, value.shape))])
+        except LayoutError as error:
             problem = f"cannot cut it ({error})"
     if problem:
         found.problem = SHAPE_MISMATCH
-        found.note = (f"{rule.describe()} {problem}: port {found.port} from reference shape "
-                      f"{tuple(value.shape)}")
+        found.note = (f"{'; '.join(rule.describe() for rule in rules)} {problem}: port "
+                      f"{found.port} from reference shape {tuple(value.shape)}")
     return found
 
 

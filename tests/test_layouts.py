@@ -270,3 +270,57 @@ def test_a_data_parallel_world_joins_the_batch_and_scales_its_gradients(tmp_path
         shapes = dict(zip(gathered.index["role"] + " " + gathered.index["site"],
                           gathered.index["shape"], strict=True))
     assert shapes["input fc#0"] == "4,8" and shapes["weight fc#0"] == "6,8"
+
+
+def test_rules_over_a_mesh_cut_one_tensor_along_two_axes(tmp_path):
+    """4 ranks as data parallel 2 x tensor parallel 2 (rank = dp * 2 + tp), by hand: fc's
+    weight is split by rows over tp and replicated over dp; its output is split by the batch
+    over dp and by features over tp. A slip in rank 3's part alone is named on rank 3."""
+    y = X @ W.T
+    ref = write(tmp_path / "ref.h5", [("fc", "weight", "weight", W), ("fc", "output", "0", y)])
+    rules = Mapping.from_text("""
+[mesh]
+dp = 2
+tp = 2
+[[shard]]
+site = "fc"
+tensor = "weight"
+dim = 0
+over = "tp"
+[[shard]]
+site = "fc"
+tensor = "output"
+dim = 0
+over = "dp"
+[[shard]]
+site = "fc"
+tensor = "output"
+dim = -1
+over = "tp"
+""", "mesh.toml")
+
+    def ranks(slip=None):
+        parts = []
+        for rank in range(4):
+            dp, tp = divmod(rank, 2)
+            out = y[2 * dp: 2 * dp + 2, 3 * tp: 3 * tp + 3].copy()
+            if rank == slip:
+                out[0, 0] += 1.0
+            parts.append([("fc", "weight", "weight", W[3 * tp: 3 * tp + 3]),
+                          ("fc", "output", "0", out)])
+        return world(tmp_path, parts)
+
+    assert diff(ref, ranks(), mapping=rules).passed
+    origin = diff(ref, ranks(slip=3), mapping=rules).origins[0]
+    assert (origin.site, origin.role, origin.ranks) == ("fc#0", "output", [3])
+    assert "split along dim 0 over dp (2 ranks), split along dim -1 over tp" in origin.shards
+    for text, message in (('[mesh]\ndp = 2\n[[shard]]\nsite = "fc"\ntensor = "w"\ndim = 0\n',
+                           "every rule names the mesh dim"),
+                          ('[[shard]]\nsite = "fc"\ntensor = "w"\ndim = 0\nover = "tp"\n',
+                           "has no \\[mesh\\] table")):
+        with pytest.raises(MappingError, match=message):
+            Mapping.from_text(text, "m.toml")
+    three = Mapping.from_text('[mesh]\ndp = 3\n[[shard]]\nsite = "fc"\ntensor = "weight"\n'
+                              'dim = 0\nover = "dp"\n', "three.toml")
+    with pytest.raises(TraceError, match="holds 3 ranks; the capture has 4"):
+        gather_module.gather(tmp_path / "port.h5", three, tmp_path / "g.h5")

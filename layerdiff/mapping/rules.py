@@ -164,6 +164,7 @@ class ShardRule:
     number: int = 0
     layout: str = "split"  # split | zigzag | partial | replicate | experts (SHARD_LAYOUTS)
     experts: tuple[tuple[int, ...], ...] = ()  # experts: the expert indices rank r holds
+    over: str = ""  # the [mesh] dim whose ranks hold the parts; "": every rank (no mesh)
 
     def covers(self, module: str, role: str, arg: str) -> bool:
         if self.site.match(module) is None:
@@ -178,6 +179,7 @@ class ShardRule:
         words = [self.site.text, self.tensor]
         words += [] if self.layout == "split" else [self.layout]
         words += [] if self.dim is None else [f"dim {self.dim}"]
+        words += [f"over {self.over}"] if self.over else []
         return f"shard rule {self.number} (line {self.line}: {' '.join(words)})"
 
 
@@ -205,6 +207,8 @@ class Mapping:
     unmatched_records: list[UnmatchedRecord] = field(default_factory=list)
     param_rules: list[ParamRule] = field(default_factory=list)
     shard_rules: list[ShardRule] = field(default_factory=list)
+    # [mesh]: the ranks as a mesh, (name, size) outermost first, rank = row-major position
+    mesh: list[tuple[str, int]] = field(default_factory=list)
     routers: list[RouterRule] = field(default_factory=list)      # [[router]]: scores -> top-k
     origin: str = ""  # where it came from, when not a file given by the user
 
@@ -412,10 +416,22 @@ class Mapping:
                 return rule
         return None
 
+    def shard_rules_by_mesh_dim(self, module: str, role: str, arg: str
+                                ) -> dict[str, ShardRule]:
+        """With a ``[mesh]``: the first rule over each mesh dim that covers this tensor (a
+        tensor may be cut along several); without: the first rule, under ``""``."""
+        found: dict[str, ShardRule] = {}
+        for rule in self.shard_rules:
+            if rule.over not in found and rule.covers(module, role, arg):
+                found[rule.over] = rule
+                if not self.mesh:
+                    break
+        return found
+
 
 def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
     config.check_keys(config.data, {"version", "site", "pair", "unmatched", "param", "shard",
-                                   "router"},
+                                   "router", "mesh"},
                       "the top level")
     version = config.data.get("version", 1)
     if version != 1:
@@ -430,8 +446,18 @@ def _load(config: ConfigFile, recorded_in: str | None = None) -> Mapping:
         _add_unmatched(mapping, config, entry, number, line)
     for number, (entry, line) in enumerate(config.tables("param"), start=1):
         mapping.param_rules.append(_param_rule(config, entry, f"param rule {number}", line))
+    mapping.mesh = _mesh(config)
+    names = [name for name, _ in mapping.mesh]
     for number, (entry, line) in enumerate(config.tables("shard"), start=1):
-        mapping.shard_rules.append(_shard_rule(config, entry, number, line))
+        rule = _shard_rule(config, entry, number, line)
+        if mapping.mesh and rule.over not in names:
+            config.fail(f"shard rule {number}: with a [mesh] every rule names the mesh dim "
+                        f"whose ranks hold its parts (over = one of {', '.join(names)}); got "
+                        f"{rule.over or 'none'}", line)
+        if not mapping.mesh and rule.over:
+            config.fail(f"shard rule {number}: over = {rule.over!r} names a mesh dim, but the "
+                        "mapping has no [mesh] table (e.g. [mesh] dp = 2, tp = 2)", line)
+        mapping.shard_rules.append(rule)
     for number, (entry, line) in enumerate(config.tables("router"), start=1):
         mapping.routers.append(_router_rule(config, entry, number, line))
     code = mapping.code_refs()
@@ -533,7 +559,7 @@ SHARD_LAYOUTS = ("split", "zigzag", "partial", "replicate", "experts")
 
 def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> ShardRule:
     where = f"shard rule {number}"
-    config.check_keys(entry, {"site", "tensor", "dim", "layout", "experts"}, where, line)
+    config.check_keys(entry, {"site", "tensor", "dim", "layout", "experts", "over"}, where, line)
     site, tensor = (_string(config, entry, key, where, line) for key in ("site", "tensor"))
     if "#" in site:
         config.fail(f"{where}: site '{site}' names a call; shard rules take module paths "
@@ -567,7 +593,24 @@ def _shard_rule(config: ConfigFile, entry: dict, number: int, line: int | None) 
         if counted != list(range(len(counted))):
             config.fail(f"{where}: 'experts' must hold each of experts 0..{len(counted) - 1} on "
                         f"exactly one rank; it holds {counted}", line)
-    return ShardRule(Pattern(site), tensor, dim, line, number, layout, held)
+    over = entry.get("over", "")
+    if not isinstance(over, str):
+        config.fail(f"{where}: 'over' names a [mesh] dim as a string, got {over!r}", line)
+    return ShardRule(Pattern(site), tensor, dim, line, number, layout, held, over)
+
+
+def _mesh(config: ConfigFile) -> list[tuple[str, int]]:
+    """``[mesh]``: name = size per mesh dim, outermost first (rank = row-major position)."""
+    table = config.data.get("mesh")
+    if table is None:
+        return []
+    line = config.line_of("mesh")
+    if not isinstance(table, dict) or not table or not all(
+            isinstance(size, int) and not isinstance(size, bool) and size > 0
+            for size in table.values()):
+        config.fail("[mesh] gives each mesh dim's size, outermost first (dp = 2 then tp = 2: "
+                    f"rank = dp_index * 2 + tp_index); got {table!r}", line)
+    return [(str(name), int(size)) for name, size in table.items()]
 
 
 def _router_rule(config: ConfigFile, entry: dict, number: int, line: int | None) -> RouterRule:

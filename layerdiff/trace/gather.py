@@ -77,7 +77,8 @@ def gather_key(manifest: Trace, mapping: Mapping) -> str:
     """What a gathered trace was made from: the rank files (their table and meta digests, which
     the manifest records and checks each rank file against), the rules, and how this version
     of gather joins them."""
-    rules = [(r.site.text, r.tensor, r.dim, r.layout, r.experts) for r in mapping.shard_rules]
+    rules = [mapping.mesh, *((r.site.text, r.tensor, r.dim, r.layout, r.experts, r.over)
+                             for r in mapping.shard_rules)]
     text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules], sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -45,7 +45,6 @@ class Join:
     layout: Layout
     why: str
     scale: float = 1.0
-    rule: ShardRule | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.layout.to_json(), "why": self.why, "scale": self.scale}
@@ -55,14 +54,36 @@ def record_key(row: Any) -> tuple:
     return (int(row["step"]), row["pass"], row["site"], row["role"], row["arg"])
 
 
-def rule_layout(rule: ShardRule, world: int) -> Layout:
-    """A ``[[shard]]`` rule as a layout over every rank of a ``world``-rank job."""
+def declared_layout(mapping: Mapping, module: str, role: str, arg: str,
+                    world: int) -> tuple[Layout | None, list[ShardRule]]:
+    """The layout the mapping's ``[[shard]]`` rules declare for this tensor of port module
+    ``module`` over a ``world``-rank job (None: no rule covers it), and the rules that
+    decided it. Without a ``[mesh]`` one rule places it over every rank; with one, a rule per
+    mesh dim (``over``), replicated over the dims no rule names."""
+    found = mapping.shard_rules_by_mesh_dim(module, role, arg)
+    if not found:
+        return None, []
+    rules = list(found.values())
+    mesh = mapping.mesh or [("", world)]
+    if math.prod(size for _, size in mesh) != world:
+        raise TraceError(f"the [mesh] of {mapping.name} ({', '.join(f'{n} = {s}' for n, s in mesh)}"
+                         f") holds {math.prod(size for _, size in mesh)} ranks; the capture "
+                         f"has {world}")
+    placements = tuple(_placement(found[name], size) if name in found else Placement(
+        "replicate") for name, size in mesh)
+    names = tuple(name for name, _ in mesh) if mapping.mesh else ()
+    return Layout(tuple(size for _, size in mesh), tuple(range(world)), placements,
+                  names), rules
+
+
+def _placement(rule: ShardRule, size: int) -> Placement:
     kind = {"split": "shard"}.get(rule.layout, rule.layout)
-    if kind == "experts" and len(rule.experts) != world:
+    if kind == "experts" and len(rule.experts) != size:
         raise TraceError(f"{rule.describe()} lists the experts of {len(rule.experts)} ranks; "
-                         f"the capture has {world}: write the list for {world} ranks")
-    return Layout.one_dim(world, Placement(kind, rule.dim if kind not in (
-        "partial", "replicate") else None, experts=rule.experts))
+                         f"the capture has {size}{' over ' + rule.over if rule.over else ''}: "
+                         f"write the list for {size} ranks")
+    return Placement(kind, rule.dim if kind not in ("partial", "replicate") else None,
+                     experts=rule.experts)
 
 
 def recorded_layouts(trace: Trace) -> dict[tuple[str, str, str], Layout]:
@@ -108,12 +129,12 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
         join = None
         if row["kind"] == "tensor":
             module = modules.get(row["site"]) or schema.split_site(row["site"])[0]
-            rule = mapping.shard_rule(module, row["role"], row["arg"])
+            declared, rules = declared_layout(mapping, module, row["role"], row["arg"], world)
             layout = recorded.get((row["site"], row["role"], row["arg"]))
-            if rule is not None:
-                plan.used_rules.add(id(rule))
-                join = None if rule.layout == "replicate" else Join(
-                    rule_layout(rule, world), rule.describe(), rule=rule)
+            if declared is not None:
+                plan.used_rules.update(id(rule) for rule in rules)
+                join = None if declared.replicated else Join(
+                    declared, "; ".join(rule.describe() for rule in rules))
             elif layout is not None:
                 join = None if layout.replicated else Join(
                     layout, "the DTensor placements recorded at capture")
