@@ -214,8 +214,8 @@ def test_without_map_the_mapping_the_capture_recorded_gives_the_rules(tmp_path):
     write_manifest(manifest, files)
     done = CliRunner().invoke(main, ["gather", str(manifest), "-o", str(tmp_path / "g.h5")])
     assert done.exit_code == 0, done.output
-    assert ("3 records of 2 ranks, 2 joined by the [[shard]] rules of port.map.toml (recorded "
-            "in port.h5's rank files at capture)") in " ".join(done.output.split())
+    assert ("3 records of 2 ranks, 2 joined (2 by the [[shard]] rules of port.map.toml "
+            "(recorded in port.h5's rank files at capture))") in " ".join(done.output.split())
     with open_trace(tmp_path / "g.h5") as trace:
         assert trace.index["shape"].tolist() == ["4,8", "6,8", "4,6"]
         np.testing.assert_array_equal(trace.read(trace.find(0, "fc#0", "weight", "weight")),

@@ -186,8 +186,9 @@ def gather_command(manifest: str, mapping: str | None, output: str,
         click.echo(f"warning: {warning}", err=True)
     for note in done.notes:
         click.echo(f"note: {note}", err=True)
+    joined = ", ".join(f"{count:,} by {what}" for what, count in done.by.items()) or "none"
     click.echo(f"wrote {done.path}: {done.records:,} records of {done.world_size} ranks, "
-               f"{done.sharded:,} joined by the [[shard]] rules of {done.mapping}")
+               f"{done.sharded:,} joined ({joined})")
 
 
 COMMANDS = (diff_command, show_command, gather_command)

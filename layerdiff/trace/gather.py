@@ -70,6 +70,7 @@ class Gathered:
     sharded: int
     unused_rules: list[str] = field(default_factory=list)  # rules that cut no record
     mapping: str = "no mapping"  # where the rules came from
+    by: dict[str, int] = field(default_factory=dict)  # records joined, by what said how
     notes: list[str] = field(default_factory=list)  # what the user should know (one line each)
 
 
@@ -173,8 +174,15 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
     unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
               "module paths) and tensor name"
               for rule in mapping.shard_rules if id(rule) not in used]
+    by: dict[str, int] = {}
+    for join in joins:
+        if join is not None:
+            said = {"rules": f"the [[shard]] rules of {_mapping_name(mapping)}",
+                    "capture": "the DTensor placements recorded at capture",
+                    "data parallel": "the data-parallel batch"}[join.source]
+            by[said] = by.get(said, 0) + 1
     return Gathered(Path(path), len(ranks), len(index), len(cut), unused,
-                    _mapping_name(mapping), notes)
+                    _mapping_name(mapping), notes, by)
 
 
 def _mapping_name(mapping: Mapping) -> str:

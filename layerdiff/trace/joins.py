@@ -45,6 +45,7 @@ class Join:
     layout: Layout
     why: str
     scale: float = 1.0
+    source: str = "rules"  # rules | capture (a DTensor's placements) | data parallel
 
     def to_json(self) -> dict[str, Any]:
         return {**self.layout.to_json(), "why": self.why, "scale": self.scale}
@@ -137,7 +138,7 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
                     declared, "; ".join(rule.describe() for rule in rules))
             elif layout is not None:
                 join = None if layout.replicated else Join(
-                    layout, "the DTensor placements recorded at capture")
+                    layout, "the DTensor placements recorded at capture", source="capture")
             elif data is not None:
                 join = data.join(row, split)
         plan.joins.append(join)
@@ -195,7 +196,8 @@ class _DataParallel:
     def _join(self, placement: Placement, why: str, scale: float = 1.0) -> Join:
         layout = Layout((self.world,), tuple(range(self.world)), (placement,), ("data parallel",))
         scaled = f", divided by {self.factor:g} (the gradient divide factor)" if scale != 1 else ""
-        return Join(layout, f"{why} (data parallel over {self.world} ranks{scaled})", scale)
+        return Join(layout, f"{why} (data parallel over {self.world} ranks{scaled})", scale,
+                    "data parallel")
 
 
 def differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
