@@ -70,8 +70,8 @@ class Gathered:
     sharded: int
     unused_rules: list[str] = field(default_factory=list)  # rules that cut no record
     mapping: str = "no mapping"  # where the rules came from
-    by: dict[str, int] = field(default_factory=dict)  # records joined, by what said how
     notes: list[str] = field(default_factory=list)  # what the user should know (one line each)
+    by: dict[str, int] = field(default_factory=dict)  # records joined, by what said how
 
 
 def gather_key(manifest: Trace, mapping: Mapping) -> str:
