@@ -137,7 +137,8 @@ class _SumBuffers:
     def add(self, total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if id(total) in self._lent:   # a sum already in our memory: the next one goes in place
             return total.add_(grad)
-        if (not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
+        if (type(total) is not torch.Tensor or type(grad) is not torch.Tensor   # a DTensor
+                or not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
                 or total.device != grad.device or total.layout is not torch.strided
                 or grad.layout is not torch.strided or total.requires_grad
                 or grad.requires_grad):   # broadcasting, promotion, a double backward: as is
@@ -323,7 +324,11 @@ class ModuleRecorder:
             for path, module in self.modules:
                 slot = self._slots[path]
                 hooks.before(module, partial(self._before, path, slot), with_kwargs=True)
-                hooks.after(module, partial(self._after, path, slot), with_kwargs=True)
+                # first among the module's forward hooks: it records the module's own output,
+                # before a hook the model put in changes it (tensor parallelism's turns a
+                # sharded DTensor into a plain local tensor) or FSDP reshards the weights
+                hooks.after(module, partial(self._after, path, slot), with_kwargs=True,
+                            prepend=True)
                 hooks.wrap_forward(module)
         except BaseException:   # no hook outlives a failed attach
             hooks.remove()
