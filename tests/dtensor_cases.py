@@ -56,8 +56,11 @@ def fsdp_divide_by_four() -> Case:
 def tensor_parallel() -> Case:
     """Each block's MLP split by ``parallelize_module``: ``fc`` column-wise, ``proj`` row-wise."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     def build(reference: nn.Module) -> nn.Module:
         model = _copy(reference)

@@ -126,6 +126,10 @@ def test_fully_shard_records_whole_weights_and_sharded_gradients(traces):
                    "all-gather)",
         "weight_grads": "reduced: each rank's shard of the gradient after FSDP's "
                         "reduce-scatter"}
+    # fully_shard's FSDP<Name> subclasses are recorded under the model's own class names
+    types = dict(zip(ranks[0].sites["site"], ranks[0].sites["type"], strict=True))
+    assert (types["<root>#0"], types["blocks.0#0"]) == ("TinyGPT", "Block")
+    assert "Block" in meta["signatures"] and "FSDPBlock" not in meta["signatures"]
     fc = "blocks.0.mlp.fc#0"
     # FSDP swaps the whole weight in for the forward: the weight records are plain and whole
     assert layout_of(meta, fc, "weight", "weight") is None

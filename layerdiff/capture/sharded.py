@@ -40,6 +40,20 @@ def local_part(tensor: Any) -> torch.Tensor:
     return tensor._local_tensor.detach()
 
 
+def module_type_name(module: nn.Module) -> str:
+    """The name of the module's class as the model defines it: ``fully_shard`` swaps a module's
+    class for a subclass ``FSDP<Name>`` of ``FSDPModule`` and it, which a one-process
+    reference does not have."""
+    kind = type(module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_type = getattr(fsdp, "FSDPModule", None)
+    if module_type is not None and isinstance(module, module_type):
+        for base in kind.__bases__:
+            if not issubclass(base, module_type):
+                return base.__name__
+    return kind.__name__
+
+
 def placement_json(placement: Any, ndim: int) -> dict[str, Any]:
     """One DTensor placement in the trace's words: shard (dim), strided_shard (dim,
     split_factor), replicate, partial (reduce)."""

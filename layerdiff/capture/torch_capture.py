@@ -18,7 +18,7 @@ from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.routes import RouteForcer
 from layerdiff.capture.run import check_run_options, run_case
-from layerdiff.capture.sharded import data_parallel_meta
+from layerdiff.capture.sharded import data_parallel_meta, module_type_name
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case
 from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
@@ -266,7 +266,7 @@ def _signatures(model: torch.nn.Module) -> dict[str, Any]:
     """Each module type's forward signature, by type name (the first module of a type wins)."""
     found: dict[str, Any] = {}
     for module in model.modules():
-        name = type(module).__name__
+        name = module_type_name(module)
         if name not in found:
             signature = Signature.of(module.forward)
             if signature is not None:
