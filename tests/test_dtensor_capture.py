@@ -222,3 +222,16 @@ def test_a_record_whose_layout_changes_keeps_its_first_and_is_listed():
     assert meta["layouts"]["records"] == [["fc#0", "output", "0", 0], ["proj#0", "input", "0", 0]]
     assert meta["layouts_varied"] == [["fc#0", "output", "0"]]
     assert Layouts().meta() == {}
+
+
+def test_placements_in_the_trace_words():
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    from layerdiff.capture.sharded import placement_json
+
+    assert placement_json(Shard(-1), 3) == {"kind": "shard", "dim": 2}
+    assert placement_json(Replicate(), 3) == {"kind": "replicate"}
+    assert [placement_json(Partial(op), 3)["reduce"] for op in ("sum", "avg", "max", "min")] == [
+        "sum", "avg", "max", "min"]
+    assert placement_json(_StridedShard(0, split_factor=2), 3) == {
+        "kind": "strided_shard", "dim": 0, "split_factor": 2}

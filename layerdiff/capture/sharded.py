@@ -153,12 +153,12 @@ def data_parallel_meta(model: nn.Module) -> dict[str, Any] | None:
     ddp = getattr(sys.modules.get("torch.nn.parallel"), "DistributedDataParallel", None)
     if fsdp is None and ddp is None:
         return None
-    import torch.distributed as dist
-
     for module in model.modules():
         if fsdp is not None and isinstance(module, fsdp):
             return _fully_shard_meta(model, fsdp)
         if ddp is not None and isinstance(module, ddp):
+            import torch.distributed as dist
+
             group = module.process_group
             ranks = dist.get_process_group_ranks(group)
             return {"how": "ddp", "ranks": ranks, "gradient_divide_factor": len(ranks),
@@ -175,13 +175,18 @@ def _fully_shard_meta(model: nn.Module, fsdp: type) -> dict[str, Any]:
     for module in model.modules():
         if not isinstance(module, fsdp):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        try:   # FSDP2's own state (torch 2.6 to 2.13 keep it there)
+            groups = module._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:
+            groups = []
+        for group in groups:
             info = group.mesh_info
             size = getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
-            factor = group.gradient_divide_factor
+            factor = getattr(group, "gradient_divide_factor", None)
             factors.append(float(size if factor is None else factor))
             if ranks is None:
                 ranks = [int(rank) for rank in info.mesh.mesh.flatten().tolist()]
+    # ranks unknown (a torch that keeps FSDP's state elsewhere): an empty list, not a guess
     found: dict[str, Any] = {"how": "fully_shard", "ranks": ranks or []}
     if factors:
         distinct = sorted(set(factors))
