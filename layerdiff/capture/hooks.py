@@ -57,6 +57,7 @@ from torch import nn
 
 from layerdiff.capture.direct import DirectCalls
 from layerdiff.capture.modules import ModuleHooks, module_paths, named_modules
+from layerdiff.capture.sharded import module_type_name
 from layerdiff.capture.stage import Stager
 from layerdiff.case import nothing_selected
 from layerdiff.errors import CaptureError
@@ -137,7 +138,8 @@ class _SumBuffers:
     def add(self, total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if id(total) in self._lent:   # a sum already in our memory: the next one goes in place
             return total.add_(grad)
-        if (not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
+        if (type(total) is not torch.Tensor or type(grad) is not torch.Tensor   # a DTensor
+                or not total.is_cpu or total.shape != grad.shape or total.dtype != grad.dtype
                 or total.device != grad.device or total.layout is not torch.strided
                 or grad.layout is not torch.strided or total.requires_grad
                 or grad.requires_grad):   # broadcasting, promotion, a double backward: as is
@@ -322,8 +324,13 @@ class ModuleRecorder:
         try:
             for path, module in self.modules:
                 slot = self._slots[path]
-                hooks.before(module, partial(self._before, path, slot), with_kwargs=True)
-                hooks.after(module, partial(self._after, path, slot), with_kwargs=True)
+                hooks.before(module, partial(self._before, path, slot,
+                                             module_type_name(module)), with_kwargs=True)
+                # first among the module's forward hooks: it records the module's own output,
+                # before a hook the model put in changes it (tensor parallelism's turns a
+                # sharded DTensor into a plain local tensor) or FSDP reshards the weights
+                hooks.after(module, partial(self._after, path, slot), with_kwargs=True,
+                            prepend=True)
                 hooks.wrap_forward(module)
         except BaseException:   # no hook outlives a failed attach
             hooks.remove()
@@ -391,14 +398,14 @@ class ModuleRecorder:
         return found
 
     # ---- forward hooks ----
-    def _before(self, path: str, slot: _Slot, module: nn.Module, args: tuple,
+    def _before(self, path: str, slot: _Slot, type_name: str, module: nn.Module, args: tuple,
                 kwargs: dict) -> None:
         if not self.recording:
             return
         call = self._calls[path]
         self._calls[path] = call + 1
         site = schema.site_name(path, call)
-        opened = self.open_call(site, path, call, type(module).__name__,
+        opened = self.open_call(site, path, call, type_name,
                                 self.open[-1].site if self.open else "")
         self.open.append(opened)
         self.record_inputs(opened, call_arguments(args, kwargs))

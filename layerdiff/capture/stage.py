@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from layerdiff.capture.device_stats import DeviceStatistics
+from layerdiff.capture.sharded import Layouts, is_dtensor, local_part
 from layerdiff.trace import stats
 from layerdiff.trace.recorder import Recorder
 from layerdiff.trace.writer import value_json
@@ -60,10 +61,18 @@ class Stager:
         # child's (47% of reference_large's bytes a step)
         self._recent: dict[tuple[int, int, int],
                            tuple[weakref.ref, stats.Stats, int, bool]] = {}
+        # the layouts of the records that were DTensors (recorded as their local parts)
+        self.layouts = Layouts()
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
         rec = self.recorder
+        kind = type(tensor)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter and is_dtensor(tensor):
+            # a sharded tensor: this rank's part, and a note of how the parts make the whole
+            self.layouts.add(site, role, arg, tensor)
+            tensor = local_part(tensor)
+            kind = type(tensor)
         if tensor.layout is not torch.strided or tensor.is_quantized:
             self.value(step, pass_, site, role, arg, unsupported_tensor(tensor))
             return
@@ -73,7 +82,7 @@ class Stager:
         ring, name, itemsize, plain_bytes = typed
         shape = tuple(tensor.shape)
         nbytes = tensor.numel() * itemsize
-        if (plain_bytes and nbytes and tensor.is_cpu and type(tensor) in _PLAIN_TYPES
+        if (plain_bytes and nbytes and tensor.is_cpu and kind in _PLAIN_TYPES
                 and tensor.is_contiguous() and nbytes <= rec.max_staged
                 and not self._device_stats_everywhere):
             # The common case, a contiguous CPU tensor: its bytes are the record's bytes. One

@@ -18,6 +18,7 @@ from layerdiff.capture.ops import OpRecorder, select_op_modules
 from layerdiff.capture.precision import autocast_context, cast_case, model_dtype
 from layerdiff.capture.routes import RouteForcer
 from layerdiff.capture.run import check_run_options, run_case
+from layerdiff.capture.sharded import data_parallel_meta, module_type_name
 from layerdiff.capture.stage import Stager, dtype_name
 from layerdiff.case import Case
 from layerdiff.errors import CaptureError, LayerdiffError, interrupt_inside
@@ -111,6 +112,9 @@ class PreparedCapture:
                 len(routes) for routes in self.routes.routes.values())}
         if options.record_steps is not None:
             meta["recorded_steps"] = sorted(options.record_steps)
+        data_parallel = data_parallel_meta(case.model)
+        if data_parallel is not None:
+            meta["data_parallel"] = data_parallel
         keep = self._kept(case, options, modules, meta)
         self.recorder = Recorder(path, meta, summary=options.summary,
                                  queue_bytes=options.queue_bytes, keep=keep)
@@ -192,6 +196,8 @@ class PreparedCapture:
                 if self.ops is not None:
                     self.ops.detach()
                 hooks.detach()
+        # how the ranks' parts of the sharded records make the whole (none: nothing added)
+        recorder.add_meta(self.stager.layouts.meta())
         return recorder.close(complete=True)
 
 
@@ -260,7 +266,7 @@ def _signatures(model: torch.nn.Module) -> dict[str, Any]:
     """Each module type's forward signature, by type name (the first module of a type wins)."""
     found: dict[str, Any] = {}
     for module in model.modules():
-        name = type(module).__name__
+        name = module_type_name(module)
         if name not in found:
             signature = Signature.of(module.forward)
             if signature is not None:

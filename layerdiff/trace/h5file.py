@@ -155,10 +155,16 @@ class TraceFile:
         with self._writing():
             self._h5.flush()
 
-    def close(self, complete: bool) -> Path:
-        """Close the file; publish it under its final name only when complete."""
+    def close(self, complete: bool, extra_meta: dict[str, Any] | None = None) -> Path:
+        """Close the file; publish it under its final name only when complete, with
+        ``extra_meta``'s keys added to (or replacing) its meta first: the meta digest is taken
+        of the final text."""
         try:
             with self._writing():
+                if complete and extra_meta:
+                    self._meta = json.dumps({**json.loads(self._meta), **extra_meta},
+                                            default=str)
+                    self._h5.attrs[schema.ATTR_META] = self._meta
                 if complete:
                     for name, table in self._tables.items():  # what a reader checks them by
                         self._h5.attrs[schema.ATTR_TABLE_DIGEST.format(table=name)] = \

@@ -159,6 +159,8 @@ class Recorder:
         # set by a Ctrl-C while closing: the threads stop writing tensor data and drain
         self.aborted = False
         self._closed: Path | None = None
+        # meta keys known only once the run is over (add_meta), written at a complete close
+        self._late_meta: dict[str, Any] = {}
         self._batch: list[Any] = []
         self._batch_bytes = 0
         self._batch_limit = min(BATCH_BYTES, queue_bytes // 4)
@@ -251,6 +253,12 @@ class Recorder:
                 f"published ({self.file.partial} holds what was written before the failure, "
                 "delete it to free the space)") from error
 
+    def add_meta(self, extra: dict[str, Any]) -> None:
+        """Meta keys learnt during the run (the layouts of sharded records): written into the
+        file's meta when it closes complete, before the meta digest is taken; a ``.partial``
+        keeps the meta it was created with."""
+        self._late_meta.update(extra)
+
     def close(self, complete: bool) -> Path:
         """Stop the writer and publish the file if ``complete``; returns the path written.
 
@@ -276,7 +284,8 @@ class Recorder:
                 self.file.abandon()
             else:
                 self._closed = self.file.partial  # should publishing fail
-                self._closed = self.file.close(complete=True)
+                # the writer threads have stopped: the file and its meta are this thread's
+                self._closed = self.file.close(complete=True, extra_meta=self._late_meta)
         if interrupt.pending and self._closed != self.file.path:
             raise KeyboardInterrupt
         return self._closed

@@ -1,0 +1,83 @@
+"""Ports of the tensor-parallel test model sharded by torch's own DTensor APIs (loaded by spec in
+spawned rank processes): FSDP2's ``fully_shard``, tensor parallelism by ``parallelize_module``,
+and DDP. Each holds the reference's weights and trains on the reference's batch on every rank."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from layerdiff import Case
+from reference_models import tensor_parallel as tp
+from reference_models.porting import port_case
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _copy(reference: nn.Module) -> nn.Module:
+    model = tp.TinyGPT()
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+def _fully_sharded(name: str, divide_factor: float | None = None) -> Case:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build(reference: nn.Module) -> nn.Module:
+        model = _copy(reference)
+        mesh = init_device_mesh("cpu", (_world(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if divide_factor is not None:
+            for module in model.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(divide_factor)
+                    # gloo has no pre-multiplied sum: FSDP sums, then divides itself
+                    module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    return port_case(tp.reference, build, f"tests.dtensor_cases:{name}")
+
+
+def fsdp() -> Case:
+    """Each block and the root ``fully_shard``-ed over every rank (FSDP2's defaults)."""
+    return _fully_sharded("fsdp")
+
+
+def fsdp_divide_by_four() -> Case:
+    """:func:`fsdp` with the gradients divided by 4 instead of the world size."""
+    return _fully_sharded("fsdp_divide_by_four", 4.0)
+
+
+def tensor_parallel() -> Case:
+    """Each block's MLP split by ``parallelize_module``: ``fc`` column-wise, ``proj`` row-wise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    def build(reference: nn.Module) -> nn.Module:
+        model = _copy(reference)
+        mesh = init_device_mesh("cpu", (_world(),), mesh_dim_names=("tp",))
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(),
+                                                 "proj": RowwiseParallel()})
+        return model
+
+    return port_case(tp.reference, build, "tests.dtensor_cases:tensor_parallel")
+
+
+def ddp() -> Case:
+    """The model in ``DistributedDataParallel`` (gradients all-reduced and averaged)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def build(reference: nn.Module) -> nn.Module:
+        return DistributedDataParallel(_copy(reference))
+
+    return port_case(tp.reference, build, "tests.dtensor_cases:ddp")

@@ -1,0 +1,237 @@
+"""Capturing ports sharded by torch's DTensor APIs on 2 gloo ranks (tests/dtensor_cases.py): each
+rank records its local part of every DTensor, and its rank file's meta says how the parts make
+the whole (``layouts``) and what data parallelism the model ran (``data_parallel``). The parts,
+put together as the layouts say, are the one-process reference's tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+
+from layerdiff import capture, load_case
+from layerdiff.capture.sharded import Layouts
+from layerdiff.trace import Recorder, open_trace, schema
+from layerdiff.trace.stats import text_digest
+from layerdiff.trace.writer import base_meta
+from reference_models import tensor_parallel as tp
+from tests.gloo import needs_gloo
+
+CASES = {name: f"tests.dtensor_cases:{name}"
+         for name in ("fsdp", "tensor_parallel", "ddp", "fsdp_divide_by_four")}
+STEPS = {"ddp": 1, "fsdp_divide_by_four": 1}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The one-process capture of the model the cases shard."""
+    return capture(load_case(f"{tp.MODULE}:reference"),
+                   tmp_path_factory.mktemp("reference") / "reference.h5")
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory, reference) -> dict[str, Path]:
+    """The reference, and each case's 2-rank capture (by one group of 2 spawned processes
+    capturing every case in turn)."""
+    import torch.multiprocessing as mp
+
+    from tests.gloo import free_port
+    from tests.rank_captures import _capture_each
+
+    folder = tmp_path_factory.mktemp("dtensor")
+    paths = {"reference": reference}
+    jobs = []
+    for name, spec in CASES.items():
+        paths[name] = folder / f"{name}.h5"
+        steps = {"steps": STEPS[name]} if name in STEPS else {}
+        jobs.append((spec, str(paths[name]), steps))
+    mp.start_processes(_capture_each, args=(2, free_port(), jobs), nprocs=2,
+                       start_method="spawn")
+    return paths
+
+
+def rank_files(path: Path) -> list[Path]:
+    return [path.with_name(f"{path.stem}.rank{rank}.h5") for rank in (0, 1)]
+
+
+def layout_of(meta: dict, site: str, role: str, arg: str) -> dict | None:
+    for row in meta["layouts"]["records"]:
+        if row[:3] == [site, role, arg]:
+            return meta["layouts"]["table"][row[3]]
+    return None
+
+
+def read(trace, step: int, site: str, role: str, arg: str) -> np.ndarray:
+    row = trace.find(step, site, role, arg)
+    assert row is not None, f"no record {site} {role} {arg} at step {step}"
+    return trace.read(row)
+
+
+def shard(dim: int) -> list[dict]:
+    return [{"kind": "shard", "dim": dim}]
+
+
+@needs_gloo
+def test_tensor_parallel_records_local_parts_with_their_layouts(traces):
+    ranks = [open_trace(path) for path in rank_files(traces["tensor_parallel"])]
+    meta = ranks[1].meta
+    fc, proj = "blocks.0.mlp.fc#0", "blocks.0.mlp.proj#0"
+    expected = {(fc, "weight", "weight"): (shard(0), [128, 32]),
+                (fc, "weight", "bias"): (shard(0), [128]),
+                (proj, "weight", "weight"): (shard(1), [32, 128]),
+                (proj, "weight", "bias"): ([{"kind": "replicate"}], [32]),
+                # the module's own output, before ColwiseParallel's hook makes it local
+                (fc, "output", "0"): (shard(2), [4, 8, 128]),
+                (proj, "input", "0"): (shard(2), [4, 8, 128]),
+                # RowwiseParallel's output before its all-reduce: each rank's partial sum
+                (proj, "output", "0"): ([{"kind": "partial", "reduce": "sum"}], [4, 8, 32]),
+                (fc, "weight_grad", "weight"): (shard(0), [128, 32])}
+    for (site, role, arg), (placements, shape) in expected.items():
+        layout = layout_of(meta, site, role, arg)
+        assert layout == {"mesh": [2], "names": ["tp"], "ranks": [0, 1],
+                          "placements": placements, "shape": shape}, (site, role, arg)
+    # modules tensor parallelism leaves alone record plain tensors: no layout
+    assert layout_of(meta, "blocks.0.ln1#0", "output", "0") is None
+    assert "data_parallel" not in meta
+    assert "layouts_varied" not in meta
+    # the records are the local parts, and put together they are the reference's tensors
+    with open_trace(traces["reference"]) as reference:
+        for step in (0, 1):
+            for (site, role, arg), (placements, shape) in expected.items():
+                parts = [read(trace, step, site, role, arg) for trace in ranks]
+                kind = placements[0]["kind"]
+                if kind == "shard":
+                    dim = placements[0]["dim"]
+                    assert parts[0].shape[dim] * 2 == shape[dim]
+                    whole = np.concatenate(parts, axis=dim)
+                else:
+                    whole = parts[0] + parts[1] if kind == "partial" else parts[0]
+                np.testing.assert_allclose(whole, read(reference, step, site, role, arg),
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{site} {role} {arg}")
+    for trace in ranks:
+        trace.close()
+
+
+@needs_gloo
+def test_fully_shard_records_whole_weights_and_sharded_gradients(traces):
+    ranks = [open_trace(path) for path in rank_files(traces["fsdp"])]
+    meta = ranks[0].meta
+    assert meta["data_parallel"] == {
+        "how": "fully_shard", "ranks": [0, 1], "gradient_divide_factor": 2,
+        "weights": "unsharded: the whole weight each module computed with (after FSDP's "
+                   "all-gather)",
+        "weight_grads": "reduced: each rank's shard of the gradient after FSDP's "
+                        "reduce-scatter"}
+    # fully_shard's FSDP<Name> subclasses are recorded under the model's own class names
+    types = dict(zip(ranks[0].sites["site"], ranks[0].sites["type"], strict=True))
+    assert (types["<root>#0"], types["blocks.0#0"]) == ("TinyGPT", "Block")
+    assert "Block" in meta["signatures"] and "FSDPBlock" not in meta["signatures"]
+    fc = "blocks.0.mlp.fc#0"
+    # FSDP swaps the whole weight in for the forward: the weight records are plain and whole
+    assert layout_of(meta, fc, "weight", "weight") is None
+    assert layout_of(meta, fc, "output", "0") is None
+    assert layout_of(meta, fc, "weight_grad", "weight") == {
+        "mesh": [2], "names": [""], "ranks": [0, 1], "placements": shard(0), "shape": [128, 32]}
+    with open_trace(traces["reference"]) as reference:
+        for step in (0, 1):
+            weights = [read(trace, step, fc, "weight", "weight") for trace in ranks]
+            assert weights[0].shape == (128, 32)
+            np.testing.assert_array_equal(weights[0], weights[1])
+            np.testing.assert_allclose(weights[0], read(reference, step, fc, "weight", "weight"),
+                                       rtol=1e-6, atol=1e-7)
+            grads = [read(trace, step, fc, "weight_grad", "weight") for trace in ranks]
+            assert grads[0].shape == (64, 32)
+            # the same batch on both ranks: the average of the two is the reference's gradient
+            np.testing.assert_allclose(np.concatenate(grads),
+                                       read(reference, step, fc, "weight_grad", "weight"),
+                                       rtol=1e-5, atol=1e-7)
+    for trace in ranks:
+        trace.close()
+
+
+@needs_gloo
+def test_the_gradient_divide_factor_is_the_one_fsdp_applied(traces):
+    fc = "blocks.0.mlp.fc#0"
+    ranks = [open_trace(path) for path in rank_files(traces["fsdp_divide_by_four"])]
+    factor = ranks[0].meta["data_parallel"]["gradient_divide_factor"]
+    assert factor == 4
+    grads = np.concatenate([read(trace, 0, fc, "weight_grad", "weight") for trace in ranks])
+    with open_trace(traces["reference"]) as reference:
+        # both ranks' identical gradients summed, then divided by the factor
+        np.testing.assert_allclose(grads * factor / 2,
+                                   read(reference, 0, fc, "weight_grad", "weight"),
+                                   rtol=1e-5, atol=1e-7)
+    for trace in ranks:
+        trace.close()
+
+
+@needs_gloo
+def test_ddp_is_data_parallel_with_no_sharded_records(traces):
+    with open_trace(rank_files(traces["ddp"])[1]) as trace:
+        meta = trace.meta
+    assert meta["data_parallel"]["how"] == "ddp"
+    assert meta["data_parallel"]["ranks"] == [0, 1]
+    assert meta["data_parallel"]["gradient_divide_factor"] == 2
+    assert "layouts" not in meta
+
+
+def test_a_plain_capture_writes_its_meta_once(reference):
+    """No sharded tensor, no data parallelism: no key is added, and the meta text is the one
+    written when the file was created (its digest taken of that text)."""
+    with h5py.File(reference) as h5:
+        text = h5.attrs[schema.ATTR_META]
+        meta = json.loads(text)
+        assert h5.attrs[schema.ATTR_META_DIGEST] == text_digest(text)
+    assert "layouts" not in meta and "data_parallel" not in meta
+    assert text == json.dumps(meta, default=str)
+
+
+def test_meta_added_before_a_complete_close_is_written_and_digested(tmp_path):
+    recorder = Recorder(tmp_path / "done.h5", base_meta("test"))
+    recorder.add_meta({"layouts": {"table": [], "records": []}})
+    with open_trace(recorder.close(complete=True)) as trace:   # the reader checks the digest
+        assert trace.meta["layouts"] == {"table": [], "records": []}
+    partial = Recorder(tmp_path / "cut.h5", base_meta("test"))
+    partial.add_meta({"layouts": {}})
+    with open_trace(partial.close(complete=False), allow_incomplete=True) as trace:
+        assert "layouts" not in trace.meta
+
+
+def _fake(placements: tuple, shape: tuple) -> SimpleNamespace:
+    """What Layouts reads of a DTensor: its spec, mesh, placements and global shape."""
+    mesh = SimpleNamespace(shape=(2,), mesh_dim_names=None, ndim=1,
+                           mesh=np.array([0, 1]))
+    return SimpleNamespace(_spec=SimpleNamespace(mesh="mesh", placements=placements,
+                                                 shape=shape),
+                           device_mesh=mesh, placements=placements, shape=shape)
+
+
+def test_a_record_whose_layout_changes_keeps_its_first_and_is_listed():
+    from torch.distributed.tensor import Replicate, Shard
+
+    layouts = Layouts()
+    layouts.add("fc#0", "output", "0", _fake((Shard(-1),), (4, 6)))
+    layouts.add("fc#0", "output", "0", _fake((Replicate(),), (4, 6)))
+    layouts.add("proj#0", "input", "0", _fake((Shard(1),), (4, 6)))
+    meta = layouts.meta()
+    assert meta["layouts"]["table"][0]["placements"] == [{"kind": "shard", "dim": 1}]
+    assert meta["layouts"]["records"] == [["fc#0", "output", "0", 0], ["proj#0", "input", "0", 0]]
+    assert meta["layouts_varied"] == [["fc#0", "output", "0"]]
+    assert Layouts().meta() == {}
+
+
+def test_placements_in_the_trace_words():
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    from layerdiff.capture.sharded import placement_json
+
+    assert placement_json(Shard(-1), 3) == {"kind": "shard", "dim": 2}
+    assert placement_json(Replicate(), 3) == {"kind": "replicate"}
+    assert [placement_json(Partial(op), 3)["reduce"] for op in ("sum", "avg", "max", "min")] == [
+        "sum", "avg", "max", "min"]
+    assert placement_json(_StridedShard(0, split_factor=2), 3) == {
+        "kind": "strided_shard", "dim": 0, "split_factor": 2}
