@@ -6,13 +6,18 @@ Three sources, the first that speaks wins:
 2. the layout the capture recorded for a DTensor (rank meta ``layouts``: its mesh and
    placements, so FSDP2 and ``parallelize_module`` ports need no rule);
 3. data parallelism the capture saw (FSDP2, DDP; rank meta ``data_parallel``): each rank ran
-   its part of the batch. A record that differs across the ranks is cut along dim 0 in rank
+   its part of the batch when the model's first input differs across ranks. A forward record
+   that differs across the ranks, or is as long along dim 0 as the rank's part of the batch
+   (a causal mask expanded over the batch agrees on every rank), is cut along dim 0 in rank
    order; the loss, each rank's mean over its part, is a term of the whole's; a gradient of a
    tensor every rank holds whole (a position embedding's output) is a sum of the ranks' terms.
    Every rank's loss stands for 1/f of the whole's (f the gradient divide factor, by default
    the data-parallel size, that makes the averaged weight gradients the whole batch's), so the
-   loss and the gradients of the activations are divided by f after the join. A record the
-   same on every rank is rank 0's copy.
+   loss and the gradients of the activations are divided by f after the join. Any other
+   record is rank 0's copy.
+
+A partial sum's gradient is the reduced sum's, whole on every rank (the all-reduce's backward
+hands each rank the same gradient), so a ``partial`` rule leaves the gradients replicated.
 
 Records none of these cut are rank 0's copies (replicated). No torch here.
 """
@@ -70,15 +75,19 @@ def declared_layout(mapping: Mapping, module: str, role: str, arg: str,
         raise TraceError(f"the [mesh] of {mapping.name} ({', '.join(f'{n} = {s}' for n, s in mesh)}"
                          f") holds {math.prod(size for _, size in mesh)} ranks; the capture "
                          f"has {world}")
-    placements = tuple(_placement(found[name], size) if name in found else Placement(
+    placements = tuple(_placement(found[name], size, role) if name in found else Placement(
         "replicate") for name, size in mesh)
     names = tuple(name for name, _ in mesh) if mapping.mesh else ()
     return Layout(tuple(size for _, size in mesh), tuple(range(world)), placements,
                   names), rules
 
 
-def _placement(rule: ShardRule, size: int) -> Placement:
+def _placement(rule: ShardRule, size: int, role: str) -> Placement:
     kind = {"split": "shard"}.get(rule.layout, rule.layout)
+    if kind == "partial" and role in _FORWARD_OF:
+        # the gradient of a sum still to be reduced is the reduced sum's: whole on every rank
+        # (the all-reduce's backward hands each rank the same gradient; DTensor's too)
+        kind = "replicate"
     if kind == "experts" and len(rule.experts) != size:
         raise TraceError(f"{rule.describe()} lists the experts of {len(rule.experts)} ranks; "
                          f"the capture has {size}{' over ' + rule.over if rule.over else ''}: "
@@ -153,6 +162,7 @@ class _DataParallel:
         self.ranks, self.lookups, self.factor = ranks, lookups, factor
         self.rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]
         self.world = len(ranks)
+        self.batch = 0  # rank 0's part of the batch; 0: every rank ran the whole
 
     @classmethod
     def of(cls, ranks: list[Trace], index: pd.DataFrame,
@@ -162,7 +172,25 @@ class _DataParallel:
                 range(len(ranks))):
             return None  # none seen, or a data-parallel group that is not the whole world
         factor = seen.get("gradient_divide_factor") or len(ranks)
-        return cls(ranks, lookups, float(factor))
+        found = cls(ranks, lookups, float(factor))
+        found.batch = found._local_batch(index)
+        return found
+
+    def _local_batch(self, index: pd.DataFrame) -> int:
+        """Rank 0's part of the batch (the outermost call's first input's dim 0) when the ranks
+        ran different parts (that input differs across them); 0 when every rank ran the whole
+        batch, or the model's input cannot tell."""
+        sites = self.ranks[0].sites
+        outer = sites[(sites["parent"] == "") & (sites["site"] != schema.LOSS_SITE)]
+        if outer.empty:
+            return 0
+        first = index[(index["site"] == outer["site"].iloc[0]) & (index["role"] == "input")
+                      & (index["kind"] == "tensor")]
+        if first.empty:
+            return 0
+        row = first.iloc[0].to_dict()
+        shape = schema.parse_shape(row["shape"])
+        return int(shape[0]) if shape and self.differs(row) else 0
 
     def differs(self, row: dict[str, Any]) -> bool:
         key = record_key(row)
@@ -182,7 +210,11 @@ class _DataParallel:
             return self._join(Placement("partial"), "each rank's loss over its part of the "
                               "batch", 1.0 / self.factor) if self.differs(row) else None
         if not backward:
-            cut = self.differs(row) and bool(schema.parse_shape(row["shape"]))
+            shape = schema.parse_shape(row["shape"])
+            # per-example: it differs across ranks, or it is as long as the rank's batch part
+            # (a causal mask expanded over the batch agrees on every rank and is still cut)
+            cut = bool(shape) and (self.differs(row) or (self.batch > 1
+                                                         and shape[0] == self.batch))
             split[(int(row["step"]), row["site"], role, row["arg"])] = cut
             return self._join(Placement("shard", 0), "the data-parallel batch") if cut else None
         forward = split.get((int(row["step"]), row["site"], _FORWARD_OF[role], row["arg"]))
