@@ -102,10 +102,11 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         manifest = port_trace.path if port_trace.rank_paths else None
         replicas = None
         if manifest is not None:
-            replicas = replica_disagreement(port_trace, mapping)
+            replicas = replica_disagreement(port_trace, mapping, ref_trace)
             port_trace, told = stack.enter_context(gathered(
                 port_trace, mapping, workers=workers,
-                others=[t.path for t in (ref_trace, base_trace) if t is not None]))
+                others=[t.path for t in (ref_trace, base_trace) if t is not None],
+                reference=ref_trace))
             said += told
         if base_trace is not None and (
                 base_trace.path.resolve() == port_trace.path.resolve()

@@ -40,7 +40,8 @@ def refuse_multi_rank_reference(ref: Trace) -> None:
 
 @contextlib.contextmanager
 def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
-             others: Sequence[Path] = ()) -> Iterator[tuple[Trace, list[str]]]:
+             others: Sequence[Path] = (), reference: Trace | None = None
+             ) -> Iterator[tuple[Trace, list[str]]]:
     """The one-trace view of a multi-rank ``port``, and warnings for the user. It is kept
     beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
     the same), so that reports can read it after the diff; in the system's temporary folder
@@ -48,7 +49,8 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
     ``others`` traces the diff reads (it would rewrite its own reference). Raises TraceError
     when no rule cuts a record that differs across ranks (:func:`gather`)."""
     warnings: list[str] = []
-    path, key = gathered_path(port.path), gather_key(port, mapping)
+    shapes = None if reference is None else reference_shapes(reference)
+    path, key = gathered_path(port.path), gather_key(port, mapping, shapes)
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
         warnings.append(f"{port.path.parent} is not writable: the gathered trace is {path}")
@@ -59,20 +61,33 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
                             "name and diff against that")
     fresh = not up_to_date(path, key)
     if fresh:
-        done = gather(port, mapping, path, workers=workers)  # refuses a gather of nothing
+        done = gather(port, mapping, path, workers=workers,  # refuses a gather of nothing
+                      reference_shapes=shapes)
         warnings += done.unused_rules + done.notes
     with open_trace(path, verify=port.verify and not fresh) as trace:  # fresh: checked as read
         yield trace, warnings
 
 
-def replica_disagreement(manifest: Trace, mapping: Mapping) -> dict | None:
+def reference_shapes(reference: Trace) -> dict[tuple, str]:
+    """The reference's tensor shapes by record key: what a DTensor port's plain local parts
+    are cut from (layerdiff.trace.joins)."""
+    index = reference.index
+    tensors = index[index["kind"] == "tensor"]
+    return {(int(step), pass_, site, role, arg): shape for step, pass_, site, role, arg, shape
+            in zip(tensors["step"], tensors["pass"], tensors["site"], tensors["role"],
+                   tensors["arg"], tensors["shape"], strict=True)}
+
+
+def replica_disagreement(manifest: Trace, mapping: Mapping,
+                         reference: Trace | None = None) -> dict | None:
     """The first replicated record whose copies differ across ranks (bit for bit, from the
     rank files' indexes: no tensor is read), as JSON, or None when every rank agrees. A diff
     that gathers diverged replicas joins parts computed from different inputs, so an origin
     after this record may be its consequence."""
     from layerdiff.compare.ranks import check_ranks
 
-    found = check_ranks(manifest, mapping=mapping)
+    found = check_ranks(manifest, mapping=mapping, reference_shapes=None if reference is None
+                        else reference_shapes(reference))
     if not found.found:
         return None
     first = found.first

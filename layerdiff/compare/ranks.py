@@ -171,7 +171,8 @@ class RanksResult:
 def check_ranks(port: str | os.PathLike | Trace, *,
                 mapping: str | os.PathLike | Mapping | None = None,
                 tolerance: bool | str | os.PathLike | Tolerances | None = False,
-                progress: Progress | None = None) -> RanksResult:
+                progress: Progress | None = None,
+                reference_shapes: dict[tuple, str] | None = None) -> RanksResult:
     """Compare every rank's replicated records with rank 0's; see :class:`RanksResult`.
 
     ``port`` is the manifest of a multi-rank capture (``capture --nproc N`` or under
@@ -181,6 +182,8 @@ def check_ranks(port: str | os.PathLike | Trace, *,
     ``tolerance`` False compares bit for bit by the index digests; True judges records whose
     bits differ with the per-dtype default tolerances; a tolerance file or
     :class:`Tolerances` with those. ``progress(done, total)`` counts records.
+    ``reference_shapes`` (the diff's reference): records whose parts add up to the
+    reference's shape are cut, not replicated, as the diff's gather takes them.
     Raises :class:`TraceError` when ``port`` is not a manifest, or a rank file is missing or
     damaged (naming the rank).
     """
@@ -194,7 +197,7 @@ def check_ranks(port: str | os.PathLike | Trace, *,
         ranks = [manifest, *(stack.enter_context(open_trace(path, verify=manifest.verify))
                              for path in manifest.rank_paths[1:])]
         comparer = _Comparer(ranks, manifest.rank_paths, _mapping(mapping, manifest),
-                             tolerances, progress)
+                             tolerances, progress, reference_shapes)
         result = comparer.run()
     result.manifest = str(manifest.path)
     result.seconds = time.perf_counter() - started
@@ -235,7 +238,8 @@ class _Comparer:
     """Each rank r > 0 against rank 0: the index first, data only where it must be read."""
 
     def __init__(self, ranks: list[Trace], paths: list[Path], mapping: Mapping,
-                 tolerances: Tolerances | None, progress: Progress | None) -> None:
+                 tolerances: Tolerances | None, progress: Progress | None,
+                 reference_shapes: dict[tuple, str] | None = None) -> None:
         self.ranks, self.paths, self.mapping = ranks, paths, mapping
         self.tolerances = tolerances
         self.progress = progress
@@ -249,7 +253,7 @@ class _Comparer:
         index = first.index.sort_values("seq", kind="stable")
         plan = plan_joins(ranks, index, dict(zip(first.sites["site"], first.sites["module"],
                                                  strict=True)), mapping,
-                          [record_lookup(trace.index) for trace in ranks])
+                          [record_lookup(trace.index) for trace in ranks], reference_shapes)
         self.joined = {record_key(row) for row, join in zip(index.to_dict("records"),
                                                             plan.joins, strict=True) if join}
         self.used_rules = plan.used_rules

@@ -74,14 +74,17 @@ class Gathered:
     by: dict[str, int] = field(default_factory=dict)  # records joined, by what said how
 
 
-def gather_key(manifest: Trace, mapping: Mapping) -> str:
+def gather_key(manifest: Trace, mapping: Mapping,
+               reference_shapes: dict[tuple, str] | None = None) -> str:
     """What a gathered trace was made from: the rank files (their table and meta digests, which
-    the manifest records and checks each rank file against), the rules, and how this version
-    of gather joins them."""
+    the manifest records and checks each rank file against), the rules, the reference's
+    shapes where they were used, and how this version of gather joins them."""
     rules = [mapping.mesh, *((r.site.text, r.tensor, r.dim, r.layout, r.experts, r.over)
                              for r in mapping.shard_rules)]
-    text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules], sort_keys=True,
-                      default=str)
+    shapes = hashlib.sha256(json.dumps(sorted((list(k), v) for k, v in (
+        reference_shapes or {}).items())).encode()).hexdigest() if reference_shapes else ""
+    text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules, shapes],
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -105,7 +108,8 @@ def up_to_date(path: Path, key: str) -> bool:
 
 def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
            output: str | os.PathLike, *, progress: Progress | None = None,
-           workers: int | None = None) -> Gathered:
+           workers: int | None = None,
+           reference_shapes: dict[tuple, str] | None = None) -> Gathered:
     """Write the one-process view of the multi-rank capture ``manifest`` at ``output``.
 
     ``mapping`` None takes the mapping the capture recorded in the rank files (``capture
@@ -118,15 +122,20 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
     digests and statistics while this process joins and writes, when there is enough data to
     pay for starting them (:data:`PARALLEL_MIN_BYTES`). Raises :class:`TraceError` naming the
     rank, the record and the rule when the ranks' parts cannot be joined (a record missing on
-    a rank, parts of other shapes or dtypes), or a rank file's bytes are damaged."""
+    a rank, parts of other shapes or dtypes), or a rank file's bytes are damaged.
+
+    ``reference_shapes`` (shape text by (step, pass, site, role, arg), the diff's reference):
+    a record nothing else places whose parts' lengths along one dim add up to the reference's
+    is cut there (see :mod:`layerdiff.trace.joins`)."""
     notes: list[str] = []
     source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
-    with _opened(manifest, mapping) as (ranks, key, mapping), _Checks(workers) as checks:
+    with _opened(manifest, mapping, reference_shapes) as (ranks, key, mapping), \
+            _Checks(workers) as checks:
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
         lookups = [record_lookup(rank.index) for rank in ranks]
-        plan = plan_joins(ranks, index, modules, mapping, lookups)
+        plan = plan_joins(ranks, index, modules, mapping, lookups, reference_shapes)
         joins = plan.joins
         cut = [i for i, join in enumerate(joins) if join is not None]
         if not cut and len(ranks) > 1:
@@ -179,7 +188,8 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         if join is not None:
             said = {"rules": f"the [[shard]] rules of {_mapping_name(mapping)}",
                     "capture": "the DTensor placements recorded at capture",
-                    "data parallel": "the data-parallel batch"}[join.source]
+                    "data parallel": "the data-parallel batch",
+                    "reference shape": "the reference's shapes"}[join.source]
             by[said] = by.get(said, 0) + 1
     return Gathered(Path(path), len(ranks), len(index), len(cut), unused,
                     _mapping_name(mapping), notes, by)
@@ -312,10 +322,12 @@ def _check_records(path: str, positions: list[int]) -> None:
 class _opened:
     """The rank files of a manifest, open (given as a path or an open manifest trace)."""
 
-    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping | None) -> None:
+    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping | None,
+                 reference_shapes: dict[tuple, str] | None) -> None:
         self.manifest = manifest
         self.traces: list[Trace] = []
         self.mapping = mapping
+        self.reference_shapes = reference_shapes
 
     def __enter__(self) -> tuple[list[Trace], str, Mapping]:
         given = self.manifest
@@ -328,7 +340,7 @@ class _opened:
             if self.mapping is None:  # the diff's choice: the mapping the capture recorded
                 self.mapping = Mapping.recorded(
                     self.traces[0].meta, f"{trace.path.name}'s rank files") or Mapping()
-            key = gather_key(trace, self.mapping)
+            key = gather_key(trace, self.mapping, self.reference_shapes)
         except BaseException:
             self.__exit__()
             raise

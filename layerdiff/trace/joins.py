@@ -50,7 +50,8 @@ class Join:
     layout: Layout
     why: str
     scale: float = 1.0
-    source: str = "rules"  # rules | capture (a DTensor's placements) | data parallel
+    # rules | capture (a DTensor's placements) | data parallel | reference shape
+    source: str = "rules"
 
     def to_json(self) -> dict[str, Any]:
         return {**self.layout.to_json(), "why": self.why, "scale": self.scale}
@@ -127,9 +128,13 @@ def record_lookup(index: pd.DataFrame) -> dict[tuple, int]:
 
 
 def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
-               mapping: Mapping, lookups: list[dict[tuple, int]]) -> JoinPlan:
-    """How each row of rank 0's ``index`` (sorted by seq) is joined from the ranks' parts."""
+               mapping: Mapping, lookups: list[dict[tuple, int]],
+               reference_shapes: dict[tuple, str] | None = None) -> JoinPlan:
+    """How each row of rank 0's ``index`` (sorted by seq) is joined from the ranks' parts.
+    ``reference_shapes`` (the diff's reference, by :func:`record_key`) lets a record nothing
+    else places be cut along the one dim where its parts' shapes sum to the reference's."""
     world = len(ranks)
+    shapes = _RankShapes(ranks, lookups) if reference_shapes else None
     recorded = recorded_layouts(ranks[0])
     data = _DataParallel.of(ranks, index, lookups) if world > 1 else None
     rows = index.to_dict("records")
@@ -150,8 +155,41 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
                     layout, "the DTensor placements recorded at capture", source="capture")
             elif data is not None:
                 join = data.join(row, split)
+            if join is None and declared is None and layout is None and shapes is not None:
+                join = shapes.join(row, reference_shapes.get(record_key(row)))
         plan.joins.append(join)
     return plan
+
+
+class _RankShapes:
+    """A record no rule, recorded layout or batch places, cut as the reference's shape says: a
+    DTensor port's plain local tensors (a GELU between a column- and a row-parallel layer, the
+    attention weights of the rank's heads) are torch.chunk parts in rank order, like the
+    DTensor they came from; the one dim where the parts' lengths add up to the reference's is
+    the cut."""
+
+    def __init__(self, ranks: list[Trace], lookups: list[dict[tuple, int]]) -> None:
+        self.ranks, self.lookups = ranks, lookups
+
+    def join(self, row: dict[str, Any], reference: str | None) -> Join | None:
+        if reference is None or reference == row["shape"]:
+            return None
+        whole = schema.parse_shape(reference)
+        parts = []
+        for rank, trace in enumerate(self.ranks):
+            position = self.lookups[rank].get(record_key(row))
+            if position is None:
+                return None
+            parts.append(schema.parse_shape(trace.index["shape"].iloc[position]))
+        if any(len(part) != len(whole) for part in parts):
+            return None
+        apart = [d for d in range(len(whole)) if any(part[d] != whole[d] for part in parts)]
+        if len(apart) != 1 or sum(part[apart[0]] for part in parts) != whole[apart[0]]:
+            return None
+        dim = apart[0]
+        layout = Layout.one_dim(len(self.ranks), Placement("shard", dim))
+        return Join(layout, f"the reference's shape ({reference}): the parts' lengths along dim "
+                    f"{dim} add up to it, in rank order", source="reference shape")
 
 
 class _DataParallel:
