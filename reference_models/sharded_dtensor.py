@@ -10,6 +10,11 @@ left whole, and each port is the reference.
 - ``fsdp``: every block wrapped with ``fully_shard``, then the root, over a 1-D mesh of the
   world; each rank runs its contiguous part of the batch (``inputs.chunk(W)[rank]``) with the
   mean loss of that part, and FSDP averages the gradients: with equal parts, the reference's.
+  What each rank records of its part, measured: activations are its part of the batch (dim
+  0), except the position embedding's output (positions, width), the same on every rank; the
+  activations' gradients are W times the reference's part (each rank's loss is its part's
+  mean; FSDP's averaging divides only the weights' gradients by W), and the position
+  embedding's output gradient is W times the rank's term of a sum over the ranks.
 - ``fsdp_same_batch``: the same, every rank running the whole batch.
 - ``dtensor_tp``: in every block ``attn.q``/``k``/``v`` and ``mlp.fc`` column-parallel,
   ``attn.out`` and ``mlp.proj`` row-parallel (Megatron's pairs); the attention's code reads

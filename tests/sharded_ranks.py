@@ -211,3 +211,41 @@ def max_errors(runs: list[dict], reference: dict, rules: list[dict]) -> dict[tup
     assert runs[0]["records"].keys() == reference["records"].keys()
     return {key: (join(runs, key, rules) - tensor).abs().max().item()
             for key, tensor in reference["records"].items()}
+
+
+# ---- the same join over captured traces (every record a capture makes: the root's, the
+# loss, integer inputs, weights)
+
+
+def trace_errors(reference: str | Path, port: str | Path, rules: list[dict]) -> dict[tuple, float]:
+    """Every tensor record of the one-process ``reference`` trace against the port's ranks
+    (``port`` is the manifest of a multi-rank capture) joined by the rules' layouts: its max
+    abs error, keyed ``(step, pass, site, role, arg)``."""
+    import numpy as np
+
+    from layerdiff import open_trace
+
+    with open_trace(port) as manifest:
+        rank_paths = list(manifest.rank_paths)
+    ref, ranks = open_trace(reference), [open_trace(path) for path in rank_paths]
+    try:
+        modules = dict(zip(ref.sites["site"], ref.sites["module"], strict=True))
+        errors = {}
+        for _, row in ref.index[ref.index["kind"] == "tensor"].iterrows():
+            step, pass_, site, role, arg = (row[k] for k in ("step", "pass", "site", "role",
+                                                             "arg"))
+            # the Recorder's keys: a parameter by its name (its gradient name_grad)
+            name = {"weight": arg, "weight_grad": f"{arg}_grad"}.get(role, role)
+            key = (step, modules[site], name, int(arg) if arg.isdigit() else 0)
+            parts = [torch.from_numpy(np.array(trace.read(trace.find(step, site, role, arg,
+                                                                     pass_=pass_))))
+                     for trace in ranks]
+            whole = join([{"records": {key: part}} for part in parts], key, rules)
+            expected = torch.from_numpy(np.array(ref.read(row)))
+            assert whole.shape == expected.shape, (site, role, arg, whole.shape, expected.shape)
+            errors[(step, pass_, site, role, arg)] = (
+                (whole.double() - expected.double()).abs().max().item() if whole.numel() else 0.0)
+        return errors
+    finally:
+        for trace in (ref, *ranks):
+            trace.close()

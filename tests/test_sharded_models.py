@@ -226,7 +226,9 @@ def test_planted_bug_first_shows_at_its_site_in_its_ranks_parts(case, two_ranks,
             torch.testing.assert_close(join(runs, key, rules), reference["records"][key])
     output = (0, site, "output", 0)
     if rule_for(rules, output)[0]:
-        assert wrong_parts(runs, reference, output, rules) == list(bug.ranks.get(2, (0, 1)))
+        assert wrong_parts(runs, reference, output, rules) == bug.wrong_ranks(2)
+    else:
+        assert bug.wrong_ranks(2) is None
 
 
 # ---- four ranks
@@ -246,4 +248,35 @@ def test_zigzag_kv_order_on_four_ranks_is_wrong_on_ranks_one_to_three(four_ranks
     rules = rules_of("bug_zigzag_kv_order", 4)
     assert first_wrong(runs, reference, rules) == (0, "blocks.0.attn.out", "input", 0)
     output = (0, "blocks.0.attn", "output", 0)
-    assert wrong_parts(runs, reference, output, rules) == [*BUGS["bug_zigzag_kv_order"].ranks[4]]
+    assert wrong_parts(runs, reference, output, rules) == BUGS["bug_zigzag_kv_order"].wrong_ranks(4)
+
+
+# ---- captured traces: every record a capture makes, joined by the mapping files
+
+
+@needs_gloo
+@pytest.mark.slow  # a 2-rank capture group (spawned: seconds of imports per rank)
+def test_captured_hand_written_ports_join_to_the_reference_trace(tmp_path):
+    """The mapping files cover what a capture records (the root's output, the loss, integer
+    inputs, weights and their gradients) under the names it gives them."""
+    import torch.multiprocessing as mp
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+    from tests.gloo import free_port
+    from tests.rank_captures import _capture_each
+    from tests.sharded_ranks import trace_errors
+
+    ports = ["partial_sum", "zigzag_cp", "expert_parallel"]
+    for name in ("reference", "moe_reference"):
+        done = CliRunner().invoke(main, ["capture", f"{MODULE}:{name}", "-o",
+                                         str(tmp_path / f"{name}.h5")])
+        assert done.exit_code == 0, done.output
+    jobs = [(f"{MODULE}:{case}", str(tmp_path / f"{case}.h5"), {}) for case in ports]
+    mp.start_processes(_capture_each, args=(2, free_port(), jobs), nprocs=2,
+                       start_method="spawn")
+    for case in ports:
+        errors = trace_errors(tmp_path / f"{REFERENCE_OF[case]}.h5", tmp_path / f"{case}.h5",
+                              rules_of(case, 2))
+        assert len(errors) > 50 and any(key[2].startswith("<root>") for key in errors)
+        assert max(errors.values()) < 2e-6, max(errors.items(), key=lambda item: item[1])
