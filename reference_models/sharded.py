@@ -95,20 +95,18 @@ class PlantedShardBug:
     pass_: str
     role: str
     step: int
-    # world size -> the ranks whose parts of the origin record are wrong where only some are;
-    # a world missing here: every rank's part. None: the record is replicated (no rank's part)
-    ranks: dict[int, tuple[int, ...]] | None
+    # world size -> the ranks whose part of the origin record (or whose copy, where it is
+    # replicated) is wrong, where only some are; a world missing here: every rank's
+    ranks: dict[int, tuple[int, ...]]
     description: str = ""
 
     @property
     def spec(self) -> str:
         return f"{MODULE}:{self.case}"
 
-    def wrong_ranks(self, world: int) -> list[int] | None:
+    def wrong_ranks(self, world: int) -> list[int]:
         """The ranks the diff should name for the origin on ``world`` ranks (its
-        ``origins[].ranks``); None where the origin's record is replicated."""
-        if self.ranks is None:
-            return None
+        ``origins[].ranks``)."""
         return list(self.ranks.get(world, range(world)))
 
 
@@ -118,12 +116,12 @@ BUGS: tuple[PlantedShardBug, ...] = (
         "block 1's MLP computes ReLU where the reference has GELU (every rank's part of the "
         "batch)"),
     PlantedShardBug(
-        "bug_dtensor_tp_heads", "dtensor_tp", "blocks.0.attn#0", "forward", "output", 0, None,
+        "bug_dtensor_tp_heads", "dtensor_tp", "blocks.0.attn#0", "forward", "output", 0, {},
         "the attention views its rank's q/k/v as the model's 4 heads, W times narrower, not "
         "as its 4/W heads; the output is replicated after out's all-reduce"),
     PlantedShardBug(
         "bug_partial_sum_unreduced", "partial_sum", "blocks.0.mlp#0", "forward", "output", 0,
-        None, "block 0's MLP returns proj's partial sum without the all-reduce: proj's record is "
+        {}, "block 0's MLP returns proj's partial sum without the all-reduce: proj's record is "
         "right (partial), the MLP's replicated output is rank 0's term only"),
     PlantedShardBug(
         "bug_zigzag_kv_order", "zigzag_cp", "blocks.0.attn#0", "forward", "output", 0,

@@ -18,7 +18,8 @@ left whole, and each port is the reference.
 - ``fsdp_same_batch``: the same, every rank running the whole batch.
 - ``dtensor_tp``: in every block ``attn.q``/``k``/``v`` and ``mlp.fc`` column-parallel,
   ``attn.out`` and ``mlp.proj`` row-parallel (Megatron's pairs); the attention's code reads
-  its local head count from the width of ``q``'s (local) output.
+  its local head count from the width of ``q``'s (local) output; ``fc`` hands its output on
+  as a DTensor, so that ``act``'s records carry their layout too (:func:`tp_plan`).
 
 Planted bugs, one line away:
 - ``bug_fsdp_activation``: block 1's MLP computes ReLU where the reference has GELU; the diff
@@ -100,12 +101,18 @@ def bug_fsdp_activation() -> Case:
 
 def tp_plan() -> dict:
     """Megatron's pairs in a block: q, k, v and fc column-parallel (their outputs the rank's
-    heads / hidden features), out and proj row-parallel (their outputs all-reduced)."""
+    heads / hidden features), out and proj row-parallel (their outputs all-reduced).
+
+    fc hands on a DTensor (``use_local_output=False``), so the GELU module between fc and proj
+    takes and returns one, whose layout a capture records. With the default (a plain tensor,
+    the rank's part), act's records would be plain local parts that need a ``[[shard]]`` rule
+    (``site = "blocks.*.mlp.act"``, ``dim = -1``): no DTensor says how they are cut. q, k and
+    v hand on plain parts: the attention's own code takes them, no module records them."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(), "attn.out": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+            "mlp.fc": ColwiseParallel(use_local_output=False), "mlp.proj": RowwiseParallel()}
 
 
 class ModelHeadsAttention(Attention):

@@ -39,12 +39,10 @@ REFERENCE_OF = {port.case: port.reference for port in sharded.PORTS}
 FSDP_RULES = [{"site": "pos", "tensor": "output", "layout": "replicate"},
               {"site": "*", "tensor": "input", "dim": 0},
               {"site": "*", "tensor": "output", "dim": 0}]
-# tensor parallel: the column-parallel layers' outputs (ColwiseParallel hands on local parts)
-# and GELU on fc's part; the row-parallel layers' inputs are DTensors, recorded whole here
-TP_RULES = [*({"site": f"blocks.*.{site}", "tensor": "output", "dim": -1}
-              for site in ("attn.q", "attn.k", "attn.v", "mlp.fc")),
-            *({"site": "blocks.*.mlp.act", "tensor": role, "dim": -1}
-              for role in ("input", "output"))]
+# tensor parallel: q, k and v's outputs (ColwiseParallel hands on local parts); every other
+# cut tensor here is a DTensor, recorded whole by this check
+TP_RULES = [{"site": f"blocks.*.attn.{site}", "tensor": "output", "dim": -1}
+            for site in ("q", "k", "v")]
 
 
 def port_of(case: str) -> str:
@@ -227,8 +225,10 @@ def test_planted_bug_first_shows_at_its_site_in_its_ranks_parts(case, two_ranks,
     output = (0, site, "output", 0)
     if rule_for(rules, output)[0]:
         assert wrong_parts(runs, reference, output, rules) == bug.wrong_ranks(2)
-    else:
-        assert bug.wrong_ranks(2) is None
+    else:  # replicated: the ranks whose copy is wrong
+        expected = reference["records"][output]
+        assert [rank for rank, run in enumerate(runs) if not torch.allclose(
+            run["records"][output], expected, atol=1e-5)] == bug.wrong_ranks(2)
 
 
 # ---- four ranks
