@@ -1,0 +1,118 @@
+"""End to end, the sharded ports of reference_models.sharded against their one-process
+references: capture on 2 and 4 gloo ranks, ``layerdiff diff ref.h5 port.h5 [--map F]``, the
+faithful ports pass and each planted bug's origin is its site (and, where only some ranks' parts
+are wrong, those ranks), as reference_models.sharded.BUGS says.
+
+Drafted before the diff can gather these layouts: the DTensor ports (fsdp, dtensor_tp) need a
+capture that records DTensors and their layouts, the others a gather that joins zigzag,
+partial-sum and expert-placed parts (tests/test_sharded_models.py checks the same ports by hand
+meanwhile). Run on main's layout-aware gather merged with the DTensor-aware capture, every test
+here passes but the faithful partial_sum (marked: the gather sums a partial sum's gradient).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from layerdiff.cli import main
+from reference_models import sharded
+from reference_models.sharded import BUGS, PORTS, WORLDS, map_file
+
+pytestmark = [
+    pytest.mark.slow,  # every case captured on 2 and on 4 ranks
+    pytest.mark.skip(reason="waits for layout-aware gather"),
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+]
+
+REFERENCES = ("reference", "moe_reference")
+CASES = [port.case for port in PORTS] + [bug.case for bug in BUGS]
+REFERENCE_OF = {port.case: port.reference for port in PORTS}
+PORT_OF = {**{port.case: port.case for port in PORTS}, **{bug.case: bug.port for bug in BUGS}}
+# 4 ranks: the ports whose layout or bug reads differently there (the zigzag chunks are one
+# position wide, the bug then wrong on ranks 1-3 only; the experts list is the world's own)
+# and the DTensor ports' 4-way meshes; every case on 2
+ON = {2: CASES, 4: ["zigzag_cp", "bug_zigzag_kv_order", "expert_parallel",
+                    "bug_expert_parallel_placement", "fsdp", "dtensor_tp"]}
+# the one capture made by the command itself on each world (the others by one group of
+# processes capturing every case in turn, as under torchrun: one start instead of eleven)
+BY_COMMAND = "zigzag_cp"
+
+
+def _capture_group(world: int, jobs: list[tuple[str, str, dict]]) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.gloo import free_port
+    from tests.rank_captures import _capture_each
+
+    mp.start_processes(_capture_each, args=(world, free_port(), jobs), nprocs=world,
+                       start_method="spawn")
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """world -> (name -> trace): the references in one process, the world's cases on its
+    ranks; each world captured when a test first asks for it."""
+    made: dict[int, dict[str, str]] = {}
+
+    def on(world: int) -> dict[str, str]:
+        if world not in made:
+            folder = tmp_path_factory.mktemp(f"sharded{world}")
+            paths = {name: str(folder / f"{name}.h5") for name in [*REFERENCES, *ON[world]]}
+            runner = CliRunner()
+            for name in REFERENCES:
+                done = runner.invoke(main, ["capture", f"{sharded.MODULE}:{name}", "-o",
+                                            paths[name]])
+                assert done.exit_code == 0, done.output
+            done = runner.invoke(main, ["capture", f"{sharded.MODULE}:{BY_COMMAND}", "-o",
+                                        paths[BY_COMMAND], "--nproc", str(world)])
+            assert done.exit_code == 0, done.output
+            _capture_group(world, [(f"{sharded.MODULE}:{case}", paths[case], {})
+                                   for case in ON[world] if case != BY_COMMAND])
+            made[world] = paths
+        return made[world]
+    return on
+
+
+def layerdiff_diff(paths: dict[str, str], world: int, case: str, tmp_path) -> tuple[int, dict]:
+    """``layerdiff diff REF PORT [--map F] --json OUT``: its exit code and JSON."""
+    mapping = map_file(PORT_OF[case], world)
+    out = tmp_path / "diff.json"
+    args = ["diff", paths[REFERENCE_OF[PORT_OF[case]]], paths[case], "--json", str(out)]
+    done = CliRunner().invoke(main, args + (["--map", str(mapping)] if mapping else []))
+    assert done.exit_code in (0, 1), done.output
+    return done.exit_code, json.loads(out.read_text())
+
+
+# A partial sum's gradient is replicated: the all-reduce's backward hands every rank the whole
+# gradient (DTensor's Redistribute turns a Partial's gradient into Replicate for the same
+# reason). A gather that joins proj's grad_output as a sum, as its output, doubles it.
+PARTIAL_GRADIENT = pytest.mark.xfail(
+    strict=True, reason="the gather sums the gradient of a record a partial rule covers, which "
+    "is replicated (proj's grad_output: 2x on 2 ranks)")
+
+
+def _on(cases: list[str]) -> list:
+    return [pytest.param(world, case, id=f"{case}-world{world}",
+                         marks=[PARTIAL_GRADIENT] if case == "partial_sum" else [])
+            for world in WORLDS for case in cases if case in ON[world]]
+
+
+@pytest.mark.parametrize(("world", "case"), _on([port.case for port in PORTS]))
+def test_faithful_port_passes(traces, world, case, tmp_path):
+    code, found = layerdiff_diff(traces(world), world, case, tmp_path)
+    assert code == 0 and found["origins"] == [], found["origins"]
+    assert found["meta"]["gathered"]["world_size"] == world
+
+
+@pytest.mark.parametrize(("world", "case"), _on([bug.case for bug in BUGS]))
+def test_planted_bug_is_found_at_its_site_and_ranks(traces, world, case, tmp_path):
+    bug = next(bug for bug in BUGS if bug.case == case)
+    code, found = layerdiff_diff(traces(world), world, case, tmp_path)
+    assert code == 1
+    origin = found["origins"][0]
+    assert (origin["site"], origin["pass"], origin["role"], origin["step"]) == (
+        bug.site, bug.pass_, bug.role, bug.step), origin
+    assert origin["ranks"] == bug.wrong_ranks(world), origin
