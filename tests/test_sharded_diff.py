@@ -3,11 +3,9 @@ references: capture on 2 and 4 gloo ranks, ``layerdiff diff ref.h5 port.h5 [--ma
 faithful ports pass and each planted bug's origin is its site (and, where only some ranks' parts
 are wrong, those ranks), as reference_models.sharded.BUGS says.
 
-Drafted before the diff can gather these layouts: the DTensor ports (fsdp, dtensor_tp) need a
-capture that records DTensors and their layouts, the others a gather that joins zigzag,
-partial-sum and expert-placed parts (tests/test_sharded_models.py checks the same ports by hand
-meanwhile). Run on main's layout-aware gather merged with the DTensor-aware capture, every test
-here passes but the faithful partial_sum (marked: the gather sums a partial sum's gradient).
+The DTensor ports (fsdp, dtensor_tp) need no mapping: the capture records their layouts; the
+others' mapping files declare zigzag, partial-sum and expert-placed parts
+(tests/test_sharded_models.py checks the same ports by hand, without layerdiff's gather).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from reference_models.sharded import BUGS, PORTS, WORLDS, map_file
 
 pytestmark = [
     pytest.mark.slow,  # every case captured on 2 and on 4 ranks
-    pytest.mark.skip(reason="waits for layout-aware gather"),
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
 ]
 
@@ -86,17 +83,8 @@ def layerdiff_diff(paths: dict[str, str], world: int, case: str, tmp_path) -> tu
     return done.exit_code, json.loads(out.read_text())
 
 
-# A partial sum's gradient is replicated: the all-reduce's backward hands every rank the whole
-# gradient (DTensor's Redistribute turns a Partial's gradient into Replicate for the same
-# reason). A gather that joins proj's grad_output as a sum, as its output, doubles it.
-PARTIAL_GRADIENT = pytest.mark.xfail(
-    strict=True, reason="the gather sums the gradient of a record a partial rule covers, which "
-    "is replicated (proj's grad_output: 2x on 2 ranks)")
-
-
 def _on(cases: list[str]) -> list:
-    return [pytest.param(world, case, id=f"{case}-world{world}",
-                         marks=[PARTIAL_GRADIENT] if case == "partial_sum" else [])
+    return [pytest.param(world, case, id=f"{case}-world{world}")
             for world in WORLDS for case in cases if case in ON[world]]
 
 
