@@ -179,6 +179,12 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         notes.append(f"{dropped} record(s) of {source} are partial sums in summary rank files: "
                      "a sum's statistics cannot be combined from its terms', so they are left "
                      "out of the gathered trace (capture without --summary to compare them)")
+    guessed = sum(1 for join in joins if join is not None and join.source == "reference shape")
+    if guessed:
+        notes.append(f"{guessed} record(s) of {source} that no rule or recorded layout places "
+                     "were cut as the reference's shapes say (along the one dim where the "
+                     "ranks' parts add up to it, in rank order); if a tensor is cut otherwise "
+                     "(zigzag, experts), write its [[shard]] rule (docs/distributed.md)")
     used = plan.used_rules
     unused = [f"{rule.describe()} cut no record of {source}: check its site glob (port "
               "module paths) and tensor name"
