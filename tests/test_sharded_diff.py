@@ -104,3 +104,28 @@ def test_planted_bug_is_found_at_its_site_and_ranks(traces, world, case, tmp_pat
     assert (origin["site"], origin["pass"], origin["role"], origin["step"]) == (
         bug.site, bug.pass_, bug.role, bug.step), origin
     assert origin["ranks"] == bug.wrong_ranks(world), origin
+
+
+def test_a_dtensor_port_captured_under_torchrun_passes_and_its_bug_is_named(traces, tmp_path):
+    """The real launcher, as users run it: `torchrun --nproc-per-node 2 -m layerdiff capture`
+    (each rank writes its file, rank 0 the manifest), then the diff with no mapping."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.gloo import free_port
+
+    reference = traces(2)["reference"]
+    for case, passes in (("dtensor_tp", True), ("bug_dtensor_tp_heads", False)):
+        output = tmp_path / f"{case}.h5"
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()), "-m", "layerdiff", "capture",
+             f"{sharded.MODULE}:{case}", "-o", str(output)],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        found = CliRunner().invoke(main, ["diff", reference, str(output)])
+        assert found.exit_code == (0 if passes else 1), found.output
+        if not passes:
+            assert "origin: blocks.0.attn#0" in found.output
