@@ -111,14 +111,22 @@ def attach_ranks(origins: list[R.Origin], reader: PairReader) -> None:
         site = origin.port_site or origin.site
         found = joined.get((site, origin.role, origin.port_arg))
         with contextlib.suppress(LayerdiffError, ValueError, OSError):
-            if found is None:
+            kept = joined.get((site, "weight_grad", origin.port_arg))
+            if found is not None:
+                layout, why = found
+                origin.ranks = _ranks_out(origin, reader, layout)
+                origin.shards = _shards_sentence(layout, why)
+            elif origin.role == "weight" and kept is not None:
+                # a weight FSDP all-gathered before the module ran: whole on every rank, and
+                # kept between steps in shards laid out as its gradient's
+                origin.ranks = _ranks_out(origin, reader, kept[0])
+                origin.shards = ("whole on every rank (all-gathered for the module's forward); "
+                                 "between steps each rank keeps its shard, laid out as the "
+                                 f"gradient's: {kept[0].describe()}")
+            else:
                 origin.ranks = _copies_out(origin, reader, gathered.get("manifest"), world)
                 origin.shards = (f"replicated: each of the {world} ranks holds the whole "
                                  "tensor; the diff compared rank 0's copy")
-                continue
-            layout, why = found
-            origin.ranks = _ranks_out(origin, reader, layout)
-            origin.shards = _shards_sentence(layout, why)
         origin.shards = " ".join(filter(None, [origin.shards, _data_parallel(port, origin)]))
 
 
