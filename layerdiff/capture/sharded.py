@@ -7,6 +7,8 @@ while capturing, and the bytes are the ones this rank computed with. Its layout 
 mesh, the global ranks at each mesh position, one placement per mesh dim, the global shape) is
 collected per record and written at the end of the capture into the rank file's meta key
 ``"layouts"``, in the form ``layerdiff.trace.layout`` reads (docs/distributed.md).
+A plain tensor that is a DTensor's local part under another name (what tensor parallelism hands
+the modules between its layers) gets that DTensor's layout (:class:`Aliases`).
 
 Data parallelism (FSDP2's ``fully_shard``, ``DistributedDataParallel``) is written into meta key
 ``"data_parallel"``: which ranks hold replicas of the model, the factor the summed gradients are
