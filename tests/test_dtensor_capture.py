@@ -13,8 +13,8 @@ import h5py
 import numpy as np
 import pytest
 
-from layerdiff import capture, load_case
-from layerdiff.capture.sharded import Layouts
+from layerdiff import capture, diff, load_case
+from layerdiff.capture.sharded import Aliases, Layouts
 from layerdiff.trace import Recorder, open_trace, schema
 from layerdiff.trace.stats import text_digest
 from layerdiff.trace.writer import base_meta
@@ -117,6 +117,31 @@ def test_tensor_parallel_records_local_parts_with_their_layouts(traces):
 
 
 @needs_gloo
+def test_plain_tensors_between_tensor_parallel_layers_take_the_layout_they_alias(traces):
+    """``act`` (GELU) sits between ColwiseParallel (its output made local) and RowwiseParallel
+    (its input wrapped by ``from_local``): it only sees plain local slices, the very memory of
+    fc's output and proj's input DTensors, and its records get their layout: the diff passes
+    with no mapping."""
+    ranks = [open_trace(path) for path in rank_files(traces["tensor_parallel"])]
+    sliced = {"mesh": [2], "names": ["tp"], "ranks": [0, 1], "placements": shard(2),
+              "shape": [4, 8, 128]}
+    with open_trace(traces["reference"]) as reference:
+        for block in (0, 1):
+            act = f"blocks.{block}.mlp.act#0"
+            for role in ("input", "output", "grad_output", "grad_input"):
+                for trace in ranks:
+                    assert layout_of(trace.meta, act, role, "0") == sliced, (act, role)
+                whole = np.concatenate([read(trace, 1, act, role, "0") for trace in ranks],
+                                       axis=2)
+                np.testing.assert_allclose(whole, read(reference, 1, act, role, "0"),
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{act} {role}")
+    for trace in ranks:
+        trace.close()
+    found = diff(traces["reference"], traces["tensor_parallel"])
+    assert found.passed, found.origins
+
+
+@needs_gloo
 def test_fully_shard_records_whole_weights_and_sharded_gradients(traces):
     ranks = [open_trace(path) for path in rank_files(traces["fsdp"])]
     meta = ranks[0].meta
@@ -201,13 +226,42 @@ def test_meta_added_before_a_complete_close_is_written_and_digested(tmp_path):
         assert "layouts" not in trace.meta
 
 
-def _fake(placements: tuple, shape: tuple) -> SimpleNamespace:
-    """What Layouts reads of a DTensor: its spec, mesh, placements and global shape."""
+def _fake(placements: tuple, shape: tuple, local=None) -> SimpleNamespace:
+    """What Layouts and Aliases read of a DTensor: its spec, mesh, placements, global shape
+    and local part."""
     mesh = SimpleNamespace(shape=(2,), mesh_dim_names=None, ndim=1,
                            mesh=np.array([0, 1]))
     return SimpleNamespace(_spec=SimpleNamespace(mesh="mesh", placements=placements,
                                                  shape=shape),
-                           device_mesh=mesh, placements=placements, shape=shape)
+                           device_mesh=mesh, placements=placements, shape=shape,
+                           _local_tensor=local)
+
+
+def test_only_the_same_memory_at_the_same_version_is_an_alias():
+    import torch
+    from torch.distributed.tensor import Partial, Shard
+
+    layouts = Layouts()
+    aliases = Aliases(layouts)
+    local = torch.ones(4, 3)
+    before = local.view(4, 3)   # recorded before the DTensor, a view of the same memory
+    aliases.plain("a#0", "output", "0", before)
+    aliases.plain("b#0", "output", "0", local[1:])   # other elements
+    aliases.plain("c#0", "output", "0", local.t())   # seen another way
+    dtensor = _fake((Shard(1),), (4, 6), local)
+    aliases.part(dtensor, layouts.add("fc#0", "output", "0", dtensor))
+    aliases.plain("d#0", "input", "0", local.detach())   # after it, the same memory
+    aliases.plain("e#0", "input", "0", local.clone())    # equal values, other memory
+    local.mul_(2)   # changed in place since: no longer the part recorded
+    aliases.plain("f#0", "input", "0", local)
+    partial = _fake((Partial(),), (4, 3), torch.zeros(4, 3))
+    aliases.part(partial, layouts.add("proj#0", "output", "0", partial))
+    # an in-place all_reduce counts no version: a partial part's aliases keep no layout
+    aliases.plain("g#0", "input", "0", partial._local_tensor)
+    assert [row[:3] for row in layouts.meta()["layouts"]["records"]] == [
+        ["fc#0", "output", "0"], ["a#0", "output", "0"], ["d#0", "input", "0"],
+        ["proj#0", "output", "0"]]
+    assert {row[3] for row in layouts.meta()["layouts"]["records"][:3]} == {0}
 
 
 def test_a_record_whose_layout_changes_keeps_its_first_and_is_listed():

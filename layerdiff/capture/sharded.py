@@ -7,6 +7,8 @@ while capturing, and the bytes are the ones this rank computed with. Its layout 
 mesh, the global ranks at each mesh position, one placement per mesh dim, the global shape) is
 collected per record and written at the end of the capture into the rank file's meta key
 ``"layouts"``, in the form ``layerdiff.trace.layout`` reads (docs/distributed.md).
+A plain tensor that is a DTensor's local part under another name (what tensor parallelism hands
+the modules between its layers) gets that DTensor's layout (:class:`Aliases`).
 
 Data parallelism (FSDP2's ``fully_shard``, ``DistributedDataParallel``) is written into meta key
 ``"data_parallel"``: which ranks hold replicas of the model, the factor the summed gradients are
@@ -19,6 +21,8 @@ DTensor, so a plain capture pays no import and one type check per tensor.
 from __future__ import annotations
 
 import sys
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -104,8 +108,8 @@ class Layouts:
         self.varied: dict[tuple[str, str, str], None] = {}
         self._index: dict[Any, int] = {}   # (mesh, placements, shape) -> table index
 
-    def add(self, site: str, role: str, arg: str, tensor: Any) -> None:
-        """Note the layout of the DTensor recorded as (site, role, arg)."""
+    def add(self, site: str, role: str, arg: str, tensor: Any) -> int:
+        """Note the layout of the DTensor recorded as (site, role, arg); its table index."""
         spec = tensor._spec
         key = (spec.mesh, spec.placements, tuple(spec.shape))
         index = self._index.get(key)
@@ -117,6 +121,11 @@ class Layouts:
                 index = len(self.table)
                 self.table.append(layout)
             self._index[key] = index
+        self.note(site, role, arg, index)
+        return index
+
+    def note(self, site: str, role: str, arg: str, index: int) -> None:
+        """Note that (site, role, arg) has the layout at ``index`` of the table."""
         row = (site, role, arg)
         first = self.rows.setdefault(row, index)
         if first != index:
@@ -133,6 +142,92 @@ class Layouts:
         if self.varied:
             found["layouts_varied"] = [list(row) for row in self.varied]
         return found
+
+
+class Aliases:
+    """Plain records that are a DTensor's local part under another name, given its layout.
+
+    Tensor parallelism hands the modules between its layers plain local tensors: with
+    ``ColwiseParallel(use_local_output=True)`` a GELU between a column- and a row-parallel
+    Linear takes the column-parallel output after ``to_local()`` and returns what
+    ``RowwiseParallel`` wraps with ``DTensor.from_local(..., Shard(-1))``; their gradients
+    likewise. Such a plain tensor is the same memory, seen the same way (storage, offset,
+    shape, strides, dtype), at the same version, as a DTensor's local part recorded before or
+    after it: it IS that rank's part of the DTensor, so the DTensor's layout says how the
+    ranks' parts of it make the whole (``to_local`` and ``from_local`` assert exactly that).
+    Except a partial one: torch.distributed's in-place collectives change a tensor's bytes
+    without counting a version, and ``dist.all_reduce`` of a partial local part in place is
+    how code makes it whole; its plain records keep no layout (replicated, as before).
+
+    Only recent records are kept (``size`` of each kind: an alias is recorded next to its
+    DTensor, a module's input after the output that feeds it), by a weak reference to their
+    storage: a storage freed since cannot be matched, though a new one reuses its address.
+    """
+
+    def __init__(self, layouts: Layouts, size: int = 32) -> None:
+        self.layouts = layouts
+        self.size = size
+        # identity -> (weak reference to the storage, layout index) of DTensor local parts
+        self._parts: OrderedDict[tuple, tuple[weakref.ref, int]] = OrderedDict()
+        # identity -> (weak reference to the storage, [(site, role, arg)]) of plain records
+        self._plain: OrderedDict[tuple, tuple[weakref.ref, list]] = OrderedDict()
+        self._partial: dict[int, bool] = {}   # layout index -> whether a placement is partial
+
+    def part(self, tensor: Any, index: int) -> None:
+        """A DTensor with layout ``index`` was recorded: the plain records of its local part
+        seen before get its layout, and those seen after it will."""
+        partial = self._partial.get(index)
+        if partial is None:
+            partial = self._partial[index] = any(
+                p["kind"] == "partial" for p in self.layouts.table[index]["placements"])
+        if partial:
+            return
+        found = _identity(tensor._local_tensor)
+        if found is None:
+            return
+        key, storage = found
+        earlier = self._plain.pop(key, None)
+        if earlier is not None and earlier[0]() is storage:
+            for row in earlier[1]:
+                self.layouts.note(*row, index)
+        _put(self._parts, key, (weakref.ref(storage), index), self.size)
+
+    def plain(self, site: str, role: str, arg: str, tensor: torch.Tensor) -> None:
+        """A plain tensor was recorded as (site, role, arg)."""
+        found = _identity(tensor)
+        if found is None:
+            return
+        key, storage = found
+        part = self._parts.get(key)
+        if part is not None and part[0]() is storage:
+            self.layouts.note(site, role, arg, part[1])
+            return
+        earlier = self._plain.get(key)
+        if earlier is not None and earlier[0]() is storage:
+            earlier[1].append((site, role, arg))
+        else:
+            _put(self._plain, key, (weakref.ref(storage), [(site, role, arg)]), self.size)
+
+
+def _identity(tensor: torch.Tensor) -> tuple[tuple, Any] | None:
+    """How a tensor sees its memory (storage address, offset, shape, strides, dtype, version)
+    and its storage; None for a tensor with no storage or no version counter."""
+    if tensor.layout is not torch.strided or tensor.is_inference():
+        return None
+    try:
+        # one Python object per live storage: a weak reference to it dies with the storage
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):   # a subclass with no storage of its own
+        return None
+    return ((storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+             tensor.dtype, tensor._version), storage)
+
+
+def _put(recent: OrderedDict, key: tuple, value: tuple, size: int) -> None:
+    recent[key] = value
+    recent.move_to_end(key)
+    if len(recent) > size:
+        recent.popitem(last=False)
 
 
 # what a weight and a weight-gradient record mean under each kind of data parallelism

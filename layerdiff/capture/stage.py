@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from layerdiff.capture.device_stats import DeviceStatistics
-from layerdiff.capture.sharded import Layouts, is_dtensor, local_part
+from layerdiff.capture.sharded import Aliases, Layouts, is_dtensor, local_part
 from layerdiff.trace import stats
 from layerdiff.trace.recorder import Recorder
 from layerdiff.trace.writer import value_json
@@ -63,6 +63,8 @@ class Stager:
                            tuple[weakref.ref, stats.Stats, int, bool]] = {}
         # the layouts of the records that were DTensors (recorded as their local parts)
         self.layouts = Layouts()
+        # plain tensors that alias a DTensor's local part: made at the first DTensor
+        self.aliases: Aliases | None = None
 
     def tensor(self, step: int, pass_: str, site: str, role: str, arg: str,
                tensor: torch.Tensor) -> None:
@@ -70,7 +72,13 @@ class Stager:
         kind = type(tensor)
         if kind is not torch.Tensor and kind is not torch.nn.Parameter and is_dtensor(tensor):
             # a sharded tensor: this rank's part, and a note of how the parts make the whole
-            self.layouts.add(site, role, arg, tensor)
+            index = self.layouts.add(site, role, arg, tensor)
+            if self.aliases is None:
+                self.aliases = Aliases(self.layouts)
+                # from now on every record goes through _tensor_noting_aliases first; a
+                # capture that never sees a DTensor keeps this method as its only path
+                self.tensor = self._tensor_noting_aliases
+            self.aliases.part(tensor, index)
             tensor = local_part(tensor)
             kind = type(tensor)
         if tensor.layout is not torch.strided or tensor.is_quantized:
@@ -144,6 +152,15 @@ class Stager:
             target.copy_(tensor)
         rec.submit(step, pass_, site, role, arg, name, shape, offset=offset, nbytes=nbytes)
 
+    def _tensor_noting_aliases(self, step: int, pass_: str, site: str, role: str, arg: str,
+                               tensor: torch.Tensor) -> None:
+        """:meth:`tensor`, once a DTensor was recorded: a plain tensor is looked up among the
+        DTensors' local parts (sharded.Aliases) first."""
+        kind = type(tensor)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            self.aliases.plain(site, role, arg, tensor)
+        Stager.tensor(self, step, pass_, site, role, arg, tensor)
+
     def _on_device(self, step: int, pass_: str, site: str, role: str, arg: str,
                    tensor: torch.Tensor, name: str, shape: tuple[int, ...], nbytes: int) -> None:
         """Statistics and digest reduced on the device; the bytes, where the file keeps them,
@@ -216,6 +233,7 @@ class Stager:
 
     def release(self) -> None:
         """Unpin the ring (after the recorder has closed)."""
+        self.__dict__.pop("tensor", None)   # the bound method that made a reference cycle
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.recorder.ring.buffer.ctypes.data)
             self._pinned = False
