@@ -140,6 +140,8 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         cut = [i for i, join in enumerate(joins) if join is not None]
         if not cut and len(ranks) > 1:
             notes.append(_all_replicated(ranks, index, lookups, modules, mapping, source))
+        elif len(ranks) > 1:
+            notes += _unplaced(ranks, index, joins, lookups, source)
         checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
         meta = dict(first.meta)
         for name in ("rank", "manifest"):
@@ -203,6 +205,30 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
 
 def _mapping_name(mapping: Mapping) -> str:
     return f"{mapping.name} ({mapping.origin})" if mapping.origin else mapping.name
+
+
+def _unplaced(ranks: list[Trace], index: pd.DataFrame, joins: list[Join | None],
+              lookups: list[dict[tuple, int]], source: Path) -> list[str]:
+    """A note on the records nothing places that differ across ranks (cut, or replicas that
+    diverged): they are written as rank 0's copies."""
+    rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]
+    found = []
+    for row, join in zip(index.to_dict("records"), joins, strict=True):
+        if join is not None or row["kind"] != "tensor":
+            continue
+        key = record_key(row)
+        if any((position := lookups[rank].get(key)) is not None
+               and differs(ranks[0], row, ranks[rank], rows[rank][position], rank)
+               for rank in range(1, len(ranks))):
+            found.append(row)
+    if not found:
+        return []
+    return [f"{len(found)} record(s) of {source} differ across ranks and no rule or recorded "
+            f"layout places them, first {describe(found[0])}: the gathered trace holds rank 0's "
+            "copies under the whole model's names; if they are cut (a DTensor port's plain "
+            "local parts), the diff cuts them by its reference's shapes, or write their "
+            "[[shard]] rules; if not, `layerdiff ranks` finds where the replicas diverged "
+            "(docs/distributed.md)"]
 
 
 def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[tuple, int]],
