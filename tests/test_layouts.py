@@ -33,10 +33,16 @@ def laid_out(draw):
     dims = draw(st.permutations(range(ndim)))  # each mesh dim cuts a tensor dim of its own
     placements = []
     for size, dim in zip(mesh, dims, strict=False):
-        kind = draw(st.sampled_from(["shard", "zigzag", "experts", "replicate", "partial"]))
+        kind = draw(st.sampled_from(["shard", "zigzag", "experts", "replicate", "partial",
+                                     "strided_shard"]))
         dim -= draw(st.sampled_from([0, ndim]))  # counted from either end
         if kind == "zigzag":
             shape[dim] *= 2 * size * draw(st.integers(1, 2))
+        if kind == "strided_shard":
+            factor = draw(st.integers(1, 3))
+            shape[dim] *= size * factor
+            placements.append(Placement(kind, dim, split_factor=factor))
+            continue
         if kind == "experts":
             order = draw(st.permutations(range(2 * size)))
             shape[dim] *= 2 * size
@@ -77,6 +83,26 @@ def test_zigzag_gives_rank_i_chunks_i_and_2r_minus_1_minus_i():
     layout = Layout.one_dim(2, Placement("zigzag", 0))
     assert layout.part_index(0, (8,))[0].tolist() == [0, 1, 6, 7]
     assert layout.part_index(1, (8,))[0].tolist() == [2, 3, 4, 5]
+
+
+def test_fsdp_over_tensor_parallel_parts_join_as_dtensor_cuts_them():
+    """[_StridedShard(0, 2), Shard(0)] over (dp, tp): what torch's own placements put on each
+    rank joins back into the whole."""
+    import torch
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    whole = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    layout = Layout((2, 2), (0, 1, 2, 3), (Placement("strided_shard", 0, split_factor=2),
+                                           Placement("shard", 0)), ("dp", "tp"))
+    parts = {}
+    for rank in range(4):
+        dp, tp = divmod(rank, 2)
+        local = _StridedShard(0, split_factor=2)._split_tensor(
+            torch.from_numpy(whole), 2, with_padding=False)[0][dp]
+        parts[rank] = Shard(0)._split_tensor(local, 2, with_padding=False)[0][tp].numpy()
+        np.testing.assert_array_equal(whole[np.ix_(*layout.part_index(rank, whole.shape))],
+                                      parts[rank])
+    np.testing.assert_array_equal(layout.unshard(parts, "float32"), whole)
 
 
 def test_a_partial_sum_is_reduced_in_float64_and_rounded_once():

@@ -18,7 +18,8 @@ Placements:
 - ``experts`` (dim, experts): coordinate c holds the experts ``experts[c]`` (global indices),
   stacked along dim in that order;
 - ``strided_shard`` (dim, split_factor): DTensor's ``_StridedShard`` (FSDP over a tensor-
-  parallel shard), recorded but not joined.
+  parallel shard): cut into size x split_factor equal chunks, coordinate c holding chunks
+  c, c + size, ... in that order.
 
 The mesh dims are joined innermost first, as DTensor cuts them outermost first. No torch here.
 """
@@ -246,7 +247,18 @@ def _held(placement: Placement, size: int, c: int, length: int) -> np.ndarray:
         rows = length // count
         return np.concatenate([np.arange(e * rows, (e + 1) * rows)
                                for e in placement.experts[c]] or [np.arange(0)])
-    raise LayoutError(f"a {placement.describe()} placement cannot be joined yet")
+    if placement.kind == "strided_shard":
+        # DTensor's _StridedShard: cut into size x split_factor equal chunks, coordinate c
+        # holding chunks c, c + size, ... (FSDP's dim-0 shard of a tensor-parallel shard)
+        pieces = size * placement.split_factor
+        if length % pieces:
+            raise LayoutError(f"a strided split over {size} ranks (split factor "
+                              f"{placement.split_factor}) cuts a length into {pieces} equal "
+                              f"chunks; {length} is not a multiple of {pieces}")
+        chunk = length // pieces
+        return np.concatenate([np.arange((c + k * size) * chunk, (c + k * size + 1) * chunk)
+                               for k in range(placement.split_factor)])
+    raise LayoutError(f"a {placement.describe()} placement cannot be joined")
 
 
 def _join(placement: Placement, terms: list[np.ndarray], dtype: str) -> np.ndarray:
@@ -265,8 +277,6 @@ def _join(placement: Placement, terms: list[np.ndarray], dtype: str) -> np.ndarr
                               f"{placement.kind} placement joins them")
     if placement.kind == "shard":
         return np.concatenate(terms, axis=dim)
-    if placement.kind == "strided_shard":
-        raise LayoutError(f"a {placement.describe()} placement cannot be joined yet")
     if placement.kind == "experts":
         counted = sorted(e for ids in placement.experts for e in ids)
         if counted != list(range(len(counted))):
