@@ -99,9 +99,7 @@ def record(case, backward: bool = True) -> dict:
 # ---- W gloo ranks recording cases
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, specs: list[tuple[str, bool]]):
-    import importlib
-
+def _rank_main(rank: int, world: int, port: int, out_dir: str, work, args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -111,27 +109,26 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, specs: list[tuple
         Path(out_dir, f"init_failed.rank{rank}").write_text(traceback.format_exc())
         return
     try:
-        results = {}
-        for spec, backward in specs:
-            module, _, name = spec.partition(":")
-            results[spec] = record(getattr(importlib.import_module(module), name)(), backward)
-        torch.save(results, Path(out_dir, f"rank{rank}.pt"))
+        torch.save(work(rank, world, *args), Path(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(specs: list[tuple[str, bool]], world: int, out_dir: Path,
-              timeout: float = 240) -> dict[str, list[dict]]:
-    """Each case spec recorded on ``world`` gloo ranks (``(spec, backward hooks)`` pairs, in
-    one group of processes): spec -> one result per rank."""
+def on_ranks(work, world: int, out_dir: Path, *args, timeout: float = 240) -> list:
+    """``work(rank, world, *args)`` on each of ``world`` gloo ranks (a module-level function;
+    the process group is up): what each rank returned, in rank order. Skips when gloo cannot
+    start local processes here."""
     import torch.multiprocessing as mp
 
-    # fork where there is one: spawned ranks import torch again (seconds each, on busy cores)
+    # fork where there is one: spawned ranks import torch again and torch._dynamo at their first
+    # optimizer step (measured on 2 busy cores: 20 s against 1 s forked). The ranks use no
+    # lock another thread could hold (no h5py, no CUDA).
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*multi-threaded.*fork",
                                 category=DeprecationWarning)
-        context = mp.start_processes(_rank_main, args=(world, free_port(), str(out_dir), specs),
+        context = mp.start_processes(_rank_main, args=(world, free_port(), str(out_dir), work,
+                                                       args),
                                      nprocs=world, join=False, start_method=method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
@@ -143,7 +140,24 @@ def run_ranks(specs: list[tuple[str, bool]], world: int, out_dir: Path,
     if failed:
         last = failed[0].read_text().strip().splitlines()[-1]
         pytest.skip(f"gloo could not start {world} local processes here: {last}")
-    loaded = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+
+
+def _record_specs(rank: int, world: int, specs: list[tuple[str, bool]]) -> dict:
+    import importlib
+
+    results = {}
+    for spec, backward in specs:
+        module, _, name = spec.partition(":")
+        results[spec] = record(getattr(importlib.import_module(module), name)(), backward)
+    return results
+
+
+def run_ranks(specs: list[tuple[str, bool]], world: int, out_dir: Path,
+              timeout: float = 240) -> dict[str, list[dict]]:
+    """Each case spec recorded on ``world`` gloo ranks (``(spec, backward hooks)`` pairs, in
+    one group of processes): spec -> one result per rank."""
+    loaded = on_ranks(_record_specs, world, out_dir, specs, timeout=timeout)
     return {spec: [run[spec] for run in loaded] for spec, _ in specs}
 
 

@@ -4,23 +4,16 @@ planted bugs show where the catalog says, and the shard rules say which tensors 
 
 from __future__ import annotations
 
-import os
-import time
-import traceback
-import warnings
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from layerdiff.capture.run import run_case
 from layerdiff.errors import CaseError
 from reference_models import tensor_parallel as tp
-from tests.gloo import free_port, needs_gloo
+from tests import sharded_ranks
+from tests.gloo import needs_gloo
 
 WORLD = 2
 CASES = ("port", "bug_bias_before_allreduce", "bug_dropout_per_rank")
@@ -35,56 +28,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 # ---- recording a run: every module's input, output and gradients, every parameter gradient
 
 
-class Recorder:
-    """Forward and full backward hooks on every named module, and an observer of run_case that
-    keeps the parameter gradients after each backward. Keys: (step, module path, role, index),
+class Recorder(sharded_ranks.Recorder):
+    """Every named module's inputs, outputs and gradients, every parameter gradient (the
+    sharded ports' recorder), and the model's logits. Keys: (step, module path, role, index),
     in the order the records were made."""
 
-    phase = "forward"
-
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.step = model, 0
-        self.records: dict[tuple, torch.Tensor] = {}
+        super().__init__(model)
         self.logits: list[torch.Tensor] = []
-        self.losses: list[torch.Tensor] = []
-        self.handles = []
-        for name, module in model.named_modules():
-            if name:
-                self.handles += [module.register_forward_hook(self._forward(name)),
-                                 module.register_full_backward_hook(self._backward(name))]
         self.handles.append(model.register_forward_hook(
             lambda module, args, output: self.logits.append(output.detach().clone())))
-
-    def _keep(self, name: str, role: str, tensors) -> None:
-        for index, tensor in enumerate(tensors):
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                self.records[(self.step, name, role, index)] = tensor.detach().clone()
-
-    def _forward(self, name: str):
-        def hook(module, args, output):
-            self._keep(name, "input", args)
-            self._keep(name, "output", (output,))
-        return hook
-
-    def _backward(self, name: str):
-        def hook(module, grad_input, grad_output):
-            self._keep(name, "grad_output", grad_output)
-            self._keep(name, "grad_input", grad_input)
-        return hook
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
-    def record_loss(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss.detach().clone())
-
-    def after_backward(self) -> None:
-        for name, param in self.model.named_parameters():
-            site, _, leaf = name.rpartition(".")
-            self.records[(self.step, site, f"{leaf}_grad", 0)] = param.grad.detach().clone()
-
-    def end_step(self, step: int) -> None:
-        pass
 
     def run(self, case) -> dict:
         run_case(case, observer=self)
@@ -159,50 +112,18 @@ def extra_run(rank: int, world: int, f: bool) -> dict:
             **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-    except Exception:
-        Path(out_dir, f"init_failed.rank{rank}").write_text(traceback.format_exc())
-        return
-    try:
-        results = {name: record(getattr(tp, name)()) for name in CASES}
-        results["extra"] = extra_run(rank, world, f=True)
-        results["extra_without_f"] = extra_run(rank, world, f=False)
-        torch.save(results, Path(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_work(rank: int, world: int) -> dict:
+    results = {name: record(getattr(tp, name)()) for name in CASES}
+    results["extra"] = extra_run(rank, world, f=True)
+    results["extra_without_f"] = extra_run(rank, world, f=False)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     """For each case (and the extra model), what each of the 2 ranks recorded."""
-    import torch.multiprocessing as mp
-
-    out_dir = tmp_path_factory.mktemp("tp")
-    # fork where there is one: spawned ranks import torch again and torch._dynamo at their first
-    # optimizer step (measured on 2 busy cores: 20 s against 1 s forked). The ranks use no
-    # lock another thread could hold (no h5py, no CUDA).
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*multi-threaded.*fork",
-                                category=DeprecationWarning)
-        context = mp.start_processes(_rank_main, args=(WORLD, free_port(), str(out_dir)),
-                                     nprocs=WORLD, join=False, start_method=method)
-    deadline = time.monotonic() + RANKS_TIMEOUT
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks ({method}) did not finish in {RANKS_TIMEOUT} s")
-    failed = sorted(out_dir.glob("init_failed.*"))
-    if failed:
-        last = failed[0].read_text().strip().splitlines()[-1]
-        pytest.skip(f"gloo could not start 2 local processes here: {last}")
-    loaded = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD)]
+    loaded = sharded_ranks.on_ranks(_rank_work, WORLD, tmp_path_factory.mktemp("tp"),
+                                    timeout=RANKS_TIMEOUT)
     return {name: [run[name] for run in loaded] for name in loaded[0]}
 
 
