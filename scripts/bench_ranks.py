@@ -54,7 +54,7 @@ dim = -1
 """
 
 
-def _layers(layers: int, width: int, tokens: int,
+def stack_layers(layers: int, width: int, tokens: int,
             nudge: float = 0.0) -> list[dict[str, np.ndarray]]:
     """The stack's tensors; ``nudge`` scales the weights by 1 + nudge, so that a port differs
     from the reference within tolerance everywhere and every pair is measured, not skipped."""
@@ -72,12 +72,14 @@ def _layers(layers: int, width: int, tokens: int,
     return out
 
 
-def _write(path: Path, layers: list[dict[str, np.ndarray]], rank: int, world: int) -> None:
+def write_rank(path: Path, layers: list[dict[str, np.ndarray]], rank: int, world: int, *,
+               summary: bool = False, case: str = "bench_ranks") -> None:
+    """Rank ``rank``'s file of the stack cut Megatron-style over ``world`` ranks (RULES)."""
     def part(array: np.ndarray, dim: int) -> np.ndarray:
         return np.ascontiguousarray(np.split(array, world, axis=dim)[rank])
 
-    meta = {"case": "bench_ranks", "rank": rank, "world_size": world}
-    with TraceWriter(path, meta=meta) as writer:
+    meta = {"case": case, "rank": rank, "world_size": world}
+    with TraceWriter(path, meta=meta, summary=summary) as writer:
         for number, layer in enumerate(layers):
             with writer.site(f"layers.{number}.fc", "Linear") as site:
                 writer.record(site, "input", layer["x"])
@@ -107,15 +109,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="the parallel column's")
     args = parser.parse_args()
-    layers = _layers(args.layers, args.width, args.tokens)
-    port = _layers(args.layers, args.width, args.tokens, nudge=1e-7)
+    layers = stack_layers(args.layers, args.width, args.tokens)
+    port = stack_layers(args.layers, args.width, args.tokens, nudge=1e-7)
     with tempfile.TemporaryDirectory(dir=".") as folder:
         folder = Path(folder)
         rules = folder / "map.toml"
         rules.write_text(RULES)
         reference, single = folder / "ref.h5", folder / "single.h5"
-        _write(reference, layers, 0, 1)
-        _write(single, port, 0, 1)
+        write_rank(reference, layers, 0, 1)
+        write_rank(single, port, 0, 1)
         size = reference.stat().st_size / 2**20
         one = _time(lambda: diff(reference, single), args.repeats)
         print(f"{args.layers} layers, d={args.width}, {args.tokens} tokens: {size:.0f} MiB per "
@@ -128,7 +130,7 @@ def main() -> None:
             manifest = folder / f"w{world}.h5"
             files = [rank_path(manifest, rank) for rank in range(world)]
             for rank, path in enumerate(files):
-                _write(path, port, rank, world)
+                write_rank(path, port, rank, world)
             write_manifest(manifest, files)
 
             def run(workers: int, manifest: Path = manifest) -> None:

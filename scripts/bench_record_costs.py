@@ -38,27 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-RULES = """
-[[shard]]
-site = "layers.*.fc"
-tensor = "weight"
-dim = 0
-
-[[shard]]
-site = "layers.*.fc"
-tensor = "output"
-dim = -1
-
-[[shard]]
-site = "layers.*.proj"
-tensor = "weight"
-dim = 1
-
-[[shard]]
-site = "layers.*.proj"
-tensor = "input"
-dim = -1
-"""
+from bench_ranks import RULES, stack_layers, write_rank  # the same synthetic stack
 
 Row = tuple[str, str, str, str]  # what, per record, throughput, note
 
@@ -290,40 +270,6 @@ def index_rows(folder: Path) -> list[Row]:
 
 # ---- gather --------------------------------------------------------------------------------
 
-def _mlp(layers: int, width: int, tokens: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((tokens, width), dtype=np.float32)
-    out = []
-    for _ in range(layers):
-        fc = rng.standard_normal((4 * width, width), dtype=np.float32) / width**0.5
-        proj = rng.standard_normal((width, 4 * width), dtype=np.float32) / (4 * width)**0.5
-        hidden = x @ fc.T
-        y = hidden @ proj.T
-        out.append({"x": x, "fc": fc, "hidden": hidden, "proj": proj, "y": y})
-        x = y
-    return out
-
-
-def _write_rank(path: Path, layers: list[dict[str, np.ndarray]], rank: int, world: int,
-                summary: bool) -> None:
-    from layerdiff.trace import TraceWriter
-
-    def part(array: np.ndarray, dim: int) -> np.ndarray:
-        return np.ascontiguousarray(np.split(array, world, axis=dim)[rank])
-
-    meta = {"case": "record_costs", "rank": rank, "world_size": world}
-    with TraceWriter(path, meta=meta, summary=summary) as writer:
-        for number, layer in enumerate(layers):
-            with writer.site(f"layers.{number}.fc", "Linear") as site:
-                writer.record(site, "input", layer["x"])
-                writer.record(site, "weight", part(layer["fc"], 0), arg="weight")
-                writer.record(site, "output", part(layer["hidden"], -1))
-            with writer.site(f"layers.{number}.proj", "Linear") as site:
-                writer.record(site, "input", part(layer["hidden"], -1))
-                writer.record(site, "weight", part(layer["proj"], 1), arg="weight")
-                writer.record(site, "output", layer["y"])
-
-
 def gather_rows(folder: Path, repeats: int) -> list[Row]:
     from layerdiff.mapping import Mapping
     from layerdiff.trace.gather import gather
@@ -333,12 +279,13 @@ def gather_rows(folder: Path, repeats: int) -> list[Row]:
     rows = []
     cases = (("full", 8, 512, 512, (2, 4)), ("summary", 400, 64, 64, (2, 8, 16)))
     for kind, layers, width, tokens, worlds in cases:
-        stack = _mlp(layers, width, tokens)
+        stack = stack_layers(layers, width, tokens)
         for world in worlds:
             manifest = folder / f"{kind}{world}.h5"
             files = [rank_path(manifest, rank) for rank in range(world)]
             for rank, path in enumerate(files):
-                _write_rank(path, stack, rank, world, kind == "summary")
+                write_rank(path, stack, rank, world, summary=kind == "summary",
+                           case="record_costs")
             write_manifest(manifest, files)
             rank_bytes = sum(path.stat().st_size for path in files)
             out = folder / f"gathered{kind}{world}.h5"
