@@ -50,7 +50,7 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
     when no rule cuts a record that differs across ranks (:func:`gather`)."""
     warnings: list[str] = []
     shapes = None if reference is None else reference_shapes(reference)
-    path, key = gathered_path(port.path), gather_key(port, mapping, shapes)
+    path, key = gathered_path(port.path), gather_key(port, mapping)
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
         warnings.append(f"{port.path.parent} is not writable: the gathered trace is {path}")
@@ -59,7 +59,7 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
             raise DiffError(f"{other} is the gathered trace kept beside the manifest {port.path}, "
                             "which the diff rewrites from its rank files: copy it to another "
                             "name and diff against that")
-    fresh = not up_to_date(path, key)
+    fresh = not up_to_date(path, key, shapes)
     if fresh:
         done = gather(port, mapping, path, workers=workers,  # refuses a gather of nothing
                       reference_shapes=shapes)

@@ -55,7 +55,7 @@ from layerdiff.trace.stats import Stats, tensor_stats
 from layerdiff.trace.verify import describe
 
 PRODUCER = "layerdiff.gather"
-GATHER_VERSION = 4  # raise when a gathered trace's contents change: kept ones are then redone
+GATHER_VERSION = 5  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
 
@@ -74,24 +74,31 @@ class Gathered:
     by: dict[str, int] = field(default_factory=dict)  # records joined, by what said how
 
 
-def gather_key(manifest: Trace, mapping: Mapping,
-               reference_shapes: dict[tuple, str] | None = None) -> str:
+def gather_key(manifest: Trace, mapping: Mapping) -> str:
     """What a gathered trace was made from: the rank files (their table and meta digests, which
-    the manifest records and checks each rank file against), the rules, the reference's
-    shapes where they were used, and how this version of gather joins them."""
+    the manifest records and checks each rank file against), the rules, and how this version
+    of gather joins them."""
     rules = [mapping.mesh, *((r.site.text, r.tensor, r.dim, r.layout, r.experts, r.over)
                              for r in mapping.shard_rules)]
-    shapes = hashlib.sha256(json.dumps(sorted((list(k), v) for k, v in (
-        reference_shapes or {}).items())).encode()).hexdigest() if reference_shapes else ""
-    text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules, shapes],
-                      sort_keys=True, default=str)
+    text = json.dumps([GATHER_VERSION, manifest.meta.get("manifest"), rules], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def up_to_date(path: Path, key: str) -> bool:
-    """Whether ``path`` is a complete gathered trace made with ``key``, by this user: a link,
-    or a file another user put there (the key is no secret, and the fallback folder is the
-    shared temporary one), is gathered again (and replaced, not written through)."""
+def shapes_key(reference_shapes: dict[tuple, str] | None) -> str:
+    """What reference shapes a gather was given ('' for none)."""
+    if not reference_shapes:
+        return ""
+    return hashlib.sha256(json.dumps(sorted((list(k), v) for k, v in reference_shapes.items())
+                                     ).encode()).hexdigest()
+
+
+def up_to_date(path: Path, key: str, reference_shapes: dict[tuple, str] | None = None) -> bool:
+    """Whether ``path`` is a complete gathered trace made with ``key``, by this user, that the
+    reference's shapes would not change (no record differed across ranks unplaced, or it was
+    made with the same shapes): a link, or a file another user put there (the key is no
+    secret, and the fallback folder is the shared temporary one), is gathered again (and
+    replaced, not written through)."""
     try:
         status = os.lstat(path)
     except OSError:
@@ -101,9 +108,11 @@ def up_to_date(path: Path, key: str) -> bool:
         return False
     try:
         with open_trace(path) as trace:
-            return (trace.meta.get("gathered") or {}).get("key") == key
+            made = trace.meta.get("gathered") or {}
     except TraceError:
         return False
+    return made.get("key") == key and (not made.get("unplaced") or made.get(
+        "reference_shapes") == shapes_key(reference_shapes))
 
 
 def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
@@ -129,8 +138,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
     is cut there (see :mod:`layerdiff.trace.joins`)."""
     notes: list[str] = []
     source = Path(manifest.path if isinstance(manifest, Trace) else manifest)
-    with _opened(manifest, mapping, reference_shapes) as (ranks, key, mapping), \
-            _Checks(workers) as checks:
+    with _opened(manifest, mapping) as (ranks, key, mapping), _Checks(workers) as checks:
         first = ranks[0]
         index = first.index.sort_values("seq", kind="stable")
         modules = _modules(first.sites)
@@ -140,8 +148,10 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
         cut = [i for i, join in enumerate(joins) if join is not None]
         if not cut and len(ranks) > 1:
             notes.append(_all_replicated(ranks, index, lookups, modules, mapping, source))
-        elif len(ranks) > 1:
-            notes += _unplaced(ranks, index, joins, lookups, source)
+        unplaced = 0
+        if cut and len(ranks) > 1:
+            unplaced, said = _unplaced(ranks, index, joins, lookups, source)
+            notes += said
         checks.start(ranks, index, [index.iloc[i] for i in cut], lookups)
         meta = dict(first.meta)
         for name in ("rank", "manifest"):
@@ -150,6 +160,7 @@ def gather(manifest: str | os.PathLike | Trace, mapping: Mapping | None,
             "manifest": str(source), "world_size": len(ranks), "mapping": mapping.name,
             "rules": [rule.describe() for rule in mapping.shard_rules],
             "sharded_records": len(cut), "key": key,  # what up_to_date compares
+            "unplaced": unplaced, "reference_shapes": shapes_key(reference_shapes),
             "layouts": _layouts_used(index, joins)}  # where each record's parts lie
         meta["world_size"] = 1
         meta["tensor_digest"] = DIGEST_NAME  # joined records are digested here
@@ -208,9 +219,9 @@ def _mapping_name(mapping: Mapping) -> str:
 
 
 def _unplaced(ranks: list[Trace], index: pd.DataFrame, joins: list[Join | None],
-              lookups: list[dict[tuple, int]], source: Path) -> list[str]:
-    """A note on the records nothing places that differ across ranks (cut, or replicas that
-    diverged): they are written as rank 0's copies."""
+              lookups: list[dict[tuple, int]], source: Path) -> tuple[int, list[str]]:
+    """How many records nothing places differ across ranks (cut, or replicas that diverged:
+    they are written as rank 0's copies), and a note on them."""
     rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]
     found = []
     for row, join in zip(index.to_dict("records"), joins, strict=True):
@@ -222,13 +233,13 @@ def _unplaced(ranks: list[Trace], index: pd.DataFrame, joins: list[Join | None],
                for rank in range(1, len(ranks))):
             found.append(row)
     if not found:
-        return []
-    return [f"{len(found)} record(s) of {source} differ across ranks and no rule or recorded "
-            f"layout places them, first {describe(found[0])}: the gathered trace holds rank 0's "
-            "copies under the whole model's names; if they are cut (a DTensor port's plain "
-            "local parts), the diff cuts them by its reference's shapes, or write their "
-            "[[shard]] rules; if not, `layerdiff ranks` finds where the replicas diverged "
-            "(docs/distributed.md)"]
+        return 0, []
+    return len(found), [
+        f"{len(found)} record(s) of {source} differ across ranks and no rule or recorded "
+        f"layout places them, first {describe(found[0])}: the gathered trace holds rank 0's "
+        "copies under the whole model's names; if they are cut (a DTensor port's plain local "
+        "parts), the diff cuts them by its reference's shapes, or write their [[shard]] rules; "
+        "if not, `layerdiff ranks` finds where the replicas diverged (docs/distributed.md)"]
 
 
 def _all_replicated(ranks: list[Trace], index: pd.DataFrame, lookups: list[dict[tuple, int]],
@@ -354,12 +365,10 @@ def _check_records(path: str, positions: list[int]) -> None:
 class _opened:
     """The rank files of a manifest, open (given as a path or an open manifest trace)."""
 
-    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping | None,
-                 reference_shapes: dict[tuple, str] | None) -> None:
+    def __init__(self, manifest: str | os.PathLike | Trace, mapping: Mapping | None) -> None:
         self.manifest = manifest
         self.traces: list[Trace] = []
         self.mapping = mapping
-        self.reference_shapes = reference_shapes
 
     def __enter__(self) -> tuple[list[Trace], str, Mapping]:
         given = self.manifest
@@ -372,7 +381,7 @@ class _opened:
             if self.mapping is None:  # the diff's choice: the mapping the capture recorded
                 self.mapping = Mapping.recorded(
                     self.traces[0].meta, f"{trace.path.name}'s rank files") or Mapping()
-            key = gather_key(trace, self.mapping, self.reference_shapes)
+            key = gather_key(trace, self.mapping)
         except BaseException:
             self.__exit__()
             raise
