@@ -350,3 +350,69 @@ over = "tp"
                               'dim = 0\nover = "dp"\n', "three.toml")
     with pytest.raises(TraceError, match="holds 3 ranks; the capture has 4"):
         gather_module.gather(tmp_path / "port.h5", three, tmp_path / "g.h5")
+
+
+def test_an_fsdp_weight_wrong_in_one_ranks_shard_is_named_on_that_rank(tmp_path):
+    """FSDP2 records the whole, all-gathered weight on every rank (no layout) and its gradient
+    as each rank's Shard(0) part: a slip in the rows rank 1 keeps is named on rank 1."""
+    grad = RNG.standard_normal(W.shape).astype(np.float32)
+    ref = write(tmp_path / "ref.h5", [("fc", "weight", "weight", W),
+                                      ("fc", "weight_grad", "weight", grad)])
+    shard = Layout.one_dim(2, Placement("shard", 0)).to_json()
+    meta = {"layouts": {"table": [shard], "records": [["fc#0", "weight_grad", "weight", 0]]},
+            "data_parallel": {"how": "fully_shard", "ranks": [0, 1], "gradient_divide_factor": 2,
+                              "weights": "unsharded: the whole weight"}}
+    slipped = W.copy()
+    slipped[4, 0] += 1.0  # row 4 of 6: rank 1 keeps rows 3-5
+    port = world(tmp_path, [[("fc", "weight", "weight", slipped),
+                             ("fc", "weight_grad", "weight", grad[rows])]
+                            for rows in (slice(0, 3), slice(3, 6))], lambda rank: meta)
+    origin = diff(ref, port).origins[0]
+    assert (origin.site, origin.role, origin.ranks) == ("fc#0", "weight", [1])
+    assert origin.shards.startswith("whole on every rank (all-gathered for the module's "
+                                    "forward)")
+    assert "The weight records of this capture are unsharded" in origin.shards
+
+
+def test_a_batch_long_record_the_ranks_agree_on_is_still_cut(tmp_path):
+    """Each rank on its half of the batch: a causal mask expanded over the batch is the same
+    on both ranks, yet per example; a record shorter than the batch part (positions) is
+    replicated."""
+    mask = np.triu(np.full((4, 1, 3, 3), -np.inf, np.float32), 1)
+    positions = np.arange(3, dtype=np.float32)[None]
+    ref = write(tmp_path / "ref.h5", [("model", "input", "0", X),
+                                      ("attn", "input", "0", mask),
+                                      ("pos", "output", "0", positions)])
+    meta = {"data_parallel": {"how": "fully_shard", "ranks": [0, 1]}}
+    port = world(tmp_path, [[("model", "input", "0", X[rows]), ("attn", "input", "0", mask[rows]),
+                             ("pos", "output", "0", positions)]
+                            for rows in (slice(0, 2), slice(2, 4))], lambda rank: meta)
+    found = diff(ref, port)
+    assert found.passed, found.origins
+
+
+def test_records_nothing_places_are_named_by_gather_and_cut_by_the_diff(tmp_path):
+    """A DTensor port's plain local part (here a GELU's output, each rank its half of the
+    features) has no layout: gather says so, `ranks` flags it unless given the reference, and
+    the diff cuts it by the reference's shape."""
+    from click.testing import CliRunner
+
+    from layerdiff.cli import main
+
+    hidden = X @ W.T
+    ref = write(tmp_path / "ref.h5", [("fc", "output", "0", hidden), ("act", "output", "0",
+                                                                       np.tanh(hidden))])
+    split = Layout.one_dim(2, Placement("shard", 1)).to_json()
+    meta = {"layouts": {"table": [split], "records": [["fc#0", "output", "0", 0]]}}
+    port = world(tmp_path, [[("fc", "output", "0", hidden[:, cols]),
+                             ("act", "output", "0", np.tanh(hidden[:, cols]))]
+                            for cols in (slice(0, 3), slice(3, 6))], lambda rank: meta)
+    done = gather_module.gather(port, None, tmp_path / "g.h5")
+    assert any("1 record(s)" in note and "act#0 output 0" in note for note in done.notes)
+    found = diff(ref, port)
+    assert found.passed, found.origins
+    assert any("cut as the reference's shapes say" in w for w in found.meta["warnings"])
+    runner = CliRunner()
+    assert runner.invoke(main, ["ranks", str(port)]).exit_code == 1
+    agreed = runner.invoke(main, ["ranks", str(port), "--reference", str(ref)])
+    assert agreed.exit_code == 0, agreed.output
