@@ -119,6 +119,17 @@ def _close_modules(name: str) -> list[str]:
     return [f"{parent}.{found}" if parent else found for found in close]
 
 
+def _needs_ranks(exc: Exception) -> str:
+    """Advice when a case failed for want of a process group (a sharded port's device mesh)."""
+    text = str(exc)
+    if not any(sign in text for sign in ("RANK expected", "process group has not been "
+                                         "initialized", "init_process_group")):
+        return ""
+    return ("; the case builds a model sharded over torch.distributed ranks: capture it with "
+            "--nproc N or under torchrun (replay, swap, bisect and diverge run one process and "
+            "cannot build it; docs/distributed.md)")
+
+
 def load_case(spec: str) -> Case | ExternalCase:
     """Import ``package.module:attr`` and return the Case it names.
 
@@ -161,7 +172,7 @@ def load_case(spec: str) -> Case | ExternalCase:
             raise
         except Exception as exc:
             raise CaseError(f"case spec {spec!r}: calling {attr}() raised "
-                            f"{type(exc).__name__}: {exc}") from exc
+                            f"{type(exc).__name__}: {exc}" + _needs_ranks(exc)) from exc
         if not is_case(case):
             raise CaseError(f"case spec {spec!r}: {attr}() returned {type(case).__name__}, "
                             "not a layerdiff.Case")

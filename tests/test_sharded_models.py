@@ -280,3 +280,21 @@ def test_captured_hand_written_ports_join_to_the_reference_trace(tmp_path):
                               rules_of(case, 2))
         assert len(errors) > 50 and any(key[2].startswith("<root>") for key in errors)
         assert max(errors.values()) < 2e-6, max(errors.items(), key=lambda item: item[1])
+
+
+def needs_a_process_group():
+    """A case that builds a device mesh, as a sharded port does, outside any launcher."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (2,))
+
+
+def test_a_sharded_case_built_in_one_process_says_how_to_run_it(monkeypatch):
+    from layerdiff.case import load_case
+    from layerdiff.errors import CaseError
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(CaseError, match=r"builds a model sharded over torch.distributed ranks: "
+                                        r"capture it with --nproc N or under torchrun"):
+        load_case("tests.test_sharded_models:needs_a_process_group")
