@@ -39,6 +39,7 @@ from layerdiff.compare.pair import ConvertedPair, PairReader, RowKey
 from layerdiff.compare.rank_parts import (
     attach_ranks,
     gathered,
+    reference_shapes,
     refuse_multi_rank_reference,
     replica_disagreement,
 )
@@ -102,11 +103,12 @@ def diff(reference: str | os.PathLike | Trace, port: str | os.PathLike | Trace, 
         manifest = port_trace.path if port_trace.rank_paths else None
         replicas = None
         if manifest is not None:
-            replicas = replica_disagreement(port_trace, mapping, ref_trace)
+            shapes = reference_shapes(ref_trace)  # what plain local parts are cut from
+            replicas = replica_disagreement(port_trace, mapping, shapes)
             port_trace, told = stack.enter_context(gathered(
                 port_trace, mapping, workers=workers,
                 others=[t.path for t in (ref_trace, base_trace) if t is not None],
-                reference=ref_trace))
+                shapes=shapes))
             said += told
         if base_trace is not None and (
                 base_trace.path.resolve() == port_trace.path.resolve()

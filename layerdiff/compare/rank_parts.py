@@ -40,7 +40,7 @@ def refuse_multi_rank_reference(ref: Trace) -> None:
 
 @contextlib.contextmanager
 def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
-             others: Sequence[Path] = (), reference: Trace | None = None
+             others: Sequence[Path] = (), shapes: dict[tuple, str] | None = None
              ) -> Iterator[tuple[Trace, list[str]]]:
     """The one-trace view of a multi-rank ``port``, and warnings for the user. It is kept
     beside the manifest (``port.gathered.h5``, reused while the rank files and shard rules are
@@ -49,7 +49,6 @@ def gathered(port: Trace, mapping: Mapping, *, workers: int | None = None,
     ``others`` traces the diff reads (it would rewrite its own reference). Raises TraceError
     when no rule cuts a record that differs across ranks (:func:`gather`)."""
     warnings: list[str] = []
-    shapes = None if reference is None else reference_shapes(reference)
     path, key = gathered_path(port.path), gather_key(port, mapping)
     if not os.access(path.parent, os.W_OK):
         path = Path(tempfile.gettempdir()) / f"layerdiff-{key[:12]}-{path.name}"
@@ -79,15 +78,14 @@ def reference_shapes(reference: Trace) -> dict[tuple, str]:
 
 
 def replica_disagreement(manifest: Trace, mapping: Mapping,
-                         reference: Trace | None = None) -> dict | None:
+                         shapes: dict[tuple, str] | None = None) -> dict | None:
     """The first replicated record whose copies differ across ranks (bit for bit, from the
     rank files' indexes: no tensor is read), as JSON, or None when every rank agrees. A diff
     that gathers diverged replicas joins parts computed from different inputs, so an origin
     after this record may be its consequence."""
     from layerdiff.compare.ranks import check_ranks
 
-    found = check_ranks(manifest, mapping=mapping, reference_shapes=None if reference is None
-                        else reference_shapes(reference))
+    found = check_ranks(manifest, mapping=mapping, reference_shapes=shapes)
     if not found.found:
         return None
     first = found.first
