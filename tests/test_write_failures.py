@@ -292,6 +292,27 @@ def test_ctrl_c_from_outside_at_any_moment_ends_the_process(from_outside, delay)
     _check_interrupted(target, result)
 
 
+def test_ctrl_c_that_h5py_swallows_while_the_file_is_made_is_still_an_interrupt(
+        tmp_path, monkeypatch):
+    """Seen in CI: a Ctrl-C landing inside h5py's attribute conversion came out of it as
+    ``TypeError: Operation not defined for data type class``, a traceback instead of an
+    interrupt. The Ctrl-C is planted there the way h5py loses it."""
+    def swallowed(self, meta, summary):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs here, as it ran inside h5py's logging call
+        except KeyboardInterrupt:
+            pass
+        raise TypeError("Operation not defined for data type class")
+
+    monkeypatch.setattr(TraceFile, "_skeleton", swallowed)
+    target = tmp_path / "t.h5"
+    with pytest.raises(KeyboardInterrupt):
+        TraceFile(target, {"case": "x"}, summary=False)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # --- planted symbolic links -------------------------------------------------------------------
 
 

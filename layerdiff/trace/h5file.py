@@ -26,7 +26,7 @@ import numpy as np
 from layerdiff.errors import CaptureError
 from layerdiff.trace import schema
 from layerdiff.trace.lock import WriterLock, remove_stale
-from layerdiff.trace.signals import FileSizeSignalIgnored
+from layerdiff.trace.signals import FileSizeSignalIgnored, interrupts_deferred
 from layerdiff.trace.stats import table_digest, text_digest
 
 _STRING = h5py.string_dtype("utf-8")
@@ -91,14 +91,23 @@ class TraceFile:
         self._descriptor: tuple[int, os.stat_result] | None = None
         self._lock = WriterLock(self.path)  # before the .partial: one writer per path
         self._signals = FileSizeSignalIgnored()
-        try:
-            self._h5 = _create(self.path, self.partial)
-            self._descriptor = _descriptor(self._h5)
-            with self._writing():
-                self._skeleton(meta, summary)
-        except BaseException:  # Ctrl-C or a full disk at the very start: nothing was recorded
+        # A Ctrl-C while h5py converts an attribute is swallowed there and surfaces as a
+        # TypeError ("Operation not defined for data type class"): hold it until the skeleton
+        # is written, then raise it as itself.
+        with interrupts_deferred(lambda: None) as interrupt:
+            try:
+                self._h5 = _create(self.path, self.partial)
+                self._descriptor = _descriptor(self._h5)
+                with self._writing():
+                    self._skeleton(meta, summary)
+            except BaseException:  # a full disk at the very start: nothing was recorded
+                self._discard(remove=True)
+                if interrupt.pending:
+                    raise KeyboardInterrupt from None
+                raise
+        if interrupt.pending:
             self._discard(remove=True)
-            raise
+            raise KeyboardInterrupt
 
     def _skeleton(self, meta: dict[str, Any], summary: bool) -> None:
         attrs = self._h5.attrs
