@@ -78,6 +78,13 @@ def test_ctrl_c_while_the_case_imports_is_one_line_and_exit_130(run, tmp_path):
     assert "Aborted" not in result.output and list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_a_library_turned_into_its_own_error_is_still_an_interrupt(run, tmp_path):
+    result = run("capture", "tests.ctrl_c_caught_at_import:reference", "-o", tmp_path / "t.h5")
+    assert result.exit_code == 130
+    assert result.output == "interrupted: nothing was published\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- nothing useful would be recorded ---------------------------------------------------------
 
 

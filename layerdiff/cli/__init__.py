@@ -22,7 +22,7 @@ try:
     import click
 
     from layerdiff.cli import capture, ci, debug, demo, diff, health, ranks, replay, session
-    from layerdiff.errors import Interrupted, LayerdiffError
+    from layerdiff.errors import Interrupted, LayerdiffError, interrupt_inside
 except KeyboardInterrupt:  # Ctrl-C while the command loads: the same line as a moment later
     sys.stderr.write("interrupted: nothing was published\n")
     raise SystemExit(130) from None
@@ -40,13 +40,15 @@ class _Group(click.Group):
 
             with interrupts_kept():
                 return super().invoke(ctx)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Exception) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo("interrupted: nothing was published", err=True)
-            ctx.exit(Interrupted.exit_code)
-        except LayerdiffError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
+            if not isinstance(exc, Interrupted) and interrupt_inside(exc) is not None:
+                # also an error raised over a Ctrl-C that a library caught (h5py's converters
+                # raise TypeError) or that we wrapped as the model's: the user's interrupt
+                click.echo("interrupted: nothing was published", err=True)
+                ctx.exit(Interrupted.exit_code)
+            if not isinstance(exc, LayerdiffError):
                 raise
             message = visible(str(exc))  # one line, which may quote a name from a trace
             click.echo(f"{'' if isinstance(exc, Interrupted) else 'error: '}{message}", err=True)
