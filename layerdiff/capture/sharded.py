@@ -40,8 +40,18 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def local_part(tensor: Any) -> torch.Tensor:
     """This rank's part of a DTensor, detached: what ``to_local()`` returns outside autograd
-    (no node is added to the graph, no collective runs)."""
-    return tensor._local_tensor.detach()
+    (no node is added to the graph, no collective runs).
+
+    A row-parallel embedding's output is a masked partial sum: the rows of tokens whose
+    embeddings another rank holds are looked up at a clamped id and zeroed only by the
+    reduction. Its part is recorded with them zeroed, as the reduction adds it."""
+    local = tensor._local_tensor.detach()
+    for placement in tensor.placements:
+        mask = getattr(getattr(placement, "mask_buffer", None), "data", None)
+        if mask is not None:
+            local = local.clone()
+            local[mask] = 0
+    return local
 
 
 def module_type_name(module: nn.Module) -> str:
@@ -217,9 +227,12 @@ def _identity(tensor: torch.Tensor) -> tuple[tuple, Any] | None:
     try:
         # one Python object per live storage: a weak reference to it dies with the storage
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):   # a subclass with no storage of its own
+        address = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        # a subclass with no storage of its own, as the AsyncCollectiveTensor a sequence-
+        # parallel redistribute leaves as a DTensor's local part ("invalid python storage")
         return None
-    return ((storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+    return ((address, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
              tensor.dtype, tensor._version), storage)
 
 
