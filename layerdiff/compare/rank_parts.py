@@ -19,6 +19,7 @@ import numpy as np
 
 from layerdiff.compare import judge
 from layerdiff.compare import result as R
+from layerdiff.compare.origins import TOLERANCE
 from layerdiff.compare.pair import PairReader, origin_row
 from layerdiff.errors import DiffError, LayerdiffError
 from layerdiff.mapping import Mapping
@@ -110,22 +111,45 @@ def attach_ranks(origins: list[R.Origin], reader: PairReader) -> None:
         found = joined.get((site, origin.role, origin.port_arg))
         with contextlib.suppress(LayerdiffError, ValueError, OSError):
             kept = joined.get((site, "weight_grad", origin.port_arg))
-            if found is not None:
+            if origin.role == "weight" and kept is not None and (
+                    found is None or set(kept[0].ranks) > set(found[0].ranks)):
+                # a weight FSDP all-gathered before the module ran (whole on every rank, or
+                # a tensor-parallel rank's whole part), kept between steps in shards laid out
+                # as its gradient's: a slip in one rank's shard is that rank's
+                origin.ranks = _ranks_out(origin, reader, kept[0])
+                computed = ("whole on every rank" if found is None else
+                            f"{found[0].describe()}, each part whole on its data-parallel ranks")
+                origin.shards = (f"{computed} (all-gathered for the module's forward); "
+                                 "between steps each rank keeps its shard, laid out as the "
+                                 f"gradient's: {kept[0].describe()}")
+            elif found is not None:
                 layout, why = found
                 origin.ranks = _ranks_out(origin, reader, layout)
                 origin.shards = _shards_sentence(layout, why)
-            elif origin.role == "weight" and kept is not None:
-                # a weight FSDP all-gathered before the module ran: whole on every rank, and
-                # kept between steps in shards laid out as its gradient's
-                origin.ranks = _ranks_out(origin, reader, kept[0])
-                origin.shards = ("whole on every rank (all-gathered for the module's forward); "
-                                 "between steps each rank keeps its shard, laid out as the "
-                                 f"gradient's: {kept[0].describe()}")
             else:
                 origin.ranks = _copies_out(origin, reader, gathered.get("manifest"), world)
                 origin.shards = (f"replicated: each of the {world} ranks holds the whole "
                                  "tensor; the diff compared rank 0's copy")
-        origin.shards = " ".join(filter(None, [origin.shards, _data_parallel(port, origin)]))
+        origin.shards = ". ".join(filter(None, [origin.shards, _data_parallel(port, origin)]))
+        _one_rank_loaded_otherwise(origin, world)
+
+
+def _one_rank_loaded_otherwise(origin: R.Origin, world: int) -> None:
+    """A weight that differs before anything ran on some ranks' parts only: those ranks
+    loaded or made their part otherwise, which giving the port the reference's weights as a
+    whole does not explain."""
+    if (origin.role != "weight" or origin.step != 0 or not origin.ranks
+            or len(origin.ranks) >= world or origin.reason != TOLERANCE.weights[0]):
+        return
+    if len(origin.ranks) == 1:
+        where, who = f"rank {origin.ranks[0]}'s part", f"rank {origin.ranks[0]} loaded or made its"
+    else:
+        where = f"the parts of ranks {', '.join(map(str, origin.ranks))}"
+        who = "those ranks loaded or made their"
+    origin.reason = (f"its weights differ before anything ran in {where} only, while the other "
+                     f"ranks' agree with the reference's: {who} part otherwise (a checkpoint "
+                     "shard on the wrong rank, a rank-dependent init, a slip in the code that "
+                     "cuts the weight)")
 
 
 def _data_parallel(port: Trace, origin: R.Origin) -> str:

@@ -55,7 +55,7 @@ from layerdiff.trace.stats import Stats, tensor_stats
 from layerdiff.trace.verify import describe
 
 PRODUCER = "layerdiff.gather"
-GATHER_VERSION = 5  # raise when a gathered trace's contents change: kept ones are then redone
+GATHER_VERSION = 6  # raise when a gathered trace's contents change: kept ones are then redone
 SEGMENT_BYTES = 64 << 20  # tensors packed per segment, as a capture packs them
 Progress = Callable[[int, int], None]  # (records done, records total)
 

@@ -150,15 +150,26 @@ def plan_joins(ranks: list[Trace], index: pd.DataFrame, modules: dict[str, str],
                 plan.used_rules.update(id(rule) for rule in rules)
                 join = None if declared.replicated else Join(
                     declared, "; ".join(rule.describe() for rule in rules))
+            elif layout is not None and data is not None and data.within_replica(layout):
+                # a DTensor over one data-parallel replica's ranks (tensor parallel inside
+                # FSDP): its placements there, and the batch's across the replicas
+                join = data.join(row, split, _recorded(layout))
             elif layout is not None:
-                join = None if layout.replicated else Join(
-                    layout, "the DTensor placements recorded at capture", source="capture")
+                join = _recorded(layout)
             elif data is not None:
-                join = data.join(row, split)
+                inner = None
+                if shapes is not None and len(data.replica) > 1:
+                    inner = shapes.join(row, reference_shapes.get(record_key(row)), data)
+                join = data.join(row, split, inner)
             if join is None and declared is None and layout is None and shapes is not None:
                 join = shapes.join(row, reference_shapes.get(record_key(row)))
         plan.joins.append(join)
     return plan
+
+
+def _recorded(layout: Layout) -> Join | None:
+    return None if layout.replicated else Join(
+        layout, "the DTensor placements recorded at capture", source="capture")
 
 
 class _RankShapes:
@@ -171,48 +182,68 @@ class _RankShapes:
     def __init__(self, ranks: list[Trace], lookups: list[dict[tuple, int]]) -> None:
         self.ranks, self.lookups = ranks, lookups
 
-    def join(self, row: dict[str, Any], reference: str | None) -> Join | None:
+    def join(self, row: dict[str, Any], reference: str | None,
+             data: _DataParallel | None = None) -> Join | None:
+        """Over every rank; or, given ``data`` (more than one rank per data-parallel
+        replica), over rank 0's replica, the batch dim taken as the data-parallel cut left it
+        (what :meth:`_DataParallel.join` then joins across the replicas)."""
         if reference is None or reference == row["shape"]:
             return None
-        whole = schema.parse_shape(reference)
+        whole = list(schema.parse_shape(reference))
+        ranks = data.replica if data is not None else tuple(range(len(self.ranks)))
         parts = []
-        for rank, trace in enumerate(self.ranks):
+        for rank in ranks:
             position = self.lookups[rank].get(record_key(row))
             if position is None:
                 return None
-            parts.append(schema.parse_shape(trace.index["shape"].iloc[position]))
+            parts.append(schema.parse_shape(self.ranks[rank].index["shape"].iloc[position]))
         if any(len(part) != len(whole) for part in parts):
             return None
+        if data is not None and whole and data.batch and parts[0][0] * len(data.peers) == whole[0]:
+            whole[0] = parts[0][0]
         apart = [d for d in range(len(whole)) if any(part[d] != whole[d] for part in parts)]
         if len(apart) != 1 or sum(part[apart[0]] for part in parts) != whole[apart[0]]:
             return None
         dim = apart[0]
-        layout = Layout.one_dim(len(self.ranks), Placement("shard", dim))
+        layout = Layout((len(ranks),), ranks, (Placement("shard", dim),))
         return Join(layout, f"the reference's shape ({reference}): the parts' lengths along dim "
                     f"{dim} add up to it, in rank order", source="reference shape")
 
 
 class _DataParallel:
-    """The batch split of a data-parallel capture (see the module docstring)."""
+    """The batch split of a data-parallel capture (see the module docstring). Data parallelism
+    may span the world (FSDP, DDP, HSDP) or be one mesh dim of it (FSDP over ``dp`` with tensor
+    parallelism inside each replica): then the ranks at rank 0's place in each data-parallel
+    group make its replica, whose parts a recorded layout (or the reference's shapes) joins
+    first, and the replicas' wholes are joined as the batch says."""
 
-    def __init__(self, ranks: list[Trace], lookups: list[dict[tuple, int]],
-                 factor: float) -> None:
+    def __init__(self, ranks: list[Trace], lookups: list[dict[tuple, int]], factor: float,
+                 groups: dict[int, tuple[int, ...]]) -> None:
         self.ranks, self.lookups, self.factor = ranks, lookups, factor
-        self.rows = [None, *(trace.index.to_dict("records") for trace in ranks[1:])]
-        self.world = len(ranks)
+        self.groups = groups                 # rank -> its data-parallel group, in rank order
+        self.peers = groups[0]               # rank 0's group: the batch's parts, in order
+        self.replica = tuple(sorted({group[0] for group in groups.values()}))
+        self.rows = [None if rank == 0 else trace.index.to_dict("records") if rank in
+                     self.peers else None for rank, trace in enumerate(ranks)]
         self.batch = 0  # rank 0's part of the batch; 0: every rank ran the whole
 
     @classmethod
     def of(cls, ranks: list[Trace], index: pd.DataFrame,
            lookups: list[dict[tuple, int]]) -> _DataParallel | None:
-        seen = ranks[0].meta.get("data_parallel")
-        if not isinstance(seen, dict) or sorted(seen.get("ranks") or []) != list(
-                range(len(ranks))):
-            return None  # none seen, or a data-parallel group that is not the whole world
-        factor = seen.get("gradient_divide_factor") or len(ranks)
-        found = cls(ranks, lookups, float(factor))
+        groups = _groups(ranks)
+        if groups is None:
+            return None
+        seen = ranks[0].meta["data_parallel"]
+        factor = seen.get("gradient_divide_factor") or len(groups[0])
+        found = cls(ranks, lookups, float(factor), groups)
         found.batch = found._local_batch(index)
         return found
+
+    def within_replica(self, layout: Layout) -> bool:
+        """Whether a recorded layout spans ranks of rank 0's replica only (one place in
+        their data-parallel groups), as tensor parallelism inside FSDP records."""
+        return len(self.replica) > 1 and len(
+            {self.groups[rank].index(rank) for rank in layout.ranks}) == 1
 
     def _local_batch(self, index: pd.DataFrame) -> int:
         """Rank 0's part of the batch (the outermost call's first input's dim 0) when the ranks
@@ -231,22 +262,26 @@ class _DataParallel:
         return int(shape[0]) if shape and self.differs(row) else 0
 
     def differs(self, row: dict[str, Any]) -> bool:
+        """Whether a data-parallel peer of rank 0 holds other values of the record."""
         key = record_key(row)
-        for rank in range(1, self.world):
+        for rank in self.peers[1:]:
             position = self.lookups[rank].get(key)
             if position is not None and differs(self.ranks[0], row, self.ranks[rank],
                                                 self.rows[rank][position], rank):
                 return True
         return False
 
-    def join(self, row: dict[str, Any], split: dict[tuple, bool]) -> Join | None:
+    def join(self, row: dict[str, Any], split: dict[tuple, bool],
+             inner: Join | None = None) -> Join | None:
+        """The record's join across the data-parallel ranks, around ``inner``: how rank 0's
+        replica's parts join (None: rank 0's copy is the replica's whole)."""
         role = row["role"]
         if role not in _ACTIVATIONS:
-            return None  # weights and their gradients: the capture's layouts or replicated
+            return inner  # weights and their gradients: the capture's layouts or replicated
         backward = role in _FORWARD_OF
         if row["site"] == schema.LOSS_SITE:
             return self._join(Placement("partial"), "each rank's loss over its part of the "
-                              "batch", 1.0 / self.factor) if self.differs(row) else None
+                              "batch", 1.0 / self.factor, inner) if self.differs(row) else inner
         if not backward:
             shape = schema.parse_shape(row["shape"])
             # per-example: it differs across ranks, or it is as long as the rank's batch part
@@ -254,20 +289,53 @@ class _DataParallel:
             cut = bool(shape) and (self.differs(row) or (self.batch > 1
                                                          and shape[0] == self.batch))
             split[(int(row["step"]), row["site"], role, row["arg"])] = cut
-            return self._join(Placement("shard", 0), "the data-parallel batch") if cut else None
+            return self._join(Placement("shard", 0), "the data-parallel batch",
+                              inner=inner) if cut else inner
         forward = split.get((int(row["step"]), row["site"], _FORWARD_OF[role], row["arg"]))
         if forward:
-            return self._join(Placement("shard", 0), "the data-parallel batch", 1 / self.factor)
+            return self._join(Placement("shard", 0), "the data-parallel batch", 1 / self.factor,
+                              inner)
         if self.differs(row):  # the gradient of a tensor every rank holds whole
             return self._join(Placement("partial"), "the gradient terms of the data-parallel "
-                              "batch", 1.0 / self.factor)
-        return None
+                              "batch", 1.0 / self.factor, inner)
+        return inner
 
-    def _join(self, placement: Placement, why: str, scale: float = 1.0) -> Join:
-        layout = Layout((self.world,), tuple(range(self.world)), (placement,), ("data parallel",))
+    def _join(self, placement: Placement, why: str, scale: float = 1.0,
+              inner: Join | None = None) -> Join:
+        size = len(self.peers)
         scaled = f", divided by {self.factor:g} (the gradient divide factor)" if scale != 1 else ""
-        return Join(layout, f"{why} (data parallel over {self.world} ranks{scaled})", scale,
-                    "data parallel")
+        why = f"{why} (data parallel over {size} ranks{scaled})"
+        if inner is None and len(self.replica) == 1:
+            layout = Layout((size,), self.peers, (placement,), ("data parallel",))
+            return Join(layout, why, scale, "data parallel")
+        within = inner.layout if inner is not None else Layout(
+            (len(self.replica),), self.replica, (Placement("replicate"),))
+        ranks = tuple(self.groups[rank][i] for i in range(size) for rank in within.ranks)
+        names = within.names or ("",) * len(within.mesh)
+        layout = Layout((size, *within.mesh), ranks, (placement, *within.placements),
+                        ("data parallel", *names))
+        # a join that guessed within the replica is still a guess (gather says so)
+        guessed = inner is not None and inner.source == "reference shape"
+        return Join(layout, f"{why}; within a replica, {inner.why}" if inner else why, scale,
+                    "reference shape" if guessed else "data parallel")
+
+
+def _groups(ranks: list[Trace]) -> dict[int, tuple[int, ...]] | None:
+    """Each rank's data-parallel group (meta ``data_parallel``), when every rank's capture saw
+    one and the groups cut the world into equal parts; None otherwise."""
+    world = len(ranks)
+    groups: dict[int, tuple[int, ...]] = {}
+    for rank, trace in enumerate(ranks):
+        seen = trace.meta.get("data_parallel")
+        members = seen.get("ranks") if isinstance(seen, dict) else None
+        if not members or rank not in members:
+            return None
+        groups[rank] = tuple(sorted(int(member) for member in members))
+    sizes = {len(group) for group in groups.values()}
+    if len(sizes) != 1 or any(groups[member] != group for group in groups.values()
+                              for member in group) or len(groups[0]) < 2:
+        return None
+    return groups if world % sizes.pop() == 0 else None
 
 
 def differs(first: Trace, row: dict[str, Any], trace: Trace, other: dict[str, Any],
