@@ -81,3 +81,56 @@ def ddp() -> Case:
         return DistributedDataParallel(_copy(reference))
 
     return port_case(tp.reference, build, "tests.dtensor_cases:ddp")
+
+
+def sequence_parallel() -> Case:
+    """torchtitan's sequence-parallel plan on the tiny GPT: the token embedding row-parallel
+    with its output cut along the sequence (``Shard(1)``), the norms ``SequenceParallel``, each
+    MLP's ``fc`` column- and ``proj`` row-parallel with the sequence gathered before them and cut
+    again after ``proj``, and the head column-parallel on the gathered sequence.
+
+    Three things of the model (left as it is) need the plan adapted: the position embedding's
+    output is added to the token embedding's sequence part, so it is row-parallel too, cut along
+    its positions (``Shard(0)``); attention's fused ``qkv`` is viewed as a fixed number of heads,
+    so it stays replicated on the gathered sequence and only its ``proj`` is row-parallel; the
+    MLP's dropout draws its mask for the shape it is given, so it runs on the gathered sequence
+    (the reference's mask) and its output is cut again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    def gathered(local: bool) -> PrepareModuleInput:
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=local)
+
+    def build(reference: nn.Module) -> nn.Module:
+        model = _copy(reference)
+        mesh = init_device_mesh("cpu", (_world(),), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        for block in model.blocks:
+            parallelize_module(block, mesh, {
+                "ln1": SequenceParallel(),
+                "attn": gathered(local=True),
+                "attn.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "ln2": SequenceParallel(),
+                "mlp": gathered(local=False),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp.dropout": PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                    use_local_input=True, output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),), use_local_output=True)})
+        return model
+
+    return port_case(tp.reference, build, "tests.dtensor_cases:sequence_parallel")

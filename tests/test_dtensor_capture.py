@@ -22,7 +22,8 @@ from reference_models import tensor_parallel as tp
 from tests.gloo import needs_gloo
 
 CASES = {name: f"tests.dtensor_cases:{name}"
-         for name in ("fsdp", "tensor_parallel", "ddp", "fsdp_divide_by_four")}
+         for name in ("fsdp", "tensor_parallel", "ddp", "fsdp_divide_by_four",
+                      "sequence_parallel")}
 STEPS = {"ddp": 1, "fsdp_divide_by_four": 1}
 
 
@@ -204,6 +205,42 @@ def test_ddp_is_data_parallel_with_no_sharded_records(traces):
     assert "layouts" not in meta
 
 
+@needs_gloo
+def test_sequence_parallel_is_captured_and_joins_to_the_reference(traces):
+    """torchtitan's sequence-parallel plan: the row-parallel embeddings' outputs are masked
+    partial sums (the rows of tokens another rank holds are looked up at a clamped id and
+    zeroed only by the reduction, after our hook), and the norms' outputs are cut along the
+    sequence. Each rank's embedding part is recorded as the reduction adds it, so the parts
+    sum to the reference's embedding, and the whole gathered trace passes the diff."""
+    ranks = [open_trace(path) for path in rank_files(traces["sequence_parallel"])]
+    meta = ranks[0].meta
+    partial = [{"kind": "partial", "reduce": "sum"}]
+    expected = {("embed#0", "output", "0"): (partial, [4, 8, 32]),
+                ("pos#0", "output", "0"): (partial, [8, 32]),
+                ("blocks.0.ln1#0", "output", "0"): (shard(1), [4, 8, 32]),
+                ("blocks.1.ln2#0", "input", "0"): (shard(1), [4, 8, 32])}
+    for (site, role, arg), (placements, shape) in expected.items():
+        assert layout_of(meta, site, role, arg) == {
+            "mesh": [2], "names": ["tp"], "ranks": [0, 1], "placements": placements,
+            "shape": shape}, (site, role, arg)
+    with open_trace(traces["reference"]) as reference:
+        for step in (0, 1):
+            for site in ("embed#0", "pos#0"):
+                whole = sum(read(trace, step, site, "output", "0").astype(np.float64)
+                            for trace in ranks)
+                error = np.abs(whole - read(reference, step, site, "output", "0")).max()
+                # each row is one rank's embedding plus the other's zeros: exact up to rounding
+                assert error < 1e-6, f"{site} output at step {step}: max abs error {error}"
+            norm = np.concatenate([read(trace, step, "blocks.0.ln1#0", "output", "0")
+                                   for trace in ranks], axis=1)
+            np.testing.assert_allclose(norm, read(reference, step, "blocks.0.ln1#0", "output",
+                                                  "0"), rtol=1e-5, atol=1e-6)
+    for trace in ranks:
+        trace.close()
+    found = diff(traces["reference"], traces["sequence_parallel"])
+    assert found.passed, found.origins
+
+
 def test_a_plain_capture_writes_its_meta_once(reference):
     """No sharded tensor, no data parallelism: no key is added, and the meta text is the one
     written when the file was created (its digest taken of that text)."""
@@ -289,3 +326,21 @@ def test_placements_in_the_trace_words():
         "sum", "avg", "max", "min"]
     assert placement_json(_StridedShard(0, split_factor=2), 3) == {
         "kind": "strided_shard", "dim": 0, "split_factor": 2}
+
+
+def test_a_local_part_with_no_storage_of_its_own_is_no_alias():
+    """A sequence-parallel redistribute leaves an AsyncCollectiveTensor as a DTensor's local
+    part: a wrapper whose storage has no data pointer. It is matched with nothing, and neither
+    it nor a plain record of it stops the capture."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import Shard
+
+    layouts = Layouts()
+    aliases = Aliases(layouts)
+    local = AsyncCollectiveTensor(torch.ones(4, 3))
+    dtensor = _fake((Shard(1),), (4, 6), local)
+    aliases.part(dtensor, layouts.add("norm#0", "output", "0", dtensor))
+    aliases.plain("a#0", "input", "0", local)
+    assert [row[:3] for row in layouts.meta()["layouts"]["records"]] == [
+        ["norm#0", "output", "0"]]
