@@ -14,7 +14,9 @@ Three sources, the first that speaks wins:
    Every rank's loss stands for 1/f of the whole's (f the gradient divide factor, by default
    the data-parallel size, that makes the averaged weight gradients the whole batch's), so the
    loss and the gradients of the activations are divided by f after the join. Any other
-   record is rank 0's copy.
+   record is rank 0's copy. When data parallelism is one mesh dim (FSDP over ``dp``, tensor
+   parallelism inside), a record is joined within rank 0's replica first (its recorded
+   layout, or the reference's shapes), then across the replicas so.
 
 A partial sum's gradient is the reduced sum's, whole on every rank (the all-reduce's backward
 hands each rank the same gradient), so a ``partial`` rule leaves the gradients replicated.
