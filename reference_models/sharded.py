@@ -2,8 +2,9 @@
 
 Every port runs over the ranks of ``torch.distributed`` (rank and world size read when the case
 is built; world 1, the reference itself, when no process group is initialised), on worlds of 2
-and 4, and keeps the reference's module names. Gathered by its layout, each faithful port's
-records are the reference's within float32 rounding.
+and 4 (``fsdp_tp``, a 2 x 2 mesh, and its bugs on 4 only: :attr:`ShardedPort.worlds`), and
+keeps the reference's module names. Gathered by its layout, each faithful port's records are the
+reference's within float32 rounding.
 
 ========================  ===============================  =======================================
 case                      how it is cut                    its layout, written down by
@@ -13,6 +14,9 @@ case                      how it is cut                    its layout, written d
 ``fsdp_same_batch``       the same, whole batch per rank   the same, activations replicated
 ``dtensor_tp``            ``parallelize_module``: q/k/v,   DTensor (capture)
                           fc colwise; out, proj rowwise
+``fsdp_tp``               2-D (dp, tp) mesh, 4 ranks only: DTensor 2-D placements (capture),
+                          ``dtensor_tp``'s plan over tp,   batch split over dp
+                          FSDP2 over dp, batch over dp     (``data_parallel`` meta groups)
 ``partial_sum``           hand-written row-parallel proj   ``sharded_partial_sum.map.toml``
                           recorded before its all-reduce
 ``zigzag_cp``             sequence in 2W chunks, rank i    ``sharded_zigzag_cp.map.toml``
@@ -34,9 +38,12 @@ from pathlib import Path
 from .sharded_dtensor import (
     bug_dtensor_tp_heads,
     bug_fsdp_activation,
+    bug_fsdp_tp_activation,
+    bug_fsdp_tp_rank_shard,
     dtensor_tp,
     fsdp,
     fsdp_same_batch,
+    fsdp_tp,
 )
 from .sharded_manual import bug_partial_sum_unreduced, bug_zigzag_kv_order, partial_sum, zigzag_cp
 from .sharded_model import MODULE, reference
@@ -44,9 +51,10 @@ from .sharded_moe import bug_expert_parallel_placement, expert_parallel, moe_ref
 
 __all__ = [
     "BUGS", "PORTS", "PlantedShardBug", "ShardedPort", "bug_dtensor_tp_heads",
-    "bug_expert_parallel_placement", "bug_fsdp_activation", "bug_partial_sum_unreduced",
-    "bug_zigzag_kv_order", "dtensor_tp", "expert_parallel", "fsdp", "fsdp_same_batch",
-    "map_file", "moe_reference", "partial_sum", "reference", "zigzag_cp",
+    "bug_expert_parallel_placement", "bug_fsdp_activation", "bug_fsdp_tp_activation",
+    "bug_fsdp_tp_rank_shard", "bug_partial_sum_unreduced", "bug_zigzag_kv_order",
+    "dtensor_tp", "expert_parallel", "fsdp", "fsdp_same_batch", "fsdp_tp", "map_file",
+    "moe_reference", "partial_sum", "reference", "zigzag_cp",
 ]
 
 HERE = Path(__file__).parent
@@ -69,6 +77,7 @@ class ShardedPort:
 
     case: str        # function name in this module
     reference: str   # its reference's function name
+    worlds: tuple[int, ...] = WORLDS  # the world sizes it runs on
 
     @property
     def spec(self) -> str:
@@ -82,6 +91,7 @@ PORTS: tuple[ShardedPort, ...] = (
     ShardedPort("partial_sum", "reference"),
     ShardedPort("zigzag_cp", "reference"),
     ShardedPort("expert_parallel", "moe_reference"),
+    ShardedPort("fsdp_tp", "reference", (4,)),
 )
 
 
@@ -99,6 +109,7 @@ class PlantedShardBug:
     # replicated) is wrong, where only some are; a world missing here: every rank's
     ranks: dict[int, tuple[int, ...]]
     description: str = ""
+    worlds: tuple[int, ...] = WORLDS  # the world sizes it runs on (its port's)
 
     @property
     def spec(self) -> str:
@@ -134,4 +145,15 @@ BUGS: tuple[PlantedShardBug, ...] = (
         "output", 0, {},
         "each rank holds the round-robin experts' weights but applies the routing weights of "
         "a contiguous block of experts"),
+    PlantedShardBug(
+        "bug_fsdp_tp_activation", "fsdp_tp", "blocks.0.mlp.act#0", "forward", "output", 0, {},
+        "block 0's MLP computes ReLU where the reference has GELU, between the column- and the "
+        "row-parallel layer: every rank's part (its features of its replica's batch)",
+        worlds=(4,)),
+    PlantedShardBug(
+        "bug_fsdp_tp_rank_shard", "fsdp_tp", "blocks.1.mlp.fc#0", "forward", "weight", 0,
+        {4: (3,)},
+        "after fully_shard, rank 3 (dp 1, tp 1) scales its kept shard of blocks.1.mlp.fc's "
+        "weight by 1.01: a loading slip on one rank, in the tp part ranks 1 and 3 all-gather",
+        worlds=(4,)),
 )

@@ -20,6 +20,11 @@ left whole, and each port is the reference.
   ``attn.out`` and ``mlp.proj`` row-parallel (Megatron's pairs); the attention's code reads
   its local head count from the width of ``q``'s (local) output; ``fc`` hands its output on
   as a DTensor, so that ``act``'s records carry their layout too (:func:`tp_plan`).
+- ``fsdp_tp``: 2-D parallelism as torchtitan's, on a (dp, tp) mesh of W/2 x 2 ranks (4 in the
+  tests): every block ``parallelize_module``'d over ``tp`` by :func:`tp_plan`, then
+  ``fully_shard`` over ``dp`` (each block, then the root); each dp replica (the ranks of one
+  dp coordinate) runs its contiguous part of the batch. Over 4 gloo ranks, without layerdiff,
+  its loss is the reference's (3.6966486, 3.6259489 against 3.6966486, 3.6259487).
 
 Planted bugs, one line away:
 - ``bug_fsdp_activation``: block 1's MLP computes ReLU where the reference has GELU; the diff
@@ -28,6 +33,14 @@ Planted bugs, one line away:
   not the rank's 4 / W: each rank splits its heads into narrower ones. Code between the
   attention's children, so the diff should name ``blocks.0.attn#0`` (forward, step 0); its
   output is replicated after ``out``'s all-reduce.
+- ``bug_fsdp_tp_activation``: ``fsdp_tp`` with block 0's MLP computing ReLU for GELU, between
+  the column- and the row-parallel layer: ``blocks.0.mlp.act#0`` (forward, step 0), every
+  rank's part.
+- ``bug_fsdp_tp_rank_shard``: ``fsdp_tp`` where, after ``fully_shard``, the last rank (rank 3:
+  dp 1, tp 1) scales its kept shard (``_local_tensor``) of ``blocks.1.mlp.fc.weight`` by 1.01,
+  a loading slip on one rank. Ranks 1 and 3 compute with the slipped tp part (all-gathered
+  over dp); the diff should name the weight at ``blocks.1.mlp.fc#0`` (step 0) in rank 3's
+  part only, by its gradient's 2-D layout.
 """
 
 from __future__ import annotations
@@ -142,3 +155,53 @@ def dtensor_tp() -> Case:
 
 def bug_dtensor_tp_heads() -> Case:
     return _tensor_parallel("bug_dtensor_tp_heads", ModelHeadsAttention)
+
+
+# ---- 2-D: FSDP2 over dp, tensor parallel inside each replica (torchtitan's 2-D parallelism)
+
+
+def _fsdp_tp(name: str, bug_block: int | None = None, slip: str | None = None) -> Case:
+    """On a (dp, tp) mesh of W/2 x 2 ranks: every block ``parallelize_module``'d over ``tp``
+    (:func:`tp_plan`), then ``fully_shard`` over ``dp`` (each block, then the root); each dp
+    replica runs its contiguous part of the batch. ``slip``: the parameter whose local shard
+    the world's last rank scales by 1.01 after sharding (a loading slip on one rank)."""
+    rank, world = rank_and_world()
+    reference, inputs, targets = reference_parts()
+    model = TinyGPT(lambda index: Block(mlp=ReluMLP() if index == bug_block else MLP()))
+    copy_state(model, reference)
+    if world > 1:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if world % 2 or world < 4:
+            raise ValueError(f"{name} runs on a (dp, tp) mesh with tp = 2 and dp >= 2: a "
+                             f"world of 4, 6, ... ranks, not {world}")
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], tp_plan())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        replica, replicas = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        inputs, targets = inputs.chunk(replicas)[replica], targets.chunk(replicas)[replica]
+        if slip is not None and rank == world - 1:
+            with torch.no_grad():  # BUG: this rank's shard of the weight loaded 1% off
+                model.get_parameter(slip)._local_tensor.mul_(1.01)
+    return gpt_case(model, inputs, next_token_loss(targets), name)
+
+
+def fsdp_tp() -> Case:
+    """The reference under 2-D parallelism: tensor parallel over ``tp`` inside FSDP2 over
+    ``dp``, each dp replica on its part of the batch."""
+    return _fsdp_tp("fsdp_tp")
+
+
+def bug_fsdp_tp_activation() -> Case:
+    return _fsdp_tp("bug_fsdp_tp_activation", bug_block=0)
+
+
+def bug_fsdp_tp_rank_shard() -> Case:
+    return _fsdp_tp("bug_fsdp_tp_rank_shard", slip="blocks.1.mlp.fc.weight")
+

@@ -352,6 +352,69 @@ over = "tp"
         gather_module.gather(tmp_path / "port.h5", three, tmp_path / "g.h5")
 
 
+def test_fsdp_over_dp_with_tensor_parallel_inside_joins_each_replica_then_the_batch(tmp_path):
+    """A (dp = 2, tp = 2) world, rank = 2 dp + tp: the data-parallel groups are [0, 2] and
+    [1, 3], each replica (ranks 0, 1 and 2, 3) runs its half of the batch. fc's output is a
+    DTensor recorded Shard(-1) over its replica's tp ranks, act's a plain local part of it (the
+    reference's shape cuts it within the replica), norm's a plain tensor whole in its replica:
+    each is joined within the replica, then the replicas along the batch. Each replica's loss
+    is its half's mean, fc's output gradient its half's (twice the whole's): summed, then
+    divided by the factor 2. An error in rank 3's cell of fc's output is named on rank 3."""
+    y = X @ W.T                                                    # (4 batch, 6 features)
+    norm = RNG.standard_normal((4, 5)).astype(np.float32)
+    grad = RNG.standard_normal(y.shape).astype(np.float32) / 4
+    halves = (0.5, 1.0)
+    ref = write(tmp_path / "ref.h5", [("model", "input", "0", X), ("fc", "output", "0", y),
+                                      ("fc", "grad_output", "0", grad),
+                                      ("act", "output", "0", np.tanh(y)),
+                                      ("norm", "output", "0", norm),
+                                      ("<loss>", "output", "0", np.float32(sum(halves) / 2))])
+
+    def meta(rank):
+        tp_group = (rank - rank % 2, rank - rank % 2 + 1)
+        split = Layout((2,), tp_group, (Placement("shard", 1),), ("tp",)).to_json()
+        return {"layouts": {"table": [split], "records": [["fc#0", "output", "0", 0],
+                                                          ["fc#0", "grad_output", "0", 0]]},
+                "data_parallel": {"how": "fully_shard", "ranks": [rank % 2, rank % 2 + 2],
+                                  "gradient_divide_factor": 2}}
+
+    def parts(fc_output=y):
+        for rank in range(4):
+            dp, tp = divmod(rank, 2)
+            rows, cols = slice(2 * dp, 2 * dp + 2), slice(3 * tp, 3 * tp + 3)
+            yield [("model", "input", "0", X[rows]), ("fc", "output", "0", fc_output[rows, cols]),
+                   ("fc", "grad_output", "0", grad[rows, cols] * 2),
+                   ("act", "output", "0", np.tanh(y[rows, cols])),
+                   ("norm", "output", "0", norm[rows]),
+                   ("<loss>", "output", "0", np.float32(halves[dp]))]
+
+    port = world(tmp_path, list(parts()), meta)
+    found = diff(ref, port)
+    assert found.passed, found.origins
+    with open_trace(tmp_path / "port.gathered.h5") as gathered:
+        for site, role, whole in (("model", "input", X), ("fc", "output", y),
+                                  ("act", "output", np.tanh(y)), ("norm", "output", norm),
+                                  ("<loss>", "output", np.float32(0.75)),
+                                  ("fc", "grad_output", grad)):
+            row = gathered.find(0, f"{site}#0", role, "0")
+            np.testing.assert_allclose(gathered.read(row), whole,
+                                       rtol=1e-6, err_msg=f"{site} {role}")
+        joined = gathered.meta["gathered"]["layouts"]
+    placed = {(site, role): joined["table"][at] for site, role, _, at in joined["records"]}
+    assert placed[("fc#0", "output")]["placements"] == [{"kind": "shard", "dim": 0},
+                                                        {"kind": "shard", "dim": 1}]
+    assert placed[("norm#0", "output")]["placements"][1] == {"kind": "replicate"}
+    assert placed[("fc#0", "grad_output")]["scale"] == 0.5                 # 1 / the factor
+    assert placed[("<loss>#0", "output")]["scale"] == 0.5
+
+    slipped = y.copy()
+    slipped[3, 4] += 1.0  # batch row 3 (replica 1), feature 4 (tp 1): rank 3's cell
+    port = world(tmp_path, list(parts(slipped)), meta)
+    origin = diff(ref, port).origins[0]
+    assert (origin.site, origin.role, origin.ranks) == ("fc#0", "output", [3])
+    assert "rank 3's part" in describe_origin(origin)
+
+
 def test_an_fsdp_weight_wrong_in_one_ranks_shard_is_named_on_that_rank(tmp_path):
     """FSDP2 records the whole, all-gathered weight on every rank (no layout) and its gradient
     as each rank's Shard(0) part: a slip in the rows rank 1 keeps is named on rank 1."""

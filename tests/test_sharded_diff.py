@@ -31,8 +31,11 @@ PORT_OF = {**{port.case: port.case for port in PORTS}, **{bug.case: bug.port for
 # 4 ranks: the ports whose layout or bug reads differently there (the zigzag chunks are one
 # position wide, the bug then wrong on ranks 1-3 only; the experts list is the world's own)
 # and the DTensor ports' 4-way meshes; every case on 2
-ON = {2: CASES, 4: ["zigzag_cp", "bug_zigzag_kv_order", "expert_parallel",
-                    "bug_expert_parallel_placement", "fsdp", "dtensor_tp"]}
+# and the 2-D (dp, tp) port, which runs on 4 ranks only
+WORLDS_OF = {**{port.case: port.worlds for port in PORTS}, **{bug.case: bug.worlds for bug in BUGS}}
+ON = {2: [case for case in CASES if 2 in WORLDS_OF[case]],
+      4: ["zigzag_cp", "bug_zigzag_kv_order", "expert_parallel", "bug_expert_parallel_placement",
+          "fsdp", "dtensor_tp", "fsdp_tp", "bug_fsdp_tp_activation", "bug_fsdp_tp_rank_shard"]}
 # the one capture made by the command itself on each world (the others by one group of
 # processes capturing every case in turn, as under torchrun: one start instead of eleven)
 BY_COMMAND = "zigzag_cp"
@@ -129,3 +132,18 @@ def test_a_dtensor_port_captured_under_torchrun_passes_and_its_bug_is_named(trac
         assert found.exit_code == (0 if passes else 1), found.output
         if not passes:
             assert "origin: blocks.0.attn#0" in found.output
+
+
+def test_a_2d_port_with_one_ranks_shard_loaded_otherwise_says_so(traces, tmp_path):
+    """FSDP over dp with tensor parallelism inside (2 x 2): rank 3's kept shard of a weight
+    scaled after fully_shard is whole in ranks 1 and 3's all-gathered tp part, yet named on
+    rank 3 alone, as a loading slip on that rank (the reason), by its gradient's 2-D layout."""
+    code, found = layerdiff_diff(traces(4), 4, "bug_fsdp_tp_rank_shard", tmp_path)
+    assert code == 1
+    origin = found["origins"][0]
+    assert (origin["site"], origin["role"], origin["ranks"]) == ("blocks.1.mlp.fc#0", "weight", [3])
+    assert origin["reason"].startswith("its weights differ before anything ran in rank 3's "
+                                       "part only, while the other ranks' agree"), origin
+    assert "each part whole on its data-parallel ranks" in origin["shards"], origin
+    assert "a tensor-parallel module's the rank's tensor-parallel part" in origin["shards"]
+

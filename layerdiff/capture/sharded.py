@@ -246,6 +246,11 @@ def _put(recent: OrderedDict, key: tuple, value: tuple, size: int) -> None:
 # what a weight and a weight-gradient record mean under each kind of data parallelism
 _FULLY_SHARD_WEIGHTS = ("unsharded: the whole weight each module computed with (after FSDP's "
                         "all-gather)")
+# FSDP over one mesh dim of the world (tensor parallelism inside each replica): the all-gather
+# makes a tensor-parallel weight its rank's tensor-parallel part, not the whole
+_FULLY_SHARD_WEIGHTS_OF_DIM = ("unsharded over the data-parallel ranks: the weight each module "
+                               "computed with (after FSDP's all-gather), whole, or a "
+                               "tensor-parallel module's the rank's tensor-parallel part")
 _FULLY_SHARD_GRADS = ("reduced: each rank's shard of the gradient after FSDP's "
                       "reduce-scatter")
 _DDP_WEIGHTS = "replicated: every rank holds the whole weight"
@@ -301,5 +306,9 @@ def _fully_shard_meta(model: nn.Module, fsdp: type) -> dict[str, Any]:
         factor = distinct[0] if len(distinct) == 1 else distinct
         found["gradient_divide_factor"] = (int(factor) if isinstance(factor, float)
                                            and factor.is_integer() else factor)
-    found.update(weights=_FULLY_SHARD_WEIGHTS, weight_grads=_FULLY_SHARD_GRADS)
+    import torch.distributed as dist
+
+    of_dim = bool(ranks) and dist.is_initialized() and len(ranks) < dist.get_world_size()
+    found.update(weights=_FULLY_SHARD_WEIGHTS_OF_DIM if of_dim else _FULLY_SHARD_WEIGHTS,
+                 weight_grads=_FULLY_SHARD_GRADS)
     return found
