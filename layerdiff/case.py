@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
@@ -43,6 +44,9 @@ class Case(CaseBase):
     through :mod:`layerdiff.flax.capture`. Telling the two apart never imports JAX.
     ``params`` is a Flax Linen module's variables dict (``model.init(...)``'s), which a
     Linen ``model`` needs beside it (:mod:`layerdiff.flax.linen`); None for every other model.
+    ``step_context``, when set, makes the context manager each training step's forward, loss
+    and backward run in, as the model's own loop runs them (torch's ``loss_parallel``, whose
+    backward fails outside it).
     """
 
     model: nn.Module | Any
@@ -55,6 +59,7 @@ class Case(CaseBase):
     name: str = ""
     params: Any = None
     jit: bool = False  # a Flax model's step (forward and backward) run under jax.jit
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def __post_init__(self) -> None:
         framework_of(self).check_case(self)  # a model no framework takes: refused here

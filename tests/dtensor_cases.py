@@ -73,6 +73,24 @@ def tensor_parallel() -> Case:
     return port_case(tp.reference, build, "tests.dtensor_cases:tensor_parallel")
 
 
+def loss_parallel() -> Case:
+    """:func:`tensor_parallel` with the head column-parallel, its logits left cut along the
+    vocabulary (a ``Shard(-1)`` DTensor), and the loss and backward under torch's
+    ``loss_parallel()``, as torchtitan trains (``step_context``)."""
+    import dataclasses
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel as context
+
+    case = tensor_parallel()
+    mesh = case.model.blocks[0].mlp.fc.weight.device_mesh
+    parallelize_module(case.model, mesh, {"head": ColwiseParallel(
+        output_layouts=Shard(-1), use_local_output=False)})
+    return dataclasses.replace(case, name="tests.dtensor_cases:loss_parallel",
+                               step_context=context)
+
+
 def ddp() -> Case:
     """The model in ``DistributedDataParallel`` (gradients all-reduced and averaged)."""
     from torch.nn.parallel import DistributedDataParallel

@@ -434,3 +434,47 @@ def test_a_copy_made_while_forward_is_wrapped_runs_its_own_weights():
     assert not torch.equal(layer(x), torch.zeros(1, 3))
     calls.unwrap()
     assert "forward" not in layer.__dict__
+
+
+class _NeedsContext(torch.autograd.Function):
+    """Identity whose backward, like a loss under torch's loss_parallel(), fails outside the
+    context it was computed in."""
+
+    active = False   # set by the context below, as loss_parallel sets its own state
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not _NeedsContext.active:
+            raise RuntimeError("backward outside its context")
+        return grad
+
+
+class _Context:
+    def __enter__(self) -> None:
+        _NeedsContext.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        _NeedsContext.active = False
+
+
+def test_step_context_holds_the_forward_loss_and_backward(tmp_path):
+    seed_everything(0)
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+
+    def case(**more) -> Case:
+        return Case(model=model, inputs=(x,), steps=2, name="needs_context",
+                    loss_fn=lambda out: _NeedsContext.apply(out).square().mean(),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **more)
+
+    with pytest.raises(RuntimeError, match="backward outside its context"):
+        run_case(case())
+    path = capture(case(step_context=_Context), tmp_path / "t.h5")
+    with open_trace(path) as trace:
+        assert set(trace.index["step"]) == {0, 1}
+        assert trace.find(1, "<root>#0", "weight_grad", "weight") is not None
+    assert not _NeedsContext.active   # left after each step

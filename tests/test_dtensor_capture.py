@@ -23,7 +23,7 @@ from tests.gloo import needs_gloo
 
 CASES = {name: f"tests.dtensor_cases:{name}"
          for name in ("fsdp", "tensor_parallel", "ddp", "fsdp_divide_by_four",
-                      "sequence_parallel")}
+                      "sequence_parallel", "loss_parallel")}
 STEPS = {"ddp": 1, "fsdp_divide_by_four": 1}
 
 
@@ -344,3 +344,13 @@ def test_a_local_part_with_no_storage_of_its_own_is_no_alias():
     aliases.plain("a#0", "input", "0", local)
     assert [row[:3] for row in layouts.meta()["layouts"]["records"]] == [
         ["norm#0", "output", "0"]]
+
+
+@needs_gloo
+def test_a_loss_computed_under_loss_parallel_runs_its_backward_there_and_joins(traces):
+    """torch's loss_parallel(): the logits stay cut along the vocabulary and the loss's
+    backward fails outside the context; the case's ``step_context`` runs each step in it."""
+    ranks = [open_trace(path) for path in rank_files(traces["loss_parallel"])]
+    assert layout_of(ranks[0].meta, "head#0", "output", "0")["placements"] == shard(2)
+    found = diff(traces["reference"], traces["loss_parallel"])
+    assert found.passed, found.origins

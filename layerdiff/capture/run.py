@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +41,12 @@ def check_run_options(case: Case, steps: int, loss_scale: float) -> None:
     check_loss_scale(loss_scale, widest)
 
 
+def step_context(case: Case) -> contextlib.AbstractContextManager:
+    """The context the case's forward, loss and backward run in (``Case.step_context``)."""
+    made = getattr(case, "step_context", None)
+    return made() if made is not None else contextlib.nullcontext()
+
+
 def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
              observer: StepObserver | None = None, autocast: str | None = None) -> RunResult:
     """Run ``steps`` training steps of ``case`` (its own count by default) from its seed.
@@ -65,22 +72,24 @@ def run_case(case: Case, *, steps: int | None = None, loss_scale: float = 1.0,
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
-        with autocast_context(case, autocast):
-            output = case.call_model()
-            loss = case.loss_fn(output)
-        if observer:
-            observer.phase = "loss"
-            observer.record_loss(loss)
-            observer.phase = "backward"
-        if loss_scale != 1.0:
-            scaled = loss * loss_scale
-            # both sums in one read: one wait for the device a step, not two
-            sums = torch.stack([loss.detach().double().sum(), scaled.detach().double().sum()])
-            check_scaled_loss(case.name, step, *sums.tolist(),
-                              str(scaled.dtype).removeprefix("torch."), loss_scale)
-            scaled.backward()
-        else:
-            loss.backward()
+        with step_context(case):
+            with autocast_context(case, autocast):
+                output = case.call_model()
+                loss = case.loss_fn(output)
+            if observer:
+                observer.phase = "loss"
+                observer.record_loss(loss)
+                observer.phase = "backward"
+            if loss_scale != 1.0:
+                scaled = loss * loss_scale
+                # both sums in one read: one wait for the device a step, not two
+                sums = torch.stack([loss.detach().double().sum(),
+                                    scaled.detach().double().sum()])
+                check_scaled_loss(case.name, step, *sums.tolist(),
+                                  str(scaled.dtype).removeprefix("torch."), loss_scale)
+                scaled.backward()
+            else:
+                loss.backward()
         if observer:
             observer.after_backward()
             observer.phase = "optimizer step"

@@ -188,7 +188,8 @@ class PreparedCapture:
                 raise CaptureError(
                     f"case {case.name}: the model raised {type(exc).__name__}: {exc}{where} "
                     f"during the {observer.phase} of step {observer.step}; no trace was "
-                    f"published ({partial} holds what was recorded up to there)") from exc
+                    f"published ({partial} holds what was recorded up to there)"
+                    f"{_loss_parallel_advice(exc, observer.phase)}") from exc
             except BaseException:  # KeyboardInterrupt: leave the partial file, publish nothing
                 _close_incomplete(recorder)
                 raise
@@ -272,3 +273,11 @@ def _signatures(model: torch.nn.Module) -> dict[str, Any]:
             if signature is not None:
                 found[name] = signature.as_json()
     return found
+
+
+def _loss_parallel_advice(exc: Exception, phase: str) -> str:
+    """Advice for a DTensor loss whose backward ran outside the context it needs."""
+    if phase != "backward" or "mixed torch.Tensor and DTensor" not in str(exc):
+        return ""
+    return ("; if the model's loop runs the loss and backward under torch's loss_parallel(), "
+            "give the case step_context=loss_parallel (docs/distributed.md)")
