@@ -131,8 +131,8 @@ def _needs_ranks(exc: Exception) -> str:
                                          "initialized", "init_process_group")):
         return ""
     return ("; the case builds a model sharded over torch.distributed ranks: capture it with "
-            "--nproc N or under torchrun (replay, swap, bisect and diverge run one process and "
-            "cannot build it; docs/distributed.md)")
+            "--nproc N or under torchrun (replay, swap, bisect, diverge, map-suggest and "
+            "map-check run one process and cannot build it; docs/distributed.md)")
 
 
 def load_case(spec: str) -> Case | ExternalCase:

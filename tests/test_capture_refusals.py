@@ -197,3 +197,16 @@ def test_a_capture_after_a_killed_one_takes_over_its_lock_and_partial(run, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
     with open_trace(target) as trace:
         assert trace.complete
+
+
+def test_a_sharded_case_loaded_in_one_process_says_to_capture_it_on_ranks(run, monkeypatch):
+    """A DTensor port builds its device mesh from torch.distributed's environment, which the
+    one-process commands do not set up: torch's error, then what to do."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    result = run("map-suggest", "reference_models.tensor_parallel:reference",
+                 "tests.dtensor_cases:tensor_parallel")
+    assert result.exit_code == 2
+    assert "tests.dtensor_cases:tensor_parallel" in result.output
+    assert "capture it with --nproc N or under torchrun" in result.output
+    assert "Traceback" not in result.output
