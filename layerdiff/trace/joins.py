@@ -225,8 +225,8 @@ class _DataParallel:
         self.groups = groups                 # rank -> its data-parallel group, in rank order
         self.peers = groups[0]               # rank 0's group: the batch's parts, in order
         self.replica = tuple(sorted({group[0] for group in groups.values()}))
-        self.rows = [None if rank == 0 else trace.index.to_dict("records") if rank in
-                     self.peers else None for rank, trace in enumerate(ranks)]
+        # the index rows of rank 0's peers, the only ranks the batch is judged against
+        self.rows = {rank: ranks[rank].index.to_dict("records") for rank in self.peers[1:]}
         self.batch = 0  # rank 0's part of the batch; 0: every rank ran the whole
 
     @classmethod
